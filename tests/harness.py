@@ -1,0 +1,168 @@
+"""Shared test machinery: a real Postgres, a real PKI and a real mTLS service.
+
+Nothing here is mocked. Postgres is the embedded server ztate itself uses (or
+``ZTATE_TEST_DATABASE_URL`` when set); certificates come from ztate's own CA code;
+the service listens on a loopback port with mutual TLS.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from services import ca
+from services.chain import StoredLink, verify_chain
+from services.identity import Identity, Role
+from services.keyring import Keyring
+from worker_sdk import ZtateClient
+
+TRUST_DOMAIN = "ztate.test"
+NODES = ("input-parser", "planner", "approval-gate", "db-writer")
+
+
+def with_database(dsn: str, database: str) -> str:
+    parts = urlsplit(dsn)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{database}", parts.query, parts.fragment))
+
+
+@dataclass(frozen=True)
+class Credentials:
+    cert: Path
+    key: Path
+    ca: Path
+
+
+class Pki:
+    """A CA for the test trust domain, plus certificates no honest service accepts."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ca_dir = root / "ca"
+        self.certs = root / "certs"
+        ca.init_ca(self.ca_dir, TRUST_DOMAIN)
+        self.foreign_ca_dir = root / "foreign-ca"
+        ca.init_ca(self.foreign_ca_dir, TRUST_DOMAIN)
+        ca.issue(
+            self.ca_dir,
+            Identity(TRUST_DOMAIN, Role.SERVICE, "transition"),
+            self.certs,
+            dns_names=("localhost",),
+            ip_addresses=("127.0.0.1",),
+        )
+
+    def identity(self, role: Role, name: str) -> Credentials:
+        cert = self.certs / f"{role}-{name}.crt"
+        if not cert.exists():
+            ca.issue(self.ca_dir, Identity(TRUST_DOMAIN, role, name), self.certs)
+        return Credentials(cert, self.certs / f"{role}-{name}.key", self.certs / ca.CA_CERT)
+
+    def node(self, name: str) -> Credentials:
+        return self.identity(Role.NODE, name)
+
+    def operator(self, name: str = "admin") -> Credentials:
+        return self.identity(Role.OPERATOR, name)
+
+    def foreign(self, name: str) -> Credentials:
+        """Signed by another CA that claims the same trust domain."""
+        out = self.root / "foreign"
+        paths = ca.issue(self.foreign_ca_dir, Identity(TRUST_DOMAIN, Role.NODE, name), out)
+        return Credentials(paths.cert, paths.key, self.certs / ca.CA_CERT)
+
+    def expired(self, name: str) -> Credentials:
+        out = self.root / "expired"
+        now = datetime.now(UTC)
+        paths = ca.issue(
+            self.ca_dir,
+            Identity(TRUST_DOMAIN, Role.NODE, name),
+            out,
+            not_before=now - timedelta(days=30),
+            not_after=now - timedelta(days=1),
+        )
+        return Credentials(paths.cert, paths.key, self.certs / ca.CA_CERT)
+
+    def with_uris(self, stem: str, *uris: str) -> Credentials:
+        """Signed by our CA, with arbitrary URI SANs (or none)."""
+        out = self.root / "odd"
+        paths = ca.issue_for_uris(self.ca_dir, uris, out, stem=stem, common_name=stem)
+        return Credentials(paths.cert, paths.key, self.certs / ca.CA_CERT)
+
+
+def client(target: str, creds: Credentials, *, timeout: float = 10.0) -> ZtateClient:
+    return ZtateClient.from_files(
+        target, cert=creds.cert, key=creds.key, ca=creds.ca, timeout=timeout
+    )
+
+
+def new_thread_id() -> str:
+    return f"t-{uuid.uuid4().hex[:16]}"
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    """Everything a refused call must leave untouched."""
+
+    head_version: int | None
+    head_digest: str | None
+    transitions: int
+
+
+class Ledger:
+    """Direct, superuser access to the tables, for assertions only."""
+
+    def __init__(self, dsn: str, keyring: Keyring) -> None:
+        self.dsn = dsn
+        self.keyring = keyring
+
+    async def snapshot(self, thread_id: str) -> LedgerSnapshot:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            head = await conn.fetchrow(
+                "SELECT version, head_digest FROM ztate.threads WHERE thread_id = $1", thread_id
+            )
+            count = await conn.fetchval(
+                "SELECT count(*) FROM ztate.transitions WHERE thread_id = $1", thread_id
+            )
+        finally:
+            await conn.close()
+        return LedgerSnapshot(
+            head["version"] if head else None, head["head_digest"] if head else None, count
+        )
+
+    async def rejections(self, thread_id: str) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            return await conn.fetch(
+                "SELECT * FROM ztate.rejections WHERE thread_id = $1 ORDER BY id", thread_id
+            )
+        finally:
+            await conn.close()
+
+    async def rejection_count(self) -> int:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            count: int = await conn.fetchval("SELECT count(*) FROM ztate.rejections")
+            return count
+        finally:
+            await conn.close()
+
+    async def rows(self, thread_id: str) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            return await conn.fetch(
+                "SELECT * FROM ztate.transitions WHERE thread_id = $1 ORDER BY version", thread_id
+            )
+        finally:
+            await conn.close()
+
+    async def verify(self, thread_id: str) -> int:
+        """Verify the thread's whole chain from genesis; returns its length."""
+        rows = await self.rows(thread_id)
+        links = (
+            StoredLink(r["version"], bytes(r["record"]), r["digest"], r["signature"]) for r in rows
+        )
+        return verify_chain(links, self.keyring, thread_id=thread_id)

@@ -1,0 +1,143 @@
+"""Assembling and running the transition service from its settings."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from ztate.v1 import transition_pb2, transition_pb2_grpc
+
+from services.config import Settings
+from services.keyring import Keyring
+from services.policy import Policy
+from services.store.embedded import start_embedded_postgres
+from services.store.migrate import migrate
+from services.store.transitions import TransitionStore
+from transition_service.pipeline import TransitionPipeline
+from transition_service.server import TransitionServicer
+
+log = logging.getLogger("ztate.transition")
+SERVICE_NAME = transition_pb2.DESCRIPTOR.services_by_name["TransitionService"].full_name
+SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class RunningService:
+    """A started transition service."""
+
+    server: grpc.aio.Server
+    port: int
+    store: TransitionStore
+    health: HealthServicer
+    embedded: Any = field(default=None, repr=False)
+
+    async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
+        """Stop taking calls, let in-flight commits finish, then close the pool."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.store.close()
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials:
+    """mTLS: a client certificate signed by the configured CA is required."""
+    assert settings.tls_cert and settings.tls_key and settings.tls_ca
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+        root_certificates=settings.tls_ca.read_bytes(),
+        require_client_auth=True,
+    )
+
+
+def resolve_dsn(settings: Settings) -> tuple[str, Any]:
+    if settings.database_url is not None:
+        return settings.database_url.get_secret_value(), None
+    return start_embedded_postgres(settings.home / "pg")
+
+
+async def start(settings: Settings, *, dsn: str | None = None) -> RunningService:
+    """Validate everything, migrate, and start serving. Fails before binding on bad input."""
+    assert settings.policy_file is not None
+    policy = Policy.load(settings.policy_file)
+    keyring = Keyring.load(
+        settings.hmac_keyring_file,
+        settings.hmac_keyring.get_secret_value() if settings.hmac_keyring else None,
+    )
+    credentials = server_credentials(settings)
+    embedded = None
+    if dsn is None:
+        dsn, embedded = resolve_dsn(settings)
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        applied = await migrate(conn, settings.db_role)
+    finally:
+        await conn.close()
+    if applied:
+        log.info("applied migrations: %s", ", ".join(applied))
+
+    store = await TransitionStore.open(dsn, role=settings.db_role, pool_size=settings.db_pool_size)
+    await store.ping()
+    pipeline = TransitionPipeline(
+        store=store,
+        policy=policy,
+        keyring=keyring,
+        max_patch_bytes=settings.max_patch_bytes,
+        max_depth=settings.max_depth,
+        head_cache_size=settings.head_cache_size,
+    )
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_concurrent_streams", 256),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+    server = grpc.aio.server(options=options)
+    transition_pb2_grpc.add_TransitionServiceServicer_to_server(
+        TransitionServicer(pipeline, settings.trust_domain), server
+    )
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_secure_port(settings.listen, credentials)
+    if port == 0:
+        await store.close()
+        raise OSError(f"cannot listen on {settings.listen}")
+    await server.start()
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "transition service listening on port %d, policy %s (%s), key %s",
+        port,
+        policy.name,
+        policy.digest[:12],
+        keyring.current,
+    )
+    return RunningService(server, port, store, health, embedded)
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+    running = await start(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing in-flight calls")
+    await running.stop()

@@ -1,0 +1,347 @@
+"""The proposal pipeline: every check a proposal passes, top to bottom.
+
+Each check is a small function that raises one domain error. The pipeline knows
+nothing of gRPC; ``transition_service.server`` adapts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import orjson
+
+from services import errors
+from services.canonical import JsonObject, canonical_bytes, parse_object, sha256_hex
+from services.chain import (
+    GENESIS_PARENT,
+    KIND_GENESIS,
+    KIND_TRANSITION,
+    SealedRecord,
+    build_record,
+    seal,
+)
+from services.identity import Identity, Role
+from services.keyring import Keyring
+from services.policy import Policy
+from services.store.transitions import Head, Rejection, StoredTransition, TransitionStore
+from transition_service.heads import CachedHead, HeadCache
+
+THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
+PRIVILEGED = frozenset({Role.OPERATOR, Role.SERVICE})
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    thread_id: str
+    expected_version: int
+    patch_json: bytes
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    transition: StoredTransition
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    thread_id: str
+    version: int
+    head_digest: str
+    state_json: bytes
+
+
+# --- the checks, each with its own reason -------------------------------------------
+
+
+def check_thread_id(thread_id: str) -> None:
+    if not THREAD_ID.match(thread_id):
+        raise errors.RequestInvalid("thread_id must be 1-128 characters of [A-Za-z0-9._:-]")
+
+
+def check_privileged(caller: Identity, action: str) -> None:
+    if caller.role not in PRIVILEGED:
+        raise errors.RoleForbidden(f"a {caller.role} identity may not {action}")
+
+
+def check_registered(caller: Identity, policy: Policy) -> None:
+    if caller.role is not Role.NODE:
+        raise errors.RoleForbidden(f"a {caller.role} identity may not propose transitions")
+    if not policy.is_registered(caller.name):
+        raise errors.NodeNotRegistered(f"node {caller.name!r} is not registered in the policy")
+
+
+def check_proposal_fields(proposal: Proposal) -> None:
+    check_thread_id(proposal.thread_id)
+    if proposal.expected_version < 0:
+        raise errors.RequestInvalid("expected_version must be >= 0")
+    if not IDEMPOTENCY_KEY.match(proposal.idempotency_key):
+        raise errors.RequestInvalid("idempotency_key must be 1-128 printable ASCII characters")
+
+
+def check_size(data: bytes, limit: int, what: str) -> None:
+    if len(data) > limit:
+        raise errors.PatchTooLarge(
+            f"{what} is {len(data)} bytes; the limit is {limit}", limit=limit
+        )
+
+
+def check_writable(patch: JsonObject, writable: frozenset[str]) -> None:
+    if not patch:
+        raise errors.RequestInvalid("patch is empty: it changes nothing")
+    refused = patch.keys() - writable
+    if refused:
+        raise errors.KeyNotWritable(
+            f"patch writes keys outside this node's write allowlist: {sorted(refused)}",
+            keys=refused,
+        )
+
+
+def check_declared(state: JsonObject, policy: Policy) -> None:
+    unknown = policy.unknown_keys(state)
+    if unknown:
+        raise errors.KeyUnknown(f"keys not declared in the policy: {unknown}", keys=unknown)
+
+
+def apply_patch(state: JsonObject, patch: JsonObject) -> JsonObject:
+    """Each member sets its key; a null member removes it."""
+    result = dict(state)
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = value
+    return result
+
+
+def request_digest(proposal: Proposal) -> str:
+    """What makes two requests with one idempotency key the same request."""
+    hasher = hashlib.sha256(b"%d\n" % proposal.expected_version)
+    hasher.update(proposal.patch_json)
+    return hasher.hexdigest()
+
+
+# --- the pipeline ---------------------------------------------------------------------
+
+
+class TransitionPipeline:
+    """Decides, records and signs transitions."""
+
+    def __init__(
+        self,
+        *,
+        store: TransitionStore,
+        policy: Policy,
+        keyring: Keyring,
+        max_patch_bytes: int,
+        max_depth: int,
+        head_cache_size: int,
+    ) -> None:
+        self._store = store
+        self._policy = policy
+        self._keyring = keyring
+        self._max_patch_bytes = max_patch_bytes
+        self._max_depth = max_depth
+        self._heads = HeadCache(head_cache_size)
+
+    async def create_thread(
+        self, caller: Identity, thread_id: str, initial_state_json: bytes
+    ) -> StoredTransition:
+        check_privileged(caller, "create threads")
+        check_thread_id(thread_id)
+        check_size(initial_state_json, self._max_patch_bytes, "initial state")
+        state = parse_object(initial_state_json, what="initial state", max_depth=self._max_depth)
+        check_declared(state, self._policy)
+        state_bytes = canonical_bytes(state)
+        now = datetime.now(UTC)
+        sealed = seal(
+            build_record(
+                kind=KIND_GENESIS,
+                thread_id=thread_id,
+                version=0,
+                parent_digest=GENESIS_PARENT,
+                node_id=caller.spiffe_id,
+                patch=state,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=self._policy.digest,
+                receipt_digest=None,
+                key_id=self._keyring.current,
+                committed_at=now,
+            ),
+            self._keyring,
+        )
+        created = await self._store.create_thread(
+            sealed, state_bytes, policy_name=self._policy.name, committed_at=now
+        )
+        if not created:
+            raise errors.ThreadExists(f"thread {thread_id!r} already exists")
+        self._heads.put(thread_id, CachedHead(0, sealed.digest, state))
+        return _as_stored(sealed, now, None, None)
+
+    async def view(self, caller: Identity, thread_id: str) -> View:
+        check_thread_id(thread_id)
+        if caller.role is Role.NODE:
+            check_registered(caller, self._policy)
+            readable: frozenset[str] | None = self._policy.readable(caller.name)
+        else:
+            check_privileged(caller, "read views")
+            readable = None
+        head = await self._store.read_head(thread_id)
+        if head is None:
+            raise errors.ThreadNotFound(f"thread {thread_id!r} does not exist")
+        state = self._remember(head)
+        projected = state if readable is None else {k: state[k] for k in state.keys() & readable}
+        return View(thread_id, head.version, head.digest, canonical_bytes(projected))
+
+    async def propose(self, caller: Identity, proposal: Proposal) -> Committed:
+        """Run every check; commit, replay, or refuse (and record the refusal)."""
+        try:
+            return await self._propose(caller, proposal)
+        except errors.ZtateError as refusal:
+            if not isinstance(refusal, errors.StorageUnavailable):
+                await self._store.record_rejection(_rejection(caller, proposal, refusal))
+            raise
+
+    async def _propose(self, caller: Identity, proposal: Proposal) -> Committed:
+        check_registered(caller, self._policy)
+        check_proposal_fields(proposal)
+        node = caller.name
+        limit = self._policy.max_patch_bytes(node) or self._max_patch_bytes
+        check_size(proposal.patch_json, limit, "patch")
+        patch = parse_object(proposal.patch_json, what="patch", max_depth=self._max_depth)
+        check_writable(patch, self._policy.writable(node))
+
+        base = await self._base(caller, proposal)
+        if isinstance(base, Committed):
+            return base
+        state = apply_patch(base.state, patch)
+        state_bytes = canonical_bytes(state)
+        now = datetime.now(UTC)
+        sealed = seal(
+            build_record(
+                kind=KIND_TRANSITION,
+                thread_id=proposal.thread_id,
+                version=base.version + 1,
+                parent_digest=base.digest,
+                node_id=caller.spiffe_id,
+                patch=patch,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=self._policy.digest,
+                receipt_digest=None,
+                key_id=self._keyring.current,
+                committed_at=now,
+            ),
+            self._keyring,
+        )
+        digest_of_request = request_digest(proposal)
+        committed = await self._store.commit(
+            sealed,
+            state_bytes,
+            expected_version=proposal.expected_version,
+            committed_at=now,
+            idempotency_key=proposal.idempotency_key,
+            request_digest=digest_of_request,
+        )
+        if committed:
+            self._heads.put(proposal.thread_id, CachedHead(base.version + 1, sealed.digest, state))
+            return Committed(
+                _as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
+            )
+        return await self._explain_lost_race(caller, proposal)
+
+    async def _base(self, caller: Identity, proposal: Proposal) -> CachedHead | Committed:
+        """The head to build on: it must be at the expected version."""
+        cached = self._heads.get(proposal.thread_id, proposal.expected_version)
+        if cached is not None:
+            return cached
+        head = await self._store.read_head(proposal.thread_id)
+        if head is None:
+            raise errors.ThreadNotFound(f"thread {proposal.thread_id!r} does not exist")
+        state = self._remember(head)
+        if head.version != proposal.expected_version:
+            return await self._replay_or_stale(caller, proposal, head.version)
+        return CachedHead(head.version, head.digest, state)
+
+    async def _explain_lost_race(self, caller: Identity, proposal: Proposal) -> Committed:
+        version = await self._store.head_version(proposal.thread_id)
+        if version is None:
+            raise errors.ThreadNotFound(f"thread {proposal.thread_id!r} does not exist")
+        return await self._replay_or_stale(caller, proposal, version)
+
+    async def _replay_or_stale(
+        self, caller: Identity, proposal: Proposal, head_version: int
+    ) -> Committed:
+        earlier = await self._store.find_by_idempotency_key(
+            proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
+        )
+        if earlier is not None:
+            if earlier.request_digest != request_digest(proposal):
+                raise errors.IdempotencyKeyReused(
+                    "idempotency_key was already used by this node on this thread for a "
+                    "different request"
+                )
+            return Committed(earlier, True)
+        raise errors.StaleVersion(
+            f"expected version {proposal.expected_version}, but the head is at {head_version}",
+            current_version=head_version,
+        )
+
+    def _remember(self, head: Head) -> JsonObject:
+        state: JsonObject = orjson.loads(head.state_bytes)
+        self._heads.put(head.thread_id, CachedHead(head.version, head.digest, state))
+        return state
+
+    async def transition(
+        self, caller: Identity, *, digest: str | None, thread_id: str | None, version: int | None
+    ) -> StoredTransition:
+        check_privileged(caller, "read the ledger")
+        if digest is not None:
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise errors.RequestInvalid("digest must be 64 lower-case hex characters")
+            found = await self._store.transition_by_digest(digest)
+        elif thread_id is not None and version is not None:
+            check_thread_id(thread_id)
+            found = await self._store.transition_at(thread_id, version)
+        else:
+            raise errors.RequestInvalid("give a digest or a (thread_id, version)")
+        if found is None:
+            raise errors.TransitionNotFound("no transition matches")
+        return found
+
+
+def _as_stored(
+    sealed: SealedRecord, now: datetime, idempotency_key: str | None, digest: str | None
+) -> StoredTransition:
+    record = sealed.record
+    return StoredTransition(
+        thread_id=record["thread_id"],
+        version=record["version"],
+        digest=sealed.digest,
+        parent_digest=record["parent_digest"],
+        node_id=record["node_id"],
+        key_id=sealed.key_id,
+        signature=sealed.signature,
+        record=sealed.record_bytes,
+        committed_at=now,
+        idempotency_key=idempotency_key,
+        request_digest=digest,
+    )
+
+
+def _rejection(caller: Identity, proposal: Proposal, refusal: errors.ZtateError) -> Rejection:
+    return Rejection(
+        method="ProposeTransition",
+        node_id=caller.spiffe_id,
+        thread_id=proposal.thread_id[:128],
+        base_version=proposal.expected_version,
+        reason=refusal.reason,
+        keys=refusal.keys,
+        patch_digest=sha256_hex(proposal.patch_json),
+        patch_bytes=len(proposal.patch_json),
+        message=refusal.message,
+    )

@@ -1,0 +1,127 @@
+"""The gRPC face of the transition service: authentication and status mapping.
+
+Every handler runs behind ``_guarded``: it takes the caller's identity from the
+verified client certificate, runs the pipeline, and turns domain errors into
+rich gRPC statuses (through ``services.rpc_errors``, the one mapping).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+from google.protobuf import timestamp_pb2
+from ztate.v1 import transition_pb2, transition_pb2_grpc
+
+from services import errors, rpc_errors
+from services.identity import Identity, identity_from_context
+from services.store.transitions import STORAGE_ERRORS, StoredTransition
+from transition_service.pipeline import Proposal, TransitionPipeline
+
+log = logging.getLogger("ztate.transition")
+Response = TypeVar("Response")
+
+
+def transition_message(stored: StoredTransition) -> transition_pb2.Transition:
+    committed_at = timestamp_pb2.Timestamp()
+    committed_at.FromDatetime(stored.committed_at)
+    return transition_pb2.Transition(
+        thread_id=stored.thread_id,
+        version=stored.version,
+        digest=stored.digest,
+        parent_digest=stored.parent_digest,
+        signature=stored.signature,
+        key_id=stored.key_id,
+        record_json=stored.record,
+        node_id=stored.node_id,
+        committed_at=committed_at,
+    )
+
+
+class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
+    """Adapts ``TransitionPipeline`` to ``ztate.v1.TransitionService``."""
+
+    def __init__(self, pipeline: TransitionPipeline, trust_domain: str) -> None:
+        self._pipeline = pipeline
+        self._trust_domain = trust_domain
+
+    async def _guarded(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        handler: Callable[[Identity], Awaitable[Response]],
+    ) -> Response:
+        try:
+            caller = identity_from_context(context, self._trust_domain)
+            return await handler(caller)
+        except errors.ZtateError as refusal:
+            log.info("refused %s: %s", method, refusal.reason)
+            status = rpc_errors.to_status(refusal)
+        except STORAGE_ERRORS as failure:
+            log.warning("%s: database unavailable: %s", method, type(failure).__name__)
+            status = rpc_errors.to_status(
+                errors.StorageUnavailable("the ledger database is unavailable; retry")
+            )
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def CreateThread(
+        self, request: transition_pb2.CreateThreadRequest, context: grpc.aio.ServicerContext
+    ) -> transition_pb2.CreateThreadResponse:
+        async def handle(caller: Identity) -> transition_pb2.CreateThreadResponse:
+            genesis = await self._pipeline.create_thread(
+                caller, request.thread_id, request.initial_state_json
+            )
+            return transition_pb2.CreateThreadResponse(genesis=transition_message(genesis))
+
+        return await self._guarded(context, "CreateThread", handle)
+
+    async def GetView(
+        self, request: transition_pb2.GetViewRequest, context: grpc.aio.ServicerContext
+    ) -> transition_pb2.GetViewResponse:
+        async def handle(caller: Identity) -> transition_pb2.GetViewResponse:
+            view = await self._pipeline.view(caller, request.thread_id)
+            return transition_pb2.GetViewResponse(
+                thread_id=view.thread_id,
+                version=view.version,
+                state_json=view.state_json,
+                head_digest=view.head_digest,
+            )
+
+        return await self._guarded(context, "GetView", handle)
+
+    async def ProposeTransition(
+        self, request: transition_pb2.ProposeTransitionRequest, context: grpc.aio.ServicerContext
+    ) -> transition_pb2.ProposeTransitionResponse:
+        async def handle(caller: Identity) -> transition_pb2.ProposeTransitionResponse:
+            outcome = await self._pipeline.propose(
+                caller,
+                Proposal(
+                    thread_id=request.thread_id,
+                    expected_version=request.expected_version,
+                    patch_json=request.patch_json,
+                    idempotency_key=request.idempotency_key,
+                ),
+            )
+            return transition_pb2.ProposeTransitionResponse(
+                transition=transition_message(outcome.transition), replayed=outcome.replayed
+            )
+
+        return await self._guarded(context, "ProposeTransition", handle)
+
+    async def GetTransition(
+        self, request: transition_pb2.GetTransitionRequest, context: grpc.aio.ServicerContext
+    ) -> transition_pb2.GetTransitionResponse:
+        async def handle(caller: Identity) -> transition_pb2.GetTransitionResponse:
+            lookup = request.WhichOneof("lookup")
+            stored = await self._pipeline.transition(
+                caller,
+                digest=request.digest if lookup == "digest" else None,
+                thread_id=request.thread_version.thread_id if lookup == "thread_version" else None,
+                version=request.thread_version.version if lookup == "thread_version" else None,
+            )
+            return transition_pb2.GetTransitionResponse(transition=transition_message(stored))
+
+        return await self._guarded(context, "GetTransition", handle)

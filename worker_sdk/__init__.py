@@ -1,0 +1,35 @@
+"""The Python SDK for ztate agent workers.
+
+A worker holds only its own certificate and key and the CA certificate. It
+imports no database driver and no server code: it can read its view and propose
+patches, nothing more.
+"""
+
+from worker_sdk.client import Transition, View, ZtateClient, encode_json
+from worker_sdk.errors import (
+    AlreadyExists,
+    InvalidRequest,
+    NotFound,
+    PatchTooLarge,
+    PermissionDenied,
+    StaleVersion,
+    Unauthenticated,
+    Unavailable,
+    ZtateError,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "InvalidRequest",
+    "NotFound",
+    "PatchTooLarge",
+    "PermissionDenied",
+    "StaleVersion",
+    "Transition",
+    "Unauthenticated",
+    "Unavailable",
+    "View",
+    "ZtateClient",
+    "ZtateError",
+    "encode_json",
+]

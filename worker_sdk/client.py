@@ -1,0 +1,205 @@
+"""The asynchronous client an agent worker uses to talk to ztate."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+from ztate.v1 import transition_pb2, transition_pb2_grpc
+
+from worker_sdk.errors import from_rpc_error
+
+DEFAULT_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A committed ledger record, as the transition service returned it."""
+
+    thread_id: str
+    version: int
+    digest: str
+    parent_digest: str
+    signature: str
+    key_id: str
+    node_id: str
+    committed_at: datetime
+    record_json: bytes
+    replayed: bool = False
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The parsed ledger record (see docs/ledger-format.md)."""
+        parsed: dict[str, Any] = json.loads(self.record_json)
+        return parsed
+
+    @classmethod
+    def from_message(cls, msg: transition_pb2.Transition, *, replayed: bool = False) -> Transition:
+        return cls(
+            thread_id=msg.thread_id,
+            version=msg.version,
+            digest=msg.digest,
+            parent_digest=msg.parent_digest,
+            signature=msg.signature,
+            key_id=msg.key_id,
+            node_id=msg.node_id,
+            committed_at=msg.committed_at.ToDatetime(),
+            record_json=msg.record_json,
+            replayed=replayed,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The keys of a thread's head this worker may read, at one version."""
+
+    thread_id: str
+    version: int
+    head_digest: str
+    state: dict[str, Any]
+
+
+def encode_json(value: dict[str, Any]) -> bytes:
+    """JSON for the wire; NaN and infinities are refused here, as the server would."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+class ZtateClient:
+    """A connection to the transition service, authenticated by this worker's certificate.
+
+    Use it as an async context manager, or call ``close()``. Every method raises a
+    subclass of ``worker_sdk.ZtateError`` when the call is refused.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        cert_pem: bytes,
+        key_pem: bytes,
+        ca_pem: bytes,
+        server_name: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
+        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+        ]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        self._stub = transition_pb2_grpc.TransitionServiceStub(self._channel)
+        self._timeout = timeout
+
+    @classmethod
+    def from_files(
+        cls,
+        target: str,
+        *,
+        cert: str | Path,
+        key: str | Path,
+        ca: str | Path,
+        server_name: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> ZtateClient:
+        """Connect with a PEM certificate, its private key and the CA certificate."""
+        return cls(
+            target,
+            cert_pem=Path(cert).read_bytes(),
+            key_pem=Path(key).read_bytes(),
+            ca_pem=Path(ca).read_bytes(),
+            server_name=server_name,
+            timeout=timeout,
+        )
+
+    async def __aenter__(self) -> ZtateClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def create_thread(self, thread_id: str, initial_state: dict[str, Any]) -> Transition:
+        """Create a thread (operator and service identities only); returns its genesis."""
+        request = transition_pb2.CreateThreadRequest(
+            thread_id=thread_id, initial_state_json=encode_json(initial_state)
+        )
+        try:
+            response = await self._stub.CreateThread(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise from_rpc_error(error) from None
+        return Transition.from_message(response.genesis)
+
+    async def get_view(self, thread_id: str) -> View:
+        """The head of a thread, projected to the keys this worker may read."""
+        try:
+            response = await self._stub.GetView(
+                transition_pb2.GetViewRequest(thread_id=thread_id), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as error:
+            raise from_rpc_error(error) from None
+        return View(
+            thread_id=response.thread_id,
+            version=response.version,
+            head_digest=response.head_digest,
+            state=json.loads(response.state_json),
+        )
+
+    async def propose(
+        self,
+        thread_id: str,
+        expected_version: int,
+        patch: dict[str, Any] | bytes,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Transition:
+        """Propose a patch against ``expected_version``; returns the committed transition.
+
+        Pass the same ``idempotency_key`` when retrying a call whose outcome is
+        unknown: the server then returns the original outcome.
+        """
+        request = transition_pb2.ProposeTransitionRequest(
+            thread_id=thread_id,
+            expected_version=expected_version,
+            patch_json=patch if isinstance(patch, bytes) else encode_json(patch),
+            idempotency_key=idempotency_key or uuid.uuid4().hex,
+        )
+        try:
+            response = await self._stub.ProposeTransition(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise from_rpc_error(error) from None
+        return Transition.from_message(response.transition, replayed=response.replayed)
+
+    async def get_transition(
+        self, *, digest: str | None = None, thread_id: str | None = None, version: int | None = None
+    ) -> Transition:
+        """One ledger record by digest, or by thread and version (operators only)."""
+        if digest is not None:
+            request = transition_pb2.GetTransitionRequest(digest=digest)
+        elif thread_id is not None and version is not None:
+            request = transition_pb2.GetTransitionRequest(
+                thread_version=transition_pb2.ThreadVersion(thread_id=thread_id, version=version)
+            )
+        else:
+            raise ValueError("give digest, or thread_id and version")
+        try:
+            response = await self._stub.GetTransition(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            raise from_rpc_error(error) from None
+        return Transition.from_message(response.transition)

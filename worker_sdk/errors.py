@@ -1,0 +1,103 @@
+"""Typed errors raised by the worker SDK, one per server reason."""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import status_pb2
+from ztate.v1 import errors_pb2
+
+DETAILS_KEY = "grpc-status-details-bin"
+
+
+class ZtateError(Exception):
+    """A call the control plane refused, with the server's reason and details."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        reason: str,
+        message: str,
+        *,
+        keys: tuple[str, ...] = (),
+        current_version: int | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.keys = keys
+        self.current_version = current_version
+        self.limit = limit
+
+
+class Unauthenticated(ZtateError):
+    """Our certificate carries no identity the server accepts."""
+
+
+class PermissionDenied(ZtateError):
+    """Our identity may not do this; ``keys`` names refused state keys, if any."""
+
+
+class InvalidRequest(ZtateError):
+    """The request or its patch is malformed or out of range."""
+
+
+class PatchTooLarge(ZtateError):
+    """The patch is over the server's limit (``limit``, in bytes)."""
+
+
+class StaleVersion(ZtateError):
+    """The thread moved on; ``current_version`` is its head. Re-read and retry."""
+
+
+class NotFound(ZtateError):
+    """No such thread or transition."""
+
+
+class AlreadyExists(ZtateError):
+    """A thread with this id exists."""
+
+
+class Unavailable(ZtateError):
+    """The control plane could not be reached or could not reach its database."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[ZtateError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: PatchTooLarge,
+    grpc.StatusCode.ABORTED: StaleVersion,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+}
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
+    """Turn a failed call into the typed error its status details describe."""
+    code = error.code()
+    cls = _BY_CODE.get(code, ZtateError)
+    detail = errors_pb2.ErrorDetail()
+    found = False
+    for key, value in error.trailing_metadata() or ():
+        if key == DETAILS_KEY and isinstance(value, bytes):
+            status = status_pb2.Status.FromString(value)
+            for packed in status.details:
+                if packed.Is(errors_pb2.ErrorDetail.DESCRIPTOR):
+                    packed.Unpack(detail)
+                    found = True
+    reason = (
+        errors_pb2.ErrorReason.Name(detail.reason).removeprefix("ERROR_REASON_")
+        if found
+        else code.name
+    )
+    return cls(
+        code,
+        reason,
+        error.details() or "",
+        keys=tuple(detail.keys),
+        current_version=detail.current_version if reason == "STALE_VERSION" else None,
+        limit=detail.limit or None,
+    )
