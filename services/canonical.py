@@ -50,7 +50,7 @@ def _fast_path_safe(value: Any) -> bool:
     if kind is str or kind is bool or value is None:
         return True
     if kind is int:
-        return -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER
+        return bool(-MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER)
     if kind is dict:
         for key, item in value.items():
             if not key.isascii() and max(key) > "\uffff":

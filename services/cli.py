@@ -119,9 +119,8 @@ def cmd_ca_issue(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"ztate: cannot issue: {exc}", file=sys.stderr)
         return 1
-    print(
-        f"{identity.spiffe_id}\n  certificate {paths.cert}\n  key         {paths.key}\n  CA          {paths.ca_cert}"
-    )
+    print(identity.spiffe_id)
+    print(f"  certificate {paths.cert}\n  key         {paths.key}\n  CA          {paths.ca_cert}")
     return 0
 
 

@@ -31,7 +31,8 @@ def ensure_dev_layout(settings: Settings) -> DevLayout:
     """Create whatever of the development layout is missing."""
     home = settings.home
     ca_dir, certs = home / "ca", home / "certs"
-    assert settings.policy_file and settings.hmac_keyring_file and settings.tls_cert
+    assert settings.policy_file is not None
+    assert settings.hmac_keyring_file is not None
     if not settings.policy_file.exists():
         settings.policy_file.parent.mkdir(parents=True, exist_ok=True)
         source = resources.files("services").joinpath("defaults/policy.yaml")

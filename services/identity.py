@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import grpc
 
@@ -45,6 +47,7 @@ class Identity:
         return self.spiffe_id
 
 
+@lru_cache(maxsize=4096)
 def parse_spiffe_id(uri: str, trust_domain: str) -> Identity:
     """Parse and check a SPIFFE ID against the trust domain we serve."""
     prefix = "spiffe://"
@@ -66,7 +69,9 @@ def parse_spiffe_id(uri: str, trust_domain: str) -> Identity:
     return Identity(trust_domain=trust_domain, role=role, name=name)
 
 
-def identity_from_context(context: grpc.aio.ServicerContext, trust_domain: str) -> Identity:
+def identity_from_context(
+    context: grpc.aio.ServicerContext[Any, Any], trust_domain: str
+) -> Identity:
     """The caller's identity from the TLS-verified peer certificate of this call.
 
     gRPC core sets ``peer_spiffe_id`` only when the verified certificate carries
@@ -75,7 +80,7 @@ def identity_from_context(context: grpc.aio.ServicerContext, trust_domain: str) 
     auth = context.auth_context()
     if auth.get("transport_security_type") != [b"ssl"]:
         raise IdentityInvalid("call did not arrive over TLS")
-    spiffe_ids = auth.get("peer_spiffe_id")
-    if not spiffe_ids:
+    spiffe_ids = list(auth.get("peer_spiffe_id") or ())
+    if len(spiffe_ids) != 1:
         raise IdentityInvalid("client certificate must carry exactly one SPIFFE ID as URI SAN")
     return parse_spiffe_id(spiffe_ids[0].decode("ascii", "replace"), trust_domain)

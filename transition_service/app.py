@@ -48,7 +48,9 @@ class RunningService:
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials:
     """mTLS: a client certificate signed by the configured CA is required."""
-    assert settings.tls_cert and settings.tls_key and settings.tls_ca
+    assert settings.tls_cert is not None
+    assert settings.tls_key is not None
+    assert settings.tls_ca is not None
     return grpc.ssl_server_credentials(
         [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
         root_certificates=settings.tls_ca.read_bytes(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -22,6 +22,7 @@ from transition_service.pipeline import Proposal, TransitionPipeline
 
 log = logging.getLogger("ztate.transition")
 Response = TypeVar("Response")
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def transition_message(stored: StoredTransition) -> transition_pb2.Transition:
@@ -49,7 +50,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
 
     async def _guarded(
         self,
-        context: grpc.aio.ServicerContext,
+        context: Context,
         method: str,
         handler: Callable[[Identity], Awaitable[Response]],
     ) -> Response:
@@ -68,7 +69,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         raise AssertionError("unreachable: context.abort raises")
 
     async def CreateThread(
-        self, request: transition_pb2.CreateThreadRequest, context: grpc.aio.ServicerContext
+        self, request: transition_pb2.CreateThreadRequest, context: Context
     ) -> transition_pb2.CreateThreadResponse:
         async def handle(caller: Identity) -> transition_pb2.CreateThreadResponse:
             genesis = await self._pipeline.create_thread(
@@ -79,7 +80,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         return await self._guarded(context, "CreateThread", handle)
 
     async def GetView(
-        self, request: transition_pb2.GetViewRequest, context: grpc.aio.ServicerContext
+        self, request: transition_pb2.GetViewRequest, context: Context
     ) -> transition_pb2.GetViewResponse:
         async def handle(caller: Identity) -> transition_pb2.GetViewResponse:
             view = await self._pipeline.view(caller, request.thread_id)
@@ -93,7 +94,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         return await self._guarded(context, "GetView", handle)
 
     async def ProposeTransition(
-        self, request: transition_pb2.ProposeTransitionRequest, context: grpc.aio.ServicerContext
+        self, request: transition_pb2.ProposeTransitionRequest, context: Context
     ) -> transition_pb2.ProposeTransitionResponse:
         async def handle(caller: Identity) -> transition_pb2.ProposeTransitionResponse:
             outcome = await self._pipeline.propose(
@@ -112,7 +113,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         return await self._guarded(context, "ProposeTransition", handle)
 
     async def GetTransition(
-        self, request: transition_pb2.GetTransitionRequest, context: grpc.aio.ServicerContext
+        self, request: transition_pb2.GetTransitionRequest, context: Context
     ) -> transition_pb2.GetTransitionResponse:
         async def handle(caller: Identity) -> transition_pb2.GetTransitionResponse:
             lookup = request.WhichOneof("lookup")

@@ -133,7 +133,7 @@ class ZtateClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
     async def create_thread(self, thread_id: str, initial_state: dict[str, Any]) -> Transition:
         """Create a thread (operator and service identities only); returns its genesis."""

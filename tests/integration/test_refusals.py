@@ -1,0 +1,306 @@
+"""Every refused proposal: the precise error, and nothing committed.
+
+Each test snapshots the thread's head and ledger before the call and asserts they
+are unchanged after it; refusals by an authenticated node are also recorded in
+the rejections ledger with their reason code and a digest of the refused bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from tests.conftest import TEST_MAX_PATCH_BYTES
+from tests.harness import Ledger, Pki, client, new_thread_id
+from worker_sdk import (
+    InvalidRequest,
+    NotFound,
+    PatchTooLarge,
+    PermissionDenied,
+    StaleVersion,
+    ZtateClient,
+    ZtateError,
+)
+
+INITIAL = {"raw_text": "refund order 42", "authority": "support-desk", "target_user_id": "u-1"}
+
+
+@pytest_asyncio.fixture
+async def thread_id(target: str, pki: Pki) -> str:
+    thread = new_thread_id()
+    async with client(target, pki.operator()) as operator:
+        await operator.create_thread(thread, INITIAL)
+    return thread
+
+
+@pytest_asyncio.fixture
+async def parser(target: str, pki: Pki) -> AsyncIterator[ZtateClient]:
+    async with client(target, pki.node("input-parser")) as worker:
+        yield worker
+
+
+async def refused(
+    ledger: Ledger, thread_id: str, call: object, expected: type[ZtateError], reason: str
+) -> ZtateError:
+    """Run ``call``; assert it raised ``expected`` with ``reason`` and changed nothing."""
+    before = await ledger.snapshot(thread_id)
+    with pytest.raises(expected) as caught:
+        await call  # type: ignore[misc]
+    assert caught.value.reason == reason, caught.value
+    assert await ledger.snapshot(thread_id) == before
+    return caught.value
+
+
+async def test_stale_version_returns_the_head_and_commits_nothing(
+    parser: ZtateClient, thread_id: str, ledger: Ledger
+) -> None:
+    await parser.propose(thread_id, 0, {"requested_action": "first"})
+    error = await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 0, {"requested_action": "late"}),
+        StaleVersion,
+        "STALE_VERSION",
+    )
+    assert error.code == grpc.StatusCode.ABORTED
+    assert error.current_version == 1
+    [row] = await ledger.rejections(thread_id)
+    assert (row["reason"], row["base_version"]) == ("STALE_VERSION", 0)
+
+
+async def test_version_from_the_future_is_stale(
+    parser: ZtateClient, thread_id: str, ledger: Ledger
+) -> None:
+    error = await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 7, {"requested_action": "x"}),
+        StaleVersion,
+        "STALE_VERSION",
+    )
+    assert error.current_version == 0
+
+
+async def test_unknown_thread(parser: ZtateClient, ledger: Ledger) -> None:
+    missing = new_thread_id()
+    error = await refused(
+        ledger,
+        missing,
+        parser.propose(missing, 0, {"requested_action": "x"}),
+        NotFound,
+        "THREAD_NOT_FOUND",
+    )
+    assert error.code == grpc.StatusCode.NOT_FOUND
+    assert (await ledger.snapshot(missing)).transitions == 0
+
+
+async def test_key_outside_the_write_allowlist_refuses_the_whole_patch(
+    parser: ZtateClient, thread_id: str, ledger: Ledger
+) -> None:
+    patch = {
+        "requested_action": "refund",
+        "execution_permissions": ["admin"],
+        "target_user_id": "attacker",
+    }
+    error = await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 0, patch),
+        PermissionDenied,
+        "KEY_NOT_WRITABLE",
+    )
+    assert error.code == grpc.StatusCode.PERMISSION_DENIED
+    assert error.keys == ("execution_permissions", "target_user_id")
+    [row] = await ledger.rejections(thread_id)
+    assert row["reason"] == "KEY_NOT_WRITABLE"
+    assert list(row["keys"]) == ["execution_permissions", "target_user_id"]
+    assert row["node_id"] == "spiffe://ztate.test/node/input-parser"
+    assert row["patch_digest"] is not None
+    assert "attacker" not in row["message"]
+
+
+@pytest.mark.parametrize(
+    ("patch", "fragment"),
+    [
+        (b'{"requested_action": "x"', "not valid JSON"),
+        (b'["requested_action"]', "must be a JSON object"),
+        (b'{"requested_action": "a", "requested_action": "b"}', "duplicate member name"),
+        (b'{"requested_action": "\xff\xfe"}', "not valid UTF-8"),
+        (b'{"requested_action": "\\ud800"}', "lone surrogate"),
+        (b"", "not valid JSON"),
+    ],
+    ids=["truncated", "array", "duplicate-key", "not-utf8", "lone-surrogate", "empty"],
+)
+async def test_malformed_patch(
+    parser: ZtateClient, thread_id: str, ledger: Ledger, patch: bytes, fragment: str
+) -> None:
+    error = await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 0, patch),
+        InvalidRequest,
+        "PATCH_MALFORMED",
+    )
+    assert fragment in error.message
+    [row] = await ledger.rejections(thread_id)
+    assert row["patch_digest"] == hashlib.sha256(patch).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        b'{"requested_action": 9007199254740992}',
+        b'{"requested_action": -9007199254740992}',
+        b'{"requested_action": 1e400}',
+        b'{"requested_action": NaN}',
+        b'{"requested_action": -Infinity}',
+        b'{"requested_action": ' + b"[" * 40 + b"]" * 40 + b"}",
+    ],
+    ids=["2^53", "-2^53", "1e400", "NaN", "-Infinity", "too-deep"],
+)
+async def test_numbers_outside_ijson_and_deep_nesting(
+    parser: ZtateClient, thread_id: str, ledger: Ledger, patch: bytes
+) -> None:
+    await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 0, patch),
+        InvalidRequest,
+        "VALUE_OUT_OF_RANGE",
+    )
+
+
+async def test_largest_safe_integer_is_accepted(parser: ZtateClient, thread_id: str) -> None:
+    committed = await parser.propose(thread_id, 0, b'{"requested_action": 9007199254740991}')
+    assert committed.record["patch"] == {"requested_action": 9007199254740991}
+
+
+async def test_oversized_patch_is_refused_before_parsing(
+    parser: ZtateClient, thread_id: str, ledger: Ledger
+) -> None:
+    # Not JSON at all: only a size check that runs before the parser can name it.
+    patch = b"{" * (TEST_MAX_PATCH_BYTES + 1)
+    error = await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 0, patch),
+        PatchTooLarge,
+        "PATCH_TOO_LARGE",
+    )
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.limit == TEST_MAX_PATCH_BYTES
+    [row] = await ledger.rejections(thread_id)
+    assert row["patch_bytes"] == TEST_MAX_PATCH_BYTES + 1
+
+
+async def test_patch_at_the_limit_is_parsed(parser: ZtateClient, thread_id: str) -> None:
+    filler = TEST_MAX_PATCH_BYTES - len(b'{"requested_action":""}')
+    committed = await parser.propose(thread_id, 0, {"requested_action": "a" * filler})
+    assert committed.version == 1
+
+
+async def test_reused_idempotency_key_for_another_request(
+    parser: ZtateClient, thread_id: str, ledger: Ledger
+) -> None:
+    await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="same")
+    await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 0, {"requested_action": "b"}, idempotency_key="same"),
+        InvalidRequest,
+        "IDEMPOTENCY_KEY_REUSED",
+    )
+
+
+async def test_reused_idempotency_key_at_the_current_head(
+    parser: ZtateClient, thread_id: str, ledger: Ledger
+) -> None:
+    """The key is taken even when the new request's base is the head."""
+    await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="again")
+    await refused(
+        ledger,
+        thread_id,
+        parser.propose(thread_id, 1, {"requested_action": "b"}, idempotency_key="again"),
+        InvalidRequest,
+        "IDEMPOTENCY_KEY_REUSED",
+    )
+
+
+@pytest.mark.parametrize(
+    ("thread", "version", "key", "fragment"),
+    [
+        ("bad id with spaces", 0, "k", "thread_id"),
+        ("x" * 129, 0, "k", "thread_id"),
+        (None, -1, "k", "expected_version"),
+        (None, 0, "", "idempotency_key"),
+        (None, 0, "k" * 129, "idempotency_key"),
+    ],
+    ids=["thread-chars", "thread-length", "negative-version", "empty-key", "long-key"],
+)
+async def test_invalid_request_fields(
+    parser: ZtateClient,
+    thread_id: str,
+    ledger: Ledger,
+    thread: str | None,
+    version: int,
+    key: str,
+    fragment: str,
+) -> None:
+    call = parser._stub.ProposeTransition  # raw stub: the SDK would fill an empty key
+    from ztate.v1 import transition_pb2
+
+    request = transition_pb2.ProposeTransitionRequest(
+        thread_id=thread or thread_id,
+        expected_version=version,
+        patch_json=b'{"requested_action": "x"}',
+        idempotency_key=key,
+    )
+    before = await ledger.snapshot(thread_id)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in (caught.value.details() or "")
+    assert await ledger.snapshot(thread_id) == before
+
+
+async def test_empty_patch(parser: ZtateClient, thread_id: str, ledger: Ledger) -> None:
+    await refused(
+        ledger, thread_id, parser.propose(thread_id, 0, {}), InvalidRequest, "REQUEST_INVALID"
+    )
+
+
+async def test_thread_id_taken(target: str, pki: Pki, thread_id: str, ledger: Ledger) -> None:
+    async with client(target, pki.operator()) as operator:
+        error = await refused(
+            ledger,
+            thread_id,
+            operator.create_thread(thread_id, {"raw_text": "other"}),
+            ZtateError,
+            "THREAD_EXISTS",
+        )
+    assert error.code == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_initial_state_with_undeclared_key(target: str, pki: Pki, ledger: Ledger) -> None:
+    thread = new_thread_id()
+    async with client(target, pki.operator()) as operator:
+        error = await refused(
+            ledger,
+            thread,
+            operator.create_thread(thread, {"raw_text": "x", "is_admin": True}),
+            InvalidRequest,
+            "KEY_UNKNOWN",
+        )
+    assert error.keys == ("is_admin",)
+    assert (await ledger.snapshot(thread)).head_version is None
+
+
+async def test_unknown_transition(target: str, pki: Pki) -> None:
+    async with client(target, pki.operator()) as operator:
+        with pytest.raises(NotFound) as caught:
+            await operator.get_transition(digest="0" * 64)
+    assert caught.value.reason == "TRANSITION_NOT_FOUND"

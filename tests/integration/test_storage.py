@@ -1,0 +1,132 @@
+"""The database itself enforces what the service promises: append-only history,
+least privilege for the service role, idempotent numbered migrations."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+import pytest_asyncio
+
+from services.store import migrate as migrations
+from tests.harness import Ledger, Pki, client, new_thread_id, with_database
+from worker_sdk import StaleVersion
+
+SERVICE_ROLE = "ztate_transition"
+
+
+@pytest_asyncio.fixture
+async def committed_thread(target: str, pki: Pki, ledger: Ledger) -> str:
+    """A thread with two ledger records and one rejection."""
+    thread_id = new_thread_id()
+    async with client(target, pki.operator()) as operator:
+        await operator.create_thread(thread_id, {"raw_text": "x"})
+    async with client(target, pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 0, {"requested_action": "y"})
+        with pytest.raises(StaleVersion):
+            await parser.propose(thread_id, 0, {"requested_action": "z"})
+    assert len(await ledger.rejections(thread_id)) == 1
+    return thread_id
+
+
+@pytest_asyncio.fixture
+async def superuser(database_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(database_dsn)
+    yield conn
+    await conn.close()
+
+
+@pytest_asyncio.fixture
+async def as_service_role(database_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A session with exactly the privileges the running service has."""
+    conn = await asyncpg.connect(database_dsn, server_settings={"role": SERVICE_ROLE})
+    assert await conn.fetchval("SELECT current_user") == SERVICE_ROLE
+    yield conn
+    await conn.close()
+
+
+REWRITES = [
+    "UPDATE ztate.transitions SET node_id = 'spiffe://ztate.test/node/db-writer' "
+    "WHERE thread_id = $1",
+    "UPDATE ztate.transitions SET record = '\\x7b7d'::bytea WHERE thread_id = $1",
+    "DELETE FROM ztate.transitions WHERE thread_id = $1",
+    "UPDATE ztate.rejections SET reason = 'X' WHERE thread_id = $1",
+    "DELETE FROM ztate.rejections WHERE thread_id = $1",
+]
+
+
+@pytest.mark.parametrize("statement", REWRITES)
+async def test_service_role_cannot_rewrite_history(
+    as_service_role: asyncpg.Connection, committed_thread: str, ledger: Ledger, statement: str
+) -> None:
+    before = (await ledger.rows(committed_thread), await ledger.rejections(committed_thread))
+    with pytest.raises(asyncpg.InsufficientPrivilegeError) as caught:
+        await as_service_role.execute(statement, committed_thread)
+    assert "permission denied" in str(caught.value)
+    assert (
+        await ledger.rows(committed_thread),
+        await ledger.rejections(committed_thread),
+    ) == before
+    assert await ledger.verify(committed_thread) == 2
+
+
+@pytest.mark.parametrize("table", ["ztate.transitions", "ztate.rejections", "ztate.threads"])
+async def test_service_role_cannot_truncate(
+    as_service_role: asyncpg.Connection, table: str
+) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_service_role.execute(f"TRUNCATE {table}")
+
+
+async def test_service_role_cannot_repoint_a_thread_policy(
+    as_service_role: asyncpg.Connection, committed_thread: str
+) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await as_service_role.execute(
+            "UPDATE ztate.threads SET policy_digest = 'forged' WHERE thread_id = $1",
+            committed_thread,
+        )
+
+
+@pytest.mark.parametrize("statement", REWRITES)
+async def test_trigger_refuses_even_a_superuser(
+    superuser: asyncpg.Connection, committed_thread: str, ledger: Ledger, statement: str
+) -> None:
+    before = (await ledger.rows(committed_thread), await ledger.rejections(committed_thread))
+    with pytest.raises(asyncpg.InsufficientPrivilegeError) as caught:
+        await superuser.execute(statement, committed_thread)
+    assert "append-only" in str(caught.value)
+    assert (
+        await ledger.rows(committed_thread),
+        await ledger.rejections(committed_thread),
+    ) == before
+
+
+@pytest.mark.parametrize("table", ["ztate.transitions", "ztate.rejections"])
+async def test_trigger_refuses_truncate_by_a_superuser(
+    superuser: asyncpg.Connection, table: str
+) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError) as caught:
+        await superuser.execute(f"TRUNCATE {table} CASCADE")
+    assert "append-only" in str(caught.value)
+
+
+async def test_migrations_apply_once_and_refuse_edits(postgres_server_dsn: str) -> None:
+    name = f"ztate_migrate_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    conn = await asyncpg.connect(with_database(postgres_server_dsn, name))
+    try:
+        first = await migrations.migrate(conn, "ztate_migrate_role")
+        assert first == [f"{m.number:04d}_{m.name}" for m in migrations.bundled_migrations()]
+        assert await migrations.migrate(conn, "ztate_migrate_role") == []
+        await conn.execute(
+            "UPDATE public.ztate_schema_migrations SET checksum = 'edited' WHERE number = 1"
+        )
+        with pytest.raises(migrations.MigrationError, match="was changed after it was applied"):
+            await migrations.migrate(conn, "ztate_migrate_role")
+    finally:
+        await conn.close()

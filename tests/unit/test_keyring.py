@@ -1,0 +1,59 @@
+"""The HMAC keyring: strict loading, and key material never shown."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from services.keyring import Keyring, KeyringError, generate_keyring_file
+
+KEY = base64.b64encode(b"k" * 32).decode()
+
+
+def doc(**overrides: object) -> str:
+    return json.dumps({"current": "k1", "keys": {"k1": KEY}, **overrides})
+
+
+def test_loads_and_hides_material() -> None:
+    ring = Keyring.from_json(doc(), source="env")
+    assert ring.key("k1") == b"k" * 32
+    assert ring.key_ids == ("k1",)
+    assert KEY not in repr(ring)
+    assert "kkkk" not in repr(ring)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("not json", "not JSON"),
+        (json.dumps({"keys": {"k1": KEY}}), "exactly the members"),
+        (doc(current="k2"), "current key id 'k2' is not in the keyring"),
+        (doc(keys={}), "non-empty"),
+        (doc(keys={"k1": "%%%"}), "not valid base64"),
+        (doc(keys={"k1": base64.b64encode(b"short").decode()}), "shorter than 32 bytes"),
+        (doc(keys={"bad id!": KEY}, current="bad id!"), "must match"),
+    ],
+)
+def test_refuses_bad_documents_without_echoing_keys(text: str, fragment: str) -> None:
+    with pytest.raises(KeyringError) as caught:
+        Keyring.from_json(text, source="ZTATE_HMAC_KEYRING")
+    assert fragment in str(caught.value)
+    assert KEY not in str(caught.value)
+
+
+def test_environment_wins_over_file(tmp_path: Path) -> None:
+    path = tmp_path / "ring.json"
+    generate_keyring_file(path, "file-key")
+    assert Keyring.load(path, None).current == "file-key"
+    assert Keyring.load(path, doc()).current == "k1"
+
+
+def test_generated_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "keys" / "ring.json"
+    generate_keyring_file(path)
+    assert path.stat().st_mode & 0o077 == 0
+    with pytest.raises(FileExistsError):
+        generate_keyring_file(path)

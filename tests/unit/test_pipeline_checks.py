@@ -1,0 +1,77 @@
+"""The pipeline's pure checks, each with its one reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from services import errors
+from services.identity import Identity, Role, parse_spiffe_id
+from transition_service.heads import CachedHead, HeadCache
+from transition_service.pipeline import (
+    Proposal,
+    apply_patch,
+    check_size,
+    check_writable,
+    request_digest,
+)
+
+
+def test_apply_patch_sets_and_removes_without_touching_the_base() -> None:
+    base = {"a": 1, "b": {"c": 2}}
+    result = apply_patch(base, {"a": None, "b": {"d": 3}, "e": [1]})
+    assert result == {"b": {"d": 3}, "e": [1]}
+    assert base == {"a": 1, "b": {"c": 2}}
+
+
+def test_check_writable_names_every_refused_key_sorted() -> None:
+    with pytest.raises(errors.KeyNotWritable) as caught:
+        check_writable({"z": 1, "ok": 2, "a": 3}, frozenset({"ok"}))
+    assert caught.value.keys == ("a", "z")
+
+
+def test_check_size_reports_the_limit() -> None:
+    check_size(b"x" * 10, 10, "patch")
+    with pytest.raises(errors.PatchTooLarge) as caught:
+        check_size(b"x" * 11, 10, "patch")
+    assert caught.value.limit == 10
+
+
+def test_request_digest_separates_version_and_patch() -> None:
+    a = Proposal("t", 1, b"2{}", "k")
+    b = Proposal("t", 12, b"{}", "k")
+    assert request_digest(a) != request_digest(b)
+
+
+def test_head_cache_keeps_newest_and_evicts_least_recent() -> None:
+    cache = HeadCache(2)
+    cache.put("t1", CachedHead(1, "d1", {}))
+    cache.put("t1", CachedHead(0, "d0", {}))  # an older head never replaces a newer one
+    assert cache.get("t1", 1) is not None
+    assert cache.get("t1", 0) is None
+    cache.put("t2", CachedHead(0, "x", {}))
+    cache.get("t1", 1)
+    cache.put("t3", CachedHead(0, "y", {}))
+    assert len(cache) == 2
+    assert cache.get("t2", 0) is None  # least recently used went first
+
+
+@pytest.mark.parametrize(
+    ("uri", "fragment"),
+    [
+        ("https://ztate.test/node/a", "not a SPIFFE ID"),
+        ("spiffe://other.test/node/a", "trust domain 'other.test'"),
+        ("spiffe://ztate.test/node", "must be /<role>/<name>"),
+        ("spiffe://ztate.test/god/a", "unknown role 'god'"),
+        ("spiffe://ztate.test/node/A_B", "identity name must match"),
+    ],
+)
+def test_spiffe_id_parsing(uri: str, fragment: str) -> None:
+    with pytest.raises(errors.IdentityInvalid) as caught:
+        parse_spiffe_id(uri, "ztate.test")
+    assert fragment in caught.value.message
+
+
+def test_spiffe_id_round_trip() -> None:
+    identity = parse_spiffe_id("spiffe://ztate.test/operator/admin", "ztate.test")
+    assert identity == Identity("ztate.test", Role.OPERATOR, "admin")
+    assert identity.spiffe_id == "spiffe://ztate.test/operator/admin"
