@@ -74,8 +74,35 @@ def _duplicate_free(pairs: list[tuple[str, Any]]) -> JsonObject:
     return obj
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueOutOfRange(f"{name} is not a number I-JSON admits")
+class _NumberRefused(Exception):
+    """Raised inside the JSON parser's number hooks; re-raised with context."""
+
+
+# A double at or above 2^53 is an integer that JCS writes as a bare integer (up to
+# 1e21, where exponent notation starts); it would canonicalise outside I-JSON.
+_FIRST_EXPONENT_FORM = 1e21
+
+
+def _parse_int(literal: str) -> int:
+    # Checked on the literal first: Python refuses to convert over 4300 digits.
+    if len(literal.lstrip("-")) > 16 or abs(value := int(literal)) > MAX_SAFE_INTEGER:
+        raise _NumberRefused("an integer outside the I-JSON range +/-(2^53 - 1)")
+    return value
+
+
+def _parse_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NumberRefused("a number too large for a double")
+    if value == 0.0 and any(c in "123456789" for c in literal.lower().partition("e")[0]):
+        raise _NumberRefused("a number too small for a double (it would round to 0)")
+    if MAX_SAFE_INTEGER < abs(value) < _FIRST_EXPONENT_FORM:
+        raise _NumberRefused("an integer outside the I-JSON range +/-(2^53 - 1)")
+    return value
+
+
+def _parse_constant(name: str) -> Any:
+    raise _NumberRefused(f"{name}, which is not a JSON number")
 
 
 def parse_object(data: bytes, *, what: str, max_depth: int = DEFAULT_MAX_DEPTH) -> JsonObject:
@@ -84,24 +111,33 @@ def parse_object(data: bytes, *, what: str, max_depth: int = DEFAULT_MAX_DEPTH) 
     Refuses, with ``PatchMalformed``: bytes that are not UTF-8, text that is not
     JSON, a top-level value that is not an object, duplicate member names and
     lone surrogates. Refuses, with ``ValueOutOfRange``: integers beyond
-    +/-(2^53 - 1), non-finite numbers and nesting deeper than ``max_depth``.
-    Nothing is ever rounded or coerced.
+    +/-(2^53 - 1) (also when written as a float such as ``1e20``), numbers that
+    overflow or underflow a double, NaN and infinities, and nesting deeper than
+    ``max_depth``. Nothing is rounded out of range or coerced.
     """
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PatchMalformed(f"{what} is not valid UTF-8 (byte {exc.start})") from None
     try:
-        value = json.loads(text, object_pairs_hook=_duplicate_free, parse_constant=_no_constants)
+        value = json.loads(
+            text,
+            object_pairs_hook=_duplicate_free,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_parse_constant,
+        )
     except json.JSONDecodeError as exc:
         raise PatchMalformed(
-            f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+            f"{what} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
         ) from None
+    except _NumberRefused as exc:
+        raise ValueOutOfRange(f"{what} holds {exc}") from None
     except RecursionError:
         raise ValueOutOfRange(f"{what} nests deeper than {max_depth} levels") from None
     if type(value) is not dict:
         raise PatchMalformed(f"{what} must be a JSON object")
-    _check_domain(value, 1, max_depth, what)
+    _check_structure(value, 1, max_depth, what)
     return value
 
 
@@ -113,23 +149,18 @@ def _check_string(text: str, what: str) -> None:
             raise PatchMalformed(f"{what} holds a lone surrogate") from None
 
 
-def _check_domain(value: Any, depth: int, max_depth: int, what: str) -> None:
+def _check_structure(value: Any, depth: int, max_depth: int, what: str) -> None:
+    """Depth and string checks the parser's hooks cannot make."""
     kind = type(value)
     if kind is str:
         _check_string(value, what)
-    elif kind is int:
-        if not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
-            raise ValueOutOfRange(f"{what} holds an integer outside the I-JSON range +/-(2^53 - 1)")
-    elif kind is float:
-        if not math.isfinite(value):
-            raise ValueOutOfRange(f"{what} holds a number too large for a double")
     elif kind is dict or kind is list:
         if depth > max_depth:
             raise ValueOutOfRange(f"{what} nests deeper than {max_depth} levels")
         if kind is dict:
             for key, item in value.items():
                 _check_string(key, what)
-                _check_domain(item, depth + 1, max_depth, what)
+                _check_structure(item, depth + 1, max_depth, what)
         else:
             for item in value:
-                _check_domain(item, depth + 1, max_depth, what)
+                _check_structure(item, depth + 1, max_depth, what)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from services.canonical import JsonObject, canonical_bytes, sha256_hex
 from services.keyring import Keyring
@@ -93,6 +93,24 @@ def seal(record: JsonObject, keyring: Keyring) -> SealedRecord:
     return SealedRecord(record, record_bytes, digest, signature, keyring.current)
 
 
+RECORD_MEMBERS = frozenset(
+    build_record(
+        kind=KIND_GENESIS,
+        thread_id="",
+        version=0,
+        parent_digest=GENESIS_PARENT,
+        node_id="",
+        patch={},
+        state_digest="",
+        policy_digest="",
+        receipt_digest=None,
+        key_id="",
+        committed_at=datetime.now(UTC),
+    )
+)
+HEX_256 = re.compile(r"^[0-9a-f]{64}$")
+
+
 def verify_record(
     record_bytes: bytes,
     *,
@@ -104,41 +122,63 @@ def verify_record(
 ) -> JsonObject:
     """Check one stored record against its digest, signature and place in the chain.
 
-    Returns the parsed record. Raises ``ChainError`` naming the first mismatch.
+    Returns the parsed record. Raises ``ChainError`` naming the first mismatch,
+    whatever the bytes hold.
     """
     found = sha256_hex(record_bytes)
     if found != digest:
         raise ChainError(f"digest mismatch: stored {digest}, recomputed {found}")
-    record: dict[str, Any] = _parse_record(record_bytes)
-    key_id = record.get("key_id")
-    if not isinstance(key_id, str):
-        raise ChainError("record has no key_id")
+    if not HEX_256.match(signature):
+        raise ChainError("signature is not 64 lower-case hex characters")
+    record = _parse_record(record_bytes)
+    key_id = record["key_id"]
     try:
         key = keyring.key(key_id)
     except KeyError:
         raise ChainError(f"unknown key id {key_id!r}") from None
     if not hmac.compare_digest(sign_digest(key, digest), signature):
         raise ChainError(f"HMAC signature does not verify under key {key_id!r}")
-    if expected_parent is not None and record.get("parent_digest") != expected_parent:
+    if expected_parent is not None and record["parent_digest"] != expected_parent:
         raise ChainError(
-            f"parent mismatch: expected {expected_parent}, found {record.get('parent_digest')}"
+            f"parent mismatch: expected {expected_parent}, found {record['parent_digest']}"
         )
-    if expected_version is not None and record.get("version") != expected_version:
+    if expected_version is not None and record["version"] != expected_version:
         raise ChainError(
-            f"version mismatch: expected {expected_version}, found {record.get('version')}"
+            f"version mismatch: expected {expected_version}, found {record['version']}"
         )
     return record
 
 
-def _parse_record(record_bytes: bytes) -> dict[str, Any]:
+def _parse_record(record_bytes: bytes) -> JsonObject:
+    """Parse record bytes that must be canonical JSON of a format-1 record."""
     try:
         parsed = json.loads(record_bytes)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ChainError("record bytes are not JSON") from None
     if not isinstance(parsed, dict):
         raise ChainError("record is not a JSON object")
-    if canonical_bytes(parsed) != record_bytes:
+    try:
+        canonical = canonical_bytes(parsed)
+    except (ValueError, TypeError, RecursionError):
+        raise ChainError("record holds values outside the canonical JSON domain") from None
+    if canonical != record_bytes:
         raise ChainError("record bytes are not in canonical (RFC 8785) form")
+    if parsed.keys() != RECORD_MEMBERS:
+        raise ChainError(
+            f"record members differ from format {RECORD_FORMAT}: "
+            f"missing {sorted(RECORD_MEMBERS - parsed.keys())}, "
+            f"unexpected {sorted(parsed.keys() - RECORD_MEMBERS)}"
+        )
+    if parsed["format"] != RECORD_FORMAT:
+        raise ChainError(f"unsupported record format {parsed['format']!r}")
+    version = parsed["version"]
+    if type(version) is not int or not isinstance(parsed["key_id"], str):
+        raise ChainError("record version must be an integer and key_id a string")
+    if (parsed["kind"] == KIND_GENESIS) != (version == 0) or parsed["kind"] not in (
+        KIND_GENESIS,
+        KIND_TRANSITION,
+    ):
+        raise ChainError(f"record kind {parsed['kind']!r} does not fit version {version}")
     return parsed
 
 
@@ -150,6 +190,7 @@ class StoredLink:
     record_bytes: bytes
     digest: str
     signature: str
+    key_id: str | None = None  # the row's key id column, compared to the record's
 
 
 def verify_chain(links: Iterable[StoredLink], keyring: Keyring, *, thread_id: str) -> int:
@@ -175,7 +216,12 @@ def verify_chain(links: Iterable[StoredLink], keyring: Keyring, *, thread_id: st
             )
         except ChainError as exc:
             raise ChainError(f"thread {thread_id} version {expected_version}: {exc}") from None
-        if record.get("thread_id") != thread_id:
+        if record["thread_id"] != thread_id:
             raise ChainError(f"thread {thread_id} version {expected_version}: foreign thread id")
+        if link.key_id is not None and link.key_id != record["key_id"]:
+            raise ChainError(
+                f"thread {thread_id} version {expected_version}: stored key id "
+                f"{link.key_id!r} differs from the record's {record['key_id']!r}"
+            )
         parent, count = link.digest, count + 1
     return count

@@ -163,6 +163,7 @@ class Ledger:
         """Verify the thread's whole chain from genesis; returns its length."""
         rows = await self.rows(thread_id)
         links = (
-            StoredLink(r["version"], bytes(r["record"]), r["digest"], r["signature"]) for r in rows
+            StoredLink(r["version"], bytes(r["record"]), r["digest"], r["signature"], r["key_id"])
+            for r in rows
         )
         return verify_chain(links, self.keyring, thread_id=thread_id)

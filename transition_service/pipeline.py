@@ -155,8 +155,9 @@ class TransitionPipeline:
         check_privileged(caller, "create threads")
         check_thread_id(thread_id)
         check_size(initial_state_json, self._max_patch_bytes, "initial state")
-        state = parse_object(initial_state_json, what="initial state", max_depth=self._max_depth)
-        check_declared(state, self._policy)
+        initial = parse_object(initial_state_json, what="initial state", max_depth=self._max_depth)
+        check_declared(initial, self._policy)
+        state = apply_patch({}, initial)  # the genesis patch is applied like any other
         state_bytes = canonical_bytes(state)
         now = datetime.now(UTC)
         sealed = seal(
@@ -166,7 +167,7 @@ class TransitionPipeline:
                 version=0,
                 parent_digest=GENESIS_PARENT,
                 node_id=caller.spiffe_id,
-                patch=state,
+                patch=initial,
                 state_digest=sha256_hex(state_bytes),
                 policy_digest=self._policy.digest,
                 receipt_digest=None,

@@ -65,6 +65,9 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             status = rpc_errors.to_status(
                 errors.StorageUnavailable("the ledger database is unavailable; retry")
             )
+        except Exception as failure:
+            log.exception("%s failed unexpectedly: %s", method, type(failure).__name__)
+            status = rpc_errors.internal_status()
         await context.abort(status.code, status.details, status.trailing_metadata)
         raise AssertionError("unreachable: context.abort raises")
 

@@ -159,8 +159,11 @@ async def test_malformed_patch(
         b'{"requested_action": NaN}',
         b'{"requested_action": -Infinity}',
         b'{"requested_action": ' + b"[" * 40 + b"]" * 40 + b"}",
+        b'{"requested_action": 1e20}',
+        b'{"requested_action": 1e-400}',
+        b'{"requested_action": ' + b"7" * 5000 + b"}",
     ],
-    ids=["2^53", "-2^53", "1e400", "NaN", "-Infinity", "too-deep"],
+    ids=["2^53", "-2^53", "1e400", "NaN", "-Infinity", "too-deep", "1e20", "underflow", "digits"],
 )
 async def test_numbers_outside_ijson_and_deep_nesting(
     parser: ZtateClient, thread_id: str, ledger: Ledger, patch: bytes

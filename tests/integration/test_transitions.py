@@ -206,3 +206,17 @@ async def test_sdk_client_is_reusable_across_threads(target: str, pki: Pki) -> N
     async with worker:
         results = [await worker.propose(t, 0, {"requested_action": t}) for t in threads]
     assert [r.thread_id for r in results] == threads
+
+
+async def test_null_members_of_an_initial_state_are_not_state(
+    target: str, pki: Pki, ledger: Ledger
+) -> None:
+    """The genesis patch is applied like any other: a null member sets nothing."""
+    thread_id = await create(target, pki, {"raw_text": "x", "result_ref": None})
+    async with client(target, pki.operator()) as operator:
+        view = await operator.get_view(thread_id)
+        genesis = await operator.get_transition(thread_id=thread_id, version=0)
+    assert view.state == {"raw_text": "x"}
+    assert genesis.record["patch"] == {"raw_text": "x", "result_ref": None}
+    assert genesis.record["state_digest"] == hashlib.sha256(b'{"raw_text":"x"}').hexdigest()
+    assert await ledger.verify(thread_id) == 1

@@ -1,0 +1,36 @@
+"""The README's worked example runs, as a separate worker process, and says what the
+README says it says."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from tests.harness import Pki
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def test_quickstart_example_runs_against_the_service(target: str, pki: Pki) -> None:
+    for node in ("input-parser", "planner"):
+        pki.node(node)
+    pki.operator("admin")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(REPO / "examples" / "quickstart.py"),
+        "--target",
+        target,
+        "--certs",
+        str(pki.certs),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, stderr.decode()
+    lines = stdout.decode().splitlines()
+    assert lines[1] == "parser sees version 0: {'raw_text': 'please refund order 42'}"
+    assert lines[2].startswith("committed version 1, signed with key ")
+    assert lines[3] == "refused: KEY_NOT_WRITABLE ['execution_permissions', 'is_admin']"
+    assert lines[4] == "refused: STALE_VERSION, head is at 1"
+    assert lines[5] == "planner sees: {'authority': 'support-desk', 'requested_action': 'refund'}"
