@@ -32,7 +32,12 @@ async def main(target: str, certs: Path) -> None:
     # 1. An operator opens a thread with its initial state (version 0).
     async with connect(target, certs, "operator-admin") as operator:
         genesis = await operator.create_thread(
-            thread, {"raw_text": "please refund order 42", "authority": "support-desk"}
+            thread,
+            {
+                "raw_text": "please refund order A-42, it arrived broken",
+                "authority": {"tenant": "acme", "acting_for": "support desk"},
+                "target_user_id": "123e4567-e89b-42d3-a456-426614174000",
+            },
         )
     print(f"created {thread} at version {genesis.version}, digest {genesis.digest[:16]}...")
 
@@ -42,7 +47,8 @@ async def main(target: str, certs: Path) -> None:
         print(f"parser sees version {view.version}: {view.state}")
 
         # 3. It proposes a patch against that version; the service commits and signs it.
-        committed = await parser.propose(thread, view.version, {"requested_action": "refund"})
+        action = {"action": "refund", "order_id": "A-42", "amount_cents": 1299}
+        committed = await parser.propose(thread, view.version, {"requested_action": action})
         print(f"committed version {committed.version}, signed with key {committed.key_id}")
 
         # 4. Prompt-injected output tries to grant itself permissions: refused whole.
@@ -55,7 +61,7 @@ async def main(target: str, certs: Path) -> None:
 
         # 5. A writer working from an old version is told where the head is.
         try:
-            await parser.propose(thread, 0, {"requested_action": "cancel"})
+            await parser.propose(thread, 0, {"requested_action": {"action": "cancel_order"}})
         except StaleVersion as stale:
             print(f"refused: {stale.reason}, head is at {stale.current_version}")
 

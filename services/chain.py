@@ -225,3 +225,36 @@ def verify_chain(links: Iterable[StoredLink], keyring: Keyring, *, thread_id: st
             )
         parent, count = link.digest, count + 1
     return count
+
+
+KIND_PROPOSAL = "proposal"
+
+
+def build_proposal(
+    *,
+    thread_id: str,
+    base_version: int,
+    parent_digest: str,
+    node_id: str,
+    patch: JsonObject,
+    state_digest: str,
+    policy_digest: str,
+    risk_rules: Iterable[str],
+) -> JsonObject:
+    """What a reviewer approves: one patch by one node on one exact head.
+
+    Its digest (sha256 of its RFC 8785 bytes) is the transition digest an approval
+    binds to; docs/policy.md defines it.
+    """
+    return {
+        "format": RECORD_FORMAT,
+        "kind": KIND_PROPOSAL,
+        "thread_id": thread_id,
+        "base_version": base_version,
+        "parent_digest": parent_digest,
+        "node_id": node_id,
+        "patch": patch,
+        "state_digest": state_digest,
+        "policy_digest": policy_digest,
+        "risk_rules": sorted(risk_rules),
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from services import ca
 from services.config import Settings
 from services.identity import NAME, Identity, Role
 from services.keyring import KeyringError, generate_keyring_file
-from services.policy import Policy, PolicyError
+from services.policy import PolicyError, PolicySet
 from services.store.migrate import MigrationError
 
 
@@ -66,12 +67,17 @@ def cmd_run(_: argparse.Namespace) -> int:
     database = (
         "DATABASE_URL" if settings.database_url else f"embedded Postgres in {settings.home / 'pg'}"
     )
-    nodes = ", ".join(sorted(layout.policy.document.nodes))
+    nodes = ", ".join(
+        sorted(n for p in layout.policies.policies.values() for n in p.document.nodes)
+    )
+    policies = ", ".join(
+        f"{p.name} (digest {p.digest[:16]}...)" for p in layout.policies.policies.values()
+    )
     print(
         f"""ztate control plane
   listening     {settings.listen} (mTLS, trust domain {settings.trust_domain})
   database      {database}
-  policy        {settings.policy_file} ({layout.policy.name}, digest {layout.policy.digest[:16]}...)
+  policy        {settings.policy_path}: {policies}
   certificates  {certs}/  (ca.crt, operator-{OPERATOR_NAME}.*, node-<name>.* for: {nodes})
   CA key        {layout.ca_dir.resolve()}/ca.key (never give it to a service or a worker)
 
@@ -134,13 +140,34 @@ def cmd_keys_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_policy_check(args: argparse.Namespace) -> int:
+def _load_policies(path: Path) -> PolicySet | None:
     try:
-        policy = Policy.load(Path(args.file))
+        return PolicySet.load(path)
     except PolicyError as exc:
-        print(f"ztate: {exc}", file=sys.stderr)
+        print(f"ztate: invalid policy:\n{exc}", file=sys.stderr)
+        return None
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    """Validate a policy file or folder offline."""
+    policies = _load_policies(Path(args.path))
+    if policies is None:
         return 1
-    print(f"{args.file}: valid policy {policy.name!r}, digest {policy.digest}")
+    for policy in policies.policies.values():
+        print(f"{policy.name}: valid, digest {policy.digest}")
+    return 0
+
+
+def cmd_policy_show(args: argparse.Namespace) -> int:
+    """Print the effective policy: every default filled in, with its digest."""
+    path = Path(args.path) if args.path else _settings().policy_path
+    assert path is not None
+    policies = _load_policies(path)
+    if policies is None:
+        return 1
+    for policy in policies.policies.values():
+        print(f"# policy {policy.name}, digest {policy.digest}")
+        print(json.dumps(policy.document.model_dump(mode="json"), indent=2))
     return 0
 
 
@@ -182,9 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     policy = sub.add_parser("policy", help="policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
-    check = policy_sub.add_parser("check", help="validate a policy file offline")
-    check.add_argument("file")
+    check = policy_sub.add_parser("check", help="validate a policy file or folder offline")
+    check.add_argument("path")
     check.set_defaults(func=cmd_policy_check)
+    show = policy_sub.add_parser("show", help="print the effective policy and its digest")
+    show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")
+    show.set_defaults(func=cmd_policy_show)
     return parser
 
 

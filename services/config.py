@@ -29,7 +29,9 @@ class Settings(BaseSettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
-    policy_file: Path | None = None
+    policy_path: Path | None = Field(
+        default=None, description="a policy file, or a folder of them (one per workflow)"
+    )
     hmac_keyring_file: Path | None = None
     hmac_keyring: SecretStr | None = Field(
         default=None, description="keyring JSON (overrides file)"
@@ -47,7 +49,7 @@ class Settings(BaseSettings):
             "tls_cert": certs / "service-transition.crt",
             "tls_key": certs / "service-transition.key",
             "tls_ca": certs / "ca.crt",
-            "policy_file": self.home / "policy.yaml",
+            "policy_path": self.home / "policy.yaml",
             "hmac_keyring_file": self.home / "keys" / "hmac-keyring.json",
         }
         for name, default in defaults.items():

@@ -15,7 +15,7 @@ from services import ca
 from services.config import Settings
 from services.identity import Identity, Role
 from services.keyring import generate_keyring_file
-from services.policy import Policy
+from services.policy import PolicySet
 
 OPERATOR_NAME = "admin"
 
@@ -24,21 +24,21 @@ OPERATOR_NAME = "admin"
 class DevLayout:
     ca_dir: Path
     certs: Path
-    policy: Policy
+    policies: PolicySet
 
 
 def ensure_dev_layout(settings: Settings) -> DevLayout:
     """Create whatever of the development layout is missing."""
     home = settings.home
     ca_dir, certs = home / "ca", home / "certs"
-    assert settings.policy_file is not None
+    assert settings.policy_path is not None
     assert settings.hmac_keyring_file is not None
-    if not settings.policy_file.exists():
-        settings.policy_file.parent.mkdir(parents=True, exist_ok=True)
+    if not settings.policy_path.exists():
+        settings.policy_path.parent.mkdir(parents=True, exist_ok=True)
         source = resources.files("services").joinpath("defaults/policy.yaml")
         with resources.as_file(source) as path:
-            shutil.copyfile(path, settings.policy_file)
-    policy = Policy.load(settings.policy_file)
+            shutil.copyfile(path, settings.policy_path)
+    policies = PolicySet.load(settings.policy_path)
     if not (ca_dir / ca.CA_CERT).exists():
         ca.init_ca(ca_dir, settings.trust_domain)
 
@@ -49,8 +49,9 @@ def ensure_dev_layout(settings: Settings) -> DevLayout:
 
     issue(Role.SERVICE, "transition", dns_names=("localhost",), ip_addresses=("127.0.0.1",))
     issue(Role.OPERATOR, OPERATOR_NAME)
-    for node in policy.document.nodes:
-        issue(Role.NODE, node)
+    for policy in policies.policies.values():
+        for node in policy.document.nodes:
+            issue(Role.NODE, node)
     if settings.hmac_keyring is None and not settings.hmac_keyring_file.exists():
         generate_keyring_file(settings.hmac_keyring_file)
-    return DevLayout(ca_dir=ca_dir, certs=certs, policy=policy)
+    return DevLayout(ca_dir=ca_dir, certs=certs, policies=policies)

@@ -26,12 +26,14 @@ class ZtateError(Exception):
         keys: Iterable[str] = (),
         current_version: int | None = None,
         limit: int | None = None,
+        rules: Iterable[str] = (),
     ) -> None:
         super().__init__(message)
         self.message = message
         self.keys: tuple[str, ...] = tuple(sorted(keys))
         self.current_version = current_version
         self.limit = limit
+        self.rules: tuple[str, ...] = tuple(rules)
 
 
 class IdentityInvalid(ZtateError):
@@ -92,6 +94,30 @@ class KeyUnknown(ZtateError):
 
 class StorageUnavailable(ZtateError):
     reason = "STORAGE_UNAVAILABLE"
+
+
+class SchemaViolation(ZtateError):
+    reason = "SCHEMA_VIOLATION"
+
+
+class LayerViolation(ZtateError):
+    reason = "LAYER_VIOLATION"
+
+
+class InvariantViolated(ZtateError):
+    reason = "INVARIANT_VIOLATED"
+
+
+class CredentialDetected(ZtateError):
+    reason = "CREDENTIAL_DETECTED"
+
+
+class PolicyNotFound(ZtateError):
+    reason = "POLICY_NOT_FOUND"
+
+
+class PolicyMismatch(ZtateError):
+    reason = "POLICY_MISMATCH"
 
 
 ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())

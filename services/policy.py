@@ -1,85 +1,295 @@
-"""The policy: which state keys exist and what each node may read and write.
+"""The policy: the single, declarative source of what every node may see and do.
 
-A policy is a YAML or JSON document, validated in full when loaded (a bad policy
-stops start-up; it is never half-applied). Its digest, recorded in every ledger
-record, is SHA-256 over the RFC 8785 form of the validated document.
+A policy document (YAML or JSON) declares the state keys (each with a type and
+an authority layer), the nodes (what each reads and writes, at which layer, and
+its patch size limit), CEL invariants every candidate state must satisfy, and
+risk rules whose matches are parked for approval. It is validated whole when
+loaded: a bad policy stops start-up with messages naming the offending entry and
+its line, and is never half-applied. Its digest, recorded in every ledger
+record, is SHA-256 over the RFC 8785 form of the document as written.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StringConstraints,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from services.canonical import canonical_bytes, sha256_hex
 from services.identity import NAME
+from services.rules import Expression, ExpressionError
+from services.schema import (
+    MAX_TYPE_DEPTH,
+    BooleanType,
+    EnumType,
+    IntegerType,
+    ListType,
+    NumberType,
+    ObjectType,
+    StateValidator,
+    StringType,
+    TimestampType,
+    UuidType,
+    type_depth,
+)
 
 POLICY_FORMAT = 1
 KeyName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
 NodeName = Annotated[str, StringConstraints(pattern=NAME.pattern)]
+RuleName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
 
 
 class PolicyError(ValueError):
-    """The policy document is invalid; the message points at the offending entry."""
+    """The policy is invalid; the message names each offending entry and its line."""
+
+
+class Layer(enum.StrEnum):
+    """Authority layers, highest first. A lower layer never overrides a higher one."""
+
+    CORE = "core"
+    CHARACTERISTICS = "characteristics"
+    SHARED = "shared"
+    DELEGATED = "delegated"
+    WORKING = "working"
+    MEMORY = "memory"
+
+    @property
+    def rank(self) -> int:
+        """0 for core (highest authority) to 5 for memory."""
+        return list(Layer).index(self)
+
+    @property
+    def immutable(self) -> bool:
+        """Core and characteristics are set at thread creation and never change."""
+        return self in (Layer.CORE, Layer.CHARACTERISTICS)
+
+
+class _KeyAttributes(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    layer: Annotated[Layer, Field(strict=False)]
+    # the credential detector's entropy heuristic skips opaque keys (digests, ids)
+    opaque: bool = False
+    # reviewers see a digest instead of the value of a sensitive key
+    sensitive: bool = False
+
+
+class StringKey(StringType, _KeyAttributes):
+    pass
+
+
+class IntegerKey(IntegerType, _KeyAttributes):
+    pass
+
+
+class NumberKey(NumberType, _KeyAttributes):
+    pass
+
+
+class BooleanKey(BooleanType, _KeyAttributes):
+    pass
+
+
+class EnumKey(EnumType, _KeyAttributes):
+    pass
+
+
+class UuidKey(UuidType, _KeyAttributes):
+    pass
+
+
+class TimestampKey(TimestampType, _KeyAttributes):
+    pass
+
+
+class ListKey(ListType, _KeyAttributes):
+    pass
+
+
+class ObjectKey(ObjectType, _KeyAttributes):
+    pass
+
+
+KeySpec = Annotated[
+    StringKey
+    | IntegerKey
+    | NumberKey
+    | BooleanKey
+    | EnumKey
+    | UuidKey
+    | TimestampKey
+    | ListKey
+    | ObjectKey,
+    Field(discriminator="type"),
+]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class KeySpec(_Strict):
-    """One state key."""
-
-    description: str = ""
-
-
 class NodeSpec(_Strict):
     """What one node may see and change."""
 
+    layer: Annotated[Layer, Field(strict=False)]
     read: list[KeyName] = Field(default_factory=list)
     write: list[KeyName] = Field(default_factory=list)
     max_patch_bytes: int | None = Field(default=None, gt=0, le=4 * 1024 * 1024)
 
 
+class InvariantSpec(_Strict):
+    """A CEL expression every candidate state must satisfy."""
+
+    name: RuleName
+    expression: str = Field(min_length=1)
+    message: str = ""
+
+
+class RiskRuleSpec(_Strict):
+    """A change that needs human approval: touching ``keys``, or ``expression`` true."""
+
+    name: RuleName
+    keys: list[KeyName] | None = None
+    expression: str | None = None
+    approvals: int = Field(default=1, ge=1, le=16)
+    message: str = ""
+
+
 class PolicyDocument(_Strict):
     """The policy file as written."""
 
-    format: int = Field(description="policy format version")
+    format: int
     name: NodeName
-    keys: dict[KeyName, KeySpec]
+    description: str = ""
+    keys: dict[KeyName, KeySpec] = Field(min_length=1)
     nodes: dict[NodeName, NodeSpec]
+    invariants: list[InvariantSpec] = Field(default_factory=list)
+    risk: list[RiskRuleSpec] = Field(default_factory=list)
 
-    @model_validator(mode="after")
-    def _references_resolve(self) -> PolicyDocument:
-        if self.format != POLICY_FORMAT:
-            raise ValueError(f"unsupported policy format {self.format}; expected {POLICY_FORMAT}")
-        for node_name, node in self.nodes.items():
-            for verb, keys in (("read", node.read), ("write", node.write)):
-                unknown = sorted(set(keys) - set(self.keys))
-                if unknown:
-                    raise ValueError(f"nodes.{node_name}.{verb} names undeclared keys {unknown}")
-        return self
+
+@dataclass(frozen=True)
+class Invariant:
+    name: str
+    expression: Expression
+    message: str
+
+
+@dataclass(frozen=True)
+class RiskRule:
+    name: str
+    keys: frozenset[str]
+    expression: Expression | None
+    approvals: int
+    message: str
+
+
+Problem = tuple[tuple[str | int, ...], str]
+
+
+def _cross_check(doc: PolicyDocument) -> tuple[list[Problem], list[Invariant], list[RiskRule]]:
+    """What a schema alone cannot say: references resolve, layers are respected."""
+    problems: list[Problem] = []
+    declared = frozenset(doc.keys)
+    if doc.format != POLICY_FORMAT:
+        problems.append((("format",), f"unsupported policy format {doc.format}"))
+    for key, key_spec in doc.keys.items():
+        if type_depth(key_spec) > MAX_TYPE_DEPTH:
+            problems.append((("keys", key), f"nests deeper than {MAX_TYPE_DEPTH} levels"))
+    for node_name, node in doc.nodes.items():
+        if node.layer.immutable:
+            problems.append(
+                (("nodes", node_name, "layer"), f"nodes act at shared or below, not {node.layer}")
+            )
+        for verb, keys in (("read", node.read), ("write", node.write)):
+            for index, key in enumerate(keys):
+                if key not in declared:
+                    problems.append(
+                        ((("nodes", node_name, verb, index)), f"undeclared key {key!r}")
+                    )
+        for index, key in enumerate(node.write):
+            spec = doc.keys.get(key)
+            if spec is None:
+                continue
+            where = ("nodes", node_name, "write", index)
+            if spec.layer.immutable:
+                problems.append(
+                    (
+                        where,
+                        f"grants write access to {spec.layer} key {key!r}; core and "
+                        "characteristics keys are set only when a thread is created",
+                    )
+                )
+            elif spec.layer.rank < node.layer.rank:
+                problems.append(
+                    (
+                        where,
+                        f"key {key!r} is in layer {spec.layer}, above the node's layer "
+                        f"{node.layer}: a lower layer never overrides a higher one",
+                    )
+                )
+    invariants: list[Invariant] = []
+    rules: list[RiskRule] = []
+    for kind, names in (
+        ("invariants", [inv.name for inv in doc.invariants]),
+        ("risk", [rule.name for rule in doc.risk]),
+    ):
+        for index, name in enumerate(names):
+            if names.index(name) != index:
+                problems.append(((kind, index, "name"), f"duplicate rule name {name!r}"))
+    for index, inv in enumerate(doc.invariants):
+        try:
+            invariants.append(
+                Invariant(inv.name, Expression.compile(inv.expression, declared), inv.message)
+            )
+        except ExpressionError as exc:
+            problems.append((("invariants", index, "expression"), str(exc)))
+    for index, rule in enumerate(doc.risk):
+        if (rule.keys is None) == (rule.expression is None):
+            problems.append((("risk", index), "give exactly one of keys or expression"))
+            continue
+        expression = None
+        if rule.expression is not None:
+            try:
+                expression = Expression.compile(rule.expression, declared)
+            except ExpressionError as exc:
+                problems.append((("risk", index, "expression"), str(exc)))
+                continue
+        unknown = sorted(set(rule.keys or ()) - declared)
+        if unknown:
+            problems.append((("risk", index, "keys"), f"undeclared keys {unknown}"))
+            continue
+        rules.append(
+            RiskRule(
+                rule.name, frozenset(rule.keys or ()), expression, rule.approvals, rule.message
+            )
+        )
+    return problems, invariants, rules
 
 
 class Policy:
     """A validated policy, indexed for the proposal path."""
 
-    def __init__(self, document: PolicyDocument) -> None:
+    def __init__(
+        self,
+        document: PolicyDocument,
+        digest: str,
+        invariants: list[Invariant],
+        risk_rules: list[RiskRule],
+    ) -> None:
         self.document = document
         self.name = document.name
-        self.digest = sha256_hex(canonical_bytes(document.model_dump(mode="json")))
+        self.digest = digest
         self.keys = frozenset(document.keys)
+        self.invariants = tuple(invariants)
+        self.risk_rules = tuple(risk_rules)
+        self.opaque_keys = frozenset(k for k, spec in document.keys.items() if spec.opaque)
+        self.validator = StateValidator(document.name, dict(document.keys))
         self._readable = {name: frozenset(node.read) for name, node in document.nodes.items()}
         self._writable = {name: frozenset(node.write) for name, node in document.nodes.items()}
 
@@ -92,6 +302,12 @@ class Policy:
     def writable(self, node: str) -> frozenset[str]:
         return self._writable[node]
 
+    def node_layer(self, node: str) -> Layer:
+        return self.document.nodes[node].layer
+
+    def key_layer(self, key: str) -> Layer:
+        return self.document.keys[key].layer
+
     def max_patch_bytes(self, node: str) -> int | None:
         return self.document.nodes[node].max_patch_bytes
 
@@ -99,15 +315,24 @@ class Policy:
         return sorted(set(keys) - self.keys)
 
     @classmethod
-    def from_mapping(cls, raw: Any, *, source: str) -> Policy:
+    def from_mapping(cls, raw: Any, *, source: str, lines: yaml.Node | None = None) -> Policy:
+        """Validate a parsed document; ``lines`` (its YAML node tree) adds line numbers."""
         try:
-            return cls(PolicyDocument.model_validate(raw))
+            document = PolicyDocument.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(part) for part in err['loc']) or '<document>'}: {err['msg']}"
-                for err in exc.errors()
-            )
-            raise PolicyError(f"{source}: {problems}") from None
+            problems: list[Problem] = [
+                (tuple(err["loc"]), err["msg"])
+                for err in exc.errors(include_input=False, include_url=False)
+            ]
+            raise PolicyError(_describe(source, problems, lines)) from None
+        problems, invariants, rules = _cross_check(document)
+        if problems:
+            raise PolicyError(_describe(source, problems, lines))
+        try:
+            digest = sha256_hex(canonical_bytes(raw))
+        except (ValueError, TypeError):
+            raise PolicyError(f"{source}: holds values JSON cannot represent") from None
+        return cls(document, digest, invariants, rules)
 
     @classmethod
     def load(cls, path: Path) -> Policy:
@@ -116,10 +341,98 @@ class Policy:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise PolicyError(f"{path}: cannot read policy ({exc.strerror})") from None
+        lines: yaml.Node | None = None
         try:
-            raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+            if path.suffix == ".json":
+                raw = json.loads(text)
+            else:
+                raw = yaml.safe_load(text)
+                lines = yaml.compose(text, Loader=yaml.SafeLoader)
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise PolicyError(
-                f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}"
-            ) from None
-        return cls.from_mapping(raw, source=str(path))
+            kind = "JSON" if path.suffix == ".json" else "YAML"
+            raise PolicyError(f"{path}: not valid {kind}: {exc}") from None
+        return cls.from_mapping(raw, source=str(path), lines=lines)
+
+
+def _line_of(root: yaml.Node | None, path: tuple[str | int, ...]) -> int | None:
+    """The 1-based line of the deepest node along ``path`` (unknown parts are skipped,
+    such as the type tags pydantic adds to locations)."""
+    node, line = root, None
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if key_node.value == str(part):
+                    node, line = value_node, key_node.start_mark.line + 1
+                    break
+        elif (
+            isinstance(node, yaml.SequenceNode)
+            and isinstance(part, int)
+            and 0 <= part < len(node.value)
+        ):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+    if line is None and root is not None:
+        line = root.start_mark.line + 1
+    return line
+
+
+TYPE_TAGS = frozenset(
+    {"string", "integer", "number", "boolean", "enum", "uuid", "timestamp", "list", "object"}
+)
+
+
+def _describe(source: str, problems: list[Problem], lines: yaml.Node | None) -> str:
+    parts = []
+    for path, message in problems:
+        # pydantic puts the discriminating type tag into locations; readers never wrote it
+        where = ".".join(str(p) for p in path if p not in TYPE_TAGS) or "<document>"
+        line = _line_of(lines, path)
+        parts.append(
+            f"{source}:{line}: {where}: {message}" if line else f"{source}: {where}: {message}"
+        )
+    return "\n".join(parts)
+
+
+class PolicySet:
+    """All loaded policies; each node is registered in exactly one."""
+
+    def __init__(self, policies: Iterable[Policy]) -> None:
+        self.policies: dict[str, Policy] = {}
+        self._by_node: dict[str, Policy] = {}
+        for policy in policies:
+            if policy.name in self.policies:
+                raise PolicyError(f"two policies are named {policy.name!r}")
+            self.policies[policy.name] = policy
+            for node in policy.document.nodes:
+                other = self._by_node.get(node)
+                if other is not None:
+                    raise PolicyError(
+                        f"node {node!r} is registered in both {other.name!r} and "
+                        f"{policy.name!r}; a node belongs to one policy"
+                    )
+                self._by_node[node] = policy
+        if not self.policies:
+            raise PolicyError("no policy loaded")
+
+    def get(self, name: str) -> Policy | None:
+        return self.policies.get(name)
+
+    def of_node(self, node: str) -> Policy | None:
+        return self._by_node.get(node)
+
+    @property
+    def only(self) -> Policy | None:
+        """The policy, when exactly one is loaded."""
+        return next(iter(self.policies.values())) if len(self.policies) == 1 else None
+
+    @classmethod
+    def load(cls, path: Path) -> PolicySet:
+        """One policy file, or every .yaml/.yml/.json file of a folder."""
+        if path.is_dir():
+            files = sorted(
+                p for p in path.iterdir() if p.suffix in {".yaml", ".yml", ".json"} and p.is_file()
+            )
+            if not files:
+                raise PolicyError(f"{path}: no policy files (.yaml, .yml, .json)")
+            return cls(Policy.load(p) for p in files)
+        return cls([Policy.load(path)])

@@ -33,6 +33,12 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.RequestInvalid: grpc.StatusCode.INVALID_ARGUMENT,
     errors.KeyUnknown: grpc.StatusCode.INVALID_ARGUMENT,
     errors.StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.SchemaViolation: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.LayerViolation: grpc.StatusCode.PERMISSION_DENIED,
+    errors.InvariantViolated: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.CredentialDetected: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.PolicyNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.PolicyMismatch: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -51,12 +57,15 @@ def to_status(error: errors.ZtateError) -> grpc.Status:
         keys=list(error.keys),
         current_version=error.current_version or 0,
         limit=error.limit or 0,
+        rules=list(error.rules),
     )
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
     if error.current_version is not None:
         info.metadata["current_version"] = str(error.current_version)
     if error.keys:
         info.metadata["keys"] = ",".join(error.keys)
+    if error.rules:
+        info.metadata["rules"] = ",".join(error.rules)
     status = status_pb2.Status(
         code=getattr(code_pb2, code.name),
         message=error.message,

@@ -73,7 +73,7 @@ def settings(pki: Pki, keyring_file: Path, tmp_path_factory: pytest.TempPathFact
         tls_cert=pki.certs / "service-transition.crt",
         tls_key=pki.certs / "service-transition.key",
         tls_ca=pki.certs / "ca.crt",
-        policy_file=POLICY,
+        policy_path=POLICY,
         hmac_keyring_file=keyring_file,
         max_patch_bytes=TEST_MAX_PATCH_BYTES,
         db_pool_size=8,

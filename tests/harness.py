@@ -7,6 +7,7 @@ the service listens on a loopback port with mutual TLS.
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -23,6 +24,18 @@ from worker_sdk import ZtateClient
 
 TRUST_DOMAIN = "ztate.test"
 NODES = ("input-parser", "planner", "approval-gate", "db-writer")
+USER = "123e4567-e89b-42d3-a456-426614174000"
+# A valid initial state of the default pipeline policy (services/defaults/policy.yaml).
+INITIAL = {
+    "raw_text": "please refund order A-42",
+    "authority": {"tenant": "acme"},
+    "target_user_id": USER,
+}
+
+
+def act(tag: str, action: str = "refund") -> dict[str, str]:
+    """A requested_action the input parser may write, distinguishable by ``tag``."""
+    return {"action": action, "order_id": re.sub(r"[^A-Z0-9-]", "-", tag.upper())[:32]}
 
 
 def with_database(dsn: str, database: str) -> str:

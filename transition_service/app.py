@@ -17,7 +17,7 @@ from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 from services.config import Settings
 from services.keyring import Keyring
-from services.policy import Policy
+from services.policy import PolicySet
 from services.store.embedded import start_embedded_postgres
 from services.store.migrate import migrate
 from services.store.transitions import TransitionStore
@@ -66,8 +66,8 @@ def resolve_dsn(settings: Settings) -> tuple[str, Any]:
 
 async def start(settings: Settings, *, dsn: str | None = None) -> RunningService:
     """Validate everything, migrate, and start serving. Fails before binding on bad input."""
-    assert settings.policy_file is not None
-    policy = Policy.load(settings.policy_file)
+    assert settings.policy_path is not None
+    policies = PolicySet.load(settings.policy_path)
     keyring = Keyring.load(
         settings.hmac_keyring_file,
         settings.hmac_keyring.get_secret_value() if settings.hmac_keyring else None,
@@ -89,7 +89,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     await store.ping()
     pipeline = TransitionPipeline(
         store=store,
-        policy=policy,
+        policies=policies,
         keyring=keyring,
         max_patch_bytes=settings.max_patch_bytes,
         max_depth=settings.max_depth,
@@ -124,10 +124,9 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(
-        "transition service listening on port %d, policy %s (%s), key %s",
+        "transition service listening on port %d, policies %s, key %s",
         port,
-        policy.name,
-        policy.digest[:12],
+        ", ".join(f"{p.name} ({p.digest[:12]})" for p in policies.policies.values()),
         keyring.current,
     )
     return RunningService(server, port, store, health, embedded)

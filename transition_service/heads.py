@@ -19,6 +19,7 @@ class CachedHead:
     version: int
     digest: str
     state: JsonObject
+    policy_name: str
 
 
 class HeadCache:

@@ -1,7 +1,13 @@
 """The proposal pipeline: every check a proposal passes, top to bottom.
 
-Each check is a small function that raises one domain error. The pipeline knows
-nothing of gRPC; ``transition_service.server`` adapts it.
+A proposal is checked in this order, each check a small function with its own
+reason code: the caller's identity and registration, request fields and size
+(before parsing), strict parsing, the write allowlist, the strict schema,
+credentials, authority layers; then, on the head it builds on, the policy the
+thread is bound to, the CEL invariants of the candidate state and the risk
+rules. A risky proposal is parked; any other passing proposal is sealed into the
+chain and committed with compare-and-swap. The pipeline knows nothing of gRPC;
+``transition_service.server`` adapts it.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 
@@ -20,13 +27,22 @@ from services.chain import (
     KIND_GENESIS,
     KIND_TRANSITION,
     SealedRecord,
+    build_proposal,
     build_record,
     seal,
 )
+from services.credentials import find_credential
 from services.identity import Identity, Role
 from services.keyring import Keyring
-from services.policy import Policy
-from services.store.transitions import Head, Rejection, StoredTransition, TransitionStore
+from services.policy import Policy, PolicySet
+from services.schema import TypeMismatch
+from services.store.transitions import (
+    Head,
+    PendingTransition,
+    Rejection,
+    StoredTransition,
+    TransitionStore,
+)
 from transition_service.heads import CachedHead, HeadCache
 
 THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -46,6 +62,15 @@ class Proposal:
 class Committed:
     transition: StoredTransition
     replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    pending: PendingTransition
+    replayed: bool
+
+
+Outcome = Committed | Parked
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +94,22 @@ def check_privileged(caller: Identity, action: str) -> None:
         raise errors.RoleForbidden(f"a {caller.role} identity may not {action}")
 
 
-def check_registered(caller: Identity, policy: Policy) -> None:
+def check_registered(caller: Identity, policies: PolicySet) -> Policy:
+    """The caller is a node registered in a policy; returns that policy."""
     if caller.role is not Role.NODE:
         raise errors.RoleForbidden(f"a {caller.role} identity may not propose transitions")
-    if not policy.is_registered(caller.name):
-        raise errors.NodeNotRegistered(f"node {caller.name!r} is not registered in the policy")
+    policy = policies.of_node(caller.name)
+    if policy is None:
+        raise errors.NodeNotRegistered(f"node {caller.name!r} is not registered in any policy")
+    return policy
+
+
+def check_bound_policy(caller: Identity, policy: Policy, head: Head | CachedHead) -> None:
+    if head.policy_name != policy.name:
+        raise errors.PolicyMismatch(
+            f"node {caller.name!r} belongs to policy {policy.name!r}; the thread is bound to "
+            f"another policy"
+        )
 
 
 def check_proposal_fields(proposal: Proposal) -> None:
@@ -108,6 +144,75 @@ def check_declared(state: JsonObject, policy: Policy) -> None:
         raise errors.KeyUnknown(f"keys not declared in the policy: {unknown}", keys=unknown)
 
 
+def check_schema(members: JsonObject, policy: Policy) -> None:
+    try:
+        policy.validator.check(members)
+    except TypeMismatch as mismatch:
+        raise errors.SchemaViolation(
+            f"values do not fit their declared types: {mismatch}", keys=mismatch.keys
+        ) from None
+
+
+def check_credentials(members: JsonObject, policy: Policy) -> None:
+    for key, value in members.items():
+        if value is None:
+            continue
+        finding = find_credential(value, high_entropy=key not in policy.opaque_keys)
+        if finding is not None:
+            where = f" at {finding.path}" if finding.path else ""
+            raise errors.CredentialDetected(
+                f"the value of {key!r}{where} looks like a {finding.kind}; secrets never "
+                "enter state (mark the key opaque if it holds digests or random ids)",
+                keys=[key],
+            )
+
+
+def check_layers(patch: JsonObject, policy: Policy, node: str) -> None:
+    """Defence in depth: policy loading already refuses such grants."""
+    node_layer = policy.node_layer(node)
+    for key in patch:
+        layer = policy.key_layer(key)
+        if layer.immutable:
+            raise errors.LayerViolation(
+                f"{key!r} is a {layer} key: it is set when the thread is created and never changes",
+                keys=[key],
+            )
+        if layer.rank < node_layer.rank:
+            raise errors.LayerViolation(
+                f"{key!r} is in layer {layer}, above this node's layer {node_layer}",
+                keys=[key],
+            )
+
+
+def activation(state: JsonObject, old: JsonObject, patch: JsonObject, node: str) -> dict[str, Any]:
+    return {"state": state, "old": old, "patch": patch, "node": node}
+
+
+def check_invariants(policy: Policy, bindings: dict[str, Any]) -> None:
+    broken = [inv for inv in policy.invariants if not inv.expression.holds(bindings)]
+    if broken:
+        first = broken[0]
+        raise errors.InvariantViolated(
+            f"invariant {first.name!r} does not hold"
+            + (f": {first.message}" if first.message else ""),
+            rules=[inv.name for inv in broken],
+        )
+
+
+def matched_risk_rules(policy: Policy, bindings: dict[str, Any]) -> list[str]:
+    """Names of the risk rules this change matches (a key rule needs a real change)."""
+    old, patch = bindings["old"], bindings["patch"]
+    matched = []
+    for rule in policy.risk_rules:
+        if rule.expression is not None:
+            hit = rule.expression.may_match(bindings)
+        else:
+            hit = any(key in patch and patch[key] != old.get(key) for key in rule.keys)
+        if hit:
+            matched.append(rule.name)
+    return matched
+
+
 def apply_patch(state: JsonObject, patch: JsonObject) -> JsonObject:
     """Each member sets its key; a null member removes it."""
     result = dict(state)
@@ -136,28 +241,32 @@ class TransitionPipeline:
         self,
         *,
         store: TransitionStore,
-        policy: Policy,
+        policies: PolicySet,
         keyring: Keyring,
         max_patch_bytes: int,
         max_depth: int,
         head_cache_size: int,
     ) -> None:
         self._store = store
-        self._policy = policy
+        self._policies = policies
         self._keyring = keyring
         self._max_patch_bytes = max_patch_bytes
         self._max_depth = max_depth
         self._heads = HeadCache(head_cache_size)
 
     async def create_thread(
-        self, caller: Identity, thread_id: str, initial_state_json: bytes
+        self, caller: Identity, thread_id: str, policy_name: str, initial_state_json: bytes
     ) -> StoredTransition:
         check_privileged(caller, "create threads")
         check_thread_id(thread_id)
+        policy = self._policy_named(policy_name)
         check_size(initial_state_json, self._max_patch_bytes, "initial state")
         initial = parse_object(initial_state_json, what="initial state", max_depth=self._max_depth)
-        check_declared(initial, self._policy)
+        check_declared(initial, policy)
+        check_schema(initial, policy)
+        check_credentials(initial, policy)
         state = apply_patch({}, initial)  # the genesis patch is applied like any other
+        check_invariants(policy, activation(state, {}, initial, caller.name))
         state_bytes = canonical_bytes(state)
         now = datetime.now(UTC)
         sealed = seal(
@@ -169,7 +278,7 @@ class TransitionPipeline:
                 node_id=caller.spiffe_id,
                 patch=initial,
                 state_digest=sha256_hex(state_bytes),
-                policy_digest=self._policy.digest,
+                policy_digest=policy.digest,
                 receipt_digest=None,
                 key_id=self._keyring.current,
                 committed_at=now,
@@ -177,30 +286,44 @@ class TransitionPipeline:
             self._keyring,
         )
         created = await self._store.create_thread(
-            sealed, state_bytes, policy_name=self._policy.name, committed_at=now
+            sealed, state_bytes, policy_name=policy.name, committed_at=now
         )
         if not created:
             raise errors.ThreadExists(f"thread {thread_id!r} already exists")
-        self._heads.put(thread_id, CachedHead(0, sealed.digest, state))
+        self._heads.put(thread_id, CachedHead(0, sealed.digest, state, policy.name))
         return _as_stored(sealed, now, None, None)
+
+    def _policy_named(self, name: str) -> Policy:
+        if not name:
+            only = self._policies.only
+            if only is None:
+                raise errors.RequestInvalid("several policies are loaded: name the thread's policy")
+            return only
+        policy = self._policies.get(name)
+        if policy is None:
+            raise errors.PolicyNotFound(f"no policy named {name!r} is loaded")
+        return policy
 
     async def view(self, caller: Identity, thread_id: str) -> View:
         check_thread_id(thread_id)
+        readable: frozenset[str] | None = None
+        policy = None
         if caller.role is Role.NODE:
-            check_registered(caller, self._policy)
-            readable: frozenset[str] | None = self._policy.readable(caller.name)
+            policy = check_registered(caller, self._policies)
+            readable = policy.readable(caller.name)
         else:
             check_privileged(caller, "read views")
-            readable = None
         head = await self._store.read_head(thread_id)
         if head is None:
             raise errors.ThreadNotFound(f"thread {thread_id!r} does not exist")
+        if policy is not None:
+            check_bound_policy(caller, policy, head)
         state = self._remember(head)
         projected = state if readable is None else {k: state[k] for k in state.keys() & readable}
         return View(thread_id, head.version, head.digest, canonical_bytes(projected))
 
-    async def propose(self, caller: Identity, proposal: Proposal) -> Committed:
-        """Run every check; commit, replay, or refuse (and record the refusal)."""
+    async def propose(self, caller: Identity, proposal: Proposal) -> Outcome:
+        """Run every check; commit, park, replay, or refuse (and record the refusal)."""
         try:
             return await self._propose(caller, proposal)
         except errors.ZtateError as refusal:
@@ -208,20 +331,35 @@ class TransitionPipeline:
                 await self._store.record_rejection(_rejection(caller, proposal, refusal))
             raise
 
-    async def _propose(self, caller: Identity, proposal: Proposal) -> Committed:
-        check_registered(caller, self._policy)
+    async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
+        policy = check_registered(caller, self._policies)
         check_proposal_fields(proposal)
         node = caller.name
-        limit = self._policy.max_patch_bytes(node) or self._max_patch_bytes
+        limit = policy.max_patch_bytes(node) or self._max_patch_bytes
         check_size(proposal.patch_json, limit, "patch")
         patch = parse_object(proposal.patch_json, what="patch", max_depth=self._max_depth)
-        check_writable(patch, self._policy.writable(node))
+        check_writable(patch, policy.writable(node))
+        check_schema(patch, policy)
+        check_credentials(patch, policy)
+        check_layers(patch, policy, node)
 
         base = await self._base(caller, proposal)
-        if isinstance(base, Committed):
+        if not isinstance(base, CachedHead):
             return base
+        check_bound_policy(caller, policy, base)
         state = apply_patch(base.state, patch)
+        bindings = activation(state, base.state, patch, node)
+        check_invariants(policy, bindings)
         state_bytes = canonical_bytes(state)
+        state_digest = sha256_hex(state_bytes)
+        digest_of_request = request_digest(proposal)
+
+        risky = matched_risk_rules(policy, bindings)
+        if risky:
+            return await self._park(
+                caller, proposal, policy, base, patch, state_bytes, risky, digest_of_request
+            )
+
         now = datetime.now(UTC)
         sealed = seal(
             build_record(
@@ -231,15 +369,14 @@ class TransitionPipeline:
                 parent_digest=base.digest,
                 node_id=caller.spiffe_id,
                 patch=patch,
-                state_digest=sha256_hex(state_bytes),
-                policy_digest=self._policy.digest,
+                state_digest=state_digest,
+                policy_digest=policy.digest,
                 receipt_digest=None,
                 key_id=self._keyring.current,
                 committed_at=now,
             ),
             self._keyring,
         )
-        digest_of_request = request_digest(proposal)
         committed = await self._store.commit(
             sealed,
             state_bytes,
@@ -249,13 +386,68 @@ class TransitionPipeline:
             request_digest=digest_of_request,
         )
         if committed:
-            self._heads.put(proposal.thread_id, CachedHead(base.version + 1, sealed.digest, state))
+            self._heads.put(
+                proposal.thread_id,
+                CachedHead(base.version + 1, sealed.digest, state, base.policy_name),
+            )
             return Committed(
                 _as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
             )
         return await self._explain_lost_race(caller, proposal)
 
-    async def _base(self, caller: Identity, proposal: Proposal) -> CachedHead | Committed:
+    async def _park(
+        self,
+        caller: Identity,
+        proposal: Proposal,
+        policy: Policy,
+        base: CachedHead,
+        patch: JsonObject,
+        state_bytes: bytes,
+        risky: list[str],
+        digest_of_request: str,
+    ) -> Parked:
+        """Keep a risky proposal for a human decision bound to its digest."""
+        proposal_bytes = canonical_bytes(
+            build_proposal(
+                thread_id=proposal.thread_id,
+                base_version=base.version,
+                parent_digest=base.digest,
+                node_id=caller.spiffe_id,
+                patch=patch,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=policy.digest,
+                risk_rules=risky,
+            )
+        )
+        parked, inserted = await self._store.park(
+            PendingTransition(
+                digest=sha256_hex(proposal_bytes),
+                thread_id=proposal.thread_id,
+                base_version=base.version,
+                parent_digest=base.digest,
+                node_id=caller.spiffe_id,
+                proposal=proposal_bytes,
+                risk_rules=sorted(risky),
+                idempotency_key=proposal.idempotency_key,
+                request_digest=digest_of_request,
+                status="pending",
+                parked_at=datetime.now(UTC),
+            ),
+            state_bytes,
+        )
+        same_request_key = (parked.node_id, parked.idempotency_key) == (
+            caller.spiffe_id,
+            proposal.idempotency_key,
+        )
+        if same_request_key and parked.request_digest != digest_of_request:
+            raise errors.IdempotencyKeyReused(
+                "idempotency_key was already used by this node on this thread for a "
+                "different request"
+            )
+        # Not inserted: this request, or this exact proposal, is parked already.
+        return Parked(parked, replayed=not inserted)
+
+    async def _base(self, caller: Identity, proposal: Proposal) -> CachedHead | Outcome:
         """The head to build on: it must be at the expected version."""
         cached = self._heads.get(proposal.thread_id, proposal.expected_version)
         if cached is not None:
@@ -266,9 +458,9 @@ class TransitionPipeline:
         state = self._remember(head)
         if head.version != proposal.expected_version:
             return await self._replay_or_stale(caller, proposal, head.version)
-        return CachedHead(head.version, head.digest, state)
+        return CachedHead(head.version, head.digest, state, head.policy_name)
 
-    async def _explain_lost_race(self, caller: Identity, proposal: Proposal) -> Committed:
+    async def _explain_lost_race(self, caller: Identity, proposal: Proposal) -> Outcome:
         version = await self._store.head_version(proposal.thread_id)
         if version is None:
             raise errors.ThreadNotFound(f"thread {proposal.thread_id!r} does not exist")
@@ -276,7 +468,7 @@ class TransitionPipeline:
 
     async def _replay_or_stale(
         self, caller: Identity, proposal: Proposal, head_version: int
-    ) -> Committed:
+    ) -> Outcome:
         earlier = await self._store.find_by_idempotency_key(
             proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
         )
@@ -287,6 +479,16 @@ class TransitionPipeline:
                     "different request"
                 )
             return Committed(earlier, True)
+        parked = await self._store.find_pending(
+            proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
+        )
+        if parked is not None:
+            if parked.request_digest != request_digest(proposal):
+                raise errors.IdempotencyKeyReused(
+                    "idempotency_key was already used by this node on this thread for a "
+                    "different request"
+                )
+            return Parked(parked, True)
         raise errors.StaleVersion(
             f"expected version {proposal.expected_version}, but the head is at {head_version}",
             current_version=head_version,
@@ -294,7 +496,9 @@ class TransitionPipeline:
 
     def _remember(self, head: Head) -> JsonObject:
         state: JsonObject = orjson.loads(head.state_bytes)
-        self._heads.put(head.thread_id, CachedHead(head.version, head.digest, state))
+        self._heads.put(
+            head.thread_id, CachedHead(head.version, head.digest, state, head.policy_name)
+        )
         return state
 
     async def transition(

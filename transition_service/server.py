@@ -17,8 +17,8 @@ from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 from services import errors, rpc_errors
 from services.identity import Identity, identity_from_context
-from services.store.transitions import STORAGE_ERRORS, StoredTransition
-from transition_service.pipeline import Proposal, TransitionPipeline
+from services.store.transitions import STORAGE_ERRORS, PendingTransition, StoredTransition
+from transition_service.pipeline import Parked, Proposal, TransitionPipeline
 
 log = logging.getLogger("ztate.transition")
 Response = TypeVar("Response")
@@ -38,6 +38,19 @@ def transition_message(stored: StoredTransition) -> transition_pb2.Transition:
         record_json=stored.record,
         node_id=stored.node_id,
         committed_at=committed_at,
+    )
+
+
+def pending_message(pending: PendingTransition) -> transition_pb2.PendingTransition:
+    parked_at = timestamp_pb2.Timestamp()
+    parked_at.FromDatetime(pending.parked_at)
+    return transition_pb2.PendingTransition(
+        digest=pending.digest,
+        thread_id=pending.thread_id,
+        base_version=pending.base_version,
+        risk_rules=pending.risk_rules,
+        proposal_json=pending.proposal,
+        parked_at=parked_at,
     )
 
 
@@ -76,7 +89,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
     ) -> transition_pb2.CreateThreadResponse:
         async def handle(caller: Identity) -> transition_pb2.CreateThreadResponse:
             genesis = await self._pipeline.create_thread(
-                caller, request.thread_id, request.initial_state_json
+                caller, request.thread_id, request.policy, request.initial_state_json
             )
             return transition_pb2.CreateThreadResponse(genesis=transition_message(genesis))
 
@@ -109,6 +122,10 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                     idempotency_key=request.idempotency_key,
                 ),
             )
+            if isinstance(outcome, Parked):
+                return transition_pb2.ProposeTransitionResponse(
+                    pending=pending_message(outcome.pending), replayed=outcome.replayed
+                )
             return transition_pb2.ProposeTransitionResponse(
                 transition=transition_message(outcome.transition), replayed=outcome.replayed
             )

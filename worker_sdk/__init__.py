@@ -8,7 +8,9 @@ patches, nothing more.
 from worker_sdk.client import Transition, View, ZtateClient, encode_json
 from worker_sdk.errors import (
     AlreadyExists,
+    AwaitingApproval,
     InvalidRequest,
+    InvariantViolated,
     NotFound,
     PatchTooLarge,
     PermissionDenied,
@@ -20,7 +22,9 @@ from worker_sdk.errors import (
 
 __all__ = [
     "AlreadyExists",
+    "AwaitingApproval",
     "InvalidRequest",
+    "InvariantViolated",
     "NotFound",
     "PatchTooLarge",
     "PermissionDenied",

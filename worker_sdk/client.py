@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
-from worker_sdk.errors import from_rpc_error
+from worker_sdk.errors import AwaitingApproval, from_rpc_error
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
 
@@ -135,10 +135,16 @@ class ZtateClient:
     async def close(self) -> None:
         await self._channel.close(None)
 
-    async def create_thread(self, thread_id: str, initial_state: dict[str, Any]) -> Transition:
-        """Create a thread (operator and service identities only); returns its genesis."""
+    async def create_thread(
+        self, thread_id: str, initial_state: dict[str, Any], *, policy: str = ""
+    ) -> Transition:
+        """Create a thread bound to ``policy`` (operator and service identities only).
+
+        ``policy`` may be empty when the service loads a single policy. Returns the
+        genesis transition.
+        """
         request = transition_pb2.CreateThreadRequest(
-            thread_id=thread_id, initial_state_json=encode_json(initial_state)
+            thread_id=thread_id, initial_state_json=encode_json(initial_state), policy=policy
         )
         try:
             response = await self._stub.CreateThread(request, timeout=self._timeout)
@@ -171,8 +177,9 @@ class ZtateClient:
     ) -> Transition:
         """Propose a patch against ``expected_version``; returns the committed transition.
 
-        Pass the same ``idempotency_key`` when retrying a call whose outcome is
-        unknown: the server then returns the original outcome.
+        Raises ``AwaitingApproval`` when the patch matched a risk rule and was parked
+        instead of committed. Pass the same ``idempotency_key`` when retrying a call
+        whose outcome is unknown: the server then returns the original outcome.
         """
         request = transition_pb2.ProposeTransitionRequest(
             thread_id=thread_id,
@@ -184,6 +191,11 @@ class ZtateClient:
             response = await self._stub.ProposeTransition(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as error:
             raise from_rpc_error(error) from None
+        if response.WhichOneof("outcome") == "pending":
+            pending = response.pending
+            raise AwaitingApproval(
+                pending.digest, pending.thread_id, pending.base_version, tuple(pending.risk_rules)
+            )
         return Transition.from_message(response.transition, replayed=response.replayed)
 
     async def get_transition(

@@ -23,6 +23,7 @@ class ZtateError(Exception):
         keys: tuple[str, ...] = (),
         current_version: int | None = None,
         limit: int | None = None,
+        rules: tuple[str, ...] = (),
     ) -> None:
         super().__init__(f"{reason}: {message}")
         self.code = code
@@ -31,6 +32,7 @@ class ZtateError(Exception):
         self.keys = keys
         self.current_version = current_version
         self.limit = limit
+        self.rules = rules
 
 
 class Unauthenticated(ZtateError):
@@ -42,7 +44,12 @@ class PermissionDenied(ZtateError):
 
 
 class InvalidRequest(ZtateError):
-    """The request or its patch is malformed or out of range."""
+    """The request or its patch is malformed, out of range, of the wrong type, or holds
+    what looks like a credential; ``keys`` names the state keys at fault."""
+
+
+class InvariantViolated(ZtateError):
+    """The resulting state would break a policy invariant; ``rules`` names it."""
 
 
 class PatchTooLarge(ZtateError):
@@ -73,6 +80,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ZtateError]] = {
     grpc.StatusCode.ABORTED: StaleVersion,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.FAILED_PRECONDITION: InvariantViolated,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
 }
 
@@ -103,4 +111,23 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
         keys=tuple(detail.keys),
         current_version=detail.current_version if reason == "STALE_VERSION" else None,
         limit=detail.limit or None,
+        rules=tuple(detail.rules),
     )
+
+
+class AwaitingApproval(Exception):
+    """The patch matched a risk rule: it was parked, not committed.
+
+    ``digest`` is the transition digest a reviewer's decision binds to;
+    ``risk_rules`` names the rules it matched.
+    """
+
+    def __init__(self, digest: str, thread_id: str, base_version: int, risk_rules: tuple[str, ...]):
+        super().__init__(
+            f"transition {digest} on {thread_id}@{base_version} awaits approval "
+            f"({', '.join(risk_rules)})"
+        )
+        self.digest = digest
+        self.thread_id = thread_id
+        self.base_version = base_version
+        self.risk_rules = risk_rules

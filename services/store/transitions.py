@@ -85,6 +85,43 @@ class StoredTransition:
 
 
 @dataclass(frozen=True, slots=True)
+class PendingTransition:
+    """A proposal parked for approval."""
+
+    digest: str
+    thread_id: str
+    base_version: int
+    parent_digest: str
+    node_id: str
+    proposal: bytes
+    risk_rules: list[str]
+    idempotency_key: str
+    request_digest: str
+    status: str
+    parked_at: datetime
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> PendingTransition:
+        return cls(**dict(row.items()))
+
+
+PENDING_COLUMNS = (
+    "digest, thread_id, base_version, parent_digest, node_id, proposal, risk_rules, "
+    "idempotency_key, request_digest, status, parked_at"
+)
+
+
+PARK = f"""
+INSERT INTO ztate.pending_transitions (digest, thread_id, base_version, parent_digest, node_id,
+                                       proposal, state, risk_rules, idempotency_key,
+                                       request_digest, parked_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+ON CONFLICT DO NOTHING
+RETURNING {PENDING_COLUMNS}
+"""  # noqa: S608 - constant column list
+
+
+@dataclass(frozen=True, slots=True)
 class Rejection:
     """One refused request, as the rejections ledger records it."""
 
@@ -227,6 +264,54 @@ class TransitionStore:
             version,
         )
         return StoredTransition.from_row(row) if row else None
+
+    async def park(
+        self, pending: PendingTransition, state_bytes: bytes
+    ) -> tuple[PendingTransition, bool]:
+        """Park a proposal. If this request (same node and idempotency key) or this
+        exact proposal (same digest) is parked already, return that one; the flag
+        says whether this call inserted the row."""
+        row = await self._pool.fetchrow(
+            PARK,
+            pending.digest,
+            pending.thread_id,
+            pending.base_version,
+            pending.parent_digest,
+            pending.node_id,
+            pending.proposal,
+            state_bytes,
+            pending.risk_rules,
+            pending.idempotency_key,
+            pending.request_digest,
+            pending.parked_at,
+        )
+        if row is not None:
+            return PendingTransition.from_row(row), True
+        existing = await self.find_pending(
+            pending.thread_id, pending.node_id, pending.idempotency_key
+        ) or await self.pending_by_digest(pending.digest)
+        if existing is None:
+            raise RuntimeError("a pending transition conflicted with a row that is gone")
+        return existing, False
+
+    async def find_pending(
+        self, thread_id: str, node_id: str, idempotency_key: str
+    ) -> PendingTransition | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
+            "WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3",
+            thread_id,
+            node_id,
+            idempotency_key,
+        )
+        return PendingTransition.from_row(row) if row else None
+
+    async def pending_by_digest(self, digest: str) -> PendingTransition | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions WHERE digest = $1",  # noqa: S608
+            digest,
+        )
+        return PendingTransition.from_row(row) if row else None
 
     async def record_rejection(self, rejection: Rejection) -> None:
         await self._pool.execute(

@@ -13,10 +13,8 @@ import grpc
 import pytest
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
-from tests.harness import Credentials, Ledger, Pki, client, new_thread_id
+from tests.harness import INITIAL, Credentials, Ledger, Pki, act, client, new_thread_id
 from worker_sdk import PermissionDenied, Unauthenticated, ZtateError
-
-INITIAL = {"raw_text": "hello", "authority": "desk"}
 
 
 async def make_thread(target: str, pki: Pki) -> str:
@@ -30,7 +28,7 @@ def propose_request(thread_id: str) -> transition_pb2.ProposeTransitionRequest:
     return transition_pb2.ProposeTransitionRequest(
         thread_id=thread_id,
         expected_version=0,
-        patch_json=b'{"requested_action": "x"}',
+        patch_json=b'{"requested_action": {"action": "none"}}',
         idempotency_key="k",
     )
 
@@ -90,7 +88,7 @@ async def test_unacceptable_spiffe_id_is_unauthenticated(
     before, rejections = await ledger.snapshot(thread_id), await ledger.rejection_count()
     async with client(target, pki.with_uris(stem, *uris)) as impostor:
         with pytest.raises(Unauthenticated) as caught:
-            await impostor.propose(thread_id, 0, {"requested_action": "x"})
+            await impostor.propose(thread_id, 0, {"requested_action": act("x")})
         with pytest.raises(Unauthenticated):
             await impostor.get_view(thread_id)
     assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -133,7 +131,7 @@ async def test_unregistered_node(target: str, pki: Pki, ledger: Ledger) -> None:
     before = await ledger.snapshot(thread_id)
     async with client(target, pki.node("intruder")) as intruder:
         with pytest.raises(PermissionDenied) as caught:
-            await intruder.propose(thread_id, 0, {"requested_action": "x"})
+            await intruder.propose(thread_id, 0, {"requested_action": act("x")})
         with pytest.raises(PermissionDenied) as viewing:
             await intruder.get_view(thread_id)
     assert caught.value.reason == viewing.value.reason == "NODE_NOT_REGISTERED"
@@ -169,7 +167,7 @@ async def test_only_nodes_propose(target: str, pki: Pki, ledger: Ledger, role: s
     before = await ledger.snapshot(thread_id)
     async with client(target, pki.identity(Role(role), "someone")) as caller:
         with pytest.raises(ZtateError) as caught:
-            await caller.propose(thread_id, 0, {"requested_action": "x"})
+            await caller.propose(thread_id, 0, {"requested_action": act("x")})
     assert caught.value.reason == "ROLE_FORBIDDEN"
     assert await ledger.snapshot(thread_id) == before
 

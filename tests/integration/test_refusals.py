@@ -14,8 +14,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from tests.conftest import TEST_MAX_PATCH_BYTES
-from tests.harness import Ledger, Pki, client, new_thread_id
+from services.policy import Policy
+from tests.conftest import POLICY, TEST_MAX_PATCH_BYTES
+from tests.harness import INITIAL, Ledger, Pki, act, client, new_thread_id
 from worker_sdk import (
     InvalidRequest,
     NotFound,
@@ -26,7 +27,7 @@ from worker_sdk import (
     ZtateError,
 )
 
-INITIAL = {"raw_text": "refund order 42", "authority": "support-desk", "target_user_id": "u-1"}
+PARSER_LIMIT = Policy.load(POLICY).max_patch_bytes("input-parser")
 
 
 @pytest_asyncio.fixture
@@ -58,11 +59,11 @@ async def refused(
 async def test_stale_version_returns_the_head_and_commits_nothing(
     parser: ZtateClient, thread_id: str, ledger: Ledger
 ) -> None:
-    await parser.propose(thread_id, 0, {"requested_action": "first"})
+    await parser.propose(thread_id, 0, {"requested_action": act("first")})
     error = await refused(
         ledger,
         thread_id,
-        parser.propose(thread_id, 0, {"requested_action": "late"}),
+        parser.propose(thread_id, 0, {"requested_action": act("late")}),
         StaleVersion,
         "STALE_VERSION",
     )
@@ -78,7 +79,7 @@ async def test_version_from_the_future_is_stale(
     error = await refused(
         ledger,
         thread_id,
-        parser.propose(thread_id, 7, {"requested_action": "x"}),
+        parser.propose(thread_id, 7, {"requested_action": act("x")}),
         StaleVersion,
         "STALE_VERSION",
     )
@@ -90,7 +91,7 @@ async def test_unknown_thread(parser: ZtateClient, ledger: Ledger) -> None:
     error = await refused(
         ledger,
         missing,
-        parser.propose(missing, 0, {"requested_action": "x"}),
+        parser.propose(missing, 0, {"requested_action": act("x")}),
         NotFound,
         "THREAD_NOT_FOUND",
     )
@@ -102,7 +103,7 @@ async def test_key_outside_the_write_allowlist_refuses_the_whole_patch(
     parser: ZtateClient, thread_id: str, ledger: Ledger
 ) -> None:
     patch = {
-        "requested_action": "refund",
+        "requested_action": act("refund"),
         "execution_permissions": ["admin"],
         "target_user_id": "attacker",
     }
@@ -126,11 +127,14 @@ async def test_key_outside_the_write_allowlist_refuses_the_whole_patch(
 @pytest.mark.parametrize(
     ("patch", "fragment"),
     [
-        (b'{"requested_action": "x"', "not valid JSON"),
+        (b'{"requested_action": {"action": "refund"}', "not valid JSON"),
         (b'["requested_action"]', "must be a JSON object"),
-        (b'{"requested_action": "a", "requested_action": "b"}', "duplicate member name"),
-        (b'{"requested_action": "\xff\xfe"}', "not valid UTF-8"),
-        (b'{"requested_action": "\\ud800"}', "lone surrogate"),
+        (
+            b'{"requested_action": {"action": "refund"}, "requested_action": {"action": "none"}}',
+            "duplicate member name",
+        ),
+        (b'{"requested_action": {"action": "\xff\xfe"}}', "not valid UTF-8"),
+        (b'{"requested_action": {"action": "\\ud800"}}', "lone surrogate"),
         (b"", "not valid JSON"),
     ],
     ids=["truncated", "array", "duplicate-key", "not-utf8", "lone-surrogate", "empty"],
@@ -161,7 +165,7 @@ async def test_malformed_patch(
         b'{"requested_action": ' + b"[" * 40 + b"]" * 40 + b"}",
         b'{"requested_action": 1e20}',
         b'{"requested_action": 1e-400}',
-        b'{"requested_action": ' + b"7" * 5000 + b"}",
+        b'{"requested_action": ' + b"7" * 4000 + b"}",
     ],
     ids=["2^53", "-2^53", "1e400", "NaN", "-Infinity", "too-deep", "1e20", "underflow", "digits"],
 )
@@ -177,43 +181,60 @@ async def test_numbers_outside_ijson_and_deep_nesting(
     )
 
 
-async def test_largest_safe_integer_is_accepted(parser: ZtateClient, thread_id: str) -> None:
-    committed = await parser.propose(thread_id, 0, b'{"requested_action": 9007199254740991}')
-    assert committed.record["patch"] == {"requested_action": 9007199254740991}
-
-
-async def test_oversized_patch_is_refused_before_parsing(
+async def test_largest_safe_integer_passes_the_parser_and_meets_the_schema(
     parser: ZtateClient, thread_id: str, ledger: Ledger
 ) -> None:
-    # Not JSON at all: only a size check that runs before the parser can name it.
-    patch = b"{" * (TEST_MAX_PATCH_BYTES + 1)
+    patch = b'{"requested_action": {"action": "refund", "amount_cents": 9007199254740991}}'
     error = await refused(
         ledger,
         thread_id,
         parser.propose(thread_id, 0, patch),
-        PatchTooLarge,
-        "PATCH_TOO_LARGE",
+        InvalidRequest,
+        "SCHEMA_VIOLATION",
     )
+    assert "requested_action.amount_cents" in error.message
+
+
+@pytest.mark.parametrize(
+    ("node", "limit"),
+    [("input-parser", PARSER_LIMIT), ("planner", TEST_MAX_PATCH_BYTES)],
+    ids=["node-limit-from-policy", "service-limit"],
+)
+async def test_oversized_patch_is_refused_before_parsing(
+    target: str, pki: Pki, thread_id: str, ledger: Ledger, node: str, limit: int
+) -> None:
+    # Not JSON at all: only a size check that runs before the parser can name it.
+    patch = b"{" * (limit + 1)
+    async with client(target, pki.node(node)) as worker:
+        error = await refused(
+            ledger,
+            thread_id,
+            worker.propose(thread_id, 0, patch),
+            PatchTooLarge,
+            "PATCH_TOO_LARGE",
+        )
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert error.limit == TEST_MAX_PATCH_BYTES
+    assert error.limit == limit
     [row] = await ledger.rejections(thread_id)
-    assert row["patch_bytes"] == TEST_MAX_PATCH_BYTES + 1
+    assert row["patch_bytes"] == limit + 1
 
 
 async def test_patch_at_the_limit_is_parsed(parser: ZtateClient, thread_id: str) -> None:
-    filler = TEST_MAX_PATCH_BYTES - len(b'{"requested_action":""}')
-    committed = await parser.propose(thread_id, 0, {"requested_action": "a" * filler})
+    body = b'{"requested_action": {"action": "none"}'
+    patch = body + b" " * (PARSER_LIMIT - len(body) - 1) + b"}"
+    assert len(patch) == PARSER_LIMIT
+    committed = await parser.propose(thread_id, 0, patch)
     assert committed.version == 1
 
 
 async def test_reused_idempotency_key_for_another_request(
     parser: ZtateClient, thread_id: str, ledger: Ledger
 ) -> None:
-    await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="same")
+    await parser.propose(thread_id, 0, {"requested_action": act("a")}, idempotency_key="same")
     await refused(
         ledger,
         thread_id,
-        parser.propose(thread_id, 0, {"requested_action": "b"}, idempotency_key="same"),
+        parser.propose(thread_id, 0, {"requested_action": act("b")}, idempotency_key="same"),
         InvalidRequest,
         "IDEMPOTENCY_KEY_REUSED",
     )
@@ -223,11 +244,11 @@ async def test_reused_idempotency_key_at_the_current_head(
     parser: ZtateClient, thread_id: str, ledger: Ledger
 ) -> None:
     """The key is taken even when the new request's base is the head."""
-    await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="again")
+    await parser.propose(thread_id, 0, {"requested_action": act("a")}, idempotency_key="again")
     await refused(
         ledger,
         thread_id,
-        parser.propose(thread_id, 1, {"requested_action": "b"}, idempotency_key="again"),
+        parser.propose(thread_id, 1, {"requested_action": act("b")}, idempotency_key="again"),
         InvalidRequest,
         "IDEMPOTENCY_KEY_REUSED",
     )
@@ -259,7 +280,7 @@ async def test_invalid_request_fields(
     request = transition_pb2.ProposeTransitionRequest(
         thread_id=thread or thread_id,
         expected_version=version,
-        patch_json=b'{"requested_action": "x"}',
+        patch_json=b'{"requested_action": {"action": "none"}}',
         idempotency_key=key,
     )
     before = await ledger.snapshot(thread_id)

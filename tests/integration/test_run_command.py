@@ -67,9 +67,11 @@ async def test_run_sets_up_serves_and_keeps_data(tmp_path: Path) -> None:
         stdout = await asyncio.wait_for(process.stdout.readline(), 5)  # type: ignore[union-attr]
         assert b"ztate control plane" in stdout
         async with connect(home, port, "operator-admin") as operator:
-            await operator.create_thread("demo", {"raw_text": "hello"})
+            await operator.create_thread(
+                "demo", {"raw_text": "hello", "authority": {"tenant": "t"}}
+            )
         async with connect(home, port, "node-input-parser") as parser:
-            committed = await parser.propose("demo", 0, {"requested_action": "greet"})
+            committed = await parser.propose("demo", 0, {"requested_action": {"action": "none"}})
         assert committed.version == 1
     finally:
         assert await stop(process) == 0
@@ -82,6 +84,7 @@ async def test_run_sets_up_serves_and_keeps_data(tmp_path: Path) -> None:
     try:
         async with connect(home, port, "node-planner") as planner:
             view = await planner.get_view("demo")
-        assert (view.version, view.state) == (1, {"requested_action": "greet"})
+        assert view.version == 1
+        assert view.state == {"requested_action": {"action": "none"}, "authority": {"tenant": "t"}}
     finally:
         assert await stop(process) == 0

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from services.store import migrate as migrations
-from tests.harness import Ledger, Pki, client, new_thread_id, with_database
+from tests.harness import Ledger, Pki, act, client, new_thread_id, with_database
 from worker_sdk import StaleVersion
 
 SERVICE_ROLE = "ztate_transition"
@@ -24,9 +24,9 @@ async def committed_thread(target: str, pki: Pki, ledger: Ledger) -> str:
     async with client(target, pki.operator()) as operator:
         await operator.create_thread(thread_id, {"raw_text": "x"})
     async with client(target, pki.node("input-parser")) as parser:
-        await parser.propose(thread_id, 0, {"requested_action": "y"})
+        await parser.propose(thread_id, 0, {"requested_action": act("y")})
         with pytest.raises(StaleVersion):
-            await parser.propose(thread_id, 0, {"requested_action": "z"})
+            await parser.propose(thread_id, 0, {"requested_action": act("z")})
     assert len(await ledger.rejections(thread_id)) == 1
     return thread_id
 

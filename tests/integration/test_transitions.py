@@ -10,11 +10,9 @@ import pytest
 
 from services.canonical import canonical_bytes
 from services.chain import GENESIS_PARENT, verify_record
-from tests.harness import Ledger, Pki, client, new_thread_id
+from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
 from transition_service.app import RunningService
 from worker_sdk import StaleVersion, ZtateClient
-
-INITIAL = {"raw_text": "refund order 42", "authority": "support-desk", "target_user_id": "u-1"}
 
 
 async def create(target: str, pki: Pki, state: dict[str, object] | None = None) -> str:
@@ -31,8 +29,8 @@ async def test_proposal_commits_view_moves_and_record_verifies(
     async with client(target, pki.node("input-parser")) as parser:
         view = await parser.get_view(thread_id)
         assert view.version == 0
-        assert view.state == {"raw_text": "refund order 42"}  # only its readable keys
-        committed = await parser.propose(thread_id, 0, {"requested_action": "refund"})
+        assert view.state == {"raw_text": INITIAL["raw_text"]}  # only its readable keys
+        committed = await parser.propose(thread_id, 0, {"requested_action": act("refund")})
 
     assert committed.version == 1
     assert committed.parent_digest == view.head_digest
@@ -41,7 +39,11 @@ async def test_proposal_commits_view_moves_and_record_verifies(
         seen = await planner.get_view(thread_id)
     assert seen.version == 1
     assert seen.head_digest == committed.digest
-    assert seen.state == {"requested_action": "refund", "authority": "support-desk"}
+    assert seen.state == {
+        "requested_action": act("refund"),
+        "authority": INITIAL["authority"],
+        "target_user_id": USER,
+    }
 
     rows = await ledger.rows(thread_id)
     assert [r["version"] for r in rows] == [0, 1]
@@ -56,7 +58,7 @@ async def test_proposal_commits_view_moves_and_record_verifies(
     )
     assert hashlib.sha256(bytes(row["record"])).hexdigest() == committed.digest
     assert bytes(row["record"]) == committed.record_json
-    state_after = {**INITIAL, "requested_action": "refund"}
+    state_after = {**INITIAL, "requested_action": act("refund")}
     assert record == {
         "format": 1,
         "kind": "transition",
@@ -64,7 +66,7 @@ async def test_proposal_commits_view_moves_and_record_verifies(
         "version": 1,
         "parent_digest": rows[0]["digest"],
         "node_id": "spiffe://ztate.test/node/input-parser",
-        "patch": {"requested_action": "refund"},
+        "patch": {"requested_action": act("refund")},
         "state_digest": hashlib.sha256(canonical_bytes(state_after)).hexdigest(),
         "policy_digest": record["policy_digest"],
         "receipt_digest": None,
@@ -79,7 +81,7 @@ async def test_proposal_commits_view_moves_and_record_verifies(
 async def test_null_member_removes_a_key(target: str, pki: Pki, ledger: Ledger) -> None:
     thread_id = await create(target, pki)
     async with client(target, pki.node("input-parser")) as parser:
-        await parser.propose(thread_id, 0, {"requested_action": "refund"})
+        await parser.propose(thread_id, 0, {"requested_action": act("refund")})
         await parser.propose(thread_id, 1, {"requested_action": None})
     async with client(target, pki.operator()) as operator:
         view = await operator.get_view(thread_id)
@@ -99,7 +101,9 @@ async def test_concurrent_proposers_one_commit_per_version(
         for base in range(rounds):
             outcomes = await asyncio.gather(
                 *(
-                    w.propose(thread_id, base, {"requested_action": f"writer-{i}-round-{base}"})
+                    w.propose(
+                        thread_id, base, {"requested_action": act(f"writer-{i}-round-{base}")}
+                    )
                     for i, w in enumerate(writers)
                 ),
                 return_exceptions=True,
@@ -128,10 +132,10 @@ async def test_retry_with_same_idempotency_key_returns_original(
     thread_id = await create(target, pki)
     async with client(target, pki.node("input-parser")) as parser:
         first = await parser.propose(
-            thread_id, 0, {"requested_action": "refund"}, idempotency_key="req-1"
+            thread_id, 0, {"requested_action": act("refund")}, idempotency_key="req-1"
         )
         retry = await parser.propose(
-            thread_id, 0, {"requested_action": "refund"}, idempotency_key="req-1"
+            thread_id, 0, {"requested_action": act("refund")}, idempotency_key="req-1"
         )
     assert not first.replayed
     assert retry.replayed
@@ -150,9 +154,13 @@ async def test_replay_still_answers_after_the_head_moved_on(
 ) -> None:
     thread_id = await create(target, pki)
     async with client(target, pki.node("input-parser")) as parser:
-        first = await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="k-a")
-        await parser.propose(thread_id, 1, {"requested_action": "b"}, idempotency_key="k-b")
-        retry = await parser.propose(thread_id, 0, {"requested_action": "a"}, idempotency_key="k-a")
+        first = await parser.propose(
+            thread_id, 0, {"requested_action": act("a")}, idempotency_key="k-a"
+        )
+        await parser.propose(thread_id, 1, {"requested_action": act("b")}, idempotency_key="k-b")
+        retry = await parser.propose(
+            thread_id, 0, {"requested_action": act("a")}, idempotency_key="k-a"
+        )
     assert retry.replayed
     assert retry.digest == first.digest
     assert (await ledger.snapshot(thread_id)).transitions == 3
@@ -161,29 +169,27 @@ async def test_replay_still_answers_after_the_head_moved_on(
 async def test_transition_lookup_by_digest_and_by_version(target: str, pki: Pki) -> None:
     thread_id = await create(target, pki)
     async with client(target, pki.node("input-parser")) as parser:
-        committed = await parser.propose(thread_id, 0, {"requested_action": "refund"})
+        committed = await parser.propose(thread_id, 0, {"requested_action": act("refund")})
     async with client(target, pki.operator()) as operator:
         by_digest = await operator.get_transition(digest=committed.digest)
         by_version = await operator.get_transition(thread_id=thread_id, version=1)
     assert by_digest.record_json == by_version.record_json == committed.record_json
     assert by_digest.signature == committed.signature
-    assert json.loads(by_digest.record_json)["patch"] == {"requested_action": "refund"}
+    assert json.loads(by_digest.record_json)["patch"] == {"requested_action": act("refund")}
 
 
 async def test_reads_are_projected_for_every_node(target: str, pki: Pki) -> None:
     full = {
-        "raw_text": "x",
-        "requested_action": "y",
-        "authority": "z",
-        "target_user_id": "u-9",
-        "execution_permissions": ["read"],
-        "result_ref": "r",
+        **INITIAL,
+        "requested_action": act("y"),
+        "execution_permissions": ["read_orders"],
+        "result_ref": "db://refunds/1",
     }
     thread_id = await create(target, pki, full)
     expected = {
         "input-parser": {"raw_text"},
-        "planner": {"requested_action", "authority"},
-        "approval-gate": {"authority"},
+        "planner": {"requested_action", "authority", "target_user_id"},
+        "approval-gate": {"authority", "target_user_id", "execution_permissions"},
         "db-writer": {"target_user_id", "execution_permissions"},
     }
     for node, keys in expected.items():
@@ -204,7 +210,7 @@ async def test_sdk_client_is_reusable_across_threads(target: str, pki: Pki) -> N
     threads = [await create(target, pki) for _ in range(3)]
     worker: ZtateClient = client(target, pki.node("input-parser"))
     async with worker:
-        results = [await worker.propose(t, 0, {"requested_action": t}) for t in threads]
+        results = [await worker.propose(t, 0, {"requested_action": act(t)}) for t in threads]
     assert [r.thread_id for r in results] == threads
 
 

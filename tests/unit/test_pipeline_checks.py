@@ -44,13 +44,13 @@ def test_request_digest_separates_version_and_patch() -> None:
 
 def test_head_cache_keeps_newest_and_evicts_least_recent() -> None:
     cache = HeadCache(2)
-    cache.put("t1", CachedHead(1, "d1", {}))
-    cache.put("t1", CachedHead(0, "d0", {}))  # an older head never replaces a newer one
+    cache.put("t1", CachedHead(1, "d1", {}, "p"))
+    cache.put("t1", CachedHead(0, "d0", {}, "p"))  # an older head never replaces a newer one
     assert cache.get("t1", 1) is not None
     assert cache.get("t1", 0) is None
-    cache.put("t2", CachedHead(0, "x", {}))
+    cache.put("t2", CachedHead(0, "x", {}, "p"))
     cache.get("t1", 1)
-    cache.put("t3", CachedHead(0, "y", {}))
+    cache.put("t3", CachedHead(0, "y", {}, "p"))
     assert len(cache) == 2
     assert cache.get("t2", 0) is None  # least recently used went first
 

@@ -1,65 +1,165 @@
-"""Policy loading: a bad policy is refused whole, with a message naming the entry."""
+"""Policy loading: a bad policy is refused whole, each problem named with its line."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from services.policy import Policy, PolicyError
+from services.policy import Layer, Policy, PolicyError, PolicySet
 
 REPO = Path(__file__).resolve().parents[2]
-GOOD = {
+DEFAULT = REPO / "services" / "defaults" / "policy.yaml"
+GOOD: dict[str, Any] = {
     "format": 1,
     "name": "p",
-    "keys": {"a": {}, "b": {"description": "bee"}},
-    "nodes": {"n": {"read": ["a"], "write": ["b"]}},
+    "keys": {
+        "a": {"layer": "working", "type": "string", "max_length": 10},
+        "b": {"layer": "working", "type": "integer", "description": "bee"},
+        "c": {"layer": "core", "type": "boolean"},
+    },
+    "nodes": {"n": {"layer": "working", "read": ["a", "c"], "write": ["a", "b"]}},
+    "invariants": [{"name": "small-b", "expression": "!has(state.b) || state.b < 10"}],
+    "risk": [{"name": "touch-a", "keys": ["a"]}],
 }
 
 
+def changed(**changes: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(GOOD)
+    doc.update(changes)
+    return doc
+
+
 def test_default_policy_loads_with_a_stable_digest() -> None:
-    policy = Policy.load(REPO / "services" / "defaults" / "policy.yaml")
-    again = Policy.load(REPO / "services" / "defaults" / "policy.yaml")
+    policy = Policy.load(DEFAULT)
     assert policy.name == "pipeline"
-    assert policy.digest == again.digest
+    assert policy.digest == Policy.load(DEFAULT).digest
     assert len(policy.digest) == 64
     assert policy.writable("input-parser") == {"requested_action"}
+    assert policy.key_layer("authority") is Layer.CORE
+    assert [r.name for r in policy.risk_rules] == [
+        "target-user-change",
+        "permissions-widening",
+        "large-refund",
+    ]
 
 
 def test_digest_ignores_formatting_but_not_content(tmp_path: Path) -> None:
     compact = tmp_path / "a.json"
     compact.write_text(
-        '{"format":1,"name":"p","keys":{"a":{},"b":{"description":"bee"}},'
-        '"nodes":{"n":{"read":["a"],"write":["b"]}}}'
+        '{"format":1,"name":"p","keys":{"a":{"layer":"working","type":"boolean"}},'
+        '"nodes":{"n":{"layer":"working","read":["a"],"write":["a"]}}}'
     )
     spaced = tmp_path / "b.yaml"
     spaced.write_text(
-        "# comment\nformat: 1\nname: p\nkeys:\n  b: {description: bee}\n  a: {}\n"
-        "nodes:\n  n: {write: [b], read: [a]}\n"
+        "# comment\nformat: 1\nname: p\nkeys:\n  a: {type: boolean, layer: working}\n"
+        "nodes:\n  n: {write: [a], read: [a], layer: working}\n"
     )
     assert Policy.load(compact).digest == Policy.load(spaced).digest
-    changed = Policy.from_mapping({**GOOD, "name": "q"}, source="x")
-    assert changed.digest != Policy.load(compact).digest
+    renamed = spaced.read_text().replace("name: p", "name: q")
+    spaced.write_text(renamed)
+    assert Policy.load(spaced).digest != Policy.load(compact).digest
 
 
 @pytest.mark.parametrize(
-    ("mutation", "fragment"),
+    ("document", "fragment"),
     [
-        ({"nodes": {"n": {"read": ["a"], "write": ["missing"]}}}, "nodes.n.write names undeclared"),
-        ({"nodes": {"n": {"read": ["nope"]}}}, "nodes.n.read names undeclared"),
-        ({"nodes": {"n": {"read": ["a"], "admin": True}}}, "nodes.n.admin"),
-        ({"format": 2}, "unsupported policy format 2"),
-        ({"keys": {"Bad-Key": {}}}, "keys.Bad-Key"),
-        ({"nodes": {"Bad Node": {}}}, "nodes.Bad Node"),
-        ({"extra": 1}, "extra"),
-        ({"nodes": {"n": {"max_patch_bytes": 0}}}, "nodes.n.max_patch_bytes"),
+        (changed(format=2), "format: unsupported policy format 2"),
+        (changed(extra=1), "extra: Extra inputs are not permitted"),
+        (changed(keys={"Bad-Key": {"layer": "working", "type": "boolean"}}), "keys.Bad-Key"),
+        (changed(keys={"a": {"layer": "working", "type": "strin"}}), "does not match any"),
+        (changed(keys={"a": {"layer": "top", "type": "boolean"}}), "keys.a.layer"),
+        (
+            changed(keys={"a": {"layer": "working", "type": "string", "pattern": "("}}),
+            "pattern is not a valid regular expression",
+        ),
+        (
+            changed(keys={"a": {"layer": "working", "type": "enum", "values": ["x", "x"]}}),
+            "enum values must be unique",
+        ),
+        (
+            changed(
+                keys={
+                    "a": {
+                        "layer": "working",
+                        "type": "object",
+                        "properties": {"x": {"type": "boolean"}},
+                        "required": ["y"],
+                    }
+                }
+            ),
+            "required names properties that do not exist: ['y']",
+        ),
+        (
+            changed(nodes={"n": {"layer": "working", "write": ["c"]}}),
+            "nodes.n.write.0: grants write access to core key 'c'",
+        ),
+        (
+            changed(
+                keys={"s": {"layer": "shared", "type": "boolean"}},
+                nodes={"n": {"layer": "working", "write": ["s"]}},
+            ),
+            "key 's' is in layer shared, above the node's layer working",
+        ),
+        (changed(nodes={"n": {"layer": "core"}}), "nodes act at shared or below, not core"),
+        (changed(nodes={"n": {"layer": "working", "read": ["zz"]}}), "undeclared key 'zz'"),
+        (changed(nodes={"n": {"layer": "working", "admin": True}}), "nodes.n.admin"),
+        (
+            changed(invariants=[{"name": "x", "expression": "state.a >"}]),
+            "invariants.0.expression: not valid CEL",
+        ),
+        (
+            changed(invariants=[{"name": "x", "expression": "state.zz == 1"}]),
+            "names keys the policy does not declare: ['zz']",
+        ),
+        (
+            changed(invariants=[{"name": "x", "expression": "attacker.a == 1"}]),
+            "unknown variables ['attacker']",
+        ),
+        (changed(risk=[{"name": "r", "keys": ["zz"]}]), "risk.0.keys: undeclared keys ['zz']"),
+        (changed(risk=[{"name": "r"}]), "risk.0: give exactly one of keys or expression"),
+        (
+            changed(risk=[{"name": "r", "keys": ["a"]}, {"name": "r", "keys": ["b"]}]),
+            "risk.1.name: duplicate rule name 'r'",
+        ),
     ],
 )
-def test_invalid_policies_are_refused_whole(mutation: dict[str, object], fragment: str) -> None:
+def test_invalid_policies_are_refused_whole(document: dict[str, Any], fragment: str) -> None:
     with pytest.raises(PolicyError) as caught:
-        Policy.from_mapping({**GOOD, **mutation}, source="policy.yaml")
+        Policy.from_mapping(document, source="policy.yaml")
     assert fragment in str(caught.value)
     assert str(caught.value).startswith("policy.yaml: ")
+
+
+def test_every_problem_is_reported_with_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "format: 1\n"
+        "name: bad\n"
+        "keys:\n"
+        "  a: {layer: core, type: string}\n"
+        "  b: {layer: shared, type: integer}\n"
+        "nodes:\n"
+        "  n:\n"
+        "    layer: working\n"
+        "    write: [a, b, zz]\n"
+        "risk:\n"
+        "  - name: r\n"
+        "    expression: 'state.q > 1'\n"
+    )
+    with pytest.raises(PolicyError) as caught:
+        Policy.load(path)
+    lines = str(caught.value).splitlines()
+    assert lines == [
+        f"{path}:9: nodes.n.write.2: undeclared key 'zz'",
+        f"{path}:9: nodes.n.write.0: grants write access to core key 'a'; core and "
+        "characteristics keys are set only when a thread is created",
+        f"{path}:9: nodes.n.write.1: key 'b' is in layer shared, above the node's layer "
+        "working: a lower layer never overrides a higher one",
+        f"{path}:12: risk.0.expression: names keys the policy does not declare: ['q']",
+    ]
 
 
 def test_unreadable_and_unparsable_files(tmp_path: Path) -> None:
@@ -67,5 +167,31 @@ def test_unreadable_and_unparsable_files(tmp_path: Path) -> None:
         Policy.load(tmp_path / "absent.yaml")
     broken = tmp_path / "broken.yaml"
     broken.write_text("format: [1\n")
-    with pytest.raises(PolicyError, match="not valid yaml"):
+    with pytest.raises(PolicyError, match="not valid YAML"):
         Policy.load(broken)
+
+
+def test_a_folder_loads_several_policies_and_a_node_belongs_to_one(tmp_path: Path) -> None:
+    (tmp_path / "one.json").write_text(
+        '{"format":1,"name":"one","keys":{"a":{"layer":"working","type":"boolean"}},'
+        '"nodes":{"n1":{"layer":"working","write":["a"]}}}'
+    )
+    (tmp_path / "two.yaml").write_text(
+        "format: 1\nname: two\nkeys: {a: {layer: working, type: boolean}}\n"
+        "nodes: {n2: {layer: working, write: [a]}}\n"
+    )
+    policies = PolicySet.load(tmp_path)
+    assert set(policies.policies) == {"one", "two"}
+    assert policies.of_node("n2") is policies.get("two")
+    assert policies.only is None
+    (tmp_path / "three.yaml").write_text(
+        "format: 1\nname: three\nkeys: {a: {layer: working, type: boolean}}\n"
+        "nodes: {n1: {layer: working}}\n"
+    )
+    with pytest.raises(PolicyError, match="node 'n1' is registered in both"):
+        PolicySet.load(tmp_path)
+
+
+def test_an_empty_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="no policy files"):
+        PolicySet.load(tmp_path)

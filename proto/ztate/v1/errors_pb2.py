@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ztate/v1/errors.proto\x12\x08ztate.v1\"j\n\x0b\x45rrorDetail\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.ztate.v1.ErrorReason\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\x03*\xba\x04\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_IDENTITY_INVALID\x10\x01\x12\x1f\n\x1b\x45RROR_REASON_ROLE_FORBIDDEN\x10\x02\x12$\n ERROR_REASON_NODE_NOT_REGISTERED\x10\x03\x12!\n\x1d\x45RROR_REASON_KEY_NOT_WRITABLE\x10\x04\x12 \n\x1c\x45RROR_REASON_PATCH_TOO_LARGE\x10\x05\x12 \n\x1c\x45RROR_REASON_PATCH_MALFORMED\x10\x06\x12#\n\x1f\x45RROR_REASON_VALUE_OUT_OF_RANGE\x10\x07\x12\x1e\n\x1a\x45RROR_REASON_STALE_VERSION\x10\x08\x12!\n\x1d\x45RROR_REASON_THREAD_NOT_FOUND\x10\t\x12\x1e\n\x1a\x45RROR_REASON_THREAD_EXISTS\x10\n\x12%\n!ERROR_REASON_TRANSITION_NOT_FOUND\x10\x0b\x12\'\n#ERROR_REASON_IDEMPOTENCY_KEY_REUSED\x10\x0c\x12 \n\x1c\x45RROR_REASON_REQUEST_INVALID\x10\r\x12\x1c\n\x18\x45RROR_REASON_KEY_UNKNOWN\x10\x0e\x12$\n ERROR_REASON_STORAGE_UNAVAILABLE\x10\x0f\x42\x30Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ztate/v1/errors.proto\x12\x08ztate.v1\"y\n\x0b\x45rrorDetail\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.ztate.v1.ErrorReason\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\x03\x12\r\n\x05rules\x18\x05 \x03(\t*\x8f\x06\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_IDENTITY_INVALID\x10\x01\x12\x1f\n\x1b\x45RROR_REASON_ROLE_FORBIDDEN\x10\x02\x12$\n ERROR_REASON_NODE_NOT_REGISTERED\x10\x03\x12!\n\x1d\x45RROR_REASON_KEY_NOT_WRITABLE\x10\x04\x12 \n\x1c\x45RROR_REASON_PATCH_TOO_LARGE\x10\x05\x12 \n\x1c\x45RROR_REASON_PATCH_MALFORMED\x10\x06\x12#\n\x1f\x45RROR_REASON_VALUE_OUT_OF_RANGE\x10\x07\x12\x1e\n\x1a\x45RROR_REASON_STALE_VERSION\x10\x08\x12!\n\x1d\x45RROR_REASON_THREAD_NOT_FOUND\x10\t\x12\x1e\n\x1a\x45RROR_REASON_THREAD_EXISTS\x10\n\x12%\n!ERROR_REASON_TRANSITION_NOT_FOUND\x10\x0b\x12\'\n#ERROR_REASON_IDEMPOTENCY_KEY_REUSED\x10\x0c\x12 \n\x1c\x45RROR_REASON_REQUEST_INVALID\x10\r\x12\x1c\n\x18\x45RROR_REASON_KEY_UNKNOWN\x10\x0e\x12$\n ERROR_REASON_STORAGE_UNAVAILABLE\x10\x0f\x12!\n\x1d\x45RROR_REASON_SCHEMA_VIOLATION\x10\x10\x12 \n\x1c\x45RROR_REASON_LAYER_VIOLATION\x10\x11\x12#\n\x1f\x45RROR_REASON_INVARIANT_VIOLATED\x10\x12\x12$\n ERROR_REASON_CREDENTIAL_DETECTED\x10\x13\x12!\n\x1d\x45RROR_REASON_POLICY_NOT_FOUND\x10\x14\x12 \n\x1c\x45RROR_REASON_POLICY_MISMATCH\x10\x15\x42\x30Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +32,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ztate.v1.errors_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1'
-  _globals['_ERRORREASON']._serialized_start=144
-  _globals['_ERRORREASON']._serialized_end=714
+  _globals['_ERRORREASON']._serialized_start=159
+  _globals['_ERRORREASON']._serialized_end=942
   _globals['_ERRORDETAIL']._serialized_start=35
-  _globals['_ERRORDETAIL']._serialized_end=141
+  _globals['_ERRORDETAIL']._serialized_end=156
 # @@protoc_insertion_point(module_scope)

@@ -25,6 +25,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_REQUEST_INVALID: _ClassVar[ErrorReason]
     ERROR_REASON_KEY_UNKNOWN: _ClassVar[ErrorReason]
     ERROR_REASON_STORAGE_UNAVAILABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_SCHEMA_VIOLATION: _ClassVar[ErrorReason]
+    ERROR_REASON_LAYER_VIOLATION: _ClassVar[ErrorReason]
+    ERROR_REASON_INVARIANT_VIOLATED: _ClassVar[ErrorReason]
+    ERROR_REASON_CREDENTIAL_DETECTED: _ClassVar[ErrorReason]
+    ERROR_REASON_POLICY_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_POLICY_MISMATCH: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_IDENTITY_INVALID: ErrorReason
 ERROR_REASON_ROLE_FORBIDDEN: ErrorReason
@@ -41,15 +47,23 @@ ERROR_REASON_IDEMPOTENCY_KEY_REUSED: ErrorReason
 ERROR_REASON_REQUEST_INVALID: ErrorReason
 ERROR_REASON_KEY_UNKNOWN: ErrorReason
 ERROR_REASON_STORAGE_UNAVAILABLE: ErrorReason
+ERROR_REASON_SCHEMA_VIOLATION: ErrorReason
+ERROR_REASON_LAYER_VIOLATION: ErrorReason
+ERROR_REASON_INVARIANT_VIOLATED: ErrorReason
+ERROR_REASON_CREDENTIAL_DETECTED: ErrorReason
+ERROR_REASON_POLICY_NOT_FOUND: ErrorReason
+ERROR_REASON_POLICY_MISMATCH: ErrorReason
 
 class ErrorDetail(_message.Message):
-    __slots__ = ("reason", "keys", "current_version", "limit")
+    __slots__ = ("reason", "keys", "current_version", "limit", "rules")
     REASON_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
     reason: ErrorReason
     keys: _containers.RepeatedScalarFieldContainer[str]
     current_version: int
     limit: int
-    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., keys: _Optional[_Iterable[str]] = ..., current_version: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    rules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., keys: _Optional[_Iterable[str]] = ..., current_version: _Optional[int] = ..., limit: _Optional[int] = ..., rules: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,20 +1,23 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateThreadRequest(_message.Message):
-    __slots__ = ("thread_id", "initial_state_json")
+    __slots__ = ("thread_id", "initial_state_json", "policy")
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]
     INITIAL_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     thread_id: str
     initial_state_json: bytes
-    def __init__(self, thread_id: _Optional[str] = ..., initial_state_json: _Optional[bytes] = ...) -> None: ...
+    policy: str
+    def __init__(self, thread_id: _Optional[str] = ..., initial_state_json: _Optional[bytes] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class CreateThreadResponse(_message.Message):
     __slots__ = ("genesis",)
@@ -53,12 +56,30 @@ class ProposeTransitionRequest(_message.Message):
     def __init__(self, thread_id: _Optional[str] = ..., expected_version: _Optional[int] = ..., patch_json: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class ProposeTransitionResponse(_message.Message):
-    __slots__ = ("transition", "replayed")
+    __slots__ = ("transition", "pending", "replayed")
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     transition: Transition
+    pending: PendingTransition
     replayed: bool
-    def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ..., pending: _Optional[_Union[PendingTransition, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class PendingTransition(_message.Message):
+    __slots__ = ("digest", "thread_id", "base_version", "risk_rules", "proposal_json", "parked_at")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RISK_RULES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_JSON_FIELD_NUMBER: _ClassVar[int]
+    PARKED_AT_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    thread_id: str
+    base_version: int
+    risk_rules: _containers.RepeatedScalarFieldContainer[str]
+    proposal_json: bytes
+    parked_at: _timestamp_pb2.Timestamp
+    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., risk_rules: _Optional[_Iterable[str]] = ..., proposal_json: _Optional[bytes] = ..., parked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetTransitionRequest(_message.Message):
     __slots__ = ("digest", "thread_version")
