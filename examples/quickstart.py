@@ -38,6 +38,7 @@ async def main(target: str, certs: Path) -> None:
                 "authority": {"tenant": "acme", "acting_for": "support desk"},
                 "target_user_id": "123e4567-e89b-42d3-a456-426614174000",
             },
+            policy="pipeline",
         )
     print(f"created {thread} at version {genesis.version}, digest {genesis.digest[:16]}...")
 

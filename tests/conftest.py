@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -65,7 +66,18 @@ def keyring(keyring_file: Path) -> Keyring:
 
 
 @pytest.fixture(scope="session")
-def settings(pki: Pki, keyring_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped pipeline policy and a second workflow, loaded together."""
+    folder = tmp_path_factory.mktemp("policies")
+    shutil.copyfile(POLICY, folder / "pipeline.yaml")
+    shutil.copyfile(REPO / "tests" / "policies" / "billing.yaml", folder / "billing.yaml")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def settings(
+    pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Settings:
     return Settings(
         home=tmp_path_factory.mktemp("home"),
         listen="127.0.0.1:0",
@@ -73,7 +85,7 @@ def settings(pki: Pki, keyring_file: Path, tmp_path_factory: pytest.TempPathFact
         tls_cert=pki.certs / "service-transition.crt",
         tls_key=pki.certs / "service-transition.key",
         tls_ca=pki.certs / "ca.crt",
-        policy_path=POLICY,
+        policy_path=policy_dir,
         hmac_keyring_file=keyring_file,
         max_patch_bytes=TEST_MAX_PATCH_BYTES,
         db_pool_size=8,

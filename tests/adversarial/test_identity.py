@@ -20,7 +20,7 @@ from worker_sdk import PermissionDenied, Unauthenticated, ZtateError
 async def make_thread(target: str, pki: Pki) -> str:
     thread_id = new_thread_id()
     async with client(target, pki.operator()) as operator:
-        await operator.create_thread(thread_id, INITIAL)
+        await operator.create_thread(thread_id, INITIAL, policy="pipeline")
     return thread_id
 
 
@@ -150,7 +150,7 @@ async def test_nodes_may_not_use_privileged_calls(
     thread_id = await make_thread(target, pki)
     async with client(target, pki.node("db-writer")) as writer:
         call = (
-            writer.create_thread(new_thread_id(), {"raw_text": "x"})
+            writer.create_thread(new_thread_id(), {"raw_text": "x"}, policy="pipeline")
             if method == "create_thread"
             else writer.get_transition(thread_id=thread_id, version=0)
         )

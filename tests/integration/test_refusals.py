@@ -34,7 +34,7 @@ PARSER_LIMIT = Policy.load(POLICY).max_patch_bytes("input-parser")
 async def thread_id(target: str, pki: Pki) -> str:
     thread = new_thread_id()
     async with client(target, pki.operator()) as operator:
-        await operator.create_thread(thread, INITIAL)
+        await operator.create_thread(thread, INITIAL, policy="pipeline")
     return thread
 
 
@@ -302,7 +302,7 @@ async def test_thread_id_taken(target: str, pki: Pki, thread_id: str, ledger: Le
         error = await refused(
             ledger,
             thread_id,
-            operator.create_thread(thread_id, {"raw_text": "other"}),
+            operator.create_thread(thread_id, {"raw_text": "other"}, policy="pipeline"),
             ZtateError,
             "THREAD_EXISTS",
         )
@@ -315,7 +315,7 @@ async def test_initial_state_with_undeclared_key(target: str, pki: Pki, ledger: 
         error = await refused(
             ledger,
             thread,
-            operator.create_thread(thread, {"raw_text": "x", "is_admin": True}),
+            operator.create_thread(thread, {"raw_text": "x", "is_admin": True}, policy="pipeline"),
             InvalidRequest,
             "KEY_UNKNOWN",
         )

@@ -22,7 +22,7 @@ async def committed_thread(target: str, pki: Pki, ledger: Ledger) -> str:
     """A thread with two ledger records and one rejection."""
     thread_id = new_thread_id()
     async with client(target, pki.operator()) as operator:
-        await operator.create_thread(thread_id, {"raw_text": "x"})
+        await operator.create_thread(thread_id, {"raw_text": "x"}, policy="pipeline")
     async with client(target, pki.node("input-parser")) as parser:
         await parser.propose(thread_id, 0, {"requested_action": act("y")})
         with pytest.raises(StaleVersion):

@@ -18,7 +18,9 @@ from worker_sdk import StaleVersion, ZtateClient
 async def create(target: str, pki: Pki, state: dict[str, object] | None = None) -> str:
     thread_id = new_thread_id()
     async with client(target, pki.operator()) as operator:
-        await operator.create_thread(thread_id, INITIAL if state is None else state)
+        await operator.create_thread(
+            thread_id, INITIAL if state is None else state, policy="pipeline"
+        )
     return thread_id
 
 
