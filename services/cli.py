@@ -8,16 +8,22 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+import grpc
+from google.protobuf import json_format, timestamp_pb2
 from pydantic import ValidationError
 
 from services import ca
 from services.config import Settings
 from services.identity import NAME, Identity, Role
 from services.keyring import KeyringError, generate_keyring_file
+from services.operator_client import add_connection_flags, operator_channel
 from services.policy import PolicyError, PolicySet
 from services.store.migrate import MigrationError
+from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
 
 def _settings() -> Settings:
@@ -171,6 +177,63 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_time(text: str) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromDatetime(datetime.fromisoformat(text.replace("Z", "+00:00")))
+    return stamp
+
+
+async def _list_rejections(args: argparse.Namespace) -> list[dict[str, Any]]:
+    request = ledger_pb2.ListRejectionsRequest(
+        thread_id=args.thread or "",
+        node_id=args.node or "",
+        reason=args.reason or "",
+        page_size=min(args.limit, 1000),
+    )
+    if args.since:
+        request.since.CopyFrom(_parse_time(args.since))
+    if args.until:
+        request.until.CopyFrom(_parse_time(args.until))
+    found: list[dict[str, Any]] = []
+    async with operator_channel(args, _settings().home) as channel:
+        stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+        while len(found) < args.limit:
+            response = await stub.ListRejections(request, timeout=30)
+            found += [
+                json_format.MessageToDict(r, preserving_proto_field_name=True)
+                for r in response.rejections
+            ]
+            if not response.next_page_token:
+                break
+            request.page_token = response.next_page_token
+    return found[: args.limit]
+
+
+def cmd_ledger_rejections(args: argparse.Namespace) -> int:
+    """List refused proposals, newest first."""
+    try:
+        rows = asyncio.run(_list_rejections(args))
+    except grpc.aio.AioRpcError as error:
+        print(f"ztate: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return 0
+    for row in rows:
+        keys = ",".join(row.get("keys", [])) or "-"
+        print(
+            f"{row['rejected_at']}  {row['reason']:<22} {row.get('thread_id', '-')}"
+            f"@{row.get('base_version', 0)}  {row['node_id']}  keys={keys}"
+        )
+    if not rows:
+        print("no rejections match")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ztate", description="zero-trust control plane for shared agent state"
@@ -215,6 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     show = policy_sub.add_parser("show", help="print the effective policy and its digest")
     show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")
     show.set_defaults(func=cmd_policy_show)
+    ledger = sub.add_parser("ledger", help="query the ledger (operator certificate)")
+    ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True)
+    rejections = ledger_sub.add_parser("rejections", help="list refused proposals, newest first")
+    add_connection_flags(rejections)
+    rejections.add_argument("--thread")
+    rejections.add_argument("--node", help="full SPIFFE ID")
+    rejections.add_argument("--reason", help="e.g. KEY_NOT_WRITABLE")
+    rejections.add_argument("--since", help="RFC 3339 time")
+    rejections.add_argument("--until", help="RFC 3339 time")
+    rejections.add_argument("--limit", type=int, default=50)
+    rejections.add_argument("--json", action="store_true", help="one JSON object per line")
+    rejections.set_defaults(func=cmd_ledger_rejections)
     return parser
 
 

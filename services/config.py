@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     max_depth: int = Field(default=32, gt=0, le=128)
     db_pool_size: int = Field(default=16, gt=0, le=512)
     db_role: str = Field(default="ztate_transition", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    db_reader_role: str = Field(default="ztate_reader", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     head_cache_size: int = Field(default=10_000, ge=0)
 
     @model_validator(mode="after")

@@ -13,19 +13,22 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 from services.config import Settings
 from services.keyring import Keyring
 from services.policy import PolicySet
 from services.store.embedded import start_embedded_postgres
+from services.store.ledger import LedgerQueries
 from services.store.migrate import migrate
 from services.store.transitions import TransitionStore
+from transition_service.ledger_server import LedgerServicer
 from transition_service.pipeline import TransitionPipeline
 from transition_service.server import TransitionServicer
+from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.transition")
 SERVICE_NAME = transition_pb2.DESCRIPTOR.services_by_name["TransitionService"].full_name
+LEDGER_SERVICE_NAME = ledger_pb2.DESCRIPTOR.services_by_name["LedgerService"].full_name
 SHUTDOWN_GRACE_SECONDS = 10.0
 
 
@@ -36,6 +39,7 @@ class RunningService:
     server: grpc.aio.Server
     port: int
     store: TransitionStore
+    queries: LedgerQueries
     health: HealthServicer
     embedded: Any = field(default=None, repr=False)
 
@@ -44,6 +48,7 @@ class RunningService:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.store.close()
+        await self.queries.close()
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials:
@@ -79,7 +84,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
 
     conn = await asyncpg.connect(dsn)
     try:
-        applied = await migrate(conn, settings.db_role)
+        applied = await migrate(conn, settings.db_role, settings.db_reader_role)
     finally:
         await conn.close()
     if applied:
@@ -87,6 +92,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
 
     store = await TransitionStore.open(dsn, role=settings.db_role, pool_size=settings.db_pool_size)
     await store.ping()
+    queries = await LedgerQueries.open(dsn, role=settings.db_reader_role)
     pipeline = TransitionPipeline(
         store=store,
         policies=policies,
@@ -106,11 +112,15 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
         TransitionServicer(pipeline, settings.trust_domain), server
     )
+    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
+        LedgerServicer(queries, settings.trust_domain), server
+    )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
+            LEDGER_SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),
@@ -119,6 +129,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     port = server.add_secure_port(settings.listen, credentials)
     if port == 0:
         await store.close()
+        await queries.close()
         raise OSError(f"cannot listen on {settings.listen}")
     await server.start()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -129,7 +140,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         ", ".join(f"{p.name} ({p.digest[:12]})" for p in policies.policies.values()),
         keyring.current,
     )
-    return RunningService(server, port, store, health, embedded)
+    return RunningService(server, port, store, queries, health, embedded)
 
 
 async def serve(settings: Settings) -> None:

@@ -1,28 +1,18 @@
-"""The gRPC face of the transition service: authentication and status mapping.
+"""The gRPC face of the transition pipeline (``ztate.v1.TransitionService``).
 
-Every handler runs behind ``_guarded``: it takes the caller's identity from the
-verified client certificate, runs the pipeline, and turns domain errors into
-rich gRPC statuses (through ``services.rpc_errors``, the one mapping).
+Every handler runs behind ``guarded``, which authenticates the caller and maps
+refusals to gRPC statuses.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
-
-import grpc
 from google.protobuf import timestamp_pb2
-from ztate.v1 import transition_pb2, transition_pb2_grpc
 
-from services import errors, rpc_errors
-from services.identity import Identity, identity_from_context
-from services.store.transitions import STORAGE_ERRORS, PendingTransition, StoredTransition
+from services.identity import Identity
+from services.store.transitions import PendingTransition, StoredTransition
+from transition_service.guard import Context, guarded
 from transition_service.pipeline import Parked, Proposal, TransitionPipeline
-
-log = logging.getLogger("ztate.transition")
-Response = TypeVar("Response")
-Context = grpc.aio.ServicerContext[Any, Any]
+from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 
 def transition_message(stored: StoredTransition) -> transition_pb2.Transition:
@@ -61,29 +51,6 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         self._pipeline = pipeline
         self._trust_domain = trust_domain
 
-    async def _guarded(
-        self,
-        context: Context,
-        method: str,
-        handler: Callable[[Identity], Awaitable[Response]],
-    ) -> Response:
-        try:
-            caller = identity_from_context(context, self._trust_domain)
-            return await handler(caller)
-        except errors.ZtateError as refusal:
-            log.info("refused %s: %s", method, refusal.reason)
-            status = rpc_errors.to_status(refusal)
-        except STORAGE_ERRORS as failure:
-            log.warning("%s: database unavailable: %s", method, type(failure).__name__)
-            status = rpc_errors.to_status(
-                errors.StorageUnavailable("the ledger database is unavailable; retry")
-            )
-        except Exception as failure:
-            log.exception("%s failed unexpectedly: %s", method, type(failure).__name__)
-            status = rpc_errors.internal_status()
-        await context.abort(status.code, status.details, status.trailing_metadata)
-        raise AssertionError("unreachable: context.abort raises")
-
     async def CreateThread(
         self, request: transition_pb2.CreateThreadRequest, context: Context
     ) -> transition_pb2.CreateThreadResponse:
@@ -93,7 +60,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             )
             return transition_pb2.CreateThreadResponse(genesis=transition_message(genesis))
 
-        return await self._guarded(context, "CreateThread", handle)
+        return await guarded(context, self._trust_domain, "CreateThread", handle)
 
     async def GetView(
         self, request: transition_pb2.GetViewRequest, context: Context
@@ -107,7 +74,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 head_digest=view.head_digest,
             )
 
-        return await self._guarded(context, "GetView", handle)
+        return await guarded(context, self._trust_domain, "GetView", handle)
 
     async def ProposeTransition(
         self, request: transition_pb2.ProposeTransitionRequest, context: Context
@@ -130,7 +97,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 transition=transition_message(outcome.transition), replayed=outcome.replayed
             )
 
-        return await self._guarded(context, "ProposeTransition", handle)
+        return await guarded(context, self._trust_domain, "ProposeTransition", handle)
 
     async def GetTransition(
         self, request: transition_pb2.GetTransitionRequest, context: Context
@@ -145,4 +112,4 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             )
             return transition_pb2.GetTransitionResponse(transition=transition_message(stored))
 
-        return await self._guarded(context, "GetTransition", handle)
+        return await guarded(context, self._trust_domain, "GetTransition", handle)

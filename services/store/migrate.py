@@ -4,7 +4,8 @@ Each file ``NNNN_name.sql`` runs once, in order, inside one transaction, under a
 advisory lock so replicas starting together apply it once. ``:service_role`` in a
 file is replaced by the quoted name of the service's database role, which is
 created (NOLOGIN) when missing. A file changed after it was applied stops
-start-up: history of the schema is as append-only as the ledger.
+start-up: history of the schema is as append-only as the ledger. ``:reader_role``
+likewise names the read-only role of ledger queries.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def _quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-async def migrate(conn: asyncpg.Connection, service_role: str) -> list[str]:
+async def migrate(
+    conn: asyncpg.Connection, service_role: str, reader_role: str = "ztate_reader"
+) -> list[str]:
     """Apply pending migrations; return the names of those applied now."""
+    roles = {":service_role": service_role, ":reader_role": reader_role}
     applied_now: list[str] = []
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", ADVISORY_LOCK)
@@ -65,9 +69,9 @@ async def migrate(conn: asyncpg.Connection, service_role: str) -> list[str]:
                    checksum text NOT NULL,
                    applied_at timestamptz NOT NULL DEFAULT now())"""
         )
-        role_exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", service_role)
-        if not role_exists:
-            await conn.execute(f"CREATE ROLE {_quote_ident(service_role)} NOLOGIN")
+        for role in roles.values():
+            if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
+                await conn.execute(f"CREATE ROLE {_quote_ident(role)} NOLOGIN")
         done = {
             row["number"]: row["checksum"]
             for row in await conn.fetch(
@@ -82,7 +86,10 @@ async def migrate(conn: asyncpg.Connection, service_role: str) -> list[str]:
                         "was applied; add a new migration instead"
                     )
                 continue
-            await conn.execute(migration.sql.replace(":service_role", _quote_ident(service_role)))
+            sql = migration.sql
+            for placeholder, role in roles.items():
+                sql = sql.replace(placeholder, _quote_ident(role))
+            await conn.execute(sql)
             await conn.execute(
                 "INSERT INTO public.ztate_schema_migrations (number, name, checksum) "
                 "VALUES ($1, $2, $3)",

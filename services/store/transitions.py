@@ -136,7 +136,7 @@ class Rejection:
     message: str
 
 
-async def _keep_session(_conn: asyncpg.Connection) -> None:
+async def keep_session(_conn: asyncpg.Connection) -> None:
     """Pool release hook: our statements leave no session state to reset.
 
     asyncpg still rolls back any open transaction before calling this; skipping
@@ -156,7 +156,7 @@ class TransitionStore:
             dsn,
             min_size=min(2, pool_size),
             max_size=pool_size,
-            reset=_keep_session,
+            reset=keep_session,
             server_settings={"role": role, "application_name": "ztate-transition"},
         )
         return cls(pool)

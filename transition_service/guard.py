@@ -1,0 +1,48 @@
+"""Authentication and error mapping around every RPC handler.
+
+``guarded`` takes the caller's identity from the verified client certificate,
+runs the handler, and turns domain errors into rich gRPC statuses through
+``services.rpc_errors``, the one mapping. Failures nobody foresaw become a bare
+INTERNAL status: the caller never sees internals, the log does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from services import errors, rpc_errors
+from services.identity import Identity, identity_from_context
+from services.store.transitions import STORAGE_ERRORS
+
+log = logging.getLogger("ztate.transition")
+Response = TypeVar("Response")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+async def guarded(
+    context: Context,
+    trust_domain: str,
+    method: str,
+    handler: Callable[[Identity], Awaitable[Response]],
+) -> Response:
+    """Run ``handler`` for the authenticated caller, or abort with the right status."""
+    try:
+        caller = identity_from_context(context, trust_domain)
+        return await handler(caller)
+    except errors.ZtateError as refusal:
+        log.info("refused %s: %s", method, refusal.reason)
+        status = rpc_errors.to_status(refusal)
+    except STORAGE_ERRORS as failure:
+        log.warning("%s: database unavailable: %s", method, type(failure).__name__)
+        status = rpc_errors.to_status(
+            errors.StorageUnavailable("the ledger database is unavailable; retry")
+        )
+    except Exception as failure:
+        log.exception("%s failed unexpectedly: %s", method, type(failure).__name__)
+        status = rpc_errors.internal_status()
+    await context.abort(status.code, status.details, status.trailing_metadata)
+    raise AssertionError("unreachable: context.abort raises")
