@@ -1,33 +1,489 @@
-"""Credential detection in state values (interim version; being replaced)."""
+"""Refuse credential-looking strings in state values: secrets never enter state.
+
+Every proposal passes through here, so the common case (a value holding no secret)
+must cost microseconds. detect-secrets took about 700 us per short line and flagged
+plain prose. The scan has two stages:
+
+1. **Prefilter, on the whole value at once.** orjson serialises the value, and one
+   ``bytes.translate`` maps each token character ``[A-Za-z0-9+/_-]`` to ``a`` and
+   every other byte to a space. Every rule below needs at least one of: a run of
+   20 token characters, ``PRIVATE KEY``, ``://...@``, or ``bearer``/``basic``
+   followed by whitespace and a run of 16. A few substring searches settle that,
+   and ordinary prose has none of these. JSON escaping only turns a character into a
+   backslash sequence, so it cannot hide a match from this stage. It can only raise
+   false alarms, and stage 2 settles those.
+2. **Walk, only if stage 1 fired.** Each string, member names included, goes
+   through the same prefilter and then the rules that its literal (``AIza``,
+   ``sk-``, ...) admits. Regular expressions run only on the strings that need them.
+
+Costs on the reference machine (Python 3.11): ``re`` scans a character class at
+about 7 ns a byte, and ``bytes.translate`` costs about 1 ns. ``in`` on ``bytes`` has
+a fixed cost of about 130 ns, six times that of ``str``, so skeletons are decoded
+to ``str``. Measured with ``timeit`` (best of 9, machine shared with other work):
+1 KB of prose strings takes 2.2 us and 10 KB takes 16 us. A value that sends stage
+1 to the walk (a URL with a long path, a file path, a digest) costs about 1 us per
+string in it, plus a few us for each string that fires. 1 KB of prose with one such
+URL takes 19 us, and 10 KB takes 110 us.
+
+**Well-known formats** always apply. They are adapted from detect-secrets 1.5
+(``detect_secrets/plugins/*.py``) and gitleaks (``config/gitleaks.toml``):
+
+* PEM, OpenSSH, PGP, SSH2 and PuTTY private key headers.
+* AWS access key ids (``AKIA``/``ASIA``/``ABIA``/``ACCA``/``A3T`` and 16 base32
+  characters). Also a 40-character secret access key assigned after
+  ``aws ... secret`` in the text, or held by a member named like
+  ``aws_secret_access_key``.
+* GitHub (``ghp_``, ``gho_``, ``ghu_``, ``ghs_``, ``ghr_``, ``github_pat_``) and
+  GitLab (``glpat-`` and its siblings) tokens.
+* Slack tokens (``xox?-``, ``xapp-``) and ``hooks.slack.com`` webhooks.
+* Stripe (``sk_``/``rk_`` with ``live``/``test``/``prod``), Google (``AIza`` + 35),
+  npm, PyPI and Hugging Face tokens.
+* ``sk-`` keys (OpenAI style, and Anthropic's ``sk-ant-``): at least 32 characters
+  after the prefix, with a digit, and not a hyphenated phrase.
+* JSON Web Tokens: two ``eyJ`` segments and a third, with a header that decodes
+  to text holding ``"alg"`` or ``"typ"``.
+* ``Bearer <token>`` with a random-looking token of at least 16 characters, and
+  ``Basic <base64>`` that decodes to ``user:password``.
+* URLs with a password in the userinfo, unless the password is a placeholder
+  (``***``, ``${VAR}``, ``<password>``, ``password``, ...).
+
+**High-entropy strings** are the only rule ``high_entropy=False`` turns off.
+Candidates are maximal runs of ``[A-Za-z0-9+/_-]`` of at least 32 characters.
+A run that mixes the standard (``+/``) and URL-safe (``_-``) base64 alphabets is
+split, since no single encoding produces both. Runs of at least 40 hex digits
+(after an optional ``0x``; a UUID has at most 12 between dashes) are judged as hex.
+
+A run is flagged when its Shannon entropy per character ``H`` is at least
+``E(n, k) - 0.85``. ``E(n, k) = log2(k) - (k - 1) / (2 n ln 2)`` is the
+Miller-Madow expected entropy of ``n`` uniform draws from ``k`` symbols, where
+``k`` is 16 for hex, 36 for single-case letters and digits, and 64 otherwise.
+The threshold comes to 2.88 for 40 hex digits, 2.98 for 64, 3.73 for 32 base64
+characters and 4.08 for 44.
+
+A fixed threshold cannot work, because entropy grows with length. detect-secrets'
+4.5 misses half of all random 32-character tokens (their median is 4.56). A
+threshold of 4.0 flags 29% of the 34,150 distinct long tokens found in Python
+sources, package metadata and ``/usr/share/doc``. Structure is what tells random
+tokens from identifiers, slugs and paths. Count as words the ``[A-Z]?[a-z]+``
+runs, upper-case runs and digit runs: they average 1.8 characters in random
+tokens and 5.7 in those benign ones. So:
+
+* runs whose words average 4.5 or more are never flagged;
+* runs whose words average 3.5 to 4.5 need the tighter margin of 0.45;
+* a single-case run needs a digit;
+* runs of consecutive characters (``ABCDEF...``) are never flagged.
+
+Data behind the numbers (random from ``secrets``):
+
+* ``H - E`` over 300,000 draws has a minimum of -0.73 for ``token_urlsafe(32)``,
+  -0.70 for base64 of 32 bytes, -0.82 for ``token_urlsafe(24)``, -0.70 for
+  ``token_hex(20)`` and -0.46 for ``token_hex(32)``. With a spread of about 0.16,
+  the 0.85 margin is five spreads out.
+* Misses: none in 50,000 for hex keys or ``token_urlsafe(32)``. About 4 per
+  million for base64 of 32 bytes, whose letters happened to fall in long
+  same-case runs. Up to 4 in 50,000 for 24-byte tokens and 32-character
+  alphanumerics, and about 90 in 50,000 for 32-character base32.
+* False alarms. Of 4,033 URLs, 17: 12 hex (commit links) and 5 with random ids or
+  an example secret in the path. Of 71,766 lines of package metadata and
+  copyright files, 30: 15 hex digests, 14 file names such as
+  ``ontop_i386_x86_64_sysv_macho_gas``, and one ``cvs://:pserver:anoncvs@`` URL.
+
+Trade-offs. These are all flagged, because they cannot be told apart from keys:
+hex digests (a SHA-256, a git commit, also inside a link), base64 of more than
+about 24 bytes (prose, images, ``data:`` URIs, ciphertext), random ids of 32 or
+more characters (cloud document ids), and long upper-case constants with digits
+(``TLS_DHE_RSA_WITH_AES_256_GCM_SHA384``). Opaque keys (``high_entropy=False``)
+exist for such values. Secrets under 32 characters in no known format pass, and
+so does anything split or encoded on purpose. This catches leaks; it does not
+stop deliberate exfiltration.
+
+A finding carries the kind and a JSON-pointer path, never the matched text. The
+path is made of member names, which the scan has already checked.
+"""
 
 from __future__ import annotations
 
+import base64
+import itertools
+import math
 import re
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
-_PATTERNS = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY( BLOCK)?-----|\bAKIA[0-9A-Z]{16}\b")
+import orjson
+
+__all__ = ["CredentialFinding", "find_credential"]
 
 
 @dataclass(frozen=True, slots=True)
 class CredentialFinding:
+    """Where a credential-looking string sits in a value, and what it looks like."""
+
     kind: str
     path: str
 
 
-def find_credential(value: object, *, high_entropy: bool = True) -> CredentialFinding | None:
-    """First credential-looking string in a JSON value, or None."""
-    if isinstance(value, str):
-        return CredentialFinding("credential", "") if _PATTERNS.search(value) else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            found = find_credential(key, high_entropy=high_entropy) or find_credential(
-                item, high_entropy=high_entropy
-            )
-            if found:
-                return CredentialFinding(found.kind, f"/{key}{found.path}")
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            found = find_credential(item, high_entropy=high_entropy)
-            if found:
-                return CredentialFinding(found.kind, f"/{index}{found.path}")
+# --- stage 1: prefilter --------------------------------------------------------------
+
+_TOKEN_CHARS: Final = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/_-"
+_SKELETON: Final = bytes(0x61 if byte in _TOKEN_CHARS else 0x20 for byte in range(256))
+_RUN_16: Final = "a" * 16  # the shortest Bearer/Basic token prefix
+_RUN_20: Final = "a" * 20  # the shortest format below is a 20-character AWS key id
+_RUN_32: Final = "a" * 32  # the shortest high-entropy candidate
+_URL_USERINFO: Final = re.compile(r"://[^\s/?#@]*@", re.ASCII)
+# A tab is the two characters \t once JSON-escaped, hence the second alternative.
+_AUTH_SCHEME: Final = re.compile(r"b(?:earer|asic)(?:[ \t]|\\t)+[a-z0-9+/_-]{16}")
+_SHORTEST: Final = 7  # "://:p@h"; shorter strings match no rule
+
+
+def _skeleton(data: bytes) -> str:
+    """``data`` (UTF-8) with token characters as ``a`` and every other byte a space.
+
+    A ``str``, because ``in`` on short ``bytes`` costs six times as much.
+    """
+    return data.translate(_SKELETON).decode("latin-1")
+
+
+def _may_hold(text: str, skeleton: str) -> bool:
+    """False only if no rule can match ``text``: a cheap superset of all of them."""
+    if _RUN_16 in skeleton:
+        if _RUN_20 in skeleton:
+            return True
+        lowered = text.lower()
+        if ("bearer" in lowered or "basic" in lowered) and _AUTH_SCHEME.search(lowered):
+            return True
+    return "PRIVATE KEY" in text or ("@" in text and _URL_USERINFO.search(text) is not None)
+
+
+# --- stage 2: well-known formats ----------------------------------------------------
+
+_WORD: Final = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|[0-9]+")
+_DIGIT: Final = re.compile(r"[0-9]")
+_WORDY: Final = 4.5  # runs whose words average this or more are never random
+
+# Sources: detect-secrets 1.5 plugins (aws, private_key, github_token, gitlab_token,
+# slack, stripe, jwt, basic_auth, openai, pypi_token) and gitleaks config/gitleaks.toml
+# (aws-access-token, github-*, gitlab-*, slack-*, stripe-access-token, gcp-api-key,
+# npm-access-token, huggingface-access-token, anthropic-api-key, openai-api-key, jwt).
+# Every pattern spans a run of >= 20 token characters, "PRIVATE KEY", "://...@", or
+# bearer/basic + a 16-character run, which is what _may_hold relies on. Each pattern
+# starts with a literal where it can, so that re skips ahead to it quickly, and checks
+# the character before it with a lookbehind placed after that literal.
+
+_Classify = Callable[[re.Match[str]], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    needs: str  # tried only on text holding this (lower-cased text if ``lowered``)
+    pattern: re.Pattern[str]
+    classify: _Classify
+    lowered: bool = False
+
+
+_AWS_SAK_KIND: Final = "AWS secret access key"  # SAK: secret access key
+
+
+def _kind(kind: str) -> _Classify:
+    return lambda match: kind
+
+
+def _private_key(match: re.Match[str]) -> str:
+    header = match[0]
+    if "OPENSSH" in header:
+        return "OpenSSH private key"
+    return "PGP private key block" if "PGP" in header else "PEM private key"
+
+
+def _mean_word_length(text: str) -> float:
+    """Mean length of the words in ``text``: about 1.8 when random, 4 and up when not."""
+    words = _WORD.findall(text)
+    return sum(map(len, words)) / len(words) if words else math.inf
+
+
+def _api_key(match: re.Match[str]) -> str | None:
+    body = match[1]
+    if not _DIGIT.search(body) or _mean_word_length(body) >= _WORDY:
+        return None  # a hyphenated phrase such as "sk-learn-..."
+    return "Anthropic API key" if body.startswith("ant-") else "OpenAI-style API key"
+
+
+def _b64decode(text: str, *, urlsafe: bool) -> bytes | None:
+    padded = text + "=" * (-len(text) % 4)
+    try:
+        if urlsafe:
+            return base64.urlsafe_b64decode(padded)
+        return base64.b64decode(padded, validate=True)
+    except ValueError:  # binascii.Error
+        return None
+
+
+def _jwt(match: re.Match[str]) -> str | None:
+    header = _b64decode(match[0].partition(".")[0], urlsafe=True)
+    if header is None or (b'"alg"' not in header and b'"typ"' not in header):
+        return None
+    return "JSON Web Token"
+
+
+def _bearer(match: re.Match[str]) -> str | None:
+    return "bearer token" if _mean_word_length(match[1]) < _WORDY else None
+
+
+def _basic(match: re.Match[str]) -> str | None:
+    raw = _b64decode(match[1], urlsafe=False)
+    try:
+        text = "" if raw is None else raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if not text.isprintable() or not text.partition(":")[2]:
+        return None
+    return "HTTP Basic credential"
+
+
+_PLACEHOLDER: Final = re.compile(
+    r"\*+|[xX.]+|\$\{[^}]*\}|\$[A-Za-z_]\w*|\{\{.*\}\}|\{[^}]*\}|<[^>]*>|\[[^\]]*\]|%[sd]"
+    r"|(?i:password|passwd|pass|pwd|secret|redacted|changeme|your[-_]?password)",
+    re.ASCII,
+)
+
+
+def _url_password(match: re.Match[str]) -> str | None:
+    return None if _PLACEHOLDER.fullmatch(match[1]) else "URL with embedded password"
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern, re.ASCII)
+
+
+_RULES: Final = (
+    _Rule(
+        "PRIVATE KEY",
+        _compile(r"BEGIN(?<=-----BEGIN|---- BEGIN) [A-Z0-9 _-]{0,100}?PRIVATE KEY"),
+        _private_key,
+    ),
+    _Rule(
+        "PuTTY-User-Key-File-", _compile(r"PuTTY-User-Key-File-[0-9]+:"), _kind("PuTTY private key")
+    ),
+    _Rule(
+        "A",
+        _compile(r"A(?<![A-Za-z0-9]A)(?:3T[A-Z0-9]|KIA|SIA|BIA|CCA)[A-Z2-7]{16}(?![A-Za-z0-9])"),
+        _kind("AWS access key id"),
+    ),
+    _Rule(
+        "secret",
+        _compile(
+            r"(?i)aws[\w .-]{0,20}?secret[\w .-]{0,20}?[\s'\"]{0,3}[=:][\s'\"]{0,3}"
+            r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"
+        ),
+        _kind(_AWS_SAK_KIND),
+        lowered=True,
+    ),
+    _Rule(
+        "gh",
+        _compile(r"gh(?<![A-Za-z0-9]gh)[pousr]_[A-Za-z0-9]{36,255}"),
+        _kind("GitHub token"),
+    ),
+    _Rule(
+        "github_pat_",
+        _compile(r"github_pat_(?<![A-Za-z0-9]github_pat_)\w{82,255}"),
+        _kind("GitHub token"),
+    ),
+    _Rule(
+        "gl",
+        _compile(r"gl(?<![A-Za-z0-9]gl)(?:pat|dt|rt|ptt|ft|soat|cbt|imt|agent|oas)-[\w-]{20,}"),
+        _kind("GitLab token"),
+    ),
+    _Rule(
+        "x",
+        _compile(r"x(?<![A-Za-z0-9]x)(?:ox[abposre]|app)-[0-9]+-[A-Za-z0-9-]{14,}"),
+        _kind("Slack token"),
+    ),
+    _Rule(
+        "hooks.slack.com/",
+        _compile(r"hooks\.slack\.com/(?:services|workflows|triggers)/[\w+/-]{20,}"),
+        _kind("Slack webhook URL"),
+    ),
+    _Rule(
+        "k_",
+        _compile(r"(?<![A-Za-z0-9])[sr]k_(?:live|test|prod)_[A-Za-z0-9]{20,99}"),
+        _kind("Stripe API key"),
+    ),
+    _Rule("AIza", _compile(r"AIza(?<![\w-]AIza)[\w-]{35}(?![\w-])"), _kind("Google API key")),
+    _Rule(
+        "npm_",
+        _compile(r"npm_(?<![A-Za-z0-9]npm_)[A-Za-z0-9]{36}(?![A-Za-z0-9])"),
+        _kind("npm token"),
+    ),
+    _Rule("pypi-", _compile(r"pypi-AgEIcHlwaS5vcmc[\w-]{50,}"), _kind("PyPI token")),
+    _Rule(
+        "hf_",
+        _compile(r"hf_(?<![A-Za-z0-9]hf_)[A-Za-z]{34}(?![A-Za-z0-9])"),
+        _kind("Hugging Face token"),
+    ),
+    _Rule("sk-", _compile(r"sk-(?<![\w-]sk-)([\w-]{32,})"), _api_key),
+    _Rule("eyJ", _compile(r"eyJ(?<![\w-]eyJ)[\w-]{17,}\.eyJ[\w-]{17,}\.[\w-]*"), _jwt),
+    _Rule(
+        "bearer",
+        _compile(
+            r"(?i)bearer(?<![A-Za-z0-9]bearer)[ \t]+([A-Za-z0-9+/_-]{16}[A-Za-z0-9._~+/-]*=*)"
+        ),
+        _bearer,
+        lowered=True,
+    ),
+    _Rule(
+        "basic",
+        _compile(
+            r"(?i)basic(?<![A-Za-z0-9]basic)[ \t]+([A-Za-z0-9+/]{16,}={0,2})(?![A-Za-z0-9+/=])"
+        ),
+        _basic,
+        lowered=True,
+    ),
+    _Rule("://", _compile(r"://[^\s/?#@:]*:([^\s/?#@]+)@[^\s/?#@]+"), _url_password),
+)
+_AWS_SECRET_NAME: Final = re.compile(r"(?i)aws.{0,20}secret|secret.?access.?key")
+_AWS_SECRET_VALUE: Final = re.compile(r"[A-Za-z0-9/+]{40}")
+
+
+def _known_format(text: str) -> str | None:
+    lowered = text.lower()
+    for rule in _RULES:
+        if rule.needs not in (lowered if rule.lowered else text):
+            continue
+        position = 0
+        while match := rule.pattern.search(text, position):
+            if kind := rule.classify(match):
+                return kind
+            position = match.start() + 1  # a refused match may overlap a real one
     return None
+
+
+# --- stage 2: high entropy ----------------------------------------------------------
+
+_MARGIN: Final = 0.85  # bits below the random expectation; >= 5 spreads of H - E
+_MARGIN_WORDY: Final = 0.45  # for runs whose words average 3.5 to 4.5 characters
+_WORDISH: Final = 3.5
+_CANDIDATE: Final = re.compile(r"[A-Za-z0-9+/_-]{32,}")
+_HEX_RUN: Final = re.compile(r"(?<![A-Za-z0-9])(?:0x)?([0-9a-fA-F]{40,})(?![A-Za-z0-9])")
+_HEX_LIKE: Final = re.compile(r"[0-9a-fA-F+/_-]+")
+_STANDARD_RUN: Final = re.compile(r"[A-Za-z0-9+/]{32,}")
+_URLSAFE_RUN: Final = re.compile(r"[A-Za-z0-9_-]{32,}")
+_SEPARATOR: Final = re.compile(r"[+/_-]")
+_LN2: Final = math.log(2)
+
+
+def _entropy(text: str) -> float:
+    """Shannon entropy per character of ``text``, in bits."""
+    n = len(text)
+    return math.log2(n) - sum(c * math.log2(c) for c in Counter(text).values()) / n
+
+
+def _expected_entropy(n: int, alphabet: int) -> float:
+    """Expected entropy per character of ``n`` uniform draws from ``alphabet`` symbols."""
+    return math.log2(alphabet) - (alphabet - 1) / (2 * n * _LN2)
+
+
+def _sequential(text: str) -> bool:
+    """Mostly runs of consecutive characters, like an alphabet: not random."""
+    steps = sum(1 for a, b in itertools.pairwise(text) if ord(b) - ord(a) == 1)
+    return 2 * steps >= len(text) - 1
+
+
+def _random_hex(digits: str) -> bool:
+    if digits.isdigit() or not _DIGIT.search(digits):
+        return False  # a number, or only a-f letters
+    threshold = _expected_entropy(len(digits), 16) - _MARGIN
+    return _entropy(digits) >= threshold and not _sequential(digits)
+
+
+def _random_base64(run: str) -> bool:
+    if _HEX_LIKE.fullmatch(run):
+        return False  # hex and UUIDs: judged by _random_hex or too short to judge
+    if not _SEPARATOR.search(run) and (run.islower() or run.isupper()):
+        if not _DIGIT.search(run):
+            return False  # one long word
+        alphabet, margin = 36, _MARGIN
+    else:
+        mean = _mean_word_length(run)
+        if mean >= _WORDY:
+            return False  # identifiers, slugs, paths
+        alphabet, margin = 64, _MARGIN if mean < _WORDISH else _MARGIN_WORDY
+    threshold = _expected_entropy(len(run), alphabet) - margin
+    return _entropy(run) >= threshold and not _sequential(run)
+
+
+def _high_entropy(text: str) -> str | None:
+    for match in _CANDIDATE.finditer(text):
+        token = match[0]
+        if any(_random_hex(hexrun[1]) for hexrun in _HEX_RUN.finditer(token)):
+            return "high-entropy hex string"
+        if ("+" in token or "/" in token) and ("_" in token or "-" in token):
+            runs = _STANDARD_RUN.findall(token) + _URLSAFE_RUN.findall(token)
+        else:
+            runs = [token]
+        if any(_random_base64(run) for run in runs):
+            return "high-entropy string"
+    return None
+
+
+# --- the walk -----------------------------------------------------------------------
+
+
+def _text_kind(text: str, high_entropy: bool, aws_secret_member: bool) -> str | None:
+    if len(text) < _SHORTEST:
+        return None
+    skeleton = _skeleton(text.encode("utf-8", "surrogatepass"))
+    if not _may_hold(text, skeleton):
+        return None
+    if kind := _known_format(text):
+        return kind
+    if aws_secret_member and _AWS_SECRET_VALUE.fullmatch(text):
+        return _AWS_SAK_KIND
+    return _high_entropy(text) if high_entropy and _RUN_32 in skeleton else None
+
+
+def _names_aws_secret(name: object) -> bool:
+    """A member named like ``aws_secret_access_key`` (its value has 40 characters)."""
+    return isinstance(name, str) and _AWS_SECRET_NAME.search(name) is not None
+
+
+def _pointer(path: tuple[str, ...]) -> str:
+    return "".join("/" + part.replace("~", "~0").replace("/", "~1") for part in path)
+
+
+def _walk(value: object, high_entropy: bool) -> CredentialFinding | None:
+    """Depth first, in document order; an object's member names before its values."""
+    stack: list[tuple[object, tuple[str, ...], bool]] = [(value, (), False)]
+    while stack:
+        node, path, aws_secret_member = stack.pop()
+        if isinstance(node, str):
+            if kind := _text_kind(node, high_entropy, aws_secret_member):
+                return CredentialFinding(kind, _pointer(path))
+        elif isinstance(node, dict):
+            for name in node:
+                if isinstance(name, str) and (kind := _text_kind(name, high_entropy, False)):
+                    return CredentialFinding(f"{kind} in a member name", _pointer(path))
+            for name, item in reversed(node.items()):
+                aws = isinstance(item, str) and len(item) == 40 and _names_aws_secret(name)
+                stack.append((item, (*path, str(name)), aws))
+        elif isinstance(node, list | tuple):
+            for index in range(len(node) - 1, -1, -1):
+                stack.append((node[index], (*path, str(index)), False))
+    return None
+
+
+def find_credential(value: object, *, high_entropy: bool = True) -> CredentialFinding | None:
+    """First credential-looking string in a JSON value, or None.
+
+    Scans strings, object member names and nested lists and objects, as produced by
+    ``json.loads``. ``high_entropy=False`` turns off only the entropy heuristic, for
+    keys a policy marks opaque; the well-known formats always apply.
+    """
+    try:
+        serialised = orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError: lone surrogates, non-str keys, big ints
+        return _walk(value, high_entropy)
+    if not _may_hold(serialised.decode(), _skeleton(serialised)):
+        return None
+    return _walk(value, high_entropy)

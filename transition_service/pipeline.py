@@ -46,6 +46,7 @@ from services.store.transitions import (
 from transition_service.heads import CachedHead, HeadCache
 
 THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+KEY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
 PRIVILEGED = frozenset({Role.OPERATOR, Role.SERVICE})
 
@@ -104,11 +105,21 @@ def check_registered(caller: Identity, policies: PolicySet) -> Policy:
     return policy
 
 
+def thread_not_found(thread_id: str) -> errors.ThreadNotFound:
+    return errors.ThreadNotFound(f"thread {thread_id!r} does not exist")
+
+
 def check_bound_policy(caller: Identity, policy: Policy, head: Head | CachedHead) -> None:
+    """The thread is bound to the caller's policy.
+
+    The caller is told the thread does not exist, exactly as if it did not, so that
+    nodes cannot probe which thread ids other workflows use; the rejections ledger
+    records the real reason.
+    """
     if head.policy_name != policy.name:
         raise errors.PolicyMismatch(
-            f"node {caller.name!r} belongs to policy {policy.name!r}; the thread is bound to "
-            f"another policy"
+            f"node {caller.name!r} belongs to policy {policy.name!r}; the thread is bound "
+            f"to {head.policy_name!r}"
         )
 
 
@@ -127,19 +138,29 @@ def check_size(data: bytes, limit: int, what: str) -> None:
         )
 
 
+def shown_key(name: str) -> str:
+    """A refused key name as errors and the rejections ledger may show it.
+
+    Key names in a refused patch are chosen by whoever wrote it; one that is not a
+    plain key name, or that looks like a credential, is shown by digest.
+    """
+    if KEY_NAME.match(name) and find_credential(name) is None:
+        return name
+    return "sha256:" + sha256_hex(name.encode("utf-8", "surrogatepass"))[:16]
+
+
 def check_writable(patch: JsonObject, writable: frozenset[str]) -> None:
     if not patch:
         raise errors.RequestInvalid("patch is empty: it changes nothing")
-    refused = patch.keys() - writable
+    refused = sorted(shown_key(key) for key in patch.keys() - writable)
     if refused:
         raise errors.KeyNotWritable(
-            f"patch writes keys outside this node's write allowlist: {sorted(refused)}",
-            keys=refused,
+            f"patch writes keys outside this node's write allowlist: {refused}", keys=refused
         )
 
 
 def check_declared(state: JsonObject, policy: Policy) -> None:
-    unknown = policy.unknown_keys(state)
+    unknown = sorted(shown_key(key) for key in policy.unknown_keys(state))
     if unknown:
         raise errors.KeyUnknown(f"keys not declared in the policy: {unknown}", keys=unknown)
 
@@ -315,9 +336,12 @@ class TransitionPipeline:
             check_privileged(caller, "read views")
         head = await self._store.read_head(thread_id)
         if head is None:
-            raise errors.ThreadNotFound(f"thread {thread_id!r} does not exist")
+            raise thread_not_found(thread_id)
         if policy is not None:
-            check_bound_policy(caller, policy, head)
+            try:
+                check_bound_policy(caller, policy, head)
+            except errors.PolicyMismatch:
+                raise thread_not_found(thread_id) from None
         state = self._remember(head)
         projected = state if readable is None else {k: state[k] for k in state.keys() & readable}
         return View(thread_id, head.version, head.digest, canonical_bytes(projected))
@@ -329,6 +353,8 @@ class TransitionPipeline:
         except errors.ZtateError as refusal:
             if not isinstance(refusal, errors.StorageUnavailable):
                 await self._store.record_rejection(_rejection(caller, proposal, refusal))
+            if isinstance(refusal, errors.PolicyMismatch):
+                raise thread_not_found(proposal.thread_id) from None
             raise
 
     async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
@@ -405,7 +431,7 @@ class TransitionPipeline:
         state_bytes: bytes,
         risky: list[str],
         digest_of_request: str,
-    ) -> Parked:
+    ) -> Outcome:
         """Keep a risky proposal for a human decision bound to its digest."""
         proposal_bytes = canonical_bytes(
             build_proposal(
@@ -435,6 +461,8 @@ class TransitionPipeline:
             ),
             state_bytes,
         )
+        if parked is None:  # the key already names a committed request
+            return await self._replay_or_stale(caller, proposal, base.version)
         same_request_key = (parked.node_id, parked.idempotency_key) == (
             caller.spiffe_id,
             proposal.idempotency_key,
@@ -454,7 +482,7 @@ class TransitionPipeline:
             return cached
         head = await self._store.read_head(proposal.thread_id)
         if head is None:
-            raise errors.ThreadNotFound(f"thread {proposal.thread_id!r} does not exist")
+            raise thread_not_found(proposal.thread_id)
         state = self._remember(head)
         if head.version != proposal.expected_version:
             return await self._replay_or_stale(caller, proposal, head.version)
@@ -463,7 +491,7 @@ class TransitionPipeline:
     async def _explain_lost_race(self, caller: Identity, proposal: Proposal) -> Outcome:
         version = await self._store.head_version(proposal.thread_id)
         if version is None:
-            raise errors.ThreadNotFound(f"thread {proposal.thread_id!r} does not exist")
+            raise thread_not_found(proposal.thread_id)
         return await self._replay_or_stale(caller, proposal, version)
 
     async def _replay_or_stale(

@@ -11,9 +11,9 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 from worker_sdk.errors import AwaitingApproval, from_rpc_error
+from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import grpc
 from google.rpc import status_pb2
+
 from ztate.v1 import errors_pb2
 
 DETAILS_KEY = "grpc-status-details-bin"

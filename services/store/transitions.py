@@ -22,6 +22,9 @@ WITH head AS (
     UPDATE ztate.threads
        SET version = $3, head_digest = $4, state = $5, updated_at = $10
      WHERE thread_id = $1 AND version = $2 AND head_digest = $6
+       -- an idempotency key names one request, whether committed or parked
+       AND NOT EXISTS (SELECT 1 FROM ztate.pending_transitions p
+                        WHERE p.thread_id = $1 AND p.node_id = $7 AND p.idempotency_key = $12)
  RETURNING thread_id
 )
 INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
@@ -115,7 +118,10 @@ PARK = f"""
 INSERT INTO ztate.pending_transitions (digest, thread_id, base_version, parent_digest, node_id,
                                        proposal, state, risk_rules, idempotency_key,
                                        request_digest, parked_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+SELECT $1::text, $2::text, $3::bigint, $4::text, $5::text, $6::bytea, $7::bytea, $8::text[],
+       $9::text, $10::text, $11::timestamptz
+ WHERE NOT EXISTS (SELECT 1 FROM ztate.transitions t  -- the key named a committed request
+                    WHERE t.thread_id = $2 AND t.node_id = $5 AND t.idempotency_key = $9)
 ON CONFLICT DO NOTHING
 RETURNING {PENDING_COLUMNS}
 """  # noqa: S608 - constant column list
@@ -267,10 +273,11 @@ class TransitionStore:
 
     async def park(
         self, pending: PendingTransition, state_bytes: bytes
-    ) -> tuple[PendingTransition, bool]:
+    ) -> tuple[PendingTransition | None, bool]:
         """Park a proposal. If this request (same node and idempotency key) or this
         exact proposal (same digest) is parked already, return that one; the flag
-        says whether this call inserted the row."""
+        says whether this call inserted the row. ``None``: the idempotency key
+        already names a committed request."""
         row = await self._pool.fetchrow(
             PARK,
             pending.digest,
@@ -290,8 +297,6 @@ class TransitionStore:
         existing = await self.find_pending(
             pending.thread_id, pending.node_id, pending.idempotency_key
         ) or await self.pending_by_digest(pending.digest)
-        if existing is None:
-            raise RuntimeError("a pending transition conflicted with a row that is gone")
         return existing, False
 
     async def find_pending(

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 from tests.harness import INITIAL, Credentials, Ledger, Pki, act, client, new_thread_id
 from worker_sdk import PermissionDenied, Unauthenticated, ZtateError
+from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 
 async def make_thread(target: str, pki: Pki) -> str:

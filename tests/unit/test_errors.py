@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-from ztate.v1 import errors_pb2
 
 from services import errors, rpc_errors
+from ztate.v1 import errors_pb2
 
 
 def test_every_domain_error_has_a_proto_reason_and_the_reverse() -> None:

@@ -6,10 +6,12 @@ import pytest
 
 from services import errors
 from services.identity import Identity, Role, parse_spiffe_id
+from services.policy import Policy, PolicyDocument
 from transition_service.heads import CachedHead, HeadCache
 from transition_service.pipeline import (
     Proposal,
     apply_patch,
+    check_layers,
     check_size,
     check_writable,
     request_digest,
@@ -75,3 +77,33 @@ def test_spiffe_id_round_trip() -> None:
     identity = parse_spiffe_id("spiffe://ztate.test/operator/admin", "ztate.test")
     assert identity == Identity("ztate.test", Role.OPERATOR, "admin")
     assert identity.spiffe_id == "spiffe://ztate.test/operator/admin"
+
+
+def _unchecked_policy() -> Policy:
+    """A policy whose layer grants loading would refuse: only ``check_layers`` stands."""
+    document = PolicyDocument.model_validate(
+        {
+            "format": 1,
+            "name": "unchecked",
+            "keys": {
+                "c": {"layer": "core", "type": "boolean"},
+                "s": {"layer": "shared", "type": "boolean"},
+                "w": {"layer": "working", "type": "boolean"},
+            },
+            "nodes": {"n": {"layer": "working", "write": ["c", "s", "w"]}},
+        }
+    )
+    return Policy(document, "0" * 64, [], [])
+
+
+@pytest.mark.parametrize(
+    ("key", "fragment"),
+    [("c", "is a core key"), ("s", "above this node's layer working")],
+)
+def test_layers_are_enforced_on_every_proposal_even_if_granted(key: str, fragment: str) -> None:
+    policy = _unchecked_policy()
+    check_layers({"w": True}, policy, "n")
+    with pytest.raises(errors.LayerViolation) as caught:
+        check_layers({"w": True, key: True}, policy, "n")
+    assert caught.value.keys == (key,)
+    assert fragment in caught.value.message
