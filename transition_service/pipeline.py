@@ -182,8 +182,9 @@ def check_credentials(members: JsonObject, policy: Policy) -> None:
         if finding is not None:
             where = f" at {finding.path}" if finding.path else ""
             raise errors.CredentialDetected(
-                f"the value of {key!r}{where} looks like a {finding.kind}; secrets never "
-                "enter state (mark the key opaque if it holds digests or random ids)",
+                f"the value of {key!r}{where} looks like a credential ({finding.kind}); "
+                "secrets never enter state (mark the key opaque if it holds digests or "
+                "random ids)",
                 keys=[key],
             )
 
