@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from services.canonical import canonical_bytes, sha256_hex
 from services.identity import NAME
-from services.rules import Expression, ExpressionError
+from services.rules import Expression, ExpressionError, merge_reads
 from services.schema import (
     MAX_TYPE_DEPTH,
     BooleanType,
@@ -289,6 +289,10 @@ class Policy:
         self.invariants = tuple(invariants)
         self.risk_rules = tuple(risk_rules)
         self.opaque_keys = frozenset(k for k, spec in document.keys.items() if spec.opaque)
+        self.reads = merge_reads(
+            [inv.expression for inv in invariants]
+            + [rule.expression for rule in risk_rules if rule.expression is not None]
+        )
         self.validator = StateValidator(document.name, dict(document.keys))
         self._readable = {name: frozenset(node.read) for name, node in document.nodes.items()}
         self._writable = {name: frozenset(node.write) for name, node in document.nodes.items()}

@@ -35,6 +35,7 @@ from services.credentials import find_credential
 from services.identity import Identity, Role
 from services.keyring import Keyring
 from services.policy import Policy, PolicySet
+from services.rules import bind
 from services.schema import TypeMismatch
 from services.store.transitions import (
     Head,
@@ -206,12 +207,26 @@ def check_layers(patch: JsonObject, policy: Policy, node: str) -> None:
             )
 
 
-def activation(state: JsonObject, old: JsonObject, patch: JsonObject, node: str) -> dict[str, Any]:
-    return {"state": state, "old": old, "patch": patch, "node": node}
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A proposed change as the policy's rules see it."""
+
+    state: JsonObject
+    old: JsonObject
+    patch: JsonObject
+    node: str
+    bound: Any  # the CEL context of the policy's expressions; None if it has none
+
+    @classmethod
+    def of(
+        cls, policy: Policy, state: JsonObject, old: JsonObject, patch: JsonObject, node: str
+    ) -> Change:
+        values = {"state": state, "old": old, "patch": patch, "node": node}
+        return cls(state, old, patch, node, bind(policy.reads, values) if policy.reads else None)
 
 
-def check_invariants(policy: Policy, bindings: dict[str, Any]) -> None:
-    broken = [inv for inv in policy.invariants if not inv.expression.holds(bindings)]
+def check_invariants(policy: Policy, change: Change) -> None:
+    broken = [inv for inv in policy.invariants if not inv.expression.holds(change.bound)]
     if broken:
         first = broken[0]
         raise errors.InvariantViolated(
@@ -221,13 +236,13 @@ def check_invariants(policy: Policy, bindings: dict[str, Any]) -> None:
         )
 
 
-def matched_risk_rules(policy: Policy, bindings: dict[str, Any]) -> list[str]:
+def matched_risk_rules(policy: Policy, change: Change) -> list[str]:
     """Names of the risk rules this change matches (a key rule needs a real change)."""
-    old, patch = bindings["old"], bindings["patch"]
+    old, patch = change.old, change.patch
     matched = []
     for rule in policy.risk_rules:
         if rule.expression is not None:
-            hit = rule.expression.may_match(bindings)
+            hit = rule.expression.may_match(change.bound)
         else:
             hit = any(key in patch and patch[key] != old.get(key) for key in rule.keys)
         if hit:
@@ -288,7 +303,7 @@ class TransitionPipeline:
         check_schema(initial, policy)
         check_credentials(initial, policy)
         state = apply_patch({}, initial)  # the genesis patch is applied like any other
-        check_invariants(policy, activation(state, {}, initial, caller.name))
+        check_invariants(policy, Change.of(policy, state, {}, initial, caller.name))
         state_bytes = canonical_bytes(state)
         now = datetime.now(UTC)
         sealed = seal(
@@ -375,13 +390,13 @@ class TransitionPipeline:
             return base
         check_bound_policy(caller, policy, base)
         state = apply_patch(base.state, patch)
-        bindings = activation(state, base.state, patch, node)
-        check_invariants(policy, bindings)
+        change = Change.of(policy, state, base.state, patch, node)
+        check_invariants(policy, change)
         state_bytes = canonical_bytes(state)
         state_digest = sha256_hex(state_bytes)
         digest_of_request = request_digest(proposal)
 
-        risky = matched_risk_rules(policy, bindings)
+        risky = matched_risk_rules(policy, change)
         if risky:
             return await self._park(
                 caller, proposal, policy, base, patch, state_bytes, risky, digest_of_request
