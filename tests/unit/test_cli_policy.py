@@ -1,0 +1,48 @@
+"""`ztate policy check` and `ztate policy show`, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from services.policy import Policy
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = REPO / "services" / "defaults" / "policy.yaml"
+ZTATE = str(Path(sys.executable).with_name("ztate"))
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([ZTATE, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_check_accepts_a_valid_policy_and_prints_its_digest() -> None:
+    result = run("policy", "check", str(DEFAULT))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"pipeline: valid, digest {Policy.load(DEFAULT).digest}"
+
+
+def test_check_refuses_a_bad_policy_with_every_problem_and_its_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "format: 1\nname: bad\nkeys:\n  a: {layer: core, type: string}\n"
+        "nodes:\n  n: {layer: working, write: [a, zz]}\n"
+    )
+    result = run("policy", "check", str(bad))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert f"{bad}:6: nodes.n.write.1: undeclared key 'zz'" in result.stderr
+    assert f"{bad}:6: nodes.n.write.0: grants write access to core key 'a'" in result.stderr
+
+
+def test_show_prints_the_effective_policy_with_defaults_filled_in() -> None:
+    result = run("policy", "show", str(DEFAULT))
+    assert result.returncode == 0, result.stderr
+    header, _, body = result.stdout.partition("\n")
+    assert header == f"# policy pipeline, digest {Policy.load(DEFAULT).digest}"
+    shown = json.loads(body)
+    assert shown["keys"]["raw_text"]["max_length"] == 8000
+    assert shown["keys"]["result_ref"]["min_length"] == 0  # a default, filled in
+    assert shown["nodes"]["input-parser"]["max_patch_bytes"] == 4096
