@@ -1,0 +1,154 @@
+"""(a) The floor: the transition store's one-statement commit, straight through asyncpg.
+
+Each worker owns one thread row and runs ``services.store.transitions.COMMIT``
+(compare-and-swap on the head by version and digest, plus the ledger insert, as
+one statement) from the version it last committed, with the byte sizes of a real
+1 KB transition. The pool is configured as ``TransitionStore`` configures its own
+(service role, no reset query on release). Only the digest changes per commit: it
+is unique in the ledger and each record's parent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import asyncpg
+
+from bench import cpu
+from bench.loadgen import Operation, Sample, closed_loop
+from bench.workload import INITIAL_STATE, TRUST_DOMAIN, WRITER_NODE
+from services.canonical import canonical_bytes, sha256_hex
+from services.chain import GENESIS_PARENT, KIND_TRANSITION, build_record, seal
+from services.identity import Identity, Role
+from services.keyring import Keyring
+from services.store.transitions import COMMIT
+from transition_service.pipeline import apply_patch
+
+INSERT_HEAD = """
+INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, policy_digest)
+VALUES ($1, 0, $2, $3, 'bench', $4)
+"""
+
+
+@dataclass(frozen=True)
+class CommitPayload:
+    """The bytes one commit writes, taken from a real sealed 1 KB transition."""
+
+    state_bytes: bytes
+    record_bytes: bytes
+    signature: str
+    key_id: str
+    node_id: str
+    policy_digest: str
+
+
+def commit_payload(patch: dict[str, object], keyring: Keyring, policy_digest: str) -> CommitPayload:
+    node_id = Identity(TRUST_DOMAIN, Role.NODE, WRITER_NODE).spiffe_id
+    state_bytes = canonical_bytes(apply_patch(INITIAL_STATE, patch))
+    sealed = seal(
+        build_record(
+            kind=KIND_TRANSITION,
+            thread_id="t-bench-payload",
+            version=1,
+            parent_digest=GENESIS_PARENT,
+            node_id=node_id,
+            patch=patch,
+            state_digest=sha256_hex(state_bytes),
+            policy_digest=policy_digest,
+            receipt_digest=None,
+            key_id=keyring.current,
+            committed_at=datetime.now(UTC),
+        ),
+        keyring,
+    )
+    return CommitPayload(
+        state_bytes, sealed.record_bytes, sealed.signature, sealed.key_id, node_id, policy_digest
+    )
+
+
+class HeadWriter:
+    """One worker: commits version after version on its own thread."""
+
+    def __init__(self, pool: asyncpg.Pool, thread_id: str, payload: CommitPayload) -> None:
+        self._pool = pool
+        self._thread_id = thread_id
+        self._payload = payload
+        self._version = 0
+        self._digest = _digest(thread_id, 0)
+
+    async def create(self) -> None:
+        await self._pool.execute(
+            INSERT_HEAD,
+            self._thread_id,
+            self._digest,
+            canonical_bytes(INITIAL_STATE),
+            self._payload.policy_digest,
+        )
+
+    async def commit(self) -> None:
+        version = self._version + 1
+        digest = _digest(self._thread_id, version)
+        payload = self._payload
+        committed = await self._pool.fetchval(
+            COMMIT,
+            self._thread_id,
+            self._version,
+            version,
+            digest,
+            payload.state_bytes,
+            self._digest,
+            payload.node_id,
+            payload.key_id,
+            payload.signature,
+            datetime.now(UTC),
+            payload.record_bytes,
+            digest[:32],
+            digest[32:],
+        )
+        if committed is None:
+            raise RuntimeError(f"floor: compare-and-swap lost on {self._thread_id}, a bench bug")
+        self._version, self._digest = version, digest
+
+
+def _digest(thread_id: str, version: int) -> str:
+    return hashlib.sha256(f"{thread_id}/{version}".encode()).hexdigest()
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """No reset query on release, as ``TransitionStore`` does."""
+
+
+async def measure_floor(
+    dsn: str,
+    payload: CommitPayload,
+    *,
+    role: str,
+    pool_size: int,
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    meters: Mapping[str, cpu.CpuMeter],
+) -> Sample:
+    """One closed-loop run of commits, ``concurrency`` workers on fresh threads."""
+    pool = await asyncpg.create_pool(
+        dsn,
+        min_size=pool_size,
+        max_size=pool_size,
+        reset=_keep_session,
+        server_settings={"role": role, "application_name": "ztate-bench-floor"},
+    )
+    try:
+        prefix = f"floor-{uuid.uuid4().hex[:8]}"
+        writers = [HeadWriter(pool, f"{prefix}-{n}", payload) for n in range(concurrency)]
+        for writer in writers:
+            await writer.create()
+        operations: list[Operation] = [writer.commit for writer in writers]
+        return await closed_loop(
+            "floor: asyncpg CAS", operations, warmup=warmup, duration=duration, meters=meters
+        )
+    finally:
+        await pool.close()

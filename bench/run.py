@@ -1,0 +1,215 @@
+"""The run: set everything up, measure, print the report, tear everything down.
+
+The closed-loop measurements interleave (floor, ceiling, ztate at one
+concurrency, then the next concurrency) and the whole sequence runs in rounds.
+Other load on a shared machine can only slow a measurement down, so the report
+keeps each measurement's fastest round, and prints every round's figure and the
+CPU others used beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvloop
+
+from bench import cpu
+from bench.ceiling import echo_once, echo_server, measure_ceiling
+from bench.end_to_end import health_check, measure_ztate, ztate_service
+from bench.environment import (
+    ChildServer,
+    Database,
+    Pki,
+    bench_database,
+    make_keyring,
+    make_pki,
+    postgres_server,
+    temporary_folder,
+    wait_until_serving,
+)
+from bench.floor import CommitPayload, commit_payload, measure_floor
+from bench.machine import describe
+from bench.pipeline_cpu import CpuTable, measure_pipeline_cpu
+from bench.report import CEILING, FLOOR, ZTATE, Measured, Report, render
+from bench.workload import DEFAULT_POLICY, receipt_patch
+from services.config import Settings
+from services.keyring import Keyring
+from services.policy import Policy
+from worker_sdk import encode_json
+
+DB_ROLE: str = Settings.model_fields["db_role"].default
+SERVICE_POOL_SIZE: int = Settings.model_fields["db_pool_size"].default
+SERVICE_HEAD_CACHE: int = Settings.model_fields["head_cache_size"].default
+
+
+@dataclass(frozen=True)
+class Options:
+    duration: float
+    warmup: float
+    concurrency: tuple[int, ...]
+    rounds: int
+    patch_bytes: int
+
+
+@dataclass(frozen=True)
+class Servers:
+    echo: ChildServer
+    ztate: ChildServer
+
+
+def parse_args(argv: Sequence[str] | None) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="ztate's benchmarks, as ratios within one run"
+    )
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds measured (5)")
+    parser.add_argument("--warmup", type=float, default=1.5, help="seconds discarded (1.5)")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 32], help="workers (1 32)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; the best counts (3)")
+    parser.add_argument("--patch-bytes", type=int, default=1024, help="patch size (1024)")
+    args = parser.parse_args(argv)
+    if args.duration <= 0 or args.warmup < 0 or args.rounds < 1 or min(args.concurrency) < 1:
+        parser.error("duration must be > 0, warm-up >= 0, rounds and concurrencies >= 1")
+    return Options(
+        args.duration, args.warmup, tuple(args.concurrency), args.rounds, args.patch_bytes
+    )
+
+
+def progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+async def start_servers(
+    stack: AsyncExitStack, root: Path, database: Database, pki: Pki, keyring_file: Path
+) -> Servers:
+    echo = stack.enter_context(echo_server(pki, root / "echo-server.log"))
+    ztate = stack.enter_context(
+        ztate_service(
+            dsn=database.dsn,
+            home=root / "home",
+            pki=pki,
+            keyring_file=keyring_file,
+            log=root / "ztate-serve.log",
+        )
+    )
+    await wait_until_serving(echo, lambda: echo_once(echo.target, pki.worker))
+    await wait_until_serving(ztate, lambda: health_check(ztate.target, pki.operator))
+    return Servers(echo, ztate)
+
+
+async def measure_at(
+    concurrency: int,
+    options: Options,
+    *,
+    database: Database,
+    servers: Servers,
+    pki: Pki,
+    payload: CommitPayload,
+    patch_json: bytes,
+) -> list[Measured]:
+    """Floor, ceiling and ztate at one concurrency, one after the other."""
+    client = {"client": cpu.this_process()}
+    postgres = (
+        {"postgres": cpu.process_tree(database.postmaster_pid)} if database.postmaster_pid else {}
+    )
+    window = {"warmup": options.warmup, "duration": options.duration}
+    floor = await measure_floor(
+        database.dsn,
+        payload,
+        role=DB_ROLE,
+        pool_size=SERVICE_POOL_SIZE,
+        concurrency=concurrency,
+        meters=client | postgres,
+        **window,
+    )
+    ceiling = await measure_ceiling(
+        servers.echo,
+        pki.worker,
+        patch_json,
+        concurrency=concurrency,
+        meters=client | {"server": cpu.process(servers.echo.process.pid)},
+        **window,
+    )
+    ztate = await measure_ztate(
+        servers.ztate,
+        pki,
+        patch_json,
+        concurrency=concurrency,
+        meters=client | {"server": cpu.process(servers.ztate.process.pid)} | postgres,
+        **window,
+    )
+    return [Measured(FLOOR, floor), Measured(CEILING, ceiling), Measured(ZTATE, ztate)]
+
+
+def setup_lines(options: Options, database: Database, patch_json: bytes) -> list[str]:
+    where = "DATABASE_URL" if database.postmaster_pid is None else "embedded"
+    return [
+        f"database  PostgreSQL {database.server_version} ({where}), {database.durability}",
+        f"method    closed loop per worker, {options.warmup:g} s warm-up then "
+        f"{options.duration:g} s measured, best of {options.rounds} interleaved rounds; "
+        f"patch and echo payload {len(patch_json):,} B; one mTLS channel per worker",
+        f"service   ztate serve with its defaults: db pool {SERVICE_POOL_SIZE}, head cache "
+        f"{SERVICE_HEAD_CACHE}; floor pool {SERVICE_POOL_SIZE}, same role and reset hook",
+    ]
+
+
+async def run(options: Options) -> Report:
+    """Everything, in order; whatever was started is stopped on the way out."""
+    current = asyncio.current_task()
+    assert current is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current.cancel)
+    machine = describe()
+    async with AsyncExitStack() as stack:
+        root = stack.enter_context(temporary_folder())
+        keyring_file = make_keyring(root)
+        keyring = Keyring.load(keyring_file, None)
+        policy = Policy.load(DEFAULT_POLICY)
+        progress("pipeline CPU per proposal")
+        pipeline: CpuTable = measure_pipeline_cpu(DEFAULT_POLICY, keyring)
+
+        progress("starting Postgres, PKI, echo server and ztate serve")
+        server_dsn, postmaster_pid = stack.enter_context(postgres_server(root))
+        database = await stack.enter_async_context(
+            bench_database(server_dsn, postmaster_pid, DB_ROLE)
+        )
+        pki = make_pki(root / "pki")
+        servers = await start_servers(stack, root, database, pki, keyring_file)
+
+        patch = receipt_patch(options.patch_bytes)
+        patch_json = encode_json(patch)
+        payload = commit_payload(patch, keyring, policy.digest)
+        measured: list[Measured] = []
+        for round_number in range(1, options.rounds + 1):
+            for concurrency in options.concurrency:
+                progress(f"round {round_number} of {options.rounds}, c={concurrency}")
+                measured += await measure_at(
+                    concurrency,
+                    options,
+                    database=database,
+                    servers=servers,
+                    pki=pki,
+                    payload=payload,
+                    patch_json=patch_json,
+                )
+        progress("stopping servers")
+    return Report(machine, setup_lines(options, database, patch_json), measured, pipeline)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite and print the report; 130 when interrupted."""
+    options = parse_args(argv)
+    try:
+        report = uvloop.run(run(options))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        progress("interrupted; everything started was stopped")
+        return 130
+    print(render(report))
+    return 0
