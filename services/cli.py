@@ -22,6 +22,7 @@ from services.identity import NAME, Identity, Role
 from services.keyring import KeyringError, generate_keyring_file
 from services.operator_client import add_connection_flags, operator_channel
 from services.policy import PolicyError, PolicySet
+from services.receipts import KeyFileError
 from services.store.migrate import MigrationError
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -56,7 +57,7 @@ def _serve(settings: Settings) -> int:
         pass
     try:
         asyncio.run(serve(settings))
-    except (PolicyError, KeyringError, MigrationError, FileNotFoundError) as exc:
+    except (PolicyError, KeyringError, KeyFileError, MigrationError, FileNotFoundError) as exc:
         print(f"ztate: cannot start: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -42,6 +42,13 @@ class Settings(BaseSettings):
     db_role: str = Field(default="ztate_transition", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     db_reader_role: str = Field(default="ztate_reader", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     head_cache_size: int = Field(default=10_000, ge=0)
+    approval_target: str | None = Field(
+        default=None, description="host:port of the approval service; unset: parked stay parked"
+    )
+    approval_server_name: str | None = None
+    approval_public_keys_file: Path | None = None
+    pending_ttl_seconds: int = Field(default=24 * 3600, gt=0)
+    outbox_interval_seconds: float = Field(default=2.0, gt=0)
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -52,6 +59,7 @@ class Settings(BaseSettings):
             "tls_ca": certs / "ca.crt",
             "policy_path": self.home / "policy.yaml",
             "hmac_keyring_file": self.home / "keys" / "hmac-keyring.json",
+            "approval_public_keys_file": self.home / "keys" / "approval-public.json",
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -62,3 +70,58 @@ class Settings(BaseSettings):
     def max_message_bytes(self) -> int:
         """gRPC's own bound: a patch at the limit plus room for the other fields."""
         return self.max_patch_bytes + 64 * 1024
+
+
+def _shared(name: str) -> AliasChoices:
+    """Settings both services read under the same variable (ZTATE_HOME, ...)."""
+    return AliasChoices(f"ZTATE_{name.upper()}")
+
+
+class ApprovalSettings(BaseSettings):
+    """Configuration of the approval service (``ZTATE_APPROVAL_*``; the home, the
+    database and the trust domain are shared with the transition service)."""
+
+    model_config = SettingsConfigDict(env_prefix="ZTATE_APPROVAL_", extra="ignore", frozen=True)
+
+    home: Path = Field(default=Path(".ztate"), validation_alias=_shared("home"))
+    database_url: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("DATABASE_URL", "ZTATE_DATABASE_URL")
+    )
+    trust_domain: str = Field(
+        default="ztate.local",
+        pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$",
+        validation_alias=_shared("trust_domain"),
+    )
+    listen: str = Field(default="127.0.0.1:7444", description="host:port of the gRPC server")
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+    signing_key_file: Path | None = None
+    key_id: str = Field(default="approval-k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    transition_target: str = Field(
+        default="127.0.0.1:7443", description="where decisions are delivered"
+    )
+    transition_server_name: str | None = None
+    db_role: str = Field(default="ztate_approver", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    db_pool_size: int = Field(default=8, gt=0, le=256)
+    review_ttl_seconds: int = Field(default=24 * 3600, gt=0)
+    receipt_ttl_seconds: int = Field(default=600, gt=0)
+    outbox_interval_seconds: float = Field(default=2.0, gt=0)
+    webhook_url: str | None = None
+    webhook_secret: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _derive_paths(self) -> ApprovalSettings:
+        certs = self.home / "certs"
+        defaults = {
+            "tls_cert": certs / "service-approval.crt",
+            "tls_key": certs / "service-approval.key",
+            "tls_ca": certs / "ca.crt",
+            "signing_key_file": self.home / "approval" / "signing-key.pem",
+        }
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if (self.webhook_url is None) != (self.webhook_secret is None):
+            raise ValueError("set both ZTATE_APPROVAL_WEBHOOK_URL and _WEBHOOK_SECRET, or neither")
+        return self

@@ -12,12 +12,14 @@ from importlib import resources
 from pathlib import Path
 
 from services import ca
-from services.config import Settings
+from services.config import ApprovalSettings, Settings
 from services.identity import Identity, Role
 from services.keyring import generate_keyring_file
 from services.policy import PolicySet
+from services.receipts import generate_signing_key
 
 OPERATOR_NAME = "admin"
+REVIEWERS = ("alice", "bob")
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,24 @@ def ensure_dev_layout(settings: Settings) -> DevLayout:
         if not (certs / f"{role}-{name}.crt").exists():
             ca.issue(ca_dir, identity, certs, **extra)  # type: ignore[arg-type]
 
-    issue(Role.SERVICE, "transition", dns_names=("localhost",), ip_addresses=("127.0.0.1",))
+    server_names = {"dns_names": ("localhost",), "ip_addresses": ("127.0.0.1",)}
+    issue(Role.SERVICE, "transition", **server_names)
+    issue(Role.SERVICE, "approval", **server_names)
     issue(Role.OPERATOR, OPERATOR_NAME)
+    for reviewer in REVIEWERS:
+        issue(Role.REVIEWER, reviewer)
     for policy in policies.policies.values():
         for node in policy.document.nodes:
             issue(Role.NODE, node)
     if settings.hmac_keyring is None and not settings.hmac_keyring_file.exists():
         generate_keyring_file(settings.hmac_keyring_file)
+    approval = ApprovalSettings(home=home, trust_domain=settings.trust_domain)
+    assert approval.signing_key_file is not None
+    assert settings.approval_public_keys_file is not None
+    if not approval.signing_key_file.exists():
+        # The private key stays with the approval service; the transition service
+        # gets only the public half.
+        generate_signing_key(
+            approval.signing_key_file, settings.approval_public_keys_file, approval.key_id
+        )
     return DevLayout(ca_dir=ca_dir, certs=certs, policies=policies)

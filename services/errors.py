@@ -120,4 +120,40 @@ class PolicyMismatch(ZtateError):
     reason = "POLICY_MISMATCH"
 
 
+class ReceiptInvalid(ZtateError):
+    reason = "RECEIPT_INVALID"
+
+
+class ReceiptMismatch(ZtateError):
+    reason = "RECEIPT_MISMATCH"
+
+
+class ReceiptExpired(ZtateError):
+    reason = "RECEIPT_EXPIRED"
+
+
+class ReceiptReplayed(ZtateError):
+    reason = "RECEIPT_REPLAYED"
+
+
+class ApprovalStale(ZtateError):
+    reason = "APPROVAL_STALE"
+
+
+class ReviewNotFound(ZtateError):
+    reason = "REVIEW_NOT_FOUND"
+
+
+class ReviewClosed(ZtateError):
+    reason = "REVIEW_CLOSED"
+
+
+class SelfApproval(ZtateError):
+    reason = "SELF_APPROVAL"
+
+
+class AlreadyDecided(ZtateError):
+    reason = "ALREADY_DECIDED"
+
+
 ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())

@@ -39,6 +39,15 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.CredentialDetected: grpc.StatusCode.INVALID_ARGUMENT,
     errors.PolicyNotFound: grpc.StatusCode.NOT_FOUND,
     errors.PolicyMismatch: grpc.StatusCode.PERMISSION_DENIED,
+    errors.ReceiptInvalid: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ReceiptMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ReceiptExpired: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ReceiptReplayed: grpc.StatusCode.ALREADY_EXISTS,
+    errors.ApprovalStale: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ReviewNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.ReviewClosed: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.SelfApproval: grpc.StatusCode.PERMISSION_DENIED,
+    errors.AlreadyDecided: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -17,11 +19,16 @@ from grpc_reflection.v1alpha import reflection
 from services.config import Settings
 from services.keyring import Keyring
 from services.policy import PolicySet
+from services.receipts import KeyFileError, load_public_keys
+from services.store.approvals import ApprovalStore
 from services.store.embedded import start_embedded_postgres
 from services.store.ledger import LedgerQueries
 from services.store.migrate import migrate
 from services.store.transitions import TransitionStore
+from transition_service.decisions import DecisionPipeline
 from transition_service.ledger_server import LedgerServicer
+from transition_service.outbox import ApprovalOutbox
+from transition_service.outcomes import OutcomeListener
 from transition_service.pipeline import TransitionPipeline
 from transition_service.server import TransitionServicer
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
@@ -41,12 +48,16 @@ class RunningService:
     store: TransitionStore
     queries: LedgerQueries
     health: HealthServicer
+    listener: OutcomeListener
+    outbox: ApprovalOutbox
     embedded: Any = field(default=None, repr=False)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
         await self.health.enter_graceful_shutdown()
+        await self.outbox.stop()
         await self.server.stop(grace)
+        await self.listener.close()
         await self.store.close()
         await self.queries.close()
 
@@ -61,6 +72,33 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials:
         root_certificates=settings.tls_ca.read_bytes(),
         require_client_auth=True,
     )
+
+
+def approval_public_keys(settings: Settings) -> dict[str, Ed25519PublicKey]:
+    """The keys receipts are verified with; none means no receipt can verify."""
+    path = settings.approval_public_keys_file
+    assert path is not None
+    if not path.exists():
+        if settings.approval_target:
+            raise KeyFileError(f"{path}: missing, and ZTATE_APPROVAL_TARGET is set")
+        return {}
+    return load_public_keys(path)
+
+
+def approval_channel(settings: Settings) -> grpc.aio.Channel | None:
+    """mTLS to the approval service, as this service's own identity."""
+    if not settings.approval_target:
+        return None
+    assert settings.tls_cert is not None
+    assert settings.tls_key is not None
+    assert settings.tls_ca is not None
+    credentials = grpc.ssl_channel_credentials(
+        settings.tls_ca.read_bytes(), settings.tls_key.read_bytes(), settings.tls_cert.read_bytes()
+    )
+    options = []
+    if settings.approval_server_name:
+        options.append(("grpc.ssl_target_name_override", settings.approval_server_name))
+    return grpc.aio.secure_channel(settings.approval_target, credentials, options=options)
 
 
 def resolve_dsn(settings: Settings) -> tuple[str, Any]:
@@ -78,6 +116,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         settings.hmac_keyring.get_secret_value() if settings.hmac_keyring else None,
     )
     credentials = server_credentials(settings)
+    public_keys = approval_public_keys(settings)
     embedded = None
     if dsn is None:
         dsn, embedded = resolve_dsn(settings)
@@ -101,6 +140,24 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         max_depth=settings.max_depth,
         head_cache_size=settings.head_cache_size,
     )
+    listener = OutcomeListener(dsn, settings.db_role)
+    await listener.start()
+    approvals = ApprovalStore(store.pool)
+    decisions = DecisionPipeline(
+        store=store,
+        approvals=approvals,
+        keyring=keyring,
+        public_keys=dict(public_keys),
+        heads=pipeline.heads,
+        listener=listener,
+    )
+    outbox = ApprovalOutbox(
+        approvals=approvals,
+        channel=approval_channel(settings),
+        wake=pipeline.parked,
+        interval=settings.outbox_interval_seconds,
+        pending_ttl=timedelta(seconds=settings.pending_ttl_seconds),
+    )
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -110,7 +167,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     ]
     server = grpc.aio.server(options=options)
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
-        TransitionServicer(pipeline, settings.trust_domain), server
+        TransitionServicer(pipeline, decisions, settings.trust_domain), server
     )
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
         LedgerServicer(queries, settings.trust_domain), server
@@ -128,10 +185,12 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     )
     port = server.add_secure_port(settings.listen, credentials)
     if port == 0:
+        await listener.close()
         await store.close()
         await queries.close()
         raise OSError(f"cannot listen on {settings.listen}")
     await server.start()
+    outbox.start()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -140,7 +199,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         ", ".join(f"{p.name} ({p.digest[:12]})" for p in policies.policies.values()),
         keyring.current,
     )
-    return RunningService(server, port, store, queries, health, embedded)
+    return RunningService(server, port, store, queries, health, listener, outbox, embedded)
 
 
 async def serve(settings: Settings) -> None:

@@ -12,6 +12,7 @@ chain and committed with compare-and-swap. The pipeline knows nothing of gRPC;
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from dataclasses import dataclass
@@ -250,6 +251,27 @@ def matched_risk_rules(policy: Policy, change: Change) -> list[str]:
     return matched
 
 
+def redacted_diff(policy: Policy, old: JsonObject, patch: JsonObject) -> JsonObject:
+    """What a reviewer sees: each changed key with its old and new value, values of
+    keys the policy marks sensitive replaced by their digest. A missing ``old``
+    or ``new`` means the key was absent or is removed."""
+
+    def shown(key: str, value: Any) -> Any:
+        if policy.document.keys[key].sensitive:
+            return {"redacted_sha256": sha256_hex(canonical_bytes(value))}
+        return value
+
+    changes: JsonObject = {}
+    for key, new in sorted(patch.items()):
+        change: JsonObject = {}
+        if key in old:
+            change["old"] = shown(key, old[key])
+        if new is not None:
+            change["new"] = shown(key, new)
+        changes[key] = change
+    return {"changes": changes}
+
+
 def apply_patch(state: JsonObject, patch: JsonObject) -> JsonObject:
     """Each member sets its key; a null member removes it."""
     result = dict(state)
@@ -290,6 +312,16 @@ class TransitionPipeline:
         self._max_patch_bytes = max_patch_bytes
         self._max_depth = max_depth
         self._heads = HeadCache(head_cache_size)
+        # set whenever a proposal is parked, so the approval outbox wakes up
+        self._parked = asyncio.Event()
+
+    @property
+    def parked(self) -> asyncio.Event:
+        return self._parked
+
+    @property
+    def heads(self) -> HeadCache:
+        return self._heads
 
     async def create_thread(
         self, caller: Identity, thread_id: str, policy_name: str, initial_state_json: bytes
@@ -328,7 +360,7 @@ class TransitionPipeline:
         if not created:
             raise errors.ThreadExists(f"thread {thread_id!r} already exists")
         self._heads.put(thread_id, CachedHead(0, sealed.digest, state, policy.name))
-        return _as_stored(sealed, now, None, None)
+        return as_stored(sealed, now, None, None)
 
     def _policy_named(self, name: str) -> Policy:
         if not name:
@@ -433,7 +465,7 @@ class TransitionPipeline:
                 CachedHead(base.version + 1, sealed.digest, state, base.policy_name),
             )
             return Committed(
-                _as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
+                as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
             )
         return await self._explain_lost_race(caller, proposal)
 
@@ -474,9 +506,14 @@ class TransitionPipeline:
                 request_digest=digest_of_request,
                 status="pending",
                 parked_at=datetime.now(UTC),
+                redacted_diff=canonical_bytes(redacted_diff(policy, base.state, patch)),
+                required_approvals=max(
+                    rule.approvals for rule in policy.risk_rules if rule.name in risky
+                ),
             ),
             state_bytes,
         )
+        self._parked.set()
         if parked is None:  # the key already names a committed request
             return await self._replay_or_stale(caller, proposal, base.version)
         same_request_key = (parked.node_id, parked.idempotency_key) == (
@@ -563,7 +600,7 @@ class TransitionPipeline:
         return found
 
 
-def _as_stored(
+def as_stored(
     sealed: SealedRecord, now: datetime, idempotency_key: str | None, digest: str | None
 ) -> StoredTransition:
     record = sealed.record

@@ -6,10 +6,14 @@ refusals to gRPC statuses.
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf import timestamp_pb2
 
 from services.identity import Identity
+from services.receipts import SignedReceipt
 from services.store.transitions import PendingTransition, StoredTransition
+from transition_service.decisions import DecisionPipeline, Resolution
 from transition_service.guard import Context, guarded
 from transition_service.pipeline import Parked, Proposal, TransitionPipeline
 from ztate.v1 import transition_pb2, transition_pb2_grpc
@@ -47,8 +51,11 @@ def pending_message(pending: PendingTransition) -> transition_pb2.PendingTransit
 class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
     """Adapts ``TransitionPipeline`` to ``ztate.v1.TransitionService``."""
 
-    def __init__(self, pipeline: TransitionPipeline, trust_domain: str) -> None:
+    def __init__(
+        self, pipeline: TransitionPipeline, decisions: DecisionPipeline, trust_domain: str
+    ) -> None:
         self._pipeline = pipeline
+        self._decisions = decisions
         self._trust_domain = trust_domain
 
     async def CreateThread(
@@ -113,3 +120,36 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             return transition_pb2.GetTransitionResponse(transition=transition_message(stored))
 
         return await guarded(context, self._trust_domain, "GetTransition", handle)
+
+    async def ApplyDecision(
+        self, request: transition_pb2.ApplyDecisionRequest, context: Context
+    ) -> transition_pb2.ApplyDecisionResponse:
+        async def handle(caller: Identity) -> transition_pb2.ApplyDecisionResponse:
+            receipt = request.receipt
+            resolution = await self._decisions.apply(
+                caller, SignedReceipt(receipt.receipt_json, receipt.signature, receipt.key_id)
+            )
+            return transition_pb2.ApplyDecisionResponse(**resolution_fields(resolution))
+
+        return await guarded(context, self._trust_domain, "ApplyDecision", handle)
+
+    async def WaitForOutcome(
+        self, request: transition_pb2.WaitForOutcomeRequest, context: Context
+    ) -> transition_pb2.WaitForOutcomeResponse:
+        async def handle(caller: Identity) -> transition_pb2.WaitForOutcomeResponse:
+            remaining = context.time_remaining()
+            # Answer a little before the caller's deadline, so the answer arrives.
+            patience = None if remaining is None else max(remaining - 0.2, 0.0)
+            resolution = await self._decisions.wait(caller, request.digest, patience)
+            return transition_pb2.WaitForOutcomeResponse(**resolution_fields(resolution))
+
+        return await guarded(context, self._trust_domain, "WaitForOutcome", handle)
+
+
+def resolution_fields(resolution: Resolution) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "outcome": transition_pb2.Outcome.Value(f"OUTCOME_{resolution.outcome.name}")
+    }
+    if resolution.transition is not None:
+        fields["transition"] = transition_message(resolution.transition)
+    return fields

@@ -5,10 +5,11 @@ imports no database driver and no server code: it can read its view and propose
 patches, nothing more.
 """
 
-from worker_sdk.client import Transition, View, ZtateClient, encode_json
+from worker_sdk.client import Outcome, Transition, View, ZtateClient, encode_json
 from worker_sdk.errors import (
     AlreadyExists,
     AwaitingApproval,
+    FailedPrecondition,
     InvalidRequest,
     InvariantViolated,
     NotFound,
@@ -23,9 +24,11 @@ from worker_sdk.errors import (
 __all__ = [
     "AlreadyExists",
     "AwaitingApproval",
+    "FailedPrecondition",
     "InvalidRequest",
     "InvariantViolated",
     "NotFound",
+    "Outcome",
     "PatchTooLarge",
     "PermissionDenied",
     "StaleVersion",

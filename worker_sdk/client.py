@@ -56,6 +56,16 @@ class Transition:
 
 
 @dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of a parked transition: ``status`` is one of "pending",
+    "committed", "rejected", "expired" or "stale"; ``transition`` is set once
+    committed."""
+
+    status: str
+    transition: Transition | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class View:
     """The keys of a thread's head this worker may read, at one version."""
 
@@ -215,3 +225,22 @@ class ZtateClient:
         except grpc.aio.AioRpcError as error:
             raise from_rpc_error(error) from None
         return Transition.from_message(response.transition)
+
+    async def wait_for_outcome(self, digest: str, *, within: float = 60.0) -> Outcome:
+        """Wait until the parked transition ``digest`` is decided, or ``within`` seconds pass.
+
+        The server answers as soon as the outcome is known, without polling on this
+        side; a "pending" outcome means the time ran out first.
+        """
+        request = transition_pb2.WaitForOutcomeRequest(digest=digest)
+        try:
+            response = await self._stub.WaitForOutcome(request, timeout=within)
+        except grpc.aio.AioRpcError as error:
+            raise from_rpc_error(error) from None
+        status = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()
+        transition = (
+            Transition.from_message(response.transition)
+            if response.HasField("transition")
+            else None
+        )
+        return Outcome(status, transition)

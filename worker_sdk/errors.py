@@ -49,7 +49,11 @@ class InvalidRequest(ZtateError):
     what looks like a credential; ``keys`` names the state keys at fault."""
 
 
-class InvariantViolated(ZtateError):
+class FailedPrecondition(ZtateError):
+    """The request cannot apply to the current state (see the reason)."""
+
+
+class InvariantViolated(FailedPrecondition):
     """The resulting state would break a policy invariant; ``rules`` names it."""
 
 
@@ -81,7 +85,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ZtateError]] = {
     grpc.StatusCode.ABORTED: StaleVersion,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: InvariantViolated,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
 }
 
@@ -105,6 +109,8 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
         if found
         else code.name
     )
+    if reason == "INVARIANT_VIOLATED":
+        cls = InvariantViolated
     return cls(
         code,
         reason,

@@ -1,11 +1,12 @@
 """Numbered SQL migrations, applied at start-up.
 
-Each file ``NNNN_name.sql`` runs once, in order, inside one transaction, under an
-advisory lock so replicas starting together apply it once. ``:service_role`` in a
-file is replaced by the quoted name of the service's database role, which is
-created (NOLOGIN) when missing. A file changed after it was applied stops
-start-up: history of the schema is as append-only as the ledger. ``:reader_role``
-likewise names the read-only role of ledger queries.
+Each service owns a set of files ``NNNN_name.sql`` in a package folder. Each file
+runs once, in order, inside one transaction, under an advisory lock so replicas
+starting together apply it once, and is recorded with its checksum in that
+service's own table. Placeholders such as ``:service_role`` are replaced by the
+quoted name of a database role, created (NOLOGIN) when missing. A file changed
+after it was applied stops start-up: the history of the schema is as
+append-only as the ledger.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from importlib import resources
 import asyncpg
 
 MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-ADVISORY_LOCK = 0x7A7461746531  # "ztate1"
+IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
 class MigrationError(RuntimeError):
@@ -36,34 +37,52 @@ class Migration:
         return hashlib.sha256(self.sql.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class MigrationSet:
+    """One service's migrations: where the files are and where they are recorded."""
+
+    package: str
+    table: str  # unqualified, in schema public
+    lock: int  # the advisory lock key
+
+    def bundled(self) -> list[Migration]:
+        """The migrations shipped with this version, in order."""
+        found = []
+        for entry in resources.files(self.package).joinpath("migrations").iterdir():
+            match = MIGRATION_FILE.match(entry.name)
+            if match:
+                found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+        found.sort(key=lambda m: m.number)
+        numbers = [m.number for m in found]
+        if numbers != list(range(1, len(found) + 1)):
+            raise MigrationError(f"migrations must be numbered 1..n without gaps, found {numbers}")
+        return found
+
+
+TRANSITION_MIGRATIONS = MigrationSet("services.store", "ztate_schema_migrations", 0x7A7461746531)
+
+
 def bundled_migrations() -> list[Migration]:
-    """The migrations shipped with this version, in order."""
-    found = []
-    for entry in resources.files("services.store").joinpath("migrations").iterdir():
-        match = MIGRATION_FILE.match(entry.name)
-        if match:
-            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
-    found.sort(key=lambda m: m.number)
-    numbers = [m.number for m in found]
-    if numbers != list(range(1, len(found) + 1)):
-        raise MigrationError(f"migrations must be numbered 1..n without gaps, found {numbers}")
-    return found
+    """The transition service's migrations."""
+    return TRANSITION_MIGRATIONS.bundled()
 
 
 def _quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-async def migrate(
-    conn: asyncpg.Connection, service_role: str, reader_role: str = "ztate_reader"
+async def apply_migrations(
+    conn: asyncpg.Connection, migrations: MigrationSet, roles: dict[str, str]
 ) -> list[str]:
-    """Apply pending migrations; return the names of those applied now."""
-    roles = {":service_role": service_role, ":reader_role": reader_role}
+    """Apply pending migrations of ``migrations``; ``roles`` maps placeholders such as
+    ``:service_role`` to role names. Returns the names of those applied now."""
+    if not IDENTIFIER.match(migrations.table):
+        raise MigrationError(f"bad migration table name {migrations.table!r}")
     applied_now: list[str] = []
     async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", ADVISORY_LOCK)
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", migrations.lock)
         await conn.execute(
-            """CREATE TABLE IF NOT EXISTS public.ztate_schema_migrations (
+            f"""CREATE TABLE IF NOT EXISTS public.{migrations.table} (
                    number integer PRIMARY KEY,
                    name text NOT NULL,
                    checksum text NOT NULL,
@@ -75,10 +94,10 @@ async def migrate(
         done = {
             row["number"]: row["checksum"]
             for row in await conn.fetch(
-                "SELECT number, checksum FROM public.ztate_schema_migrations"
+                f"SELECT number, checksum FROM public.{migrations.table}"  # noqa: S608
             )
         }
-        for migration in bundled_migrations():
+        for migration in migrations.bundled():
             if migration.number in done:
                 if done[migration.number] != migration.checksum:
                     raise MigrationError(
@@ -91,7 +110,7 @@ async def migrate(
                 sql = sql.replace(placeholder, _quote_ident(role))
             await conn.execute(sql)
             await conn.execute(
-                "INSERT INTO public.ztate_schema_migrations (number, name, checksum) "
+                f"INSERT INTO public.{migrations.table} (number, name, checksum) "  # noqa: S608
                 "VALUES ($1, $2, $3)",
                 migration.number,
                 migration.name,
@@ -99,3 +118,14 @@ async def migrate(
             )
             applied_now.append(f"{migration.number:04d}_{migration.name}")
     return applied_now
+
+
+async def migrate(
+    conn: asyncpg.Connection, service_role: str, reader_role: str = "ztate_reader"
+) -> list[str]:
+    """Apply the transition service's pending migrations."""
+    return await apply_migrations(
+        conn,
+        TRANSITION_MIGRATIONS,
+        {":service_role": service_role, ":reader_role": reader_role},
+    )

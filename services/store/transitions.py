@@ -102,6 +102,8 @@ class PendingTransition:
     request_digest: str
     status: str
     parked_at: datetime
+    redacted_diff: bytes
+    required_approvals: int
 
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> PendingTransition:
@@ -110,16 +112,17 @@ class PendingTransition:
 
 PENDING_COLUMNS = (
     "digest, thread_id, base_version, parent_digest, node_id, proposal, risk_rules, "
-    "idempotency_key, request_digest, status, parked_at"
+    "idempotency_key, request_digest, status, parked_at, redacted_diff, required_approvals"
 )
 
 
 PARK = f"""
 INSERT INTO ztate.pending_transitions (digest, thread_id, base_version, parent_digest, node_id,
                                        proposal, state, risk_rules, idempotency_key,
-                                       request_digest, parked_at)
+                                       request_digest, parked_at, redacted_diff,
+                                       required_approvals)
 SELECT $1::text, $2::text, $3::bigint, $4::text, $5::text, $6::bytea, $7::bytea, $8::text[],
-       $9::text, $10::text, $11::timestamptz
+       $9::text, $10::text, $11::timestamptz, $12::bytea, $13::integer
  WHERE NOT EXISTS (SELECT 1 FROM ztate.transitions t  -- the key named a committed request
                     WHERE t.thread_id = $2 AND t.node_id = $5 AND t.idempotency_key = $9)
 ON CONFLICT DO NOTHING
@@ -166,6 +169,10 @@ class TransitionStore:
             server_settings={"role": role, "application_name": "ztate-transition"},
         )
         return cls(pool)
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        return self._pool
 
     async def close(self) -> None:
         await self._pool.close()
@@ -291,6 +298,8 @@ class TransitionStore:
             pending.idempotency_key,
             pending.request_digest,
             pending.parked_at,
+            pending.redacted_diff,
+            pending.required_approvals,
         )
         if row is not None:
             return PendingTransition.from_row(row), True

@@ -31,6 +31,15 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_CREDENTIAL_DETECTED: _ClassVar[ErrorReason]
     ERROR_REASON_POLICY_NOT_FOUND: _ClassVar[ErrorReason]
     ERROR_REASON_POLICY_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_RECEIPT_INVALID: _ClassVar[ErrorReason]
+    ERROR_REASON_RECEIPT_MISMATCH: _ClassVar[ErrorReason]
+    ERROR_REASON_RECEIPT_EXPIRED: _ClassVar[ErrorReason]
+    ERROR_REASON_RECEIPT_REPLAYED: _ClassVar[ErrorReason]
+    ERROR_REASON_APPROVAL_STALE: _ClassVar[ErrorReason]
+    ERROR_REASON_REVIEW_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_REVIEW_CLOSED: _ClassVar[ErrorReason]
+    ERROR_REASON_SELF_APPROVAL: _ClassVar[ErrorReason]
+    ERROR_REASON_ALREADY_DECIDED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_IDENTITY_INVALID: ErrorReason
 ERROR_REASON_ROLE_FORBIDDEN: ErrorReason
@@ -53,6 +62,15 @@ ERROR_REASON_INVARIANT_VIOLATED: ErrorReason
 ERROR_REASON_CREDENTIAL_DETECTED: ErrorReason
 ERROR_REASON_POLICY_NOT_FOUND: ErrorReason
 ERROR_REASON_POLICY_MISMATCH: ErrorReason
+ERROR_REASON_RECEIPT_INVALID: ErrorReason
+ERROR_REASON_RECEIPT_MISMATCH: ErrorReason
+ERROR_REASON_RECEIPT_EXPIRED: ErrorReason
+ERROR_REASON_RECEIPT_REPLAYED: ErrorReason
+ERROR_REASON_APPROVAL_STALE: ErrorReason
+ERROR_REASON_REVIEW_NOT_FOUND: ErrorReason
+ERROR_REASON_REVIEW_CLOSED: ErrorReason
+ERROR_REASON_SELF_APPROVAL: ErrorReason
+ERROR_REASON_ALREADY_DECIDED: ErrorReason
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "keys", "current_version", "limit", "rules")

@@ -1,13 +1,30 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from ztate.v1 import approval_pb2 as _approval_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OUTCOME_PENDING: _ClassVar[Outcome]
+    OUTCOME_COMMITTED: _ClassVar[Outcome]
+    OUTCOME_REJECTED: _ClassVar[Outcome]
+    OUTCOME_EXPIRED: _ClassVar[Outcome]
+    OUTCOME_STALE: _ClassVar[Outcome]
+OUTCOME_UNSPECIFIED: Outcome
+OUTCOME_PENDING: Outcome
+OUTCOME_COMMITTED: Outcome
+OUTCOME_REJECTED: Outcome
+OUTCOME_EXPIRED: Outcome
+OUTCOME_STALE: Outcome
 
 class CreateThreadRequest(_message.Message):
     __slots__ = ("thread_id", "initial_state_json", "policy")
@@ -102,6 +119,34 @@ class GetTransitionResponse(_message.Message):
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
     transition: Transition
     def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+
+class ApplyDecisionRequest(_message.Message):
+    __slots__ = ("receipt",)
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    receipt: _approval_pb2.SignedReceipt
+    def __init__(self, receipt: _Optional[_Union[_approval_pb2.SignedReceipt, _Mapping]] = ...) -> None: ...
+
+class ApplyDecisionResponse(_message.Message):
+    __slots__ = ("outcome", "transition")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    outcome: Outcome
+    transition: Transition
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+
+class WaitForOutcomeRequest(_message.Message):
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    def __init__(self, digest: _Optional[str] = ...) -> None: ...
+
+class WaitForOutcomeResponse(_message.Message):
+    __slots__ = ("outcome", "transition")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    outcome: Outcome
+    transition: Transition
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
 
 class Transition(_message.Message):
     __slots__ = ("thread_id", "version", "digest", "parent_digest", "signature", "key_id", "record_json", "node_id", "committed_at")

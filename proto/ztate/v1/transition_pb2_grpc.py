@@ -55,6 +55,16 @@ class TransitionServiceStub:
                 request_serializer=ztate_dot_v1_dot_transition__pb2.GetTransitionRequest.SerializeToString,
                 response_deserializer=ztate_dot_v1_dot_transition__pb2.GetTransitionResponse.FromString,
                 _registered_method=True)
+        self.ApplyDecision = channel.unary_unary(
+                '/ztate.v1.TransitionService/ApplyDecision',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.ApplyDecisionRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.ApplyDecisionResponse.FromString,
+                _registered_method=True)
+        self.WaitForOutcome = channel.unary_unary(
+                '/ztate.v1.TransitionService/WaitForOutcome',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeResponse.FromString,
+                _registered_method=True)
 
 
 class TransitionServiceServicer:
@@ -93,6 +103,25 @@ class TransitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyDecision(self, request, context):
+        """ApplyDecision delivers a signed approval receipt for a parked transition.
+        The approval service's identity only. The receipt is verified immediately
+        before the compare-and-swap; an approval commits the transition with the
+        receipt's digest in its ledger record, a rejection closes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitForOutcome(self, request, context):
+        """WaitForOutcome returns once a parked transition is committed, rejected,
+        expired or stale, or when the call's deadline passes (outcome PENDING).
+        The proposing node and operators only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransitionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +144,16 @@ def add_TransitionServiceServicer_to_server(servicer, server):
                     servicer.GetTransition,
                     request_deserializer=ztate_dot_v1_dot_transition__pb2.GetTransitionRequest.FromString,
                     response_serializer=ztate_dot_v1_dot_transition__pb2.GetTransitionResponse.SerializeToString,
+            ),
+            'ApplyDecision': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyDecision,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.ApplyDecisionRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.ApplyDecisionResponse.SerializeToString,
+            ),
+            'WaitForOutcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitForOutcome,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +265,60 @@ class TransitionService:
             '/ztate.v1.TransitionService/GetTransition',
             ztate_dot_v1_dot_transition__pb2.GetTransitionRequest.SerializeToString,
             ztate_dot_v1_dot_transition__pb2.GetTransitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyDecision(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.TransitionService/ApplyDecision',
+            ztate_dot_v1_dot_transition__pb2.ApplyDecisionRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.ApplyDecisionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitForOutcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.TransitionService/WaitForOutcome',
+            ztate_dot_v1_dot_transition__pb2.WaitForOutcomeRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.WaitForOutcomeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,186 @@
+"""Applying approval decisions and reporting the outcome of parked transitions.
+
+A receipt is checked, in this order, each check with its own reason: the caller
+is the approval service; the Ed25519 signature, the form and the validity period
+(``RECEIPT_INVALID``, ``RECEIPT_EXPIRED``); it binds a parked transition of the
+same thread and base version (``RECEIPT_MISMATCH``); its nonce was never used
+(``RECEIPT_REPLAYED``); the transition is still pending (``REVIEW_CLOSED``). An
+approval then commits with compare-and-swap at the parked base version; if the
+head moved meanwhile, the approval authorises nothing and the transition is
+marked stale (``APPROVAL_STALE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import asyncpg
+import orjson
+
+from services import errors
+from services.chain import KIND_TRANSITION, build_record, seal
+from services.identity import Identity, Role
+from services.keyring import Keyring
+from services.receipts import APPROVE, SignedReceipt, verify_receipt
+from services.store.approvals import ApprovalStore
+from services.store.transitions import PendingTransition, StoredTransition, TransitionStore
+from transition_service.heads import CachedHead, HeadCache
+from transition_service.outcomes import OutcomeListener
+from transition_service.pipeline import as_stored, check_privileged
+
+APPROVAL_SERVICE_NAME = "approval"
+RECHECK_SECONDS = 1.0
+
+
+class Outcome(enum.Enum):
+    PENDING = "pending"
+    COMMITTED = "committed"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    STALE = "stale"
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    outcome: Outcome
+    transition: StoredTransition | None = None
+
+
+class DecisionPipeline:
+    """Turns signed receipts into commits or closures, and answers who waits."""
+
+    def __init__(
+        self,
+        *,
+        store: TransitionStore,
+        approvals: ApprovalStore,
+        keyring: Keyring,
+        public_keys: dict[str, object],
+        heads: HeadCache,
+        listener: OutcomeListener,
+    ) -> None:
+        self._store = store
+        self._approvals = approvals
+        self._keyring = keyring
+        self._public_keys = public_keys
+        self._heads = heads
+        self._listener = listener
+
+    async def apply(self, caller: Identity, signed: SignedReceipt) -> Resolution:
+        if (caller.role, caller.name) != (Role.SERVICE, APPROVAL_SERVICE_NAME):
+            raise errors.RoleForbidden("only the approval service delivers decisions")
+        now = datetime.now(UTC)
+        receipt = verify_receipt(signed, self._public_keys, now=now)  # type: ignore[arg-type]
+        pending = await self._store.pending_by_digest(receipt["transition_digest"])
+        if pending is None:
+            raise errors.ReceiptMismatch("no parked transition has the receipt's digest")
+        if (receipt["thread_id"], receipt["base_version"]) != (
+            pending.thread_id,
+            pending.base_version,
+        ):
+            raise errors.ReceiptMismatch(
+                "the receipt binds another thread or base version than the parked transition"
+            )
+        if await self._approvals.nonce_used(receipt["nonce"]):
+            raise errors.ReceiptReplayed("the receipt's nonce was used before")
+        if pending.status != "pending":
+            raise errors.ReviewClosed(f"the transition is already {pending.status}")
+        if receipt["decision"] != APPROVE:
+            closed = await self._approvals.close_rejected(pending, signed, receipt["nonce"], now)
+            if not closed:
+                raise errors.ReviewClosed("the transition was decided meanwhile")
+            return Resolution(Outcome.REJECTED)
+        return await self._commit(pending, signed, receipt["nonce"], now)
+
+    async def _commit(
+        self, pending: PendingTransition, signed: SignedReceipt, nonce: str, now: datetime
+    ) -> Resolution:
+        proposal = json.loads(pending.proposal)
+        state_bytes = await self._approvals.candidate_state(pending.digest)
+        assert state_bytes is not None  # a pending row always holds its candidate state
+        sealed = seal(
+            build_record(
+                kind=KIND_TRANSITION,
+                thread_id=pending.thread_id,
+                version=pending.base_version + 1,
+                parent_digest=pending.parent_digest,
+                node_id=pending.node_id,
+                patch=proposal["patch"],
+                state_digest=proposal["state_digest"],
+                policy_digest=proposal["policy_digest"],
+                receipt_digest=signed.digest,
+                key_id=self._keyring.current,
+                committed_at=now,
+            ),
+            self._keyring,
+        )
+        try:
+            committed = await self._approvals.commit_approved(
+                sealed, state_bytes, pending, signed, nonce, now
+            )
+        except asyncpg.UniqueViolationError:
+            raise errors.ReceiptReplayed("the receipt's nonce was used before") from None
+        if not committed:
+            stale = await self._approvals.close_without_decision([pending.digest], "stale", now)
+            if stale:
+                raise errors.ApprovalStale(
+                    "the thread moved on since the transition was parked; propose again"
+                )
+            raise errors.ReviewClosed("the transition was decided meanwhile")
+        policy_name = await self._policy_name(pending.thread_id)
+        self._heads.put(
+            pending.thread_id,
+            CachedHead(
+                pending.base_version + 1, sealed.digest, orjson.loads(state_bytes), policy_name
+            ),
+        )
+        stored = as_stored(sealed, now, pending.idempotency_key, pending.request_digest)
+        return Resolution(Outcome.COMMITTED, stored)
+
+    async def _policy_name(self, thread_id: str) -> str:
+        head = await self._store.read_head(thread_id)
+        assert head is not None
+        return head.policy_name
+
+    async def resolution(self, pending: PendingTransition) -> Resolution:
+        outcome = Outcome(pending.status)
+        if outcome is not Outcome.COMMITTED:
+            return Resolution(outcome)
+        transition = await self._store.find_by_idempotency_key(
+            pending.thread_id, pending.node_id, pending.idempotency_key
+        )
+        return Resolution(outcome, transition)
+
+    async def wait(self, caller: Identity, digest: str, patience: float | None) -> Resolution:
+        """The outcome of a parked transition, once it has one or ``patience`` seconds pass."""
+        pending = await self._visible(caller, digest)
+        loop = asyncio.get_running_loop()
+        deadline = None if patience is None else loop.time() + patience
+        async with self._listener.watching(digest) as announced:
+            while True:
+                pending = await self._visible(caller, digest)
+                if pending.status != "pending":
+                    return await self.resolution(pending)
+                remaining = RECHECK_SECONDS if deadline is None else deadline - loop.time()
+                if remaining <= 0:
+                    return Resolution(Outcome.PENDING)
+                announced.clear()
+                try:
+                    await asyncio.wait_for(announced.wait(), min(remaining, RECHECK_SECONDS))
+                except TimeoutError:
+                    continue
+
+    async def _visible(self, caller: Identity, digest: str) -> PendingTransition:
+        pending = await self._store.pending_by_digest(digest)
+        if caller.role is Role.NODE:
+            if pending is None or pending.node_id != caller.spiffe_id:
+                raise errors.ReviewNotFound("no parked transition of yours has this digest")
+        else:
+            check_privileged(caller, "wait for other nodes' transitions")
+            if pending is None:
+                raise errors.ReviewNotFound("no parked transition has this digest")
+        return pending

@@ -1,0 +1,106 @@
+"""Submitting parked transitions to the approval service, until each is delivered.
+
+A parked transition is stored first and submitted afterwards, from this outbox:
+if the approval service is down, nothing is lost, and submission is retried
+(with backoff, capped) until it is taken. The approval service opens one review
+per digest, so a submission repeated after a crash is harmless. The same loop
+closes transitions that waited longer than ``pending_ttl`` as expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime, timedelta
+
+import grpc
+
+from services.store.approvals import ApprovalStore
+from services.store.transitions import PendingTransition
+from ztate.v1 import approval_pb2, approval_pb2_grpc
+
+log = logging.getLogger("ztate.transition")
+BATCH = 100
+MAX_BACKOFF_SECONDS = 30.0
+
+
+def submission(pending: PendingTransition) -> approval_pb2.SubmitReviewRequest:
+    return approval_pb2.SubmitReviewRequest(
+        digest=pending.digest,
+        thread_id=pending.thread_id,
+        base_version=pending.base_version,
+        node_id=pending.node_id,
+        risk_rules=pending.risk_rules,
+        required_approvals=pending.required_approvals,
+        proposal_json=pending.proposal,
+        redacted_diff_json=pending.redacted_diff,
+    )
+
+
+class ApprovalOutbox:
+    """The background task that delivers parked transitions and expires old ones."""
+
+    def __init__(
+        self,
+        *,
+        approvals: ApprovalStore,
+        channel: grpc.aio.Channel | None,
+        wake: asyncio.Event,
+        interval: float,
+        pending_ttl: timedelta,
+    ) -> None:
+        self._approvals = approvals
+        self._channel = channel
+        self._stub = approval_pb2_grpc.ApprovalServiceStub(channel) if channel else None
+        self._wake = wake
+        self._interval = interval
+        self._pending_ttl = pending_ttl
+        self._task: asyncio.Task[None] | None = None
+        self._failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="ztate-approval-outbox")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._channel is not None:
+            await self._channel.close(None)
+
+    async def _run(self) -> None:
+        while True:
+            delay = min(self._interval * 2**self._failures, MAX_BACKOFF_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()
+            try:
+                await self.run_once()
+            except (OSError, grpc.aio.AioRpcError) as failure:
+                # The database or the network failed us; the next round retries.
+                log.warning("approval outbox round failed: %s", type(failure).__name__)
+
+    async def run_once(self) -> None:
+        """One round: expire overdue transitions, then submit what is waiting."""
+        now = datetime.now(UTC)
+        overdue = await self._approvals.overdue(self._pending_ttl, now)
+        if overdue:
+            expired = await self._approvals.close_without_decision(overdue, "expired", now)
+            log.info("expired %d parked transitions", len(expired))
+        if self._stub is None:
+            return
+        for pending in await self._approvals.to_submit(BATCH):
+            try:
+                await self._stub.SubmitReview(submission(pending), timeout=10)
+            except grpc.aio.AioRpcError as error:
+                self._failures = min(self._failures + 1, 6)
+                log.warning(
+                    "submitting %s to the approval service failed: %s; will retry",
+                    pending.digest[:16],
+                    error.code().name,
+                )
+                return
+            await self._approvals.mark_submitted(pending.digest, datetime.now(UTC))
+            self._failures = 0

@@ -1,0 +1,58 @@
+"""Waking proposers who wait for the outcome of a parked transition.
+
+Every status change of a parked transition is announced with ``pg_notify`` in the
+same transaction, so every replica's listener hears it once it is committed.
+Waiters also re-read the status every ``recheck`` seconds, which covers a
+listener that was reconnecting when the announcement went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+import asyncpg
+
+from services.store.approvals import OUTCOME_CHANNEL
+
+log = logging.getLogger("ztate.transition")
+
+
+class OutcomeListener:
+    """One LISTEN connection per process, fanning announcements out to waiters."""
+
+    def __init__(self, dsn: str, role: str) -> None:
+        self._dsn = dsn
+        self._role = role
+        self._conn: asyncpg.Connection | None = None
+        self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+
+    async def start(self) -> None:
+        self._conn = await asyncpg.connect(
+            self._dsn, server_settings={"role": self._role, "application_name": "ztate-outcomes"}
+        )
+        await self._conn.add_listener(OUTCOME_CHANNEL, self._announced)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+    def _announced(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
+        for event in self._waiters.get(str(payload), ()):
+            event.set()
+
+    @contextlib.asynccontextmanager
+    async def watching(self, digest: str) -> AsyncIterator[asyncio.Event]:
+        """An event set when ``digest``'s status is announced."""
+        event = asyncio.Event()
+        self._waiters[digest].add(event)
+        try:
+            yield event
+        finally:
+            self._waiters[digest].discard(event)
+            if not self._waiters[digest]:
+                del self._waiters[digest]
