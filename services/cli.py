@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -14,10 +16,11 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format, timestamp_pb2
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
+from approval_service.cli import add_approval_commands
 from services import ca
-from services.config import Settings
+from services.config import ApprovalSettings, Settings
 from services.identity import NAME, Identity, Role
 from services.keyring import KeyringError, generate_keyring_file
 from services.operator_client import add_connection_flags, operator_channel
@@ -63,13 +66,32 @@ def _serve(settings: Settings) -> int:
     return 0
 
 
+def _start_approval_process(settings: Settings, dsn: str) -> subprocess.Popen[bytes]:
+    """The approval service, as its own process, on the same (embedded) database."""
+    env = dict(os.environ, DATABASE_URL=dsn, ZTATE_HOME=str(settings.home))
+    ztate = Path(sys.executable).with_name("ztate")
+    return subprocess.Popen([str(ztate), "approval-serve"], env=env)
+
+
 def cmd_run(_: argparse.Namespace) -> int:
-    """Development: create what is missing under .ztate/, then serve."""
-    from services.devsetup import OPERATOR_NAME, ensure_dev_layout
+    """Development: create what is missing under .ztate/, then run both services."""
+    from services.devsetup import OPERATOR_NAME, REVIEWERS, ensure_dev_layout
+    from services.store.embedded import start_embedded_postgres
 
     settings = _settings()
     _configure_logging()
     layout = ensure_dev_layout(settings)
+    approval = ApprovalSettings(home=settings.home, trust_domain=settings.trust_domain)
+    if settings.database_url is None:
+        dsn, _embedded = start_embedded_postgres(settings.home / "pg")
+    else:
+        dsn = settings.database_url.get_secret_value()
+    settings = settings.model_copy(
+        update={
+            "database_url": SecretStr(dsn),
+            "approval_target": settings.approval_target or f"localhost:{_port(approval.listen)}",
+        }
+    )
     certs = layout.certs.resolve()
     database = (
         "DATABASE_URL" if settings.database_url else f"embedded Postgres in {settings.home / 'pg'}"
@@ -82,10 +104,12 @@ def cmd_run(_: argparse.Namespace) -> int:
     )
     print(
         f"""ztate control plane
-  listening     {settings.listen} (mTLS, trust domain {settings.trust_domain})
+  transition    {settings.listen} (mTLS, trust domain {settings.trust_domain})
+  approval      {approval.listen} (its own process; reviewers: {", ".join(REVIEWERS)})
   database      {database}
   policy        {settings.policy_path}: {policies}
-  certificates  {certs}/  (ca.crt, operator-{OPERATOR_NAME}.*, node-<name>.* for: {nodes})
+  certificates  {certs}/  (ca.crt, operator-{OPERATOR_NAME}.*, reviewer-<name>.*,
+                node-<name>.* for: {nodes})
   CA key        {layout.ca_dir.resolve()}/ca.key (never give it to a service or a worker)
 
 Connect a worker:
@@ -95,7 +119,16 @@ Connect a worker:
 """,
         flush=True,
     )
-    return _serve(settings)
+    approval_process = _start_approval_process(settings, dsn)
+    try:
+        return _serve(settings)
+    finally:
+        approval_process.terminate()
+        approval_process.wait(timeout=30)
+
+
+def _port(listen: str) -> str:
+    return listen.rsplit(":", 1)[1]
 
 
 def cmd_serve(_: argparse.Namespace) -> int:
@@ -279,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = policy_sub.add_parser("show", help="print the effective policy and its digest")
     show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")
     show.set_defaults(func=cmd_policy_show)
+    add_approval_commands(sub)
+
     ledger = sub.add_parser("ledger", help="query the ledger (operator certificate)")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True)
     rejections = ledger_sub.add_parser("rejections", help="list refused proposals, newest first")

@@ -8,8 +8,8 @@ from google.protobuf import timestamp_pb2
 
 from services import errors
 from services.identity import Identity
+from services.rpc_guard import Context, guarded
 from services.store.ledger import LedgerQueries, RejectionFilter, StoredRejection
-from transition_service.guard import Context, guarded
 from transition_service.pipeline import check_privileged
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 

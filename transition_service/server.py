@@ -12,9 +12,9 @@ from google.protobuf import timestamp_pb2
 
 from services.identity import Identity
 from services.receipts import SignedReceipt
+from services.rpc_guard import Context, guarded
 from services.store.transitions import PendingTransition, StoredTransition
 from transition_service.decisions import DecisionPipeline, Resolution
-from transition_service.guard import Context, guarded
 from transition_service.pipeline import Parked, Proposal, TransitionPipeline
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 

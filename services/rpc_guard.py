@@ -18,7 +18,7 @@ from services import errors, rpc_errors
 from services.identity import Identity, identity_from_context
 from services.store.transitions import STORAGE_ERRORS
 
-log = logging.getLogger("ztate.transition")
+log = logging.getLogger("ztate.rpc")
 Response = TypeVar("Response")
 Context = grpc.aio.ServicerContext[Any, Any]
 

@@ -1,0 +1,201 @@
+"""Assembling and running the approval service from its settings.
+
+Everything that can be wrong with the configuration (the signing key, the
+certificates, the webhook) is checked before anything binds or migrates, so a
+bad deployment fails at once with a clear message rather than on the first
+decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from approval_service.delivery import ReceiptDelivery, transition_channel
+from approval_service.notifier import Notifier, NullNotifier, WebhookNotifier
+from approval_service.server import ApprovalServicer
+from approval_service.service import ApprovalService
+from approval_service.store import ReviewStore
+from services.config import ApprovalSettings
+from services.receipts import load_signing_key
+from services.store.embedded import start_embedded_postgres
+from services.store.migrate import MigrationSet, apply_migrations
+from ztate.v1 import approval_pb2, approval_pb2_grpc
+
+log = logging.getLogger("ztate.approval")
+SERVICE_NAME = approval_pb2.DESCRIPTOR.services_by_name["ApprovalService"].full_name
+APPROVAL_MIGRATIONS = MigrationSet(
+    "approval_service",
+    "ztate_approval_schema_migrations",
+    0x7A7461746532,  # "ztate2"
+)
+SHUTDOWN_GRACE_SECONDS = 10.0
+# A review carries the proposal and its redacted diff (old and new values), each
+# bounded by the transition service's patch limit (at most 4 MiB).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class RunningApproval:
+    """A started approval service."""
+
+    server: grpc.aio.Server
+    port: int
+    store: ReviewStore
+    service: ApprovalService
+    delivery: ReceiptDelivery
+    notifier: Notifier
+    health: HealthServicer
+    embedded: Any = field(default=None, repr=False)
+
+    async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
+        """Stop taking calls, let in-flight decisions finish, then stop delivering."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.delivery.stop()
+        await self.notifier.close()
+        await self.store.close()
+
+
+def server_credentials(settings: ApprovalSettings) -> grpc.ServerCredentials:
+    """mTLS: a client certificate signed by the configured CA is required."""
+    assert settings.tls_cert is not None
+    assert settings.tls_key is not None
+    assert settings.tls_ca is not None
+    return grpc.ssl_server_credentials(
+        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
+        root_certificates=settings.tls_ca.read_bytes(),
+        require_client_auth=True,
+    )
+
+
+def notifier_from(settings: ApprovalSettings) -> Notifier:
+    """A signed webhook when one is configured, otherwise nobody is told."""
+    if settings.webhook_url is None or settings.webhook_secret is None:
+        return NullNotifier()
+    return WebhookNotifier(
+        settings.webhook_url, settings.webhook_secret.get_secret_value().encode("utf-8")
+    )
+
+
+def resolve_dsn(settings: ApprovalSettings) -> tuple[str, Any]:
+    if settings.database_url is not None:
+        return settings.database_url.get_secret_value(), None
+    return start_embedded_postgres(settings.home / "pg")
+
+
+async def migrate_approvals(dsn: str, role: str) -> list[str]:
+    """Apply the approval service's pending migrations as the connecting (owner) role."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await apply_migrations(conn, APPROVAL_MIGRATIONS, {":approval_role": role})
+    finally:
+        await conn.close()
+
+
+async def start(settings: ApprovalSettings, *, dsn: str | None = None) -> RunningApproval:
+    """Validate everything, migrate, and start serving. Fails before binding on bad input."""
+    assert settings.signing_key_file is not None
+    signing_key = load_signing_key(settings.signing_key_file)
+    credentials = server_credentials(settings)
+    notifier = notifier_from(settings)
+    embedded = None
+    if dsn is None:
+        dsn, embedded = resolve_dsn(settings)
+
+    applied = await migrate_approvals(dsn, settings.db_role)
+    if applied:
+        log.info("applied approval migrations: %s", ", ".join(applied))
+    store = await ReviewStore.open(dsn, role=settings.db_role, pool_size=settings.db_pool_size)
+    try:
+        return await _serve_on(settings, store, signing_key, credentials, notifier, embedded)
+    except BaseException:
+        await store.close()
+        raise
+
+
+async def _serve_on(
+    settings: ApprovalSettings,
+    store: ReviewStore,
+    signing_key: Ed25519PrivateKey,
+    credentials: grpc.ServerCredentials,
+    notifier: Notifier,
+    embedded: Any,
+) -> RunningApproval:
+    await store.ping()
+    decided = asyncio.Event()
+    service = ApprovalService(
+        store=store,
+        signing_key=signing_key,
+        key_id=settings.key_id,
+        notifier=notifier,
+        trust_domain=settings.trust_domain,
+        review_ttl=timedelta(seconds=settings.review_ttl_seconds),
+        receipt_ttl=timedelta(seconds=settings.receipt_ttl_seconds),
+        decided=decided,
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ]
+    )
+    approval_pb2_grpc.add_ApprovalServiceServicer_to_server(
+        ApprovalServicer(service, settings.trust_domain), server
+    )
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_secure_port(settings.listen, credentials)
+    if port == 0:
+        raise OSError(f"cannot listen on {settings.listen}")
+    await server.start()
+    delivery = ReceiptDelivery(
+        service=service,
+        store=store,
+        channel=transition_channel(settings),
+        wake=decided,
+        interval=settings.outbox_interval_seconds,
+    )
+    delivery.start()
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "approval service listening on port %d, signing key %s, delivering to %s",
+        port,
+        settings.key_id,
+        settings.transition_target,
+    )
+    return RunningApproval(server, port, store, service, delivery, notifier, health, embedded)
+
+
+async def serve(settings: ApprovalSettings) -> None:
+    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+    running = await start(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing in-flight calls")
+    await running.stop()

@@ -1,0 +1,221 @@
+"""Delivering signed receipts to the transition service, until each is taken.
+
+A decision is stored with its receipt first and delivered afterwards, from this
+outbox: if the transition service is down, nothing is lost, and delivery is
+retried with capped exponential backoff. A receipt counts as delivered once the
+transition service applied it, and also once it answered that the receipt can
+never be applied (the thread moved on, the transition was closed, the receipt
+expired, does not match, or was applied already): retrying those would only
+repeat the answer. Any other refusal (a missing public key, a certificate the
+transition service does not accept) is a configuration problem: it is logged
+loudly and retried, because a decision must never be dropped silently. The same
+loop closes open reviews whose deadline passed.
+
+Calls use the approval service's own certificate: the transition service takes
+decisions from the identity ``spiffe://<domain>/service/approval`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from approval_service.service import ApprovalService
+from approval_service.store import OutboxEntry, ReviewStore
+from services.config import ApprovalSettings
+from services.receipts import now_utc
+from services.rpc_errors import ERROR_DOMAIN
+from services.store.transitions import STORAGE_ERRORS
+from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+
+log = logging.getLogger("ztate.approval")
+BATCH = 100
+CALL_TIMEOUT_SECONDS = 10.0
+MAX_BACKOFF_SECONDS = 30.0
+DETAILS_KEY = "grpc-status-details-bin"
+
+# Answers that settle a receipt for good: the transition service will never apply it.
+SETTLED = frozenset(
+    {
+        (grpc.StatusCode.FAILED_PRECONDITION, "APPROVAL_STALE"),
+        (grpc.StatusCode.FAILED_PRECONDITION, "REVIEW_CLOSED"),
+        (grpc.StatusCode.FAILED_PRECONDITION, "RECEIPT_EXPIRED"),
+        (grpc.StatusCode.FAILED_PRECONDITION, "RECEIPT_MISMATCH"),
+        (grpc.StatusCode.ALREADY_EXISTS, "RECEIPT_REPLAYED"),
+    }
+)
+# The transition service could not be reached: stop this round, back off.
+UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def refusal_reason(error: grpc.aio.AioRpcError) -> str:
+    """The ztate reason code in a failed call's rich status, else the status code's name."""
+    metadata: Iterable[tuple[str, str | bytes]] = error.trailing_metadata() or ()  # type: ignore[assignment]
+    for key, value in metadata:
+        if key != DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        for packed in status_pb2.Status.FromString(value).details:
+            info = error_details_pb2.ErrorInfo()
+            if packed.Unpack(info) and info.domain == ERROR_DOMAIN:
+                return str(info.reason)
+    return error.code().name
+
+
+def transition_channel(settings: ApprovalSettings) -> grpc.aio.Channel:
+    """An mTLS channel to the transition service, as the approval service."""
+    assert settings.tls_cert is not None
+    assert settings.tls_key is not None
+    assert settings.tls_ca is not None
+    credentials = grpc.ssl_channel_credentials(
+        settings.tls_ca.read_bytes(), settings.tls_key.read_bytes(), settings.tls_cert.read_bytes()
+    )
+    options: list[tuple[str, Any]] = []
+    if settings.transition_server_name:
+        options.append(("grpc.ssl_target_name_override", settings.transition_server_name))
+    return grpc.aio.secure_channel(settings.transition_target, credentials, options=options)
+
+
+def _receipt_expired(entry: OutboxEntry, now: datetime) -> bool:
+    """Whether the receipt's validity ended by our own clock.
+
+    A receipt the transition service calls expired while it is still valid here
+    means the two clocks disagree (it is not yet valid there): worth a retry.
+    """
+    expires_at = json.loads(entry.receipt.receipt_bytes)["expires_at"]
+    return datetime.fromisoformat(expires_at.replace("Z", "+00:00")) <= now
+
+
+class Attempt(enum.Enum):
+    """How one delivery went."""
+
+    SETTLED = "settled"  # applied, or definitively refused: out of the outbox
+    RETRY = "retry"  # refused for a reason that may go away: stays in the outbox
+    UNREACHABLE = "unreachable"  # the transition service did not answer: end the round
+
+
+class ReceiptDelivery:
+    """The background task that delivers receipts and expires overdue reviews."""
+
+    def __init__(
+        self,
+        *,
+        service: ApprovalService,
+        store: ReviewStore,
+        channel: grpc.aio.Channel,
+        wake: asyncio.Event,
+        interval: float,
+    ) -> None:
+        """``wake`` is set when a receipt is signed; otherwise a round runs every
+        ``interval`` seconds, less often while deliveries fail."""
+        self._service = service
+        self._store = store
+        self._channel = channel
+        self._stub = transition_pb2_grpc.TransitionServiceStub(channel)
+        self._wake = wake
+        self._interval = interval
+        self._task: asyncio.Task[None] | None = None
+        self._failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="ztate-receipt-delivery")
+
+    async def stop(self) -> None:
+        """Stop between calls or abandon the one in flight; undelivered receipts stay
+        in the outbox for the next start."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._channel.close(None)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except STORAGE_ERRORS as failure:
+                self._failed()
+                log.warning("receipt delivery round failed: %s", type(failure).__name__)
+            except Exception:
+                # A bug must not end delivery for good: log it, back off, go on.
+                self._failed()
+                log.exception("receipt delivery round failed unexpectedly")
+            delay = min(self._interval * 2**self._failures, MAX_BACKOFF_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()
+
+    def _failed(self) -> None:
+        self._failures = min(self._failures + 1, 6)
+
+    async def run_once(self) -> None:
+        """One round: expire overdue reviews, then deliver what is waiting."""
+        await self._service.expire_overdue()
+        clean = True
+        for entry in await self._store.undelivered(BATCH):
+            result = await self._deliver(entry)
+            if result is Attempt.UNREACHABLE:
+                self._failed()
+                return
+            clean = clean and result is Attempt.SETTLED
+        if clean:
+            self._failures = 0
+        else:
+            self._failed()
+
+    async def _deliver(self, entry: OutboxEntry) -> Attempt:
+        request = transition_pb2.ApplyDecisionRequest(
+            receipt=approval_pb2.SignedReceipt(
+                receipt_json=entry.receipt.receipt_bytes,
+                signature=entry.receipt.signature,
+                key_id=entry.receipt.key_id,
+            )
+        )
+        try:
+            response = await self._stub.ApplyDecision(request, timeout=CALL_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            return await self._refused(entry, error)
+        outcome = transition_pb2.Outcome.Name(response.outcome)
+        log.info("delivered the receipt of review %s: %s", entry.digest[:16], outcome)
+        await self._store.mark_delivered(entry.digest, now_utc())
+        return Attempt.SETTLED
+
+    async def _refused(self, entry: OutboxEntry, error: grpc.aio.AioRpcError) -> Attempt:
+        code, reason, digest = error.code(), refusal_reason(error), entry.digest[:16]
+        if code in UNREACHABLE:
+            log.warning("delivering review %s: %s; will retry", digest, code.name)
+            return Attempt.UNREACHABLE
+        now = now_utc()
+        if reason == "RECEIPT_EXPIRED" and not _receipt_expired(entry, now):
+            log.error(
+                "delivering review %s: the transition service calls a receipt expired that is "
+                "valid by this clock; are the two clocks in step? will retry",
+                digest,
+            )
+            return Attempt.RETRY
+        if (code, reason) not in SETTLED:
+            log.error(
+                "delivering review %s refused: %s %s (%s); will retry",
+                digest,
+                code.name,
+                reason,
+                error.details(),
+            )
+            return Attempt.RETRY
+        log.warning(
+            "the transition service will not apply the receipt of review %s: %s (%s)",
+            digest,
+            reason,
+            error.details(),
+        )
+        await self._store.mark_delivered(entry.digest, now)
+        return Attempt.SETTLED

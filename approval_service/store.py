@@ -1,0 +1,317 @@
+"""The approval service's storage: reviews, decisions, signed receipts and their outbox.
+
+Everything lives in the schema ``ztate_approval``, reached through the service's own
+pool as its own least-privilege role: it can read and append reviews, decisions and
+receipts and change only a review's status and a receipt's delivery mark, and it
+cannot see the transition service's tables at all. Deciding on a review locks its
+row (``SELECT ... FOR UPDATE``) for the whole transaction, so reviewers deciding at
+the same moment are serialised and a review is closed, and its receipt signed,
+exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from services.receipts import SignedReceipt
+from services.store.transitions import keep_session
+
+OPEN, APPROVED, REJECTED, EXPIRED = "open", "approved", "rejected", "expired"
+STATUSES = (OPEN, APPROVED, REJECTED, EXPIRED)
+
+REVIEW_COLUMNS = """
+r.digest, r.thread_id, r.base_version, r.node_id, r.risk_rules, r.required_approvals,
+r.redacted_diff, r.status, r.opened_at, r.expires_at, r.closed_at,
+ARRAY(SELECT d.reviewer FROM ztate_approval.decisions d
+       WHERE d.digest = r.digest AND d.decision = 'approve'
+       ORDER BY d.reviewer) AS approvers,
+c.receipt, c.signature AS receipt_signature, c.key_id AS receipt_key_id, c.delivered_at
+"""
+
+REVIEWS = "ztate_approval.reviews r LEFT JOIN ztate_approval.receipts c ON c.digest = r.digest"
+
+INSERT_REVIEW = """
+INSERT INTO ztate_approval.reviews (digest, thread_id, base_version, node_id, risk_rules,
+                                    required_approvals, proposal, redacted_diff, opened_at,
+                                    expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (digest) DO NOTHING
+RETURNING digest
+"""
+
+# Keyset pagination: open reviews are a queue (oldest first); decided ones are
+# history (newest first). The position is the last (opened_at, digest) seen.
+LIST_OLDEST_FIRST = f"""
+SELECT {REVIEW_COLUMNS} FROM {REVIEWS}
+ WHERE r.status = $1
+   AND ($2::text IS NULL OR r.thread_id = $2)
+   AND ($3::timestamptz IS NULL OR (r.opened_at, r.digest) > ($3, $4::text))
+ ORDER BY r.opened_at, r.digest
+ LIMIT $5
+"""  # noqa: S608 - constant columns and tables
+
+LIST_NEWEST_FIRST = f"""
+SELECT {REVIEW_COLUMNS} FROM {REVIEWS}
+ WHERE r.status = $1
+   AND ($2::text IS NULL OR r.thread_id = $2)
+   AND ($3::timestamptz IS NULL OR (r.opened_at, r.digest) < ($3, $4::text))
+ ORDER BY r.opened_at DESC, r.digest DESC
+ LIMIT $5
+"""  # noqa: S608 - constant columns and tables
+
+EXPIRE_OPEN = """
+UPDATE ztate_approval.reviews SET status = 'expired', closed_at = $1
+ WHERE status = 'open' AND expires_at < $1
+RETURNING digest, thread_id, risk_rules
+"""
+
+UNDELIVERED = """
+SELECT digest, receipt, signature, key_id FROM ztate_approval.receipts
+ WHERE delivered_at IS NULL
+ ORDER BY signed_at, digest
+ LIMIT $1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class NewReview:
+    """A review as the transition service submits it."""
+
+    digest: str
+    thread_id: str
+    base_version: int
+    node_id: str
+    risk_rules: tuple[str, ...]
+    required_approvals: int
+    proposal: bytes
+    redacted_diff: bytes
+    opened_at: datetime
+    expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class StoredReview:
+    """A review as stored, with its approvers so far and its receipt once decided."""
+
+    digest: str
+    thread_id: str
+    base_version: int
+    node_id: str
+    risk_rules: tuple[str, ...]
+    required_approvals: int
+    redacted_diff: bytes
+    status: str
+    opened_at: datetime
+    expires_at: datetime
+    closed_at: datetime | None
+    approvers: tuple[str, ...]
+    receipt: SignedReceipt | None
+    delivered_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> StoredReview:
+        receipt = None
+        if row["receipt"] is not None:
+            receipt = SignedReceipt(
+                bytes(row["receipt"]), row["receipt_signature"], row["receipt_key_id"]
+            )
+        return cls(
+            digest=row["digest"],
+            thread_id=row["thread_id"],
+            base_version=row["base_version"],
+            node_id=row["node_id"],
+            risk_rules=tuple(row["risk_rules"]),
+            required_approvals=row["required_approvals"],
+            redacted_diff=bytes(row["redacted_diff"]),
+            status=row["status"],
+            opened_at=row["opened_at"],
+            expires_at=row["expires_at"],
+            closed_at=row["closed_at"],
+            approvers=tuple(row["approvers"]),
+            receipt=receipt,
+            delivered_at=row["delivered_at"],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    """Where a page of reviews ended: keyset pagination on (opened_at, digest)."""
+
+    opened_at: datetime
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredReview:
+    digest: str
+    thread_id: str
+    risk_rules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    """A signed receipt the transition service has not taken yet."""
+
+    digest: str
+    receipt: SignedReceipt
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> OutboxEntry:
+        receipt = SignedReceipt(bytes(row["receipt"]), row["signature"], row["key_id"])
+        return cls(row["digest"], receipt)
+
+
+class LockedReview:
+    """One review, its row locked until the surrounding transaction ends."""
+
+    def __init__(self, conn: PoolConnectionProxy[Any], review: StoredReview) -> None:
+        self._conn = conn
+        self.review = review
+
+    async def record_decision(self, reviewer: str, decision: str, at: datetime) -> bool:
+        """Record a reviewer's decision; False if this reviewer already decided."""
+        inserted = await self._conn.fetchval(
+            "INSERT INTO ztate_approval.decisions (digest, reviewer, decision, decided_at) "
+            "VALUES ($1, $2, $3, $4) ON CONFLICT (digest, reviewer) DO NOTHING RETURNING 1",
+            self.review.digest,
+            reviewer,
+            decision,
+            at,
+        )
+        return inserted is not None
+
+    async def approvers(self) -> list[str]:
+        """The reviewers who approved so far, in this transaction's view."""
+        rows = await self._conn.fetch(
+            "SELECT reviewer FROM ztate_approval.decisions "
+            "WHERE digest = $1 AND decision = 'approve' ORDER BY reviewer",
+            self.review.digest,
+        )
+        return [row["reviewer"] for row in rows]
+
+    async def close(self, status: str, at: datetime) -> None:
+        """Close the review as approved, rejected or expired."""
+        await self._conn.execute(
+            "UPDATE ztate_approval.reviews SET status = $2, closed_at = $3 "
+            "WHERE digest = $1 AND status = 'open'",
+            self.review.digest,
+            status,
+            at,
+        )
+
+    async def store_receipt(self, receipt: SignedReceipt, nonce: str, at: datetime) -> None:
+        """Keep the review's signed receipt; it waits in the outbox until delivered."""
+        await self._conn.execute(
+            "INSERT INTO ztate_approval.receipts (digest, receipt, signature, key_id, nonce, "
+            "signed_at) VALUES ($1, $2, $3, $4, $5, $6)",
+            self.review.digest,
+            receipt.receipt_bytes,
+            receipt.signature,
+            receipt.key_id,
+            nonce,
+            at,
+        )
+
+
+class ReviewStore:
+    """The approval service's tables, through its own least-privilege role."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    @classmethod
+    async def open(cls, dsn: str, *, role: str, pool_size: int) -> ReviewStore:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min(2, pool_size),
+            max_size=pool_size,
+            reset=keep_session,
+            server_settings={"role": role, "application_name": "ztate-approval"},
+        )
+        return cls(pool)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    async def ping(self) -> None:
+        await self._pool.fetchval("SELECT 1")
+
+    async def submit(self, review: NewReview) -> tuple[StoredReview, bool]:
+        """Open a review, or return the one already open for this digest; the flag
+        says whether this call opened it."""
+        inserted = await self._pool.fetchval(
+            INSERT_REVIEW,
+            review.digest,
+            review.thread_id,
+            review.base_version,
+            review.node_id,
+            list(review.risk_rules),
+            review.required_approvals,
+            review.proposal,
+            review.redacted_diff,
+            review.opened_at,
+            review.expires_at,
+        )
+        stored = await self.get(review.digest)
+        assert stored is not None  # inserted now, or before: reviews are never deleted
+        return stored, inserted is not None
+
+    async def get(self, digest: str) -> StoredReview | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {REVIEW_COLUMNS} FROM {REVIEWS} WHERE r.digest = $1",  # noqa: S608
+            digest,
+        )
+        return StoredReview.from_row(row) if row else None
+
+    async def page(
+        self, status: str, *, thread_id: str | None, limit: int, after: Cursor | None
+    ) -> list[StoredReview]:
+        """One page of reviews with ``status``: open ones oldest first, others newest first."""
+        query = LIST_OLDEST_FIRST if status == OPEN else LIST_NEWEST_FIRST
+        rows = await self._pool.fetch(
+            query,
+            status,
+            thread_id,
+            after.opened_at if after else None,
+            after.digest if after else None,
+            limit,
+        )
+        return [StoredReview.from_row(row) for row in rows]
+
+    @asynccontextmanager
+    async def locked(self, digest: str) -> AsyncIterator[LockedReview | None]:
+        """A transaction holding the review's row lock; ``None`` if there is no such review.
+
+        Leaving the block normally commits; an exception rolls everything back."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                f"SELECT {REVIEW_COLUMNS} FROM {REVIEWS} WHERE r.digest = $1 "  # noqa: S608
+                "FOR UPDATE OF r",
+                digest,
+            )
+            yield LockedReview(conn, StoredReview.from_row(row)) if row else None
+
+    async def expire_open(self, now: datetime) -> list[ExpiredReview]:
+        """Close every open review whose deadline passed; returns those closed now."""
+        rows = await self._pool.fetch(EXPIRE_OPEN, now)
+        return [ExpiredReview(r["digest"], r["thread_id"], tuple(r["risk_rules"])) for r in rows]
+
+    async def undelivered(self, limit: int) -> list[OutboxEntry]:
+        """Signed receipts the transition service has not taken, oldest first."""
+        rows = await self._pool.fetch(UNDELIVERED, limit)
+        return [OutboxEntry.from_row(row) for row in rows]
+
+    async def mark_delivered(self, digest: str, at: datetime) -> None:
+        await self._pool.execute(
+            "UPDATE ztate_approval.receipts SET delivered_at = $2 "
+            "WHERE digest = $1 AND delivered_at IS NULL",
+            digest,
+            at,
+        )

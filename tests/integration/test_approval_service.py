@@ -1,0 +1,739 @@
+"""The approval service over real gRPC and mutual TLS, on a real Postgres.
+
+Only the transition service opens reviews, and only for proposal bytes that hash
+to the digest; reviewers and operators read them, with the redacted diff; only
+reviewers decide, never on their own proposal and never twice; a review closes
+at its first rejection or its k-th distinct approval, and only then is a receipt
+signed, which verifies with the approval service's public key. Its database role
+and the transition service's cannot touch each other's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from approval_service.app import SERVICE_NAME, RunningApproval, start
+from approval_service.cli import add_approval_commands
+from approval_service.delivery import refusal_reason
+from services import ca
+from services.canonical import canonical_bytes, sha256_hex
+from services.config import ApprovalSettings
+from services.identity import Identity, Role
+from services.receipts import SignedReceipt, generate_signing_key, load_public_keys, verify_receipt
+from tests.harness import TRUST_DOMAIN, Credentials, Pki, new_thread_id
+from transition_service.app import RunningService
+from ztate.v1 import approval_pb2, approval_pb2_grpc
+
+KEY_ID = "approval-test-k1"
+REVIEW_TTL = timedelta(hours=2)
+RECEIPT_TTL = timedelta(minutes=10)
+PROPOSER = "input-parser"
+PROPOSER_ID = f"spiffe://{TRUST_DOMAIN}/node/{PROPOSER}"
+APPROVAL_ROLE = "ztate_approver"
+TRANSITION_ROLE = "ztate_transition"
+# Nothing listens here: receipts stay in the outbox (delivery is the e2e tests' part).
+NO_TRANSITION_SERVICE = "127.0.0.1:9"
+
+
+@dataclass(frozen=True)
+class ApprovalKeys:
+    private: Path
+    public: Path
+
+
+@pytest.fixture(scope="module")
+def approval_keys(tmp_path_factory: pytest.TempPathFactory) -> ApprovalKeys:
+    folder = tmp_path_factory.mktemp("approval-keys")
+    keys = ApprovalKeys(folder / "signing-key.pem", folder / "approval-public.json")
+    generate_signing_key(keys.private, keys.public, KEY_ID)
+    return keys
+
+
+@pytest.fixture(scope="module")
+def approval_settings(
+    pki: Pki, approval_keys: ApprovalKeys, tmp_path_factory: pytest.TempPathFactory
+) -> ApprovalSettings:
+    home = tmp_path_factory.mktemp("approval-home")
+    certs = home / "certs"
+    issued = ca.issue(
+        pki.ca_dir,
+        Identity(TRUST_DOMAIN, Role.SERVICE, "approval"),
+        certs,
+        dns_names=("localhost",),
+        ip_addresses=("127.0.0.1",),
+    )
+    # The settings shared with the transition service are named by their variable.
+    return ApprovalSettings(
+        ZTATE_HOME=home,
+        ZTATE_TRUST_DOMAIN=TRUST_DOMAIN,
+        listen="127.0.0.1:0",
+        tls_cert=issued.cert,
+        tls_key=issued.key,
+        tls_ca=issued.ca_cert,
+        signing_key_file=approval_keys.private,
+        key_id=KEY_ID,
+        transition_target=NO_TRANSITION_SERVICE,
+        transition_server_name="localhost",
+        review_ttl_seconds=int(REVIEW_TTL.total_seconds()),
+        receipt_ttl_seconds=int(RECEIPT_TTL.total_seconds()),
+        outbox_interval_seconds=60.0,
+        db_pool_size=4,
+    )
+
+
+@pytest_asyncio.fixture(scope="module")
+async def approval(
+    approval_settings: ApprovalSettings, database_dsn: str, service: RunningService
+) -> AsyncIterator[RunningApproval]:
+    """The approval service, in the database where the transition service migrated too."""
+    running = await start(approval_settings, dsn=database_dsn)
+    yield running
+    await running.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module")
+def approval_target(approval: RunningApproval) -> str:
+    return f"localhost:{approval.port}"
+
+
+@contextlib.asynccontextmanager
+async def stub_as(
+    target: str, creds: Credentials
+) -> AsyncIterator[approval_pb2_grpc.ApprovalServiceStub]:
+    credentials = grpc.ssl_channel_credentials(
+        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
+    )
+    async with grpc.aio.secure_channel(target, credentials) as channel:
+        yield approval_pb2_grpc.ApprovalServiceStub(channel)
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A proposal as the transition service would submit it for review."""
+
+    request: approval_pb2.SubmitReviewRequest
+
+    @property
+    def digest(self) -> str:
+        return self.request.digest
+
+
+def parked(
+    *,
+    thread_id: str | None = None,
+    base_version: int = 3,
+    node: str = PROPOSER,
+    approvals: int = 1,
+    rules: tuple[str, ...] = ("privilege-change",),
+) -> Parked:
+    thread = thread_id or new_thread_id()
+    node_id = f"spiffe://{TRUST_DOMAIN}/node/{node}"
+    proposal = canonical_bytes(
+        {
+            "format": 1,
+            "kind": "proposal",
+            "thread_id": thread,
+            "base_version": base_version,
+            "parent_digest": "ab" * 32,
+            "node_id": node_id,
+            "patch": {"is_admin": True, "api_token": "s3cret"},
+            "state_digest": "cd" * 32,
+            "policy_digest": "ef" * 32,
+            "risk_rules": sorted(rules),
+        }
+    )
+    diff = canonical_bytes(
+        {
+            "changes": {
+                "is_admin": {"old": False, "new": True},
+                "api_token": {"new": {"redacted_sha256": sha256_hex(b'"s3cret"')}},
+            }
+        }
+    )
+    return Parked(
+        approval_pb2.SubmitReviewRequest(
+            digest=sha256_hex(proposal),
+            thread_id=thread,
+            base_version=base_version,
+            node_id=node_id,
+            risk_rules=list(rules),
+            required_approvals=approvals,
+            proposal_json=proposal,
+            redacted_diff_json=diff,
+        )
+    )
+
+
+def reviewer_id(name: str) -> str:
+    return f"spiffe://{TRUST_DOMAIN}/reviewer/{name}"
+
+
+def approve(digest: str) -> approval_pb2.DecideRequest:
+    return approval_pb2.DecideRequest(digest=digest, decision=approval_pb2.DECISION_APPROVE)
+
+
+def reject(digest: str) -> approval_pb2.DecideRequest:
+    return approval_pb2.DecideRequest(digest=digest, decision=approval_pb2.DECISION_REJECT)
+
+
+async def submitted(target: str, pki: Pki, proposal: Parked) -> approval_pb2.Review:
+    async with stub_as(target, pki.identity(Role.SERVICE, "transition")) as stub:
+        response = await stub.SubmitReview(proposal.request)
+    return response.review
+
+
+async def decide(
+    target: str, pki: Pki, reviewer: str, request: approval_pb2.DecideRequest
+) -> approval_pb2.Review:
+    async with stub_as(target, pki.identity(Role.REVIEWER, reviewer)) as stub:
+        response = await stub.Decide(request)
+    return response.review
+
+
+def refusal(error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    return error.code(), refusal_reason(error)
+
+
+async def refused(call: Any) -> tuple[grpc.StatusCode, str]:
+    """The status code and reason of a call that must fail."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    return refusal(caught.value)
+
+
+async def fetch(dsn: str, query: str, *args: object) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetch(query, *args)
+    finally:
+        await conn.close()
+
+
+def verified(receipt: approval_pb2.SignedReceipt, keys: ApprovalKeys) -> dict[str, Any]:
+    signed = SignedReceipt(receipt.receipt_json, receipt.signature, receipt.key_id)
+    return verify_receipt(signed, load_public_keys(keys.public), now=datetime.now(UTC))
+
+
+# --- serving ----------------------------------------------------------------------------
+
+
+async def test_reports_serving_over_mtls(approval_target: str, pki: Pki) -> None:
+    creds = pki.operator()
+    credentials = grpc.ssl_channel_credentials(
+        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
+    )
+    async with grpc.aio.secure_channel(approval_target, credentials) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        response = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_client_without_a_certificate_is_turned_away(
+    approval_target: str, pki: Pki
+) -> None:
+    credentials = grpc.ssl_channel_credentials(pki.operator().ca.read_bytes())
+    async with grpc.aio.secure_channel(approval_target, credentials) as channel:
+        stub = approval_pb2_grpc.ApprovalServiceStub(channel)
+        code, _ = await refused(stub.ListReviews(approval_pb2.ListReviewsRequest(), timeout=10))
+    assert code is grpc.StatusCode.UNAVAILABLE
+
+
+# --- submitting -------------------------------------------------------------------------
+
+
+async def test_submitting_the_same_digest_twice_opens_one_review(
+    approval_target: str, pki: Pki, database_dsn: str
+) -> None:
+    proposal = parked(approvals=2)
+    first = await submitted(approval_target, pki, proposal)
+    again = await submitted(approval_target, pki, proposal)
+    assert first == again
+    assert first.status == approval_pb2.REVIEW_STATUS_OPEN
+    assert (first.digest, first.thread_id, first.base_version) == (
+        proposal.digest,
+        proposal.request.thread_id,
+        3,
+    )
+    assert (first.node_id, list(first.risk_rules), first.required_approvals) == (
+        PROPOSER_ID,
+        ["privilege-change"],
+        2,
+    )
+    assert first.expires_at.ToDatetime() - first.opened_at.ToDatetime() == REVIEW_TTL
+    assert not first.HasField("receipt")
+    rows = await fetch(
+        database_dsn, "SELECT * FROM ztate_approval.reviews WHERE digest = $1", proposal.digest
+    )
+    assert len(rows) == 1
+    assert bytes(rows[0]["proposal"]) == proposal.request.proposal_json
+
+
+def _tampered(field: str, value: Any) -> approval_pb2.SubmitReviewRequest:
+    request = approval_pb2.SubmitReviewRequest()
+    request.CopyFrom(parked().request)
+    if field == "proposal_json":
+        request.proposal_json = request.proposal_json.replace(b'"is_admin":true', value)
+    elif field == "risk_rules":
+        request.risk_rules[:] = value
+    else:
+        setattr(request, field, value)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("proposal_json", b'"is_admin":false'),  # the bytes no longer hash to the digest
+        ("digest", "0" * 64),
+        ("digest", "not-a-digest"),
+        ("thread_id", "another-thread"),
+        ("base_version", 4),
+        ("node_id", f"spiffe://{TRUST_DOMAIN}/node/planner"),
+        ("risk_rules", ["harmless"]),
+        ("required_approvals", 0),
+        ("required_approvals", 17),
+        ("redacted_diff_json", b"not json"),
+    ],
+)
+async def test_a_submission_that_does_not_match_its_proposal_is_refused(
+    approval_target: str, pki: Pki, database_dsn: str, field: str, value: Any
+) -> None:
+    request = _tampered(field, value)
+    async with stub_as(approval_target, pki.identity(Role.SERVICE, "transition")) as stub:
+        assert await refused(stub.SubmitReview(request)) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "REQUEST_INVALID",
+        )
+    rows = await fetch(
+        database_dsn,
+        "SELECT 1 FROM ztate_approval.reviews WHERE digest = $1 OR thread_id = $2",
+        request.digest,
+        request.thread_id,
+    )
+    assert rows == []
+
+
+@pytest.mark.parametrize(
+    ("role", "name"),
+    [
+        (Role.NODE, PROPOSER),
+        (Role.REVIEWER, "alice"),
+        (Role.OPERATOR, "admin"),
+        (Role.SERVICE, "approval"),
+    ],
+)
+async def test_only_the_transition_service_submits(
+    approval_target: str, pki: Pki, role: Role, name: str
+) -> None:
+    async with stub_as(approval_target, pki.identity(role, name)) as stub:
+        assert await refused(stub.SubmitReview(parked().request)) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "ROLE_FORBIDDEN",
+        )
+
+
+# --- reading ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("role", "name"), [(Role.REVIEWER, "alice"), (Role.OPERATOR, "admin")])
+async def test_reviewers_and_operators_see_the_redacted_diff(
+    approval_target: str, pki: Pki, role: Role, name: str
+) -> None:
+    proposal = parked()
+    await submitted(approval_target, pki, proposal)
+    async with stub_as(approval_target, pki.identity(role, name)) as stub:
+        listed = await stub.ListReviews(
+            approval_pb2.ListReviewsRequest(thread_id=proposal.request.thread_id)
+        )
+        got = await stub.GetReview(approval_pb2.GetReviewRequest(digest=proposal.digest))
+    assert [review.digest for review in listed.reviews] == [proposal.digest]
+    assert listed.reviews[0] == got.review
+    assert got.review.redacted_diff_json == proposal.request.redacted_diff_json
+    diff = json.loads(got.review.redacted_diff_json)
+    assert diff["changes"]["is_admin"] == {"old": False, "new": True}
+    assert b"s3cret" not in got.review.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("role", "name"),
+    [(Role.NODE, PROPOSER), (Role.NODE, "db-writer"), (Role.SERVICE, "transition")],
+)
+async def test_workers_may_not_use_the_approval_api(
+    approval_target: str, pki: Pki, role: Role, name: str
+) -> None:
+    proposal = parked()
+    await submitted(approval_target, pki, proposal)
+    forbidden = (grpc.StatusCode.PERMISSION_DENIED, "ROLE_FORBIDDEN")
+    async with stub_as(approval_target, pki.identity(role, name)) as stub:
+        assert await refused(stub.ListReviews(approval_pb2.ListReviewsRequest())) == forbidden
+        get = approval_pb2.GetReviewRequest(digest=proposal.digest)
+        assert await refused(stub.GetReview(get)) == forbidden
+        assert await refused(stub.Decide(approve(proposal.digest))) == forbidden
+
+
+async def test_operators_read_but_do_not_decide(approval_target: str, pki: Pki) -> None:
+    proposal = parked()
+    await submitted(approval_target, pki, proposal)
+    async with stub_as(approval_target, pki.operator()) as stub:
+        assert await refused(stub.Decide(approve(proposal.digest))) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "ROLE_FORBIDDEN",
+        )
+
+
+async def test_unknown_and_malformed_digests(approval_target: str, pki: Pki) -> None:
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
+        missing = "0" * 64
+        assert await refused(stub.GetReview(approval_pb2.GetReviewRequest(digest=missing))) == (
+            grpc.StatusCode.NOT_FOUND,
+            "REVIEW_NOT_FOUND",
+        )
+        assert await refused(stub.Decide(approve(missing))) == (
+            grpc.StatusCode.NOT_FOUND,
+            "REVIEW_NOT_FOUND",
+        )
+        assert await refused(stub.Decide(approve("ABC"))) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "REQUEST_INVALID",
+        )
+        undecided = approval_pb2.DecideRequest(digest=missing)
+        assert await refused(stub.Decide(undecided)) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "REQUEST_INVALID",
+        )
+
+
+async def test_keyset_pagination_visits_each_review_once_oldest_first(
+    approval_target: str, pki: Pki
+) -> None:
+    thread = new_thread_id()
+    digests = []
+    for version in range(5):
+        proposal = parked(thread_id=thread, base_version=version)
+        await submitted(approval_target, pki, proposal)
+        digests.append(proposal.digest)
+    seen: list[str] = []
+    token = ""
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
+        while True:
+            page = await stub.ListReviews(
+                approval_pb2.ListReviewsRequest(thread_id=thread, page_size=2, page_token=token)
+            )
+            assert len(page.reviews) <= 2
+            seen += [review.digest for review in page.reviews]
+            token = page.next_page_token
+            if not token:
+                break
+        assert seen == digests
+        for bad in ({"page_token": "garbage"}, {"page_size": 1001}, {"status": 9}):
+            assert await refused(
+                stub.ListReviews(approval_pb2.ListReviewsRequest(**bad))  # type: ignore[arg-type]
+            ) == (grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_INVALID")
+
+
+# --- deciding ---------------------------------------------------------------------------
+
+
+async def test_a_reviewer_never_decides_on_their_own_proposal(
+    approval_target: str, pki: Pki, database_dsn: str
+) -> None:
+    proposal = parked()
+    await submitted(approval_target, pki, proposal)
+    for request in (approve(proposal.digest), reject(proposal.digest)):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await decide(approval_target, pki, PROPOSER, request)
+        assert refusal(caught.value) == (grpc.StatusCode.PERMISSION_DENIED, "SELF_APPROVAL")
+    decisions = await fetch(
+        database_dsn, "SELECT 1 FROM ztate_approval.decisions WHERE digest = $1", proposal.digest
+    )
+    assert decisions == []
+    review = await decide(approval_target, pki, "alice", approve(proposal.digest))
+    assert review.status == approval_pb2.REVIEW_STATUS_APPROVED
+
+
+async def test_a_reviewer_decides_once(approval_target: str, pki: Pki) -> None:
+    proposal = parked(approvals=2)
+    await submitted(approval_target, pki, proposal)
+    first = await decide(approval_target, pki, "alice", approve(proposal.digest))
+    assert list(first.approvers) == [reviewer_id("alice")]
+    for request in (approve(proposal.digest), reject(proposal.digest)):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await decide(approval_target, pki, "alice", request)
+        assert refusal(caught.value) == (grpc.StatusCode.ALREADY_EXISTS, "ALREADY_DECIDED")
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "bob")) as stub:
+        review = (
+            await stub.GetReview(approval_pb2.GetReviewRequest(digest=proposal.digest))
+        ).review
+    assert review.status == approval_pb2.REVIEW_STATUS_OPEN
+    assert list(review.approvers) == [reviewer_id("alice")]
+
+
+async def test_k_distinct_approvals_sign_one_receipt_over_all_approvers(
+    approval_target: str, pki: Pki, approval_keys: ApprovalKeys, database_dsn: str
+) -> None:
+    proposal = parked(approvals=2)
+    await submitted(approval_target, pki, proposal)
+    first = await decide(approval_target, pki, "alice", approve(proposal.digest))
+    assert first.status == approval_pb2.REVIEW_STATUS_OPEN
+    assert not first.HasField("receipt")
+    second = await decide(approval_target, pki, "bob", approve(proposal.digest))
+    assert second.status == approval_pb2.REVIEW_STATUS_APPROVED
+    assert sorted(second.approvers) == [reviewer_id("alice"), reviewer_id("bob")]
+    receipt = verified(second.receipt, approval_keys)
+    assert receipt["transition_digest"] == proposal.digest
+    assert (receipt["thread_id"], receipt["base_version"]) == (proposal.request.thread_id, 3)
+    assert receipt["decision"] == "approve"
+    assert receipt["reviewers"] == [reviewer_id("alice"), reviewer_id("bob")]
+    assert receipt["key_id"] == KEY_ID
+    issued = datetime.fromisoformat(receipt["issued_at"].replace("Z", "+00:00"))
+    expires = datetime.fromisoformat(receipt["expires_at"].replace("Z", "+00:00"))
+    assert expires - issued == RECEIPT_TTL
+    [stored] = await fetch(
+        database_dsn,
+        "SELECT nonce, receipt FROM ztate_approval.receipts WHERE digest = $1",
+        proposal.digest,
+    )
+    assert (stored["nonce"], bytes(stored["receipt"])) == (
+        receipt["nonce"],
+        second.receipt.receipt_json,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await decide(approval_target, pki, "carol", approve(proposal.digest))
+    assert refusal(caught.value) == (grpc.StatusCode.FAILED_PRECONDITION, "REVIEW_CLOSED")
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "carol")) as stub:
+        approved = await stub.ListReviews(
+            approval_pb2.ListReviewsRequest(
+                status=approval_pb2.REVIEW_STATUS_APPROVED, thread_id=proposal.request.thread_id
+            )
+        )
+    assert [review.receipt for review in approved.reviews] == [second.receipt]
+
+
+async def test_a_rejection_closes_the_review_with_a_reject_receipt(
+    approval_target: str, pki: Pki, approval_keys: ApprovalKeys
+) -> None:
+    proposal = parked(approvals=2)
+    await submitted(approval_target, pki, proposal)
+    await decide(approval_target, pki, "alice", approve(proposal.digest))
+    review = await decide(approval_target, pki, "bob", reject(proposal.digest))
+    assert review.status == approval_pb2.REVIEW_STATUS_REJECTED
+    receipt = verified(review.receipt, approval_keys)
+    assert (receipt["decision"], receipt["reviewers"]) == ("reject", [reviewer_id("bob")])
+    assert receipt["transition_digest"] == proposal.digest
+
+
+async def test_concurrent_reviewers_close_a_review_once(
+    approval_target: str, pki: Pki, database_dsn: str
+) -> None:
+    proposal = parked(approvals=1)
+    await submitted(approval_target, pki, proposal)
+    names = ["alice", "bob", "carol", "dave"]
+    outcomes = await asyncio.gather(
+        *(decide(approval_target, pki, name, approve(proposal.digest)) for name in names),
+        return_exceptions=True,
+    )
+    won = [o for o in outcomes if isinstance(o, approval_pb2.Review)]
+    lost = [refusal(o) for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(won) == 1
+    assert lost == [(grpc.StatusCode.FAILED_PRECONDITION, "REVIEW_CLOSED")] * 3
+    receipts = await fetch(
+        database_dsn, "SELECT 1 FROM ztate_approval.receipts WHERE digest = $1", proposal.digest
+    )
+    assert len(receipts) == 1
+
+
+async def test_k_concurrent_approvals_sign_exactly_one_receipt(
+    approval_target: str, pki: Pki, approval_keys: ApprovalKeys
+) -> None:
+    proposal = parked(approvals=3)
+    await submitted(approval_target, pki, proposal)
+    reviews = await asyncio.gather(
+        *(
+            decide(approval_target, pki, name, approve(proposal.digest))
+            for name in ("alice", "bob", "carol")
+        )
+    )
+    closed = [r for r in reviews if r.status == approval_pb2.REVIEW_STATUS_APPROVED]
+    assert len(closed) == 1
+    receipt = verified(closed[0].receipt, approval_keys)
+    assert receipt["reviewers"] == [reviewer_id(n) for n in ("alice", "bob", "carol")]
+
+
+async def test_an_overdue_review_expires_and_takes_no_decision(
+    approval_target: str, pki: Pki, approval: RunningApproval, database_dsn: str
+) -> None:
+    late, swept = parked(), parked()
+    for proposal in (late, swept):
+        await submitted(approval_target, pki, proposal)
+    await fetch(
+        database_dsn,
+        "UPDATE ztate_approval.reviews SET expires_at = now() - interval '1 second' "
+        "WHERE digest = ANY($1::text[])",
+        [late.digest, swept.digest],
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await decide(approval_target, pki, "alice", approve(late.digest))
+    assert refusal(caught.value) == (grpc.StatusCode.FAILED_PRECONDITION, "REVIEW_CLOSED")
+    # The sweep may also run in the delivery loop; either way both end expired.
+    await approval.service.expire_overdue()
+    rows = await fetch(
+        database_dsn,
+        "SELECT r.status, c.digest AS receipt FROM ztate_approval.reviews r "
+        "LEFT JOIN ztate_approval.receipts c USING (digest) WHERE r.digest = ANY($1::text[])",
+        [late.digest, swept.digest],
+    )
+    assert [(row["status"], row["receipt"]) for row in rows] == [("expired", None)] * 2
+
+
+# --- separation of duties in the database -----------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def connected_as(dsn: str, role: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(dsn, server_settings={"role": role})
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "SELECT * FROM ztate.threads",
+        "SELECT * FROM ztate.transitions",
+        "SELECT * FROM ztate.pending_transitions",
+        "SELECT * FROM ztate.receipts",
+        "INSERT INTO ztate.rejections (method, node_id, reason, message) "
+        "VALUES ('x', 'y', 'z', 'w')",
+        "UPDATE ztate.threads SET version = version + 1",
+    ],
+)
+async def test_the_approval_role_cannot_touch_transition_tables(
+    approval: RunningApproval, database_dsn: str, statement: str
+) -> None:
+    async with connected_as(database_dsn, APPROVAL_ROLE) as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(statement)
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "SELECT * FROM ztate_approval.reviews",
+        "SELECT * FROM ztate_approval.receipts",
+        "INSERT INTO ztate_approval.decisions (digest, reviewer, decision) "
+        "VALUES (repeat('0', 64), 'me', 'approve')",
+        "UPDATE ztate_approval.reviews SET status = 'approved'",
+    ],
+)
+async def test_the_transition_role_cannot_touch_approval_tables(
+    approval: RunningApproval, database_dsn: str, statement: str
+) -> None:
+    async with connected_as(database_dsn, TRANSITION_ROLE) as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(statement)
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "DELETE FROM ztate_approval.decisions",
+        "DELETE FROM ztate_approval.receipts",
+        "UPDATE ztate_approval.reviews SET required_approvals = 1",
+        "UPDATE ztate_approval.receipts SET receipt = ''::bytea",
+    ],
+)
+async def test_the_approval_role_cannot_rewrite_decisions_or_receipts(
+    approval: RunningApproval, database_dsn: str, statement: str
+) -> None:
+    async with connected_as(database_dsn, APPROVAL_ROLE) as conn:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute(statement)
+
+
+# --- the reviewer's command line --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+def _run_cli(argv: list[str]) -> CliResult:
+    """``ztate approvals ...`` in this process (from a worker thread: it runs its own loop)."""
+    parser = argparse.ArgumentParser(prog="ztate")
+    add_approval_commands(parser.add_subparsers(dest="command", required=True))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        args = parser.parse_args(argv)
+        code = args.func(args)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def cli_flags(approval: RunningApproval, pki: Pki) -> list[str]:
+    return ["--target", f"localhost:{approval.port}", "--ca", str(pki.certs / ca.CA_CERT)]
+
+
+def _reviewer(pki: Pki, name: str) -> list[str]:
+    creds = pki.identity(Role.REVIEWER, name)
+    return ["--cert", str(creds.cert), "--key", str(creds.key)]
+
+
+async def test_the_cli_lists_shows_and_decides(
+    approval_target: str, pki: Pki, cli_flags: list[str]
+) -> None:
+    proposal = parked(approvals=2)
+    await submitted(approval_target, pki, proposal)
+    digest, thread = proposal.digest, proposal.request.thread_id
+
+    def cli(*argv: str, reviewer: str = "alice") -> CliResult:
+        command, rest = argv[0], list(argv[1:])
+        return _run_cli(["approvals", command, *rest, *cli_flags, *_reviewer(pki, reviewer)])
+
+    listed = await asyncio.to_thread(cli, "list", "--thread", thread, "--json")
+    assert listed.code == 0, listed.err
+    [row] = [json.loads(line) for line in listed.out.splitlines()]
+    assert (row["digest"], row["status"], row["node_id"]) == (digest, "open", PROPOSER_ID)
+
+    shown = await asyncio.to_thread(cli, "show", digest)
+    assert shown.code == 0, shown.err
+    for fragment in (digest, thread, PROPOSER_ID, "privilege-change", "2 required", "is_admin"):
+        assert fragment in shown.out
+    assert "- false" in shown.out
+    assert "+ true" in shown.out
+    assert "s3cret" not in shown.out
+
+    own = await asyncio.to_thread(cli, "approve", digest, reviewer=PROPOSER)
+    assert (own.code, own.out) == (1, "")
+    assert "SELF_APPROVAL" in own.err
+
+    assert (await asyncio.to_thread(cli, "approve", digest)).code == 0
+    twice = await asyncio.to_thread(cli, "approve", digest)
+    assert twice.code == 1
+    assert "ALREADY_DECIDED" in twice.err
+    done = await asyncio.to_thread(cli, "reject", digest, reviewer="bob")
+    assert done.code == 0, done.err
+    assert "review rejected" in done.out
+
+    bad = await asyncio.to_thread(cli, "show", "not-a-digest")
+    assert bad.code == 2
+    assert "DIGEST" in bad.err

@@ -1,0 +1,560 @@
+"""Approvals end to end: a separate approval-service process, a transition service,
+real Postgres, real mTLS, and every attack on the receipt path.
+
+The approval service runs as its own process (``ztate approval-serve``), with its
+own certificate, database role and signing key; the transition service holds only
+the public key. Waits are on real conditions (an outcome announced over
+LISTEN/NOTIFY, a review that appears), never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+import grpc
+import pytest
+import pytest_asyncio
+
+from services import ca
+from services.config import Settings
+from services.identity import Identity, Role
+from services.receipts import SignedReceipt as Receipt
+from services.receipts import (
+    build_receipt,
+    generate_signing_key,
+    load_public_keys,
+    load_signing_key,
+    sign_receipt,
+    verify_receipt,
+)
+from tests.harness import (
+    INITIAL,
+    TRUST_DOMAIN,
+    USER,
+    Credentials,
+    Ledger,
+    Pki,
+    client,
+    new_thread_id,
+    with_database,
+)
+from transition_service.app import RunningService, start
+from worker_sdk import AwaitingApproval, PermissionDenied, ZtateClient
+from ztate.v1 import approval_pb2, approval_pb2_grpc, transition_pb2, transition_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
+LISTENING = b"approval service listening on port"
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def eventually(probe: Callable[[], Awaitable[T | None]], within: float = 20.0) -> T:
+    """Re-check a real condition until it holds (bounded), and return its value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        value = await probe()
+        if value is not None:
+            return value
+        assert loop.time() < deadline, "condition did not hold in time"
+        await asyncio.sleep(0.05)
+
+
+def channel(target: str, creds: Credentials) -> grpc.aio.Channel:
+    return grpc.aio.secure_channel(
+        target,
+        grpc.ssl_channel_credentials(
+            creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
+        ),
+    )
+
+
+@dataclass
+class World:
+    """Both services, their keys, and the database they share (in separate schemas)."""
+
+    root: Path
+    dsn: str
+    pki: Pki
+    settings: Settings
+    transition: RunningService
+    approval_port: int
+    approval: asyncio.subprocess.Process | None
+    signing_key: Path
+    public_keys: Path
+    ledger: Ledger
+
+    @property
+    def target(self) -> str:
+        return f"localhost:{self.settings.listen.rsplit(':', 1)[1]}"
+
+    @property
+    def approval_target(self) -> str:
+        return f"localhost:{self.approval_port}"
+
+    async def start_approval(self) -> None:
+        certs = self.root / "approval-certs"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+        env.update(
+            DATABASE_URL=self.dsn,
+            ZTATE_HOME=str(self.root / "approval-home"),
+            ZTATE_TRUST_DOMAIN=TRUST_DOMAIN,
+            ZTATE_APPROVAL_LISTEN=f"127.0.0.1:{self.approval_port}",
+            ZTATE_APPROVAL_TLS_CERT=str(certs / "service-approval.crt"),
+            ZTATE_APPROVAL_TLS_KEY=str(certs / "service-approval.key"),
+            ZTATE_APPROVAL_TLS_CA=str(certs / "ca.crt"),
+            ZTATE_APPROVAL_SIGNING_KEY_FILE=str(self.signing_key),
+            ZTATE_APPROVAL_TRANSITION_TARGET=self.target,
+            ZTATE_APPROVAL_OUTBOX_INTERVAL_SECONDS="0.2",
+        )
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).with_name("ztate")),
+            "approval-serve",
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert process.stderr is not None
+
+        async def listening() -> None:
+            assert process.stderr is not None
+            while LISTENING not in (line := await process.stderr.readline()):
+                assert line, "the approval service exited before it listened"
+
+        await asyncio.wait_for(listening(), 60)
+        self.approval = process
+        asyncio.get_running_loop().create_task(self._drain(process))
+
+    @staticmethod
+    async def _drain(process: asyncio.subprocess.Process) -> None:
+        assert process.stderr is not None
+        while await process.stderr.readline():
+            pass
+
+    async def stop_approval(self) -> None:
+        if self.approval is not None and self.approval.returncode is None:
+            self.approval.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(self.approval.wait(), 30) == 0
+        self.approval = None
+
+    async def restart_transition(self) -> None:
+        await self.transition.stop(grace=1.0)
+        self.transition = await start(self.settings, dsn=self.dsn)
+
+    # --- actors ---------------------------------------------------------------------
+
+    def worker(self, name: str) -> ZtateClient:
+        return client(self.target, self.pki.node(name))
+
+    def reviewers(self, name: str) -> grpc.aio.Channel:
+        return channel(self.approval_target, self.pki.identity(Role.REVIEWER, name))
+
+    async def decide(self, reviewer: str, digest: str, approve: bool = True) -> Any:
+        async with self.reviewers(reviewer) as open_channel:
+            stub = approval_pb2_grpc.ApprovalServiceStub(open_channel)
+            decision = approval_pb2.DECISION_APPROVE if approve else approval_pb2.DECISION_REJECT
+            return await stub.Decide(approval_pb2.DecideRequest(digest=digest, decision=decision))
+
+    async def review(self, digest: str) -> Any:
+        """The review of ``digest`` once the outbox has delivered it."""
+
+        async def probe() -> Any:
+            async with self.reviewers("alice") as open_channel:
+                stub = approval_pb2_grpc.ApprovalServiceStub(open_channel)
+                try:
+                    response = await stub.GetReview(approval_pb2.GetReviewRequest(digest=digest))
+                except grpc.aio.AioRpcError as error:
+                    if error.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                        return None
+                    raise
+                return response.review
+
+        return await eventually(probe)
+
+    async def apply(self, receipt: Receipt) -> Any:
+        """ApplyDecision as the approval service's identity (to play the attacker)."""
+        async with channel(self.target, self.pki.identity(Role.SERVICE, "approval")) as ch:
+            stub = transition_pb2_grpc.TransitionServiceStub(ch)
+            return await stub.ApplyDecision(
+                transition_pb2.ApplyDecisionRequest(
+                    receipt=approval_pb2.SignedReceipt(
+                        receipt_json=receipt.receipt_bytes,
+                        signature=receipt.signature,
+                        key_id=receipt.key_id,
+                    )
+                )
+            )
+
+    def receipt(self, pending: AwaitingApproval, **changes: Any) -> Receipt:
+        now = datetime.now(UTC)
+        fields: dict[str, Any] = {
+            "transition_digest": pending.digest,
+            "thread_id": pending.thread_id,
+            "base_version": pending.base_version,
+            "decision": "approve",
+            "reviewers": ["spiffe://ztate.test/reviewer/alice"],
+            "issued_at": now - timedelta(seconds=1),
+            "expires_at": now + timedelta(minutes=5),
+            "key_id": "approval-k1",
+        }
+        fields.update(changes)
+        return sign_receipt(build_receipt(**fields), load_signing_key(self.signing_key))
+
+    async def thread(self, policy: str = "pipeline", state: dict[str, Any] | None = None) -> str:
+        thread_id = new_thread_id()
+        async with client(self.target, self.pki.operator()) as operator:
+            await operator.create_thread(thread_id, state or INITIAL, policy=policy)
+        return thread_id
+
+    async def park(self, thread_id: str, node: str = "planner", **patch: Any) -> AwaitingApproval:
+        async with self.worker(node) as worker:
+            with pytest.raises(AwaitingApproval) as parked:
+                await worker.propose(thread_id, 0, patch or {"target_user_id": OTHER_USER})
+        return parked.value
+
+    async def pending_status(self, digest: str) -> str:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            status: str = await conn.fetchval(
+                "SELECT status FROM ztate.pending_transitions WHERE digest = $1", digest
+            )
+            return status
+        finally:
+            await conn.close()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def world(
+    postgres_server_dsn: str, pki: Pki, keyring_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[World]:
+    root = tmp_path_factory.mktemp("approvals")
+    name = f"ztate_approvals_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    dsn = with_database(postgres_server_dsn, name)
+    ca.issue(
+        pki.ca_dir,
+        Identity(TRUST_DOMAIN, Role.SERVICE, "approval"),
+        root / "approval-certs",
+        dns_names=("localhost",),
+        ip_addresses=("127.0.0.1",),
+    )
+    policies = root / "policies"
+    policies.mkdir()
+    shutil.copyfile(REPO / "services" / "defaults" / "policy.yaml", policies / "pipeline.yaml")
+    shutil.copyfile(REPO / "tests" / "policies" / "two_person.yaml", policies / "treasury.yaml")
+    signing_key, public_keys = root / "approval" / "signing-key.pem", root / "public.json"
+    generate_signing_key(signing_key, public_keys, "approval-k1")
+    approval_port = free_port()
+    settings = Settings(
+        home=root / "home",
+        listen=f"127.0.0.1:{free_port()}",
+        trust_domain=TRUST_DOMAIN,
+        tls_cert=pki.certs / "service-transition.crt",
+        tls_key=pki.certs / "service-transition.key",
+        tls_ca=pki.certs / "ca.crt",
+        policy_path=policies,
+        hmac_keyring_file=keyring_file,
+        approval_target=f"localhost:{approval_port}",
+        approval_public_keys_file=public_keys,
+        outbox_interval_seconds=0.2,
+        db_pool_size=4,
+    )
+    transition = await start(settings, dsn=dsn)
+    from services.keyring import Keyring
+
+    world = World(
+        root,
+        dsn,
+        pki,
+        settings,
+        transition,
+        approval_port,
+        None,
+        signing_key,
+        public_keys,
+        Ledger(dsn, Keyring.load(keyring_file, None)),
+    )
+    await world.start_approval()
+    yield world
+    await world.stop_approval()
+    await world.transition.stop(grace=1.0)
+
+
+# --- the happy path ----------------------------------------------------------------------
+
+
+async def test_parked_then_approved_commits_with_a_verifiable_receipt(world: World) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    assert parked.risk_rules == ("target-user-change",)
+    review = await world.review(parked.digest)
+    assert review.status == approval_pb2.REVIEW_STATUS_OPEN
+    diff = json.loads(review.redacted_diff_json)
+    assert diff["changes"]["target_user_id"] == {"old": USER, "new": OTHER_USER}
+    assert review.node_id == "spiffe://ztate.test/node/planner"
+
+    decided = await world.decide("alice", parked.digest)
+    assert decided.review.status == approval_pb2.REVIEW_STATUS_APPROVED
+    async with world.worker("planner") as planner:
+        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+        view = await planner.get_view(thread_id)
+    assert outcome.status == "committed"
+    assert outcome.transition is not None
+    record = outcome.transition.record
+    assert record["version"] == 1
+    assert record["node_id"] == "spiffe://ztate.test/node/planner"
+    assert record["patch"] == {"target_user_id": OTHER_USER}
+    assert view.state["target_user_id"] == OTHER_USER
+
+    [row] = [r for r in await world.ledger.rows(thread_id) if r["version"] == 1]
+    stored = Receipt(bytes(row["receipt"]), row["receipt_signature"], row["receipt_key_id"])
+    assert record["receipt_digest"] == hashlib.sha256(stored.receipt_bytes).hexdigest()
+    assert stored.receipt_bytes == decided.review.receipt.receipt_json
+    committed_at = datetime.fromisoformat(record["committed_at"].replace("Z", "+00:00"))
+    receipt = verify_receipt(stored, load_public_keys(world.public_keys), now=committed_at)
+    assert receipt["transition_digest"] == parked.digest
+    assert receipt["reviewers"] == ["spiffe://ztate.test/reviewer/alice"]
+    assert await world.ledger.verify(thread_id) == 2
+    assert await world.pending_status(parked.digest) == "committed"
+
+
+async def test_a_rejection_closes_the_transition_and_commits_nothing(world: World) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    await world.review(parked.digest)
+    before = await world.ledger.snapshot(thread_id)
+    await world.decide("bob", parked.digest, approve=False)
+    async with world.worker("planner") as planner:
+        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+    assert (outcome.status, outcome.transition) == ("rejected", None)
+    assert await world.ledger.snapshot(thread_id) == before
+
+
+async def test_two_person_rule_needs_two_distinct_reviewers(world: World) -> None:
+    thread_id = await world.thread("treasury", {"memo": "march"})
+    parked = await world.park(thread_id, "treasurer", payout_cents=120_000)
+    await world.review(parked.digest)
+    first = await world.decide("alice", parked.digest)
+    assert first.review.status == approval_pb2.REVIEW_STATUS_OPEN
+    assert list(first.review.approvers) == ["spiffe://ztate.test/reviewer/alice"]
+    with pytest.raises(grpc.aio.AioRpcError) as twice:
+        await world.decide("alice", parked.digest)
+    assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    async with world.worker("treasurer") as treasurer:
+        waiting = await treasurer.wait_for_outcome(parked.digest, within=0.5)
+        assert waiting.status == "pending"  # one approval of two authorises nothing
+        assert (await world.ledger.snapshot(thread_id)).head_version == 0
+        second = await world.decide("bob", parked.digest)
+        assert second.review.status == approval_pb2.REVIEW_STATUS_APPROVED
+        outcome = await treasurer.wait_for_outcome(parked.digest, within=20)
+    assert outcome.status == "committed"
+    receipt = json.loads(second.review.receipt.receipt_json)
+    assert receipt["reviewers"] == [
+        "spiffe://ztate.test/reviewer/alice",
+        "spiffe://ztate.test/reviewer/bob",
+    ]
+
+
+# --- attacks on the receipt path ------------------------------------------------------------
+
+
+async def refused_apply(world: World, receipt: Receipt, code: grpc.StatusCode, reason: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await world.apply(receipt)
+    assert caught.value.code() == code
+    from worker_sdk.errors import from_rpc_error
+
+    assert from_rpc_error(caught.value).reason == reason
+
+
+async def test_forged_expired_mismatched_receipts_commit_nothing(world: World) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    other_thread = await world.thread()
+    other = await world.park(other_thread)
+    before = (await world.ledger.snapshot(thread_id), await world.ledger.snapshot(other_thread))
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    forged = sign_receipt(
+        build_receipt(
+            transition_digest=parked.digest,
+            thread_id=thread_id,
+            base_version=0,
+            decision="approve",
+            reviewers=["spiffe://ztate.test/reviewer/alice"],
+            issued_at=datetime.now(UTC) - timedelta(seconds=1),
+            expires_at=datetime.now(UTC) + timedelta(minutes=5),
+            key_id="approval-k1",
+        ),
+        Ed25519PrivateKey.generate(),
+    )
+    invalid, mismatch = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    await refused_apply(world, forged, invalid, "RECEIPT_INVALID")
+    await refused_apply(
+        world, world.receipt(parked, transition_digest="ab" * 32), mismatch, "RECEIPT_MISMATCH"
+    )
+    # a receipt for one thread's transition presented as another thread's
+    await refused_apply(
+        world, world.receipt(parked, thread_id=other_thread), mismatch, "RECEIPT_MISMATCH"
+    )
+    await refused_apply(world, world.receipt(parked, base_version=7), mismatch, "RECEIPT_MISMATCH")
+    expired = world.receipt(
+        parked,
+        issued_at=datetime.now(UTC) - timedelta(minutes=20),
+        expires_at=datetime.now(UTC) - timedelta(minutes=10),
+    )
+    await refused_apply(world, expired, mismatch, "RECEIPT_EXPIRED")
+    after = (await world.ledger.snapshot(thread_id), await world.ledger.snapshot(other_thread))
+    assert after == before
+    assert await world.pending_status(parked.digest) == "pending"
+    assert await world.pending_status(other.digest) == "pending"
+
+
+async def test_a_replayed_nonce_fails_even_after_both_services_restart(world: World) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    receipt = world.receipt(parked)
+    applied = await world.apply(receipt)
+    assert applied.outcome == transition_pb2.OUTCOME_COMMITTED
+    await refused_apply(world, receipt, grpc.StatusCode.ALREADY_EXISTS, "RECEIPT_REPLAYED")
+
+    # the same nonce on a receipt for another parked transition
+    second_thread = await world.thread()
+    second = await world.park(second_thread)
+    nonce = json.loads(receipt.receipt_bytes)["nonce"]
+    await world.stop_approval()
+    await world.restart_transition()
+    await world.start_approval()
+    before = await world.ledger.snapshot(second_thread)
+    await refused_apply(
+        world,
+        world.receipt(second, nonce=nonce),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "RECEIPT_REPLAYED",
+    )
+    await refused_apply(world, receipt, grpc.StatusCode.ALREADY_EXISTS, "RECEIPT_REPLAYED")
+    assert await world.ledger.snapshot(second_thread) == before
+    assert await world.ledger.verify(thread_id) == 2
+
+
+async def test_an_approval_after_the_head_moved_authorises_nothing(world: World) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    async with world.worker("planner") as planner:
+        moved = await planner.propose(
+            thread_id, 0, {"pending_transition": {"action": "lookup", "order_id": "A-1"}}
+        )
+    assert moved.version == 1
+    before = await world.ledger.snapshot(thread_id)
+    await refused_apply(
+        world, world.receipt(parked), grpc.StatusCode.FAILED_PRECONDITION, "APPROVAL_STALE"
+    )
+    assert await world.ledger.snapshot(thread_id) == before
+    assert await world.pending_status(parked.digest) == "stale"
+    async with world.worker("planner") as planner:
+        assert (await planner.wait_for_outcome(parked.digest, within=5)).status == "stale"
+
+
+async def test_a_reviewer_cannot_approve_their_own_proposal(world: World) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)  # proposed by node "planner"
+    await world.review(parked.digest)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await world.decide("planner", parked.digest)  # reviewer "planner": the same name
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    from worker_sdk.errors import from_rpc_error
+
+    assert from_rpc_error(caught.value).reason == "SELF_APPROVAL"
+    assert await world.pending_status(parked.digest) == "pending"
+
+
+async def test_a_worker_cannot_use_the_approval_api(world: World) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    async with channel(world.approval_target, world.pki.node("approval-gate")) as ch:
+        stub = approval_pb2_grpc.ApprovalServiceStub(ch)
+        for call in (
+            stub.ListReviews(approval_pb2.ListReviewsRequest()),
+            stub.Decide(
+                approval_pb2.DecideRequest(
+                    digest=parked.digest, decision=approval_pb2.DECISION_APPROVE
+                )
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # nor may a worker deliver decisions to the transition service
+    async with channel(world.target, world.pki.node("approval-gate")) as ch:
+        stub2 = transition_pb2_grpc.TransitionServiceStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub2.ApplyDecision(transition_pb2.ApplyDecisionRequest())
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert await world.pending_status(parked.digest) == "pending"
+
+
+async def test_a_reviewer_cannot_write_state(world: World) -> None:
+    thread_id = await world.thread()
+    before = await world.ledger.snapshot(thread_id)
+    async with client(world.target, world.pki.identity(Role.REVIEWER, "alice")) as reviewer:
+        with pytest.raises(PermissionDenied) as caught:
+            await reviewer.propose(thread_id, 0, {"target_user_id": OTHER_USER})
+    assert caught.value.reason == "ROLE_FORBIDDEN"
+    assert await world.ledger.snapshot(thread_id) == before
+
+
+# --- failures: nothing is lost ----------------------------------------------------------------
+
+
+async def test_parked_while_the_approval_service_is_down_is_reviewed_once_back(
+    world: World,
+) -> None:
+    await world.stop_approval()
+    try:
+        thread_id = await world.thread()
+        parked = await world.park(thread_id)
+        assert await world.pending_status(parked.digest) == "pending"
+    finally:
+        await world.start_approval()
+    review = await world.review(parked.digest)
+    assert review.thread_id == thread_id
+    await world.decide("alice", parked.digest)
+    async with world.worker("planner") as planner:
+        assert (await planner.wait_for_outcome(parked.digest, within=20)).status == "committed"
+
+
+async def test_restarting_the_transition_service_between_parking_and_approval(
+    world: World,
+) -> None:
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    await world.review(parked.digest)
+    await world.restart_transition()
+    await world.decide("alice", parked.digest)
+    async with world.worker("planner") as planner:
+        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+    assert outcome.status == "committed"
+    assert await world.ledger.verify(thread_id) == 2
