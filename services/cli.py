@@ -69,6 +69,7 @@ def _serve(settings: Settings) -> int:
 def _start_approval_process(settings: Settings, dsn: str) -> subprocess.Popen[bytes]:
     """The approval service, as its own process, on the same (embedded) database."""
     env = dict(os.environ, DATABASE_URL=dsn, ZTATE_HOME=str(settings.home))
+    env.setdefault("ZTATE_APPROVAL_TRANSITION_TARGET", settings.listen)
     ztate = Path(sys.executable).with_name("ztate")
     return subprocess.Popen([str(ztate), "approval-serve"], env=env)
 
@@ -82,6 +83,9 @@ def cmd_run(_: argparse.Namespace) -> int:
     _configure_logging()
     layout = ensure_dev_layout(settings)
     approval = ApprovalSettings(home=settings.home, trust_domain=settings.trust_domain)
+    database = (
+        "DATABASE_URL" if settings.database_url else f"embedded Postgres in {settings.home / 'pg'}"
+    )
     if settings.database_url is None:
         dsn, _embedded = start_embedded_postgres(settings.home / "pg")
     else:
@@ -93,9 +97,7 @@ def cmd_run(_: argparse.Namespace) -> int:
         }
     )
     certs = layout.certs.resolve()
-    database = (
-        "DATABASE_URL" if settings.database_url else f"embedded Postgres in {settings.home / 'pg'}"
-    )
+
     nodes = ", ".join(
         sorted(n for p in layout.policies.policies.values() for n in p.document.nodes)
     )

@@ -11,7 +11,10 @@ import socket
 import sys
 from pathlib import Path
 
-from worker_sdk import ZtateClient
+import pytest
+
+from tests.harness import USER
+from worker_sdk import AwaitingApproval, ZtateClient
 
 LISTENING = re.compile(rb"transition service listening on port (\d+)")
 START_TIMEOUT_SECONDS = 90
@@ -24,9 +27,13 @@ def free_port() -> int:
         return port
 
 
-async def start_run(home: Path, port: int) -> asyncio.subprocess.Process:
+async def start_run(home: Path, port: int, approval_port: int) -> asyncio.subprocess.Process:
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL"}}
-    env.update(ZTATE_HOME=str(home), ZTATE_LISTEN=f"127.0.0.1:{port}")
+    env.update(
+        ZTATE_HOME=str(home),
+        ZTATE_LISTEN=f"127.0.0.1:{port}",
+        ZTATE_APPROVAL_LISTEN=f"127.0.0.1:{approval_port}",
+    )
     ztate = Path(sys.executable).with_name("ztate")
     process = await asyncio.create_subprocess_exec(
         str(ztate), "run", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
@@ -35,13 +42,19 @@ async def start_run(home: Path, port: int) -> asyncio.subprocess.Process:
 
     async def wait_until_listening() -> None:
         assert process.stderr is not None
-        while True:
+        waiting = {b"transition service listening", b"approval service listening"}
+        while waiting:
             line = await process.stderr.readline()
             assert line, "ztate run exited before it listened"
-            if LISTENING.search(line):
-                return
+            waiting = {w for w in waiting if w not in line}
+
+    async def drain() -> None:  # keep reading, so logging never blocks on a full pipe
+        assert process.stderr is not None
+        while await process.stderr.readline():
+            pass
 
     await asyncio.wait_for(wait_until_listening(), START_TIMEOUT_SECONDS)
+    asyncio.get_running_loop().create_task(drain())
     return process
 
 
@@ -60,9 +73,29 @@ def connect(home: Path, port: int, identity: str) -> ZtateClient:
     )
 
 
+async def approve_with_the_cli(home: Path, approval_port: int, digest: str) -> str:
+    env = dict(os.environ, ZTATE_HOME=str(home))
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("ztate")),
+        "approvals",
+        "approve",
+        digest,
+        "--reviewer",
+        "alice",
+        "--target",
+        f"localhost:{approval_port}",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, stderr.decode()
+    return stdout.decode()
+
+
 async def test_run_sets_up_serves_and_keeps_data(tmp_path: Path) -> None:
-    home, port = tmp_path / "ztate-home", free_port()
-    process = await start_run(home, port)
+    home, port, approval_port = tmp_path / "ztate-home", free_port(), free_port()
+    process = await start_run(home, port, approval_port)
     try:
         stdout = await asyncio.wait_for(process.stdout.readline(), 5)  # type: ignore[union-attr]
         assert b"ztate control plane" in stdout
@@ -73,6 +106,14 @@ async def test_run_sets_up_serves_and_keeps_data(tmp_path: Path) -> None:
         async with connect(home, port, "node-input-parser") as parser:
             committed = await parser.propose("demo", 0, {"requested_action": {"action": "none"}})
         assert committed.version == 1
+        # both services run: a risky change is parked, approved by a reviewer, committed
+        async with connect(home, port, "node-planner") as planner:
+            with pytest.raises(AwaitingApproval) as parked:
+                await planner.propose("demo", 1, {"target_user_id": USER})
+            said = await approve_with_the_cli(home, approval_port, parked.value.digest)
+            assert "approved" in said
+            outcome = await planner.wait_for_outcome(parked.value.digest, within=30)
+        assert outcome.status == "committed"
     finally:
         assert await stop(process) == 0
 
@@ -80,11 +121,15 @@ async def test_run_sets_up_serves_and_keeps_data(tmp_path: Path) -> None:
     assert not (home / "certs" / "ca.key").exists()  # the CA key never sits beside the certs
     assert (home / "keys" / "hmac-keyring.json").stat().st_mode & 0o077 == 0
 
-    process = await start_run(home, port)
+    process = await start_run(home, port, approval_port)
     try:
         async with connect(home, port, "node-planner") as planner:
             view = await planner.get_view("demo")
-        assert view.version == 1
-        assert view.state == {"requested_action": {"action": "none"}, "authority": {"tenant": "t"}}
+        assert view.version == 2
+        assert view.state == {
+            "requested_action": {"action": "none"},
+            "authority": {"tenant": "t"},
+            "target_user_id": USER,
+        }
     finally:
         assert await stop(process) == 0
