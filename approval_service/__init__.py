@@ -1,5 +1,6 @@
-"""The approval service: collects human decisions bound to one transition digest.
+"""The approval service: human decisions bound to one exact transition.
 
-Not yet implemented; see issue 4. It will run as its own process with its own
-database role and Ed25519 signing key.
+Its own process (``ztate approval-serve``), identity, database schema and role,
+and Ed25519 signing key. It collects reviewers' decisions on parked transitions
+and signs receipts; it can never write state. See docs/approvals.md.
 """

@@ -70,7 +70,7 @@ def _decision(decision: int) -> str:
     return DECISION_FROM_PROTO.get(decision, f"unknown ({decision})")
 
 
-class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):  # type: ignore[misc]
+class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
     """Adapts ``ApprovalService`` to ``ztate.v1.ApprovalService``."""
 
     def __init__(self, service: ApprovalService, trust_domain: str) -> None:

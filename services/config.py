@@ -16,7 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     """Configuration of the transition service."""
 
-    model_config = SettingsConfigDict(env_prefix="ZTATE_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="ZTATE_", extra="ignore", frozen=True, populate_by_name=True
+    )
 
     home: Path = Field(default=Path(".ztate"), description="where dev state lives")
     database_url: SecretStr | None = Field(
@@ -81,7 +83,9 @@ class ApprovalSettings(BaseSettings):
     """Configuration of the approval service (``ZTATE_APPROVAL_*``; the home, the
     database and the trust domain are shared with the transition service)."""
 
-    model_config = SettingsConfigDict(env_prefix="ZTATE_APPROVAL_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="ZTATE_APPROVAL_", extra="ignore", frozen=True, populate_by_name=True
+    )
 
     home: Path = Field(default=Path(".ztate"), validation_alias=_shared("home"))
     database_url: SecretStr | None = Field(
