@@ -27,6 +27,7 @@ from approval_service.notifier import Notifier, NullNotifier, WebhookNotifier
 from approval_service.server import ApprovalServicer
 from approval_service.service import ApprovalService
 from approval_service.store import ReviewStore
+from services import tls
 from services.config import ApprovalSettings
 from services.receipts import load_signing_key
 from services.store.embedded import start_embedded_postgres
@@ -69,15 +70,10 @@ class RunningApproval:
 
 
 def server_credentials(settings: ApprovalSettings) -> grpc.ServerCredentials:
-    """mTLS: a client certificate signed by the configured CA is required."""
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
-    return grpc.ssl_server_credentials(
-        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
-        root_certificates=settings.tls_ca.read_bytes(),
-        require_client_auth=True,
-    )
+    return tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
 
 
 def notifier_from(settings: ApprovalSettings) -> Notifier:

@@ -24,13 +24,13 @@ import json
 import logging
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from approval_service.service import ApprovalService
 from approval_service.store import OutboxEntry, ReviewStore
+from services import tls
 from services.config import ApprovalSettings
 from services.receipts import now_utc
 from services.rpc_errors import ERROR_DOMAIN
@@ -75,13 +75,13 @@ def transition_channel(settings: ApprovalSettings) -> grpc.aio.Channel:
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
-    credentials = grpc.ssl_channel_credentials(
-        settings.tls_ca.read_bytes(), settings.tls_key.read_bytes(), settings.tls_cert.read_bytes()
+    return tls.client_channel(
+        settings.transition_target,
+        settings.tls_cert,
+        settings.tls_key,
+        settings.tls_ca,
+        server_name=settings.transition_server_name,
     )
-    options: list[tuple[str, Any]] = []
-    if settings.transition_server_name:
-        options.append(("grpc.ssl_target_name_override", settings.transition_server_name))
-    return grpc.aio.secure_channel(settings.transition_target, credentials, options=options)
 
 
 def _receipt_expired(entry: OutboxEntry, now: datetime) -> bool:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import grpc
+
+from services import tls
 
 DEFAULT_TARGET = "127.0.0.1:7443"
 
@@ -26,11 +27,10 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
 
 def operator_channel(args: argparse.Namespace, home: Path) -> grpc.aio.Channel:
     certs = home / "certs"
-    cert = Path(args.cert) if args.cert else certs / "operator-admin.crt"
-    key = Path(args.key) if args.key else certs / "operator-admin.key"
-    ca = Path(args.ca) if args.ca else certs / "ca.crt"
-    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
-    options: list[tuple[str, Any]] = []
-    if args.server_name:
-        options.append(("grpc.ssl_target_name_override", args.server_name))
-    return grpc.aio.secure_channel(args.target, credentials, options=options)
+    return tls.client_channel(
+        args.target,
+        Path(args.cert) if args.cert else certs / "operator-admin.crt",
+        Path(args.key) if args.key else certs / "operator-admin.key",
+        Path(args.ca) if args.ca else certs / "ca.crt",
+        server_name=args.server_name,
+    )

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services import tls
 from services.config import Settings
 from services.keyring import Keyring
 from services.policy import PolicySet
@@ -63,15 +64,10 @@ class RunningService:
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials:
-    """mTLS: a client certificate signed by the configured CA is required."""
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
-    return grpc.ssl_server_credentials(
-        [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())],
-        root_certificates=settings.tls_ca.read_bytes(),
-        require_client_auth=True,
-    )
+    return tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
 
 
 def approval_public_keys(settings: Settings) -> dict[str, Ed25519PublicKey]:
@@ -92,13 +88,13 @@ def approval_channel(settings: Settings) -> grpc.aio.Channel | None:
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
-    credentials = grpc.ssl_channel_credentials(
-        settings.tls_ca.read_bytes(), settings.tls_key.read_bytes(), settings.tls_cert.read_bytes()
+    return tls.client_channel(
+        settings.approval_target,
+        settings.tls_cert,
+        settings.tls_key,
+        settings.tls_ca,
+        server_name=settings.approval_server_name,
     )
-    options = []
-    if settings.approval_server_name:
-        options.append(("grpc.ssl_target_name_override", settings.approval_server_name))
-    return grpc.aio.secure_channel(settings.approval_target, credentials, options=options)
 
 
 def resolve_dsn(settings: Settings) -> tuple[str, Any]:
