@@ -23,10 +23,10 @@ from bench.loadgen import Operation, Sample, closed_loop
 from bench.workload import INITIAL_STATE, TRUST_DOMAIN, WRITER_NODE
 from services.canonical import canonical_bytes, sha256_hex
 from services.chain import GENESIS_PARENT, KIND_TRANSITION, build_record, seal
+from services.changes import apply_patch
 from services.identity import Identity, Role
 from services.keyring import Keyring
 from services.store.transitions import COMMIT
-from transition_service.pipeline import apply_patch
 
 INSERT_HEAD = """
 INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, policy_digest)

@@ -27,6 +27,7 @@ from services.operator_client import add_connection_flags, operator_channel
 from services.policy import PolicyError, PolicySet
 from services.receipts import KeyFileError
 from services.store.migrate import MigrationError
+from services.verify_cli import add_export_command, add_verify_commands
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
 
@@ -315,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")
     show.set_defaults(func=cmd_policy_show)
     add_approval_commands(sub)
+    add_verify_commands(sub)
 
-    ledger = sub.add_parser("ledger", help="query the ledger (operator certificate)")
+    ledger = sub.add_parser("ledger", help="query and export the ledger")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True)
     rejections = ledger_sub.add_parser("rejections", help="list refused proposals, newest first")
     add_connection_flags(rejections)
@@ -328,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     rejections.add_argument("--limit", type=int, default=50)
     rejections.add_argument("--json", action="store_true", help="one JSON object per line")
     rejections.set_defaults(func=cmd_ledger_rejections)
+    add_export_command(ledger_sub)
     return parser
 
 

@@ -32,11 +32,11 @@ from services.chain import (
     build_record,
     seal,
 )
+from services.changes import Change, apply_patch, check_invariants, matched_risk_rules
 from services.credentials import find_credential
 from services.identity import Identity, Role
 from services.keyring import Keyring
 from services.policy import Policy, PolicySet
-from services.rules import bind
 from services.schema import TypeMismatch
 from services.store.transitions import (
     Head,
@@ -208,49 +208,6 @@ def check_layers(patch: JsonObject, policy: Policy, node: str) -> None:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
-    """A proposed change as the policy's rules see it."""
-
-    state: JsonObject
-    old: JsonObject
-    patch: JsonObject
-    node: str
-    bound: Any  # the CEL context of the policy's expressions; None if it has none
-
-    @classmethod
-    def of(
-        cls, policy: Policy, state: JsonObject, old: JsonObject, patch: JsonObject, node: str
-    ) -> Change:
-        values = {"state": state, "old": old, "patch": patch, "node": node}
-        return cls(state, old, patch, node, bind(policy.reads, values) if policy.reads else None)
-
-
-def check_invariants(policy: Policy, change: Change) -> None:
-    broken = [inv for inv in policy.invariants if not inv.expression.holds(change.bound)]
-    if broken:
-        first = broken[0]
-        raise errors.InvariantViolated(
-            f"invariant {first.name!r} does not hold"
-            + (f": {first.message}" if first.message else ""),
-            rules=[inv.name for inv in broken],
-        )
-
-
-def matched_risk_rules(policy: Policy, change: Change) -> list[str]:
-    """Names of the risk rules this change matches (a key rule needs a real change)."""
-    old, patch = change.old, change.patch
-    matched = []
-    for rule in policy.risk_rules:
-        if rule.expression is not None:
-            hit = rule.expression.may_match(change.bound)
-        else:
-            hit = any(key in patch and patch[key] != old.get(key) for key in rule.keys)
-        if hit:
-            matched.append(rule.name)
-    return matched
-
-
 def redacted_diff(policy: Policy, old: JsonObject, patch: JsonObject) -> JsonObject:
     """What a reviewer sees: each changed key with its old and new value, values of
     keys the policy marks sensitive replaced by their digest. A missing ``old``
@@ -270,17 +227,6 @@ def redacted_diff(policy: Policy, old: JsonObject, patch: JsonObject) -> JsonObj
             change["new"] = shown(key, new)
         changes[key] = change
     return {"changes": changes}
-
-
-def apply_patch(state: JsonObject, patch: JsonObject) -> JsonObject:
-    """Each member sets its key; a null member removes it."""
-    result = dict(state)
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = value
-    return result
 
 
 def request_digest(proposal: Proposal) -> str:

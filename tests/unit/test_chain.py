@@ -31,8 +31,8 @@ from services.chain import (
     verify_chain,
     verify_record,
 )
+from services.changes import apply_patch
 from services.keyring import Keyring
-from transition_service.pipeline import apply_patch
 
 VECTORS: dict[str, Any] = json.loads(
     (Path(__file__).resolve().parents[1] / "vectors" / "ledger-v1.json").read_text("ascii")

@@ -34,8 +34,8 @@ from services.chain import (
     seal,
     sign_digest,
 )
+from services.changes import apply_patch
 from services.keyring import Keyring
-from transition_service.pipeline import apply_patch
 
 OUT = Path(__file__).with_name("ledger-v1.json")
 THREAD_ID = "vector-thread-1"

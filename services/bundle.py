@@ -1,0 +1,449 @@
+"""Ledger bundles: an export an auditor verifies with no database and no server.
+
+A bundle is a folder of two files. ``records.jsonl`` holds one JSON object per
+ledger row, in ``(thread_id, version)`` order, with the record as its exact
+canonical text, so the bytes that were hashed and signed travel unchanged.
+``manifest.json`` is a packing list: counts, the file's SHA-256 and every
+thread's head as the database held it at export time. The manifest is not
+signed (the records carry their own proof: digests, HMACs, the chain and the
+receipts); it turns a truncated, padded or edited file into a precise finding
+instead of a silently shorter ledger, and its heads catch records removed from
+the end of a thread, which no chain can show by itself.
+
+``export_bundle`` writes one from Postgres in a single consistent snapshot;
+``verify_bundle`` streams it through the same checks as ``ztate verify`` against
+a database (``services.verify``), holding one thread's previous record at a time.
+
+Each line has exactly these members::
+
+    thread_id, version, digest, parent_digest, node_id, key_id, signature,
+    record             the canonical record text
+    state, receipt     text, or null when the row keeps none
+    receipt_signature, receipt_key_id, committed_at
+
+A byte string that is not UTF-8 (only a damaged row holds one) is written as
+``{"base64": "..."}`` instead of text, so that an export never loses evidence.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import orjson
+
+from services.chain import format_time
+from services.verify import (
+    Finding,
+    Head,
+    LedgerRow,
+    Report,
+    Summary,
+    ThreadVerifier,
+    Trust,
+    Verification,
+    VerifyError,
+    connect,
+    row_from_db,
+)
+
+BUNDLE_FORMAT = 1
+BUNDLE_KIND = "ztate-ledger-bundle"
+RECORDS = "records.jsonl"
+MANIFEST = "manifest.json"
+
+BUNDLE_HASH = "bundle.file_hash"  # records.jsonl is not the file the manifest describes
+BUNDLE_COUNT = "bundle.count"  # lines or threads added or removed
+BUNDLE_LINE = "bundle.line"  # a line that is not a ledger row
+BUNDLE_ORDER = "bundle.order"  # a thread's lines are not together
+
+HEX_256 = re.compile(r"^[0-9a-f]{64}$")
+LINE_MEMBERS = (
+    "thread_id",
+    "version",
+    "digest",
+    "parent_digest",
+    "node_id",
+    "key_id",
+    "signature",
+    "record",
+    "state",
+    "receipt",
+    "receipt_signature",
+    "receipt_key_id",
+    "committed_at",
+)
+_TEXT_MEMBERS = ("thread_id", "digest", "parent_digest", "node_id", "key_id", "signature")
+_OPTIONAL_TEXT = ("receipt_signature", "receipt_key_id", "committed_at")
+
+
+class BundleError(VerifyError):
+    """The bundle cannot be read or written at all (exit code 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    created_at: str
+    thread_id: str | None  # the one thread exported, or None for all
+    threads: int
+    records: int
+    records_sha256: str
+    policy_digests: tuple[str, ...]
+    heads: dict[str, tuple[int, str]]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "format": BUNDLE_FORMAT,
+            "kind": BUNDLE_KIND,
+            "created_at": self.created_at,
+            "thread_id": self.thread_id,
+            "threads": self.threads,
+            "records": self.records,
+            "records_sha256": self.records_sha256,
+            "policy_digests": list(self.policy_digests),
+            "heads": {thread: [v, d] for thread, (v, d) in self.heads.items()},
+        }
+
+
+# --- export -----------------------------------------------------------------------------
+
+EXPORT_ROWS = """
+SELECT thread_id, version, digest, parent_digest, node_id, key_id, signature, record, state,
+       receipt, receipt_signature, receipt_key_id, committed_at
+  FROM ztate.transitions
+"""
+EXPORT_HEADS = "SELECT thread_id, version, head_digest FROM ztate.threads"
+ORDER = " ORDER BY thread_id, version"
+
+
+async def export_bundle(dsn: str, out_dir: Path, thread_id: str | None = None) -> Manifest:
+    """Write every thread (or one) of the ledger at ``dsn`` as a bundle in ``out_dir``."""
+    conn = await connect(dsn)
+    try:
+        async with conn.transaction(readonly=True, isolation="repeatable_read"):
+            manifest = await _export_snapshot(conn, out_dir, thread_id)
+    except asyncpg.UndefinedTableError:
+        raise BundleError("the database holds no ztate ledger (schema ztate is missing)") from None
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise BundleError(f"reading the ledger failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        await conn.close()
+    return manifest
+
+
+async def _export_snapshot(
+    conn: asyncpg.Connection, out_dir: Path, thread_id: str | None
+) -> Manifest:
+    where, args = ("", ()) if thread_id is None else (" WHERE thread_id = $1", (thread_id,))
+    heads = {
+        head["thread_id"]: (head["version"], head["head_digest"])
+        for head in await conn.fetch(EXPORT_HEADS + where, *args)
+    }
+    with BundleWriter(out_dir) as writer:
+        async for stored in conn.cursor(EXPORT_ROWS + where + ORDER, *args, prefetch=256):
+            writer.add(row_from_db(stored))
+        return writer.finish(heads, thread_id=thread_id)
+
+
+class BundleWriter:
+    """Writes ``records.jsonl`` row by row, then the manifest that describes it.
+
+    The manifest is written last: a folder without one is an export that did not
+    finish. The folder must not hold a bundle already.
+    """
+
+    def __init__(self, out_dir: Path) -> None:
+        self._records_path, self._manifest_path = out_dir / RECORDS, out_dir / MANIFEST
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if self._manifest_path.exists():
+                raise FileExistsError
+            self._out = self._records_path.open("xb")
+        except FileExistsError:
+            raise BundleError(
+                f"{out_dir}: already holds a bundle; choose an empty folder"
+            ) from None
+        except OSError as exc:
+            raise BundleError(f"{out_dir}: cannot write a bundle ({exc.strerror})") from None
+        self._hasher = hashlib.sha256()
+        self._records = self._threads = 0
+        self._last_thread: str | None = None
+        self._policy_digests: set[str] = set()
+
+    def __enter__(self) -> BundleWriter:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._out.close()
+
+    def add(self, row: LedgerRow) -> None:
+        line = orjson.dumps(_line(row)) + b"\n"
+        try:
+            self._out.write(line)
+        except OSError as exc:
+            raise BundleError(f"{self._records_path}: cannot write ({exc.strerror})") from None
+        self._hasher.update(line)
+        self._records += 1
+        if row.thread_id != self._last_thread:
+            self._threads, self._last_thread = self._threads + 1, row.thread_id
+        digest = _policy_digest(row.record)
+        if digest is not None:
+            self._policy_digests.add(digest)
+
+    def finish(
+        self, heads: dict[str, tuple[int, str]], *, thread_id: str | None = None
+    ) -> Manifest:
+        """Close the records and write the manifest, with the heads the source holds."""
+        self._out.close()
+        manifest = Manifest(
+            created_at=format_time(datetime.now(UTC)),
+            thread_id=thread_id,
+            threads=self._threads,
+            records=self._records,
+            records_sha256=self._hasher.hexdigest(),
+            policy_digests=tuple(sorted(self._policy_digests)),
+            heads=heads,
+        )
+        try:
+            self._manifest_path.write_bytes(
+                orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2)
+            )
+        except OSError as exc:
+            raise BundleError(f"{self._manifest_path}: cannot write ({exc.strerror})") from None
+        return manifest
+
+
+def _line(row: LedgerRow) -> dict[str, Any]:
+    return {
+        "thread_id": row.thread_id,
+        "version": row.version,
+        "digest": row.digest,
+        "parent_digest": row.parent_digest,
+        "node_id": row.node_id,
+        "key_id": row.key_id,
+        "signature": row.signature,
+        "record": _blob_out(row.record),
+        "state": _blob_out(row.state),
+        "receipt": _blob_out(row.receipt),
+        "receipt_signature": row.receipt_signature,
+        "receipt_key_id": row.receipt_key_id,
+        "committed_at": row.committed_at,
+    }
+
+
+def _blob_out(data: bytes | None) -> str | dict[str, str] | None:
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(data).decode("ascii")}
+
+
+def _policy_digest(record: bytes) -> str | None:
+    try:
+        parsed = orjson.loads(record)
+    except orjson.JSONDecodeError:
+        return None
+    digest = parsed.get("policy_digest") if isinstance(parsed, dict) else None
+    return digest if isinstance(digest, str) else None
+
+
+# --- reading ----------------------------------------------------------------------------
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest of the bundle in ``directory``; ``BundleError`` if unusable."""
+    path = directory / MANIFEST
+    try:
+        doc = orjson.loads(path.read_bytes())
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read the manifest ({exc.strerror})") from None
+    except orjson.JSONDecodeError:
+        raise BundleError(f"{path}: the manifest is not JSON") from None
+    if not isinstance(doc, dict) or (doc.get("format"), doc.get("kind")) != (
+        BUNDLE_FORMAT,
+        BUNDLE_KIND,
+    ):
+        raise BundleError(f"{path}: not a format {BUNDLE_FORMAT} {BUNDLE_KIND} manifest")
+    try:
+        return _manifest_from(doc)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{path}: malformed manifest ({exc})") from None
+
+
+def _manifest_from(doc: dict[str, Any]) -> Manifest:
+    heads: dict[str, tuple[int, str]] = {}
+    for thread, head in doc["heads"].items():
+        version, digest = head
+        if type(version) is not int or not isinstance(digest, str):
+            raise ValueError(f"head of {thread!r} must be [version, digest]")
+        heads[thread] = (version, digest)
+    counts = (doc["threads"], doc["records"])
+    if any(type(count) is not int for count in counts):
+        raise ValueError("threads and records must be integers")
+    if not isinstance(doc["records_sha256"], str) or not HEX_256.match(doc["records_sha256"]):
+        raise ValueError("records_sha256 must be 64 lower-case hex characters")
+    thread_id = doc.get("thread_id")
+    return Manifest(
+        created_at=str(doc["created_at"]),
+        thread_id=thread_id if isinstance(thread_id, str) else None,
+        threads=doc["threads"],
+        records=doc["records"],
+        records_sha256=doc["records_sha256"],
+        policy_digests=tuple(str(d) for d in doc["policy_digests"]),
+        heads=heads,
+    )
+
+
+class _LineProblem(ValueError):
+    pass
+
+
+def read_rows(
+    directory: Path, manifest: Manifest, report: Report, *, thread_id: str | None = None
+) -> Iterator[LedgerRow]:
+    """The rows of ``records.jsonl`` (of one thread, if given), in file order.
+
+    Lines that are not rows are reported and skipped; after the last line the
+    file's hash, line count and thread count are compared with the manifest.
+    """
+    path = directory / RECORDS
+    hasher, lines = hashlib.sha256(), 0
+    threads: set[str] = set()
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read the records ({exc.strerror})") from None
+    with handle:
+        for number, line in enumerate(handle, 1):
+            hasher.update(line)
+            lines += 1
+            try:
+                row = _row_from_line(line)
+            except _LineProblem as problem:
+                report(
+                    Finding(None, None, BUNDLE_LINE, "a ledger row", f"line {number}: {problem}")
+                )
+                continue
+            threads.add(row.thread_id)
+            if thread_id is None or row.thread_id == thread_id:
+                yield row
+    found = hasher.hexdigest()
+    if found != manifest.records_sha256:
+        report(
+            Finding(
+                None,
+                None,
+                BUNDLE_HASH,
+                f"{RECORDS} with SHA-256 {manifest.records_sha256} (the manifest's)",
+                f"SHA-256 {found}",
+            )
+        )
+    if (lines, len(threads)) != (manifest.records, manifest.threads):
+        report(
+            Finding(
+                None,
+                None,
+                BUNDLE_COUNT,
+                f"{manifest.records} lines of {manifest.threads} threads (the manifest's)",
+                f"{lines} lines of {len(threads)} threads",
+            )
+        )
+
+
+def _row_from_line(line: bytes) -> LedgerRow:
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise _LineProblem("not JSON") from None
+    if not isinstance(doc, dict) or sorted(doc) != sorted(LINE_MEMBERS):
+        raise _LineProblem(f"not an object with exactly the members {', '.join(LINE_MEMBERS)}")
+    for name in _TEXT_MEMBERS:
+        if not isinstance(doc[name], str):
+            raise _LineProblem(f"{name} must be a string")
+    for name in _OPTIONAL_TEXT:
+        if doc[name] is not None and not isinstance(doc[name], str):
+            raise _LineProblem(f"{name} must be a string or null")
+    if type(doc["version"]) is not int:
+        raise _LineProblem("version must be an integer")
+    record = _blob_in(doc["record"], "record")
+    if record is None:
+        raise _LineProblem("record must not be null")
+    return LedgerRow(
+        thread_id=doc["thread_id"],
+        version=doc["version"],
+        digest=doc["digest"],
+        parent_digest=doc["parent_digest"],
+        node_id=doc["node_id"],
+        key_id=doc["key_id"],
+        signature=doc["signature"],
+        record=record,
+        state=_blob_in(doc["state"], "state"),
+        receipt=_blob_in(doc["receipt"], "receipt"),
+        receipt_signature=doc["receipt_signature"],
+        receipt_key_id=doc["receipt_key_id"],
+        committed_at=doc["committed_at"],
+    )
+
+
+def _blob_in(value: Any, name: str) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass")
+    if isinstance(value, dict) and list(value) == ["base64"] and isinstance(value["base64"], str):
+        try:
+            return base64.b64decode(value["base64"], validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    raise _LineProblem(f"{name} must be text, {{'base64': ...}} or null")
+
+
+# --- verification -----------------------------------------------------------------------
+
+
+def verify_bundle(
+    directory: Path, trust: Trust, report: Report, *, thread_id: str | None = None
+) -> Summary:
+    """Verify the bundle in ``directory`` (every thread, or one) with no database."""
+    manifest = read_manifest(directory)
+    run = Verification(trust, report)
+    current: ThreadVerifier | None = None
+    seen: set[str] = set()
+    for row in read_rows(directory, manifest, run.finding, thread_id=thread_id):
+        if current is None or row.thread_id != current.thread_id:
+            if current is not None:
+                current.check_head(_head(manifest, current.thread_id))
+            if row.thread_id in seen:
+                run.finding(
+                    Finding(
+                        row.thread_id,
+                        row.version,
+                        BUNDLE_ORDER,
+                        "each thread's lines together, in version order",
+                        "the thread's lines resume after another thread's",
+                    )
+                )
+            seen.add(row.thread_id)
+            current = run.thread(row.thread_id)
+        current.add(row)
+    if current is not None:
+        current.check_head(_head(manifest, current.thread_id))
+    wanted = set(manifest.heads) if thread_id is None else {thread_id}
+    for missing in sorted(wanted - seen):
+        run.headless(missing, _head(manifest, missing))
+    return run.summary
+
+
+def _head(manifest: Manifest, thread_id: str) -> Head | None:
+    head = manifest.heads.get(thread_id)
+    return None if head is None else Head(head[0], head[1], None)

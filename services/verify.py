@@ -1,0 +1,768 @@
+"""The offline verifier: check a stored ledger without trusting the service that wrote it.
+
+A security team runs this against a copy of the database or an exported bundle
+(``services.bundle``) with nothing but key material and the policies: the HMAC
+keyring, the approval service's Ed25519 public keys and the policy files. The
+transition service need not run, and nothing the database says about itself is
+taken on trust: every record is re-hashed from its stored bytes, every unsigned
+column is compared with the signed record, every state is replayed from the
+patches, and every risk rule is re-derived to see that a receipt authorised the
+transitions that needed one. ``docs/ledger-format.md`` section 7 is the algorithm.
+
+Two properties shape the code:
+
+* **Streaming.** Rows arrive in ``(thread_id, version)`` order and a
+  ``ThreadVerifier`` keeps only what the next record needs (the previous digest
+  and state), so a ledger of any size verifies in constant memory.
+* **Every failure, precisely.** A check never raises: it reports a ``Finding``
+  (thread, version, check, expected, found) and verification goes on, to the
+  next record and the next thread. After a gap or a misplaced record the chain
+  re-synchronises on the next record whose stored state verifies, so one
+  tampered row is reported once instead of cascading down the thread. Findings
+  show digests and identities, never the content of state values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import orjson
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from services import errors
+from services.canonical import JsonObject, canonical_bytes, sha256_hex
+from services.chain import (
+    GENESIS_PARENT,
+    KIND_GENESIS,
+    KIND_TRANSITION,
+    RECORD_FORMAT,
+    RECORD_MEMBERS,
+    build_proposal,
+    format_time,
+    sign_digest,
+)
+
+# The risk semantics must be exactly the transition service's, so they are reused
+# rather than re-implemented: a verifier that disagreed would cry wolf or miss.
+from services.changes import Change, apply_patch, matched_risk_rules
+from services.keyring import Keyring
+from services.policy import Policy, PolicySet
+from services.receipts import APPROVE, SignedReceipt, verify_receipt
+
+EXIT_VERIFIED, EXIT_FAILURES, EXIT_CANNOT_RUN = 0, 1, 2
+
+# The checks, as findings name them (docs: ``ztate verify``).
+DIGEST = "digest"  # sha256(record bytes) differs from the stored digest
+CANONICAL = "canonical"  # the record bytes are not RFC 8785 JSON of an object
+FORMAT = "format"  # members, types, format or kind of the record
+KEY_ID = "key_id"  # the keyring holds no key with the record's key id
+SIGNATURE = "signature"  # the HMAC does not verify
+VERSION = "version"  # a gap, a repeated or misplaced version
+PARENT = "parent"  # the record does not link to the previous record (a fork)
+THREAD = "thread_id"  # the record names another thread
+COLUMN = "column"  # prefix: an unsigned column disagrees with the record
+STATE = "state"  # a kept state body does not hash to the record's state_digest
+REPLAY = "replay"  # the state replayed from the patches does not hash to state_digest
+POLICY = "policy"  # the policy digest names no known policy, or another policy
+RISK = "risk"  # a transition matching a risk rule carries no receipt
+RISK_UNCHECKED = "risk.unchecked"  # the risk rules could not be evaluated
+RECEIPT_MISSING = "receipt.missing"  # the record names a receipt that is not stored
+RECEIPT_UNBOUND = "receipt.unbound"  # a stored receipt the record does not name
+RECEIPT_DIGEST = "receipt.digest"  # sha256(receipt bytes) differs from receipt_digest
+RECEIPT_SIGNATURE = "receipt.signature"  # unknown key or Ed25519 signature invalid
+RECEIPT_FORM = "receipt.form"  # members, canonical form or values of the receipt
+RECEIPT_EXPIRED = "receipt.expired"  # not valid at the record's committed_at
+RECEIPT_BINDING = "receipt.binding"  # binds another transition, thread, version or decision
+HEAD = "head"  # the threads row disagrees with the last record
+HEAD_STATE = "head.state"  # the head state does not hash to the last record's state_digest
+
+HEX_256 = re.compile(r"^[0-9a-f]{64}$")
+COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
+SHOWN_MAX = 160
+
+
+class VerifyError(Exception):
+    """Verification could not run at all (exit code 2): no database, no ledger."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One failed check: where (thread, version), which check, expected and found."""
+
+    thread_id: str | None
+    version: int | None
+    check: str
+    expected: str
+    found: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "thread_id": self.thread_id,
+            "version": self.version,
+            "check": self.check,
+            "expected": self.expected,
+            "found": self.found,
+        }
+
+    def __str__(self) -> str:
+        if self.thread_id is not None:
+            where = f"thread {self.thread_id}"
+        else:
+            where = "bundle" if self.check.startswith("bundle.") else "ledger"
+        if self.version is not None:
+            where += f" version {self.version}"
+        return f"{where}: {self.check}: expected {self.expected}; found {self.found}"
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerRow:
+    """One stored transition as the verifier receives it, from Postgres or a bundle.
+
+    Only ``record`` is signed; every other field is an unsigned copy or companion.
+    """
+
+    thread_id: str
+    version: int
+    digest: str
+    parent_digest: str
+    node_id: str
+    key_id: str
+    signature: str
+    record: bytes
+    state: bytes | None
+    receipt: bytes | None
+    receipt_signature: str | None
+    receipt_key_id: str | None
+    committed_at: str | None  # RFC 3339 as records write it; None if the source has none
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """What the source claims is a thread's head; ``state`` None when it keeps none."""
+
+    version: int
+    digest: str
+    state: bytes | None
+
+
+@dataclass(frozen=True, eq=False)
+class Trust:
+    """Everything the verifier trusts: key material and the known policies."""
+
+    keyring: Keyring
+    approval_keys: Mapping[str, Ed25519PublicKey]
+    policies: PolicySet
+    by_digest: dict[str, Policy] = field(init=False)
+
+    def __post_init__(self) -> None:
+        by_digest = {policy.digest: policy for policy in self.policies.policies.values()}
+        object.__setattr__(self, "by_digest", by_digest)
+
+
+@dataclass
+class Summary:
+    threads: int = 0
+    records: int = 0
+    failures: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_VERIFIED if self.failures == 0 else EXIT_FAILURES
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "threads": self.threads,
+            "records": self.records,
+            "failures": self.failures,
+            "verified": self.failures == 0,
+        }
+
+
+Report = Callable[[Finding], None]
+
+
+def shown(value: object) -> str:
+    """A value from the verified data as a finding may show it: escaped and bounded."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= SHOWN_MAX else text[:SHOWN_MAX] + "..."
+
+
+class Verification:
+    """One run: counts records, threads and failures, and passes findings on."""
+
+    def __init__(self, trust: Trust, report: Report) -> None:
+        self.trust = trust
+        self.summary = Summary()
+        self._report = report
+
+    def finding(self, finding: Finding) -> None:
+        self.summary.failures += 1
+        self._report(finding)
+
+    def thread(self, thread_id: str) -> ThreadVerifier:
+        self.summary.threads += 1
+        return ThreadVerifier(thread_id, self)
+
+    def headless(self, thread_id: str, head: Head | None) -> None:
+        """A thread the source names but holds no record of."""
+        self.summary.threads += 1
+        expected = "records from genesis"
+        if head is None:
+            self.finding(Finding(thread_id, None, HEAD, expected, "no head and no records"))
+        else:
+            found = f"a head at version {head.version} ({head.digest}) but no records"
+            self.finding(Finding(thread_id, head.version, HEAD, expected, found))
+
+
+@dataclass(frozen=True, slots=True)
+class _Last:
+    version: int
+    digest: str
+    state_digest: str | None
+
+
+class ThreadVerifier:
+    """Checks one thread's rows in stored order, holding only the previous record's
+    digest and the state after it (either may be unknown after a failure)."""
+
+    def __init__(self, thread_id: str, run: Verification) -> None:
+        self.thread_id = thread_id
+        self._run = run
+        self._trust = run.trust
+        self._expected = 0
+        self._parent: str | None = GENESIS_PARENT
+        self._state: JsonObject | None = {}
+        self._policy_name: str | None = None
+        self._last: _Last | None = None
+
+    def _fail(self, version: int | None, check: str, expected: str, found: str) -> None:
+        self._run.finding(Finding(self.thread_id, version, check, expected, found))
+
+    # --- one row --------------------------------------------------------------------
+
+    def add(self, row: LedgerRow) -> None:
+        self._run.summary.records += 1
+        if not self._check_position(row):
+            self._check_alone(row)  # out of order or repeated: the chain stays as it was
+            return
+        record = self._check_alone(row)
+        self._last = _Last(row.version, row.digest, _state_digest(record))
+        if record is None or record["version"] != row.version:
+            self._lose_track()
+            return
+        self._check_in_chain(row, record)
+
+    def _check_position(self, row: LedgerRow) -> bool:
+        """Versions run 0, 1, 2, ...; a gap is reported at the first missing version."""
+        expected = self._expected
+        if row.version > expected:
+            missing = (
+                f"{expected}" if row.version == expected + 1 else f"{expected}-{row.version - 1}"
+            )
+            self._fail(
+                expected,
+                VERSION,
+                f"version {expected}",
+                f"version {row.version}: version {missing} is missing",
+            )
+            self._lose_track()
+        elif row.version < expected:
+            self._fail(
+                row.version,
+                VERSION,
+                f"version {expected}",
+                f"version {row.version} again after version {expected - 1} "
+                "(a fork, a repeated or a reordered record)",
+            )
+            return False
+        self._expected = row.version + 1
+        return True
+
+    def _lose_track(self) -> None:
+        """The previous record is missing or misplaced: re-synchronise on the next one."""
+        self._parent = None
+        self._state = None
+
+    def _check_alone(self, row: LedgerRow) -> JsonObject | None:
+        """Steps 1-5 and the columns: what holds of a record wherever it stands.
+        Returns the record when it is well formed."""
+        version = row.version
+        recomputed = sha256_hex(row.record)
+        if recomputed != row.digest:
+            self._fail(
+                version, DIGEST, f"{shown(row.digest)} (stored)", f"{recomputed} (recomputed)"
+            )
+        record, problem = _parse_canonical(row.record)
+        if record is None:
+            self._fail(version, CANONICAL, "RFC 8785 JSON of an object", problem)
+            self._check_hmac(row, row.key_id, recomputed)
+            return None
+        if problem:
+            self._fail(version, CANONICAL, "the record's RFC 8785 form", problem)
+        problems = _format_problems(record)
+        if problems:
+            self._fail(version, FORMAT, f"a format {RECORD_FORMAT} record", "; ".join(problems))
+            self._check_hmac(row, row.key_id, recomputed)
+            return None
+        self._check_hmac(row, record["key_id"], recomputed)
+        if record["thread_id"] != self.thread_id:
+            self._fail(version, THREAD, self.thread_id, shown(record["thread_id"]))
+        if record["version"] != row.version:
+            self._fail(
+                version,
+                VERSION,
+                f"version {row.version} (where the record is stored)",
+                f"the record says version {record['version']}",
+            )
+        self._check_columns(row, record)
+        self._check_policy(version, record)
+        self._check_state_body(row, record)
+        return record
+
+    def _check_hmac(self, row: LedgerRow, key_id: str, recomputed: str) -> None:
+        try:
+            key = self._trust.keyring.key(key_id)
+        except KeyError:
+            known = ", ".join(self._trust.keyring.key_ids)
+            self._fail(
+                row.version, KEY_ID, f"one of the keyring's key ids ({known})", shown(key_id)
+            )
+            return
+        signed = row.digest if HEX_256.match(row.digest) else recomputed
+        if not hmac.compare_digest(sign_digest(key, signed), row.signature):
+            self._fail(
+                row.version,
+                SIGNATURE,
+                f"HMAC-SHA256 under key {key_id!r} of digest {signed}",
+                f"{shown(row.signature)}, which does not verify",
+            )
+
+    def _check_columns(self, row: LedgerRow, record: JsonObject) -> None:
+        """The unsigned copies a query filters on must say what the record says."""
+        copies: dict[str, tuple[object, object]] = {
+            "parent_digest": (row.parent_digest, record["parent_digest"]),
+            "node_id": (row.node_id, record["node_id"]),
+            "key_id": (row.key_id, record["key_id"]),
+        }
+        if row.committed_at is not None:
+            copies["committed_at"] = (row.committed_at, record["committed_at"])
+        for name, (column, signed) in copies.items():
+            if column != signed:
+                self._fail(
+                    row.version,
+                    f"{COLUMN}.{name}",
+                    f"{shown(signed)} (the record's)",
+                    shown(column),
+                )
+
+    def _check_policy(self, version: int, record: JsonObject) -> None:
+        digest = record["policy_digest"]
+        policy = self._trust.by_digest.get(digest)
+        if policy is None:
+            known = ", ".join(f"{p.name} {p.digest}" for p in self._trust.by_digest.values())
+            self._fail(version, POLICY, f"the digest of a known policy ({known})", shown(digest))
+            return
+        if version == 0 or self._policy_name is None:
+            self._policy_name = policy.name
+        elif policy.name != self._policy_name:
+            self._fail(
+                version,
+                POLICY,
+                f"a digest of policy {self._policy_name!r}, which the thread is bound to",
+                f"{digest} (policy {policy.name!r})",
+            )
+
+    def _check_state_body(self, row: LedgerRow, record: JsonObject) -> None:
+        if row.state is None:
+            return
+        problem = _state_problem(row.state, record["state_digest"])
+        if problem:
+            self._fail(row.version, STATE, f"a state hashing to {record['state_digest']}", problem)
+
+    # --- the chain ------------------------------------------------------------------
+
+    def _check_in_chain(self, row: LedgerRow, record: JsonObject) -> None:
+        """Steps 7 and 10, the risk rules and the receipt: what depends on the
+        previous record and state."""
+        version = row.version
+        if self._parent is not None and record["parent_digest"] != self._parent:
+            expected = (
+                "64 zeros (genesis)" if version == 0 else f"{self._parent} (version {version - 1})"
+            )
+            self._fail(version, PARENT, expected, f"{record['parent_digest']}")
+        policy = self._trust.by_digest.get(record["policy_digest"])
+        old, state = self._state, None
+        if old is not None:
+            state = apply_patch(old, record["patch"])
+            replayed = _digest_of(state)
+            if replayed != record["state_digest"]:
+                self._fail(
+                    version,
+                    REPLAY,
+                    f"{record['state_digest']} (the record's state_digest)",
+                    f"{replayed} (replayed from the patches)",
+                )
+                state = None
+        matched = None
+        if version > 0 and old is not None and state is not None and policy is not None:
+            matched = self._risk_rules(version, policy, old, state, record)
+        self._check_receipt(row, record, matched)
+        self._parent = row.digest
+        self._state = state if state is not None else _kept_state(row.state, record)
+
+    def _risk_rules(
+        self, version: int, policy: Policy, old: JsonObject, state: JsonObject, record: JsonObject
+    ) -> list[str] | None:
+        node = record["node_id"].rsplit("/", 1)[-1]
+        try:
+            return matched_risk_rules(policy, Change.of(policy, state, old, record["patch"], node))
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            self._fail(version, RISK_UNCHECKED, "risk rules that evaluate", f"{type(exc).__name__}")
+            return None
+
+    def _check_receipt(self, row: LedgerRow, record: JsonObject, matched: list[str] | None) -> None:
+        version, receipt_digest = row.version, record["receipt_digest"]
+        if receipt_digest is None:
+            if row.receipt is not None:
+                self._fail(
+                    version,
+                    RECEIPT_UNBOUND,
+                    "no stored receipt (the record's receipt_digest is null)",
+                    f"a receipt with digest {sha256_hex(row.receipt)}",
+                )
+            if matched:
+                self._fail(
+                    version,
+                    RISK,
+                    f"an approval receipt (matches risk rules: {', '.join(matched)})",
+                    "no receipt",
+                )
+            return
+        if row.receipt is None:
+            self._fail(version, RECEIPT_MISSING, f"the receipt {receipt_digest}", "none stored")
+            return
+        found = sha256_hex(row.receipt)
+        if found != receipt_digest:
+            self._fail(version, RECEIPT_DIGEST, f"{receipt_digest} (the record's)", found)
+        receipt = self._verified_receipt(row, record["committed_at"])
+        if receipt is not None:
+            self._check_binding(record, receipt, matched)
+
+    def _verified_receipt(self, row: LedgerRow, committed_at: str) -> JsonObject | None:
+        """The receipt if its signature verifies and it is well formed (expired or not)."""
+        version = row.version
+        assert row.receipt is not None
+        key_id = row.receipt_key_id or ""
+        key = self._trust.approval_keys.get(key_id)
+        if key is None:
+            known = ", ".join(sorted(self._trust.approval_keys)) or "none loaded"
+            self._fail(
+                version, RECEIPT_SIGNATURE, f"an approval key id ({known})", f"{shown(key_id)}"
+            )
+            return None
+        try:
+            key.verify(bytes.fromhex(row.receipt_signature or ""), row.receipt)
+        except (InvalidSignature, ValueError):
+            self._fail(
+                version,
+                RECEIPT_SIGNATURE,
+                f"an Ed25519 signature under approval key {key_id!r}",
+                f"{shown(row.receipt_signature)}, which does not verify",
+            )
+            return None
+        signed = SignedReceipt(row.receipt, row.receipt_signature or "", key_id)
+        moment = datetime.fromisoformat(committed_at[:-1] + "+00:00")
+        try:
+            return verify_receipt(signed, {key_id: key}, now=moment)
+        except errors.ReceiptExpired as exc:
+            self._fail(version, RECEIPT_EXPIRED, f"valid at {committed_at}", exc.message)
+            parsed: JsonObject = json.loads(row.receipt)  # as verify_receipt parsed it
+            return parsed
+        except (errors.ReceiptInvalid, ValueError, TypeError) as exc:
+            message = exc.message if isinstance(exc, errors.ZtateError) else type(exc).__name__
+            self._fail(version, RECEIPT_FORM, "a format 1 approval receipt", message)
+            return None
+
+    def _check_binding(
+        self, record: JsonObject, receipt: JsonObject, matched: list[str] | None
+    ) -> None:
+        version = record["version"]
+        bound = {
+            "thread_id": record["thread_id"],
+            "base_version": version - 1,
+            "decision": APPROVE,
+        }
+        if matched is not None:
+            bound["transition_digest"] = _transition_digest(record, matched)
+        for name, expected in bound.items():
+            if receipt[name] != expected:
+                self._fail(
+                    version,
+                    RECEIPT_BINDING,
+                    f"{name} {shown(expected)}",
+                    f"{name} {shown(receipt[name])}",
+                )
+
+    # --- the head -------------------------------------------------------------------
+
+    def check_head(self, head: Head | None) -> None:
+        """The source's head must be the last record: nothing after it was removed,
+        nothing was appended behind its back."""
+        last = self._last
+        if head is None:
+            at = last.version if last else None
+            self._fail(at, HEAD, "a head for the thread", "none")
+            return
+        if last is None:
+            return
+        if (head.version, head.digest) != (last.version, last.digest):
+            self._fail(
+                max(head.version, last.version),
+                HEAD,
+                f"version {head.version}, digest {head.digest} (the head)",
+                f"version {last.version}, digest {last.digest} (the last record)",
+            )
+            return
+        if head.state is not None and last.state_digest is not None:
+            problem = _state_problem(head.state, last.state_digest)
+            if problem:
+                self._fail(
+                    head.version, HEAD_STATE, f"a state hashing to {last.state_digest}", problem
+                )
+
+
+# --- record parsing ---------------------------------------------------------------------
+
+
+def _parse_canonical(data: bytes) -> tuple[JsonObject | None, str]:
+    """The parsed object and a problem: (None, why) if unusable, (obj, why) if usable
+    but not canonical, (obj, "") if canonical."""
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        return None, f"not JSON ({shown(str(exc))})"
+    if not isinstance(parsed, dict):
+        return None, f"a JSON {type(parsed).__name__}, not an object"
+    try:
+        canonical = canonical_bytes(parsed)
+    except (ValueError, TypeError, RecursionError):
+        return None, "values outside the canonical JSON domain"
+    if canonical != data:
+        return parsed, (
+            f"{len(data)} bytes that are not their own RFC 8785 form "
+            f"({len(canonical)} bytes, digest {sha256_hex(canonical)})"
+        )
+    return parsed, ""
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (int,),
+    "kind": (str,),
+    "thread_id": (str,),
+    "version": (int,),
+    "parent_digest": (str,),
+    "node_id": (str,),
+    "patch": (dict,),
+    "state_digest": (str,),
+    "policy_digest": (str,),
+    "receipt_digest": (str, type(None)),
+    "key_id": (str,),
+    "committed_at": (str,),
+}
+
+
+def _format_problems(record: JsonObject) -> list[str]:
+    """Step 5: exactly the members of format 1, with their types and shapes."""
+    if record.keys() != RECORD_MEMBERS:
+        return [
+            f"missing members {sorted(RECORD_MEMBERS - record.keys())}, "
+            f"unexpected {[shown(k) for k in sorted(record.keys() - RECORD_MEMBERS)]}"
+        ]
+    problems = [
+        f"{name} is a {type(record[name]).__name__}"
+        for name, types in _TYPES.items()
+        if type(record[name]) not in types
+    ]
+    if problems:
+        return problems
+    if record["format"] != RECORD_FORMAT:
+        problems.append(f"format {record['format']}")
+    version = record["version"]
+    if record["kind"] != (KIND_GENESIS if version == 0 else KIND_TRANSITION):
+        problems.append(f"kind {shown(record['kind'])} at version {version}")
+    for name in ("parent_digest", "state_digest"):
+        if not HEX_256.match(record[name]):
+            problems.append(f"{name} is not 64 lower-case hex characters")
+    receipt_digest = record["receipt_digest"]
+    if receipt_digest is not None and not HEX_256.match(receipt_digest):
+        problems.append("receipt_digest is not 64 lower-case hex characters")
+    if not COMMITTED_AT.match(record["committed_at"]) or not _valid_time(record["committed_at"]):
+        problems.append(f"committed_at {shown(record['committed_at'])} is not RFC 3339 UTC")
+    return problems
+
+
+def _valid_time(text: str) -> bool:
+    try:
+        datetime.fromisoformat(text[:-1] + "+00:00")
+    except ValueError:
+        return False
+    return True
+
+
+def _state_digest(record: JsonObject | None) -> str | None:
+    return record["state_digest"] if record is not None else None
+
+
+def _state_problem(state: bytes, state_digest: str) -> str:
+    """Why ``state`` is not the canonical state hashing to ``state_digest`` ("" if it is)."""
+    found = sha256_hex(state)
+    parsed, problem = _parse_canonical(state)
+    if parsed is None or problem:
+        return f"a state body that is not canonical JSON of an object ({problem})"
+    if found != state_digest:
+        return f"a state body hashing to {found}"
+    return ""
+
+
+def _kept_state(state: bytes | None, record: JsonObject) -> JsonObject | None:
+    """A kept state body to re-synchronise on, if it is the record's state."""
+    if state is None or _state_problem(state, record["state_digest"]):
+        return None
+    parsed: JsonObject = orjson.loads(state)
+    return parsed
+
+
+def _digest_of(state: JsonObject) -> str:
+    return hashlib.sha256(canonical_bytes(state)).hexdigest()
+
+
+def _transition_digest(record: JsonObject, matched: list[str]) -> str:
+    """The digest a reviewer approved, rebuilt from the record (docs/policy.md)."""
+    proposal = build_proposal(
+        thread_id=record["thread_id"],
+        base_version=record["version"] - 1,
+        parent_digest=record["parent_digest"],
+        node_id=record["node_id"],
+        patch=record["patch"],
+        state_digest=record["state_digest"],
+        policy_digest=record["policy_digest"],
+        risk_rules=matched,
+    )
+    return sha256_hex(canonical_bytes(proposal))
+
+
+# --- the database -----------------------------------------------------------------------
+
+# Each row carries the thread's head when it is the head's version. Joining on the
+# thread alone lets Postgres merge two primary-key scans with no sort; a thread whose
+# head names no stored version gets its head read separately (a failure, so rare).
+ROWS = """
+SELECT t.thread_id, t.version, t.digest, t.parent_digest, t.node_id, t.key_id, t.signature,
+       t.record, t.state, t.receipt, t.receipt_signature, t.receipt_key_id, t.committed_at,
+       CASE WHEN h.version = t.version THEN h.version END AS head_version,
+       CASE WHEN h.version = t.version THEN h.head_digest END AS head_digest,
+       CASE WHEN h.version = t.version THEN h.state END AS head_state
+  FROM ztate.transitions t
+  LEFT JOIN ztate.threads h ON h.thread_id = t.thread_id
+"""
+ALL_ROWS = ROWS + " ORDER BY t.thread_id, t.version"
+THREAD_ROWS = ROWS + " WHERE t.thread_id = $1 ORDER BY t.thread_id, t.version"
+HEAD_OF = "SELECT version, head_digest, state FROM ztate.threads WHERE thread_id = $1"
+HEADLESS = """
+SELECT h.thread_id, h.version, h.head_digest
+  FROM ztate.threads h
+ WHERE ($1::text IS NULL OR h.thread_id = $1)
+   AND NOT EXISTS (SELECT 1 FROM ztate.transitions t WHERE t.thread_id = h.thread_id)
+ ORDER BY h.thread_id
+"""
+PREFETCH = 256
+CONNECT_TIMEOUT = 10.0
+
+
+async def connect(dsn: str) -> asyncpg.Connection:
+    """A connection, or ``VerifyError`` naming why there is none (never the DSN)."""
+    try:
+        return await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT)
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise VerifyError(f"cannot connect to the database: {type(exc).__name__}: {exc}") from None
+
+
+def row_from_db(record: asyncpg.Record) -> LedgerRow:
+    committed_at: datetime = record["committed_at"]
+    return LedgerRow(
+        thread_id=record["thread_id"],
+        version=record["version"],
+        digest=record["digest"],
+        parent_digest=record["parent_digest"],
+        node_id=record["node_id"],
+        key_id=record["key_id"],
+        signature=record["signature"],
+        record=bytes(record["record"]),
+        state=_bytes_or_none(record["state"]),
+        receipt=_bytes_or_none(record["receipt"]),
+        receipt_signature=record["receipt_signature"],
+        receipt_key_id=record["receipt_key_id"],
+        committed_at=format_time(committed_at),
+    )
+
+
+def _bytes_or_none(value: bytes | None) -> bytes | None:
+    return None if value is None else bytes(value)
+
+
+async def verify_database(
+    dsn: str, trust: Trust, report: Report, *, thread_id: str | None = None
+) -> Summary:
+    """Verify every thread (or one) in the database at ``dsn``, in one consistent
+    snapshot, reporting each finding as it is found."""
+    conn = await connect(dsn)
+    try:
+        async with conn.transaction(readonly=True, isolation="repeatable_read"):
+            return await _verify_snapshot(conn, trust, report, thread_id)
+    except asyncpg.UndefinedTableError:
+        raise VerifyError("the database holds no ztate ledger (schema ztate is missing)") from None
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise VerifyError(f"reading the ledger failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        await conn.close()
+
+
+async def _verify_snapshot(
+    conn: asyncpg.Connection, trust: Trust, report: Report, thread_id: str | None
+) -> Summary:
+    run = Verification(trust, report)
+    current: ThreadVerifier | None = None
+    head: Head | None = None
+    query, args = (ALL_ROWS, ()) if thread_id is None else (THREAD_ROWS, (thread_id,))
+    async for stored in conn.cursor(query, *args, prefetch=PREFETCH):
+        if current is None or stored["thread_id"] != current.thread_id:
+            if current is not None:
+                current.check_head(head or await _head_of(conn, current.thread_id))
+            current, head = run.thread(stored["thread_id"]), None
+        current.add(row_from_db(stored))
+        if stored["head_version"] is not None:
+            head = Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
+    if current is not None:
+        current.check_head(head or await _head_of(conn, current.thread_id))
+    for orphan in await conn.fetch(HEADLESS, thread_id):
+        run.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
+    if thread_id is not None and run.summary.threads == 0:
+        run.headless(thread_id, None)
+    return run.summary
+
+
+async def _head_of(conn: asyncpg.Connection, thread_id: str) -> Head | None:
+    row = await conn.fetchrow(HEAD_OF, thread_id)
+    if row is None:
+        return None
+    return Head(row["version"], row["head_digest"], bytes(row["state"]))

@@ -1,0 +1,220 @@
+"""``ztate verify`` and ``ztate ledger export``: the offline verifier as a command.
+
+Scripts act on the exit code: 0 when every check passed, 1 when verification
+ran and found failures (each printed, one per line), 2 when it could not run at
+all (an unreadable key file or policy, no database, a bundle without a usable
+manifest). ``--json`` prints one JSON object per finding and a summary last.
+
+Key material and policies default to the service's own configuration
+(``ZTATE_HMAC_KEYRING`` or ``ZTATE_HMAC_KEYRING_FILE``,
+``ZTATE_APPROVAL_PUBLIC_KEYS_FILE``, ``ZTATE_POLICY_PATH``), so that on the
+service's host the command needs no flags; an auditor elsewhere passes the files.
+The database is ``DATABASE_URL``, or the embedded one under ``$ZTATE_HOME/pg``;
+the transition service need not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import ValidationError
+
+from services.bundle import export_bundle, verify_bundle
+from services.config import Settings
+from services.keyring import Keyring, KeyringError
+from services.policy import PolicyError, PolicySet
+from services.receipts import KeyFileError, load_public_keys
+from services.verify import (
+    EXIT_CANNOT_RUN,
+    Finding,
+    Report,
+    Summary,
+    Trust,
+    VerifyError,
+    verify_database,
+)
+
+Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
+
+
+def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``verify`` to the ``ztate`` command."""
+    verify = subparsers.add_parser(
+        "verify",
+        help="verify the ledger offline: digests, chain, HMACs, receipts, risk rules, policies",
+        description="Exit 0: verified; 1: failures found (each printed); 2: could not run.",
+    )
+    verify.add_argument("--thread", help="verify only this thread")
+    verify.add_argument("--bundle", type=Path, help="verify an exported bundle (no database)")
+    verify.add_argument(
+        "--keyring", type=Path, help="HMAC keyring file (default: the service's keyring)"
+    )
+    verify.add_argument(
+        "--approval-keys",
+        type=Path,
+        help="approval public keys file (default: ZTATE_APPROVAL_PUBLIC_KEYS_FILE)",
+    )
+    verify.add_argument(
+        "--policy", type=Path, help="policy file or folder (default: ZTATE_POLICY_PATH)"
+    )
+    verify.add_argument("--json", action="store_true", help="one JSON object per line")
+    verify.set_defaults(func=cmd_verify)
+
+
+def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``export`` to the ``ztate ledger`` group."""
+    export = ledger_subparsers.add_parser(
+        "export", help="write a self-contained bundle that `ztate verify --bundle` checks"
+    )
+    export.add_argument("--out", type=Path, required=True, help="an empty or new folder")
+    export.add_argument("--thread", help="export only this thread")
+    export.set_defaults(func=cmd_ledger_export)
+
+
+# --- verify -----------------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    try:
+        settings = _settings()
+        trust = _trust(args, settings)
+        printer = _Printer(json_lines=args.json)
+        if args.bundle is not None:
+            summary = verify_bundle(args.bundle, trust, printer.finding, thread_id=args.thread)
+        else:
+            summary = _verify_database(settings, trust, printer.finding, args.thread)
+    except VerifyError as exc:
+        print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    printer.summary(summary)
+    return summary.exit_code
+
+
+class _Printer:
+    """Prints each finding as it is found, so a long run shows progress."""
+
+    def __init__(self, *, json_lines: bool) -> None:
+        self._json = json_lines
+
+    def finding(self, finding: Finding) -> None:
+        if self._json:
+            self._line({"type": "finding", **finding.as_json()})
+        else:
+            print(f"FAIL {finding}", flush=True)
+
+    def summary(self, summary: Summary) -> None:
+        if self._json:
+            self._line({"type": "summary", **summary.as_json()})
+            return
+        counted = f"{summary.threads} threads, {summary.records} records"
+        if summary.failures:
+            print(f"FAILED: {summary.failures} failures in {counted}")
+        else:
+            print(f"OK: verified {counted}")
+
+    @staticmethod
+    def _line(doc: dict[str, Any]) -> None:
+        sys.stdout.write(orjson.dumps(doc).decode() + "\n")
+        sys.stdout.flush()
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"ZTATE_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise VerifyError(f"invalid configuration: {problems}") from None
+
+
+def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
+    try:
+        if args.keyring is not None:
+            keyring = Keyring.load(args.keyring, None)
+        else:
+            env = settings.hmac_keyring.get_secret_value() if settings.hmac_keyring else None
+            keyring = Keyring.load(settings.hmac_keyring_file, env)
+        approval_keys = _approval_keys(args.approval_keys, settings)
+        assert settings.policy_path is not None
+        policies = PolicySet.load(args.policy or settings.policy_path)
+    except (KeyringError, KeyFileError, PolicyError) as exc:
+        raise VerifyError(str(exc)) from None
+    return Trust(keyring, approval_keys, policies)
+
+
+def _approval_keys(path: Path | None, settings: Settings) -> dict[str, Ed25519PublicKey]:
+    """Given keys must load; the configured default may be absent (no approvals yet),
+    in which case any receipt in the ledger fails to verify, precisely."""
+    if path is not None:
+        return load_public_keys(path)
+    default = settings.approval_public_keys_file
+    if default is None or not default.exists():
+        print(
+            f"ztate verify: no approval public keys at {default}: receipts cannot verify",
+            file=sys.stderr,
+        )
+        return {}
+    return load_public_keys(default)
+
+
+def _verify_database(
+    settings: Settings, trust: Trust, report: Report, thread_id: str | None
+) -> Summary:
+    dsn, _embedded = _database(settings)
+    return asyncio.run(verify_database(dsn, trust, report, thread_id=thread_id))
+
+
+def _database(settings: Settings) -> tuple[str, Any]:
+    """``DATABASE_URL``, or the embedded Postgres that ``ztate run`` keeps under the home.
+    The second value keeps the embedded server alive while it is used."""
+    if settings.database_url is not None:
+        return settings.database_url.get_secret_value(), None
+    data = settings.home / "pg"
+    if not data.exists():
+        raise VerifyError(f"DATABASE_URL is unset and there is no embedded database at {data}")
+    from services.store.embedded import start_embedded_postgres
+
+    return start_embedded_postgres(data)
+
+
+# --- export -----------------------------------------------------------------------------
+
+
+def cmd_ledger_export(args: argparse.Namespace) -> int:
+    try:
+        dsn, _embedded = _database(_settings())
+        manifest = asyncio.run(export_bundle(dsn, args.out, args.thread))
+    except VerifyError as exc:
+        print(f"ztate ledger export: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    print(
+        f"exported {manifest.records} records of {manifest.threads} threads to {args.out} "
+        f"(records.jsonl sha256 {manifest.records_sha256})"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The two commands on their own (``python -m services.verify_cli``), for
+    hosts where only the verifier is installed."""
+    parser = argparse.ArgumentParser(prog="ztate", description="verify and export the ledger")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_verify_commands(sub)
+    ledger = sub.add_parser("ledger", help="the ledger")
+    add_export_command(ledger.add_subparsers(dest="ledger_command", required=True))
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,628 @@
+"""``ztate verify`` and ``ztate ledger export`` against a real ledger, then tampered.
+
+Threads are written through the real transition service over mTLS, including a
+risky transition committed under a signed approval receipt. Each test then
+tampers with its own thread directly in Postgres as a superuser, the way an
+attacker with database access would: the append-only triggers refuse UPDATE and
+DELETE even to superusers, so the tampering session sets
+``session_replication_role = replica``, which skips triggers. The verifier must
+name the thread, the version and the check of every change, keep going to the
+other threads, and find the untampered ones clean. The same tampering is done in
+exported bundles by editing their JSON lines. All of it runs in a database of
+its own, so no other test's data is ever touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+import pytest_asyncio
+
+from services.bundle import BUNDLE_HASH, MANIFEST, RECORDS, export_bundle, verify_bundle
+from services.canonical import canonical_bytes, sha256_hex
+from services.chain import build_record, seal
+from services.config import Settings
+from services.identity import Role
+from services.keyring import Keyring
+from services.policy import PolicySet
+from services.receipts import (
+    build_receipt,
+    generate_signing_key,
+    load_public_keys,
+    load_signing_key,
+    sign_receipt,
+)
+from services.verify import Finding, Summary, Trust, verify_database
+from tests.harness import (
+    INITIAL,
+    TRUST_DOMAIN,
+    USER,
+    Pki,
+    act,
+    client,
+    new_thread_id,
+    with_database,
+)
+from transition_service.app import RunningService, start
+from worker_sdk import AwaitingApproval
+from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
+APPROVED_AT = 2  # the version committed under a receipt
+VERSIONS = 5  # versions 0-4 per thread
+
+
+@dataclass
+class World:
+    """A transition service on a database of its own, and the keys to verify it."""
+
+    dsn: str
+    root: Path
+    pki: Pki
+    settings: Settings
+    service: RunningService
+    keyring: Keyring
+    trust: Trust
+    tampered: set[str] = field(default_factory=set)
+
+    @property
+    def target(self) -> str:
+        return f"localhost:{self.service.port}"
+
+    async def thread(self) -> str:
+        """Five versions; version 2 changes the target user, which needs approval."""
+        thread_id = new_thread_id()
+        async with client(self.target, self.pki.operator()) as operator:
+            await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        async with client(self.target, self.pki.node("input-parser")) as parser:
+            await parser.propose(thread_id, 0, {"requested_action": act(thread_id)})
+        async with client(self.target, self.pki.node("planner")) as planner:
+            with pytest.raises(AwaitingApproval) as parked:
+                await planner.propose(thread_id, 1, {"target_user_id": OTHER_USER})
+            await self.approve(parked.value)
+            plan = {"action": "refund", "order_id": "A-42", "amount_cents": 1200}
+            await planner.propose(thread_id, 2, {"pending_transition": plan})
+        async with client(self.target, self.pki.node("approval-gate")) as gate:
+            await gate.propose(thread_id, 3, {"execution_permissions": []})
+        return thread_id
+
+    async def approve(self, parked: AwaitingApproval) -> None:
+        """ApplyDecision as the approval service, with a receipt signed by its key."""
+        now = datetime.now(UTC)
+        receipt = sign_receipt(
+            build_receipt(
+                transition_digest=parked.digest,
+                thread_id=parked.thread_id,
+                base_version=parked.base_version,
+                decision="approve",
+                reviewers=["spiffe://ztate.test/reviewer/alice"],
+                issued_at=now - timedelta(seconds=1),
+                expires_at=now + timedelta(minutes=5),
+                key_id="approval-k1",
+            ),
+            load_signing_key(self.root / "approval" / "signing-key.pem"),
+        )
+        creds = self.pki.identity(Role.SERVICE, "approval")
+        credentials = grpc.ssl_channel_credentials(
+            creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
+        )
+        async with grpc.aio.secure_channel(self.target, credentials) as channel:
+            applied = await transition_pb2_grpc.TransitionServiceStub(channel).ApplyDecision(
+                transition_pb2.ApplyDecisionRequest(
+                    receipt=approval_pb2.SignedReceipt(
+                        receipt_json=receipt.receipt_bytes,
+                        signature=receipt.signature,
+                        key_id=receipt.key_id,
+                    )
+                )
+            )
+        assert applied.outcome == transition_pb2.OUTCOME_COMMITTED
+
+    async def tamper(self, thread_id: str, *statements: tuple[str, tuple[Any, ...]]) -> None:
+        """Run ``statements`` as a superuser with the append-only triggers skipped."""
+        self.tampered.add(thread_id)
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await conn.execute("SET session_replication_role = replica")
+            async with conn.transaction():
+                for sql, args in statements:
+                    await conn.execute(sql, *args)
+        finally:
+            await conn.close()
+
+    async def row(self, thread_id: str, version: int) -> asyncpg.Record:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            row = await conn.fetchrow(
+                "SELECT * FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
+                thread_id,
+                version,
+            )
+        finally:
+            await conn.close()
+        assert row is not None
+        return row
+
+    async def verify(self, thread_id: str | None = None) -> tuple[list[Finding], Summary]:
+        findings: list[Finding] = []
+        summary = await verify_database(self.dsn, self.trust, findings.append, thread_id=thread_id)
+        return findings, summary
+
+
+async def open_world(
+    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, root: Path
+) -> World:
+    name = f"ztate_verify_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = with_database(postgres_server_dsn, name)
+    public_keys = root / "approval-public.json"
+    generate_signing_key(root / "approval" / "signing-key.pem", public_keys, "approval-k1")
+    settings = Settings(
+        home=root / "home",
+        listen="127.0.0.1:0",
+        trust_domain=TRUST_DOMAIN,
+        tls_cert=pki.certs / "service-transition.crt",
+        tls_key=pki.certs / "service-transition.key",
+        tls_ca=pki.certs / "ca.crt",
+        policy_path=policy_dir,
+        hmac_keyring_file=keyring_file,
+        approval_public_keys_file=public_keys,
+        db_pool_size=4,
+    )
+    service = await start(settings, dsn=dsn)
+    keyring = Keyring.load(keyring_file, None)
+    trust = Trust(keyring, load_public_keys(public_keys), PolicySet.load(policy_dir))
+    return World(dsn, root, pki, settings, service, keyring, trust)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def world(
+    postgres_server_dsn: str,
+    pki: Pki,
+    keyring_file: Path,
+    policy_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[World]:
+    opened = await open_world(
+        postgres_server_dsn, pki, keyring_file, policy_dir, tmp_path_factory.mktemp("verify")
+    )
+    yield opened
+    await opened.service.stop(grace=1.0)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def clean(world: World) -> str:
+    """A thread nobody tampers with."""
+    return await world.thread()
+
+
+async def tampered_findings(
+    world: World, thread_id: str, clean: str
+) -> set[tuple[int | None, str]]:
+    """Verify the whole database: the clean thread passes, failures are only in
+    threads some test tampered with, and this thread's are returned."""
+    findings, summary = await world.verify()
+    assert {f.thread_id for f in findings} <= world.tampered
+    assert all(f.thread_id != clean for f in findings)
+    assert summary.threads >= 2
+    assert summary.failures == len(findings)
+    alone, _ = await world.verify(thread_id)
+    mine = [f for f in findings if f.thread_id == thread_id]
+    assert alone == mine  # one thread alone is verified exactly as within the whole
+    return {(f.version, f.check) for f in mine}
+
+
+# --- a clean ledger -------------------------------------------------------------------
+
+
+async def test_a_ledger_written_by_the_service_verifies(world: World, clean: str) -> None:
+    findings, summary = await world.verify(clean)
+    assert findings == []
+    assert (summary.threads, summary.records, summary.exit_code) == (1, VERSIONS, 0)
+    approved = await world.row(clean, APPROVED_AT)
+    assert approved["receipt"] is not None  # the receipt path was exercised
+
+
+# --- tampering in the database ----------------------------------------------------------
+
+
+def update(column: str, value: Any, thread_id: str, version: int) -> tuple[str, tuple[Any, ...]]:
+    assert column.isidentifier()  # a column name from this file, never data
+    return (
+        f"UPDATE ztate.transitions SET {column} = $1 WHERE thread_id = $2 AND version = $3",  # noqa: S608
+        (value, thread_id, version),
+    )
+
+
+async def test_a_changed_state_body_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    forged = canonical_bytes({**INITIAL, "target_user_id": OTHER_USER, "is_admin": True})
+    await world.tamper(thread_id, update("state", forged, thread_id, 3))
+    assert await tampered_findings(world, thread_id, clean) == {(3, "state")}
+
+
+async def test_a_changed_patch_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    record = bytes((await world.row(thread_id, 3))["record"])
+    assert record.count(b'"amount_cents":1200') == 1
+    forged = record.replace(b'"amount_cents":1200', b'"amount_cents":9900')
+    await world.tamper(thread_id, update("record", forged, thread_id, 3))
+    # the bytes no longer hash to the signed digest, and replaying them gives another state
+    assert await tampered_findings(world, thread_id, clean) == {(3, "digest"), (3, "replay")}
+
+
+async def test_a_changed_node_id_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    await world.tamper(
+        thread_id, update("node_id", "spiffe://ztate.test/node/db-writer", thread_id, 1)
+    )
+    assert await tampered_findings(world, thread_id, clean) == {(1, "column.node_id")}
+
+
+async def test_a_changed_signature_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    signature = (await world.row(thread_id, 4))["signature"]
+    flipped = ("0" if signature[0] != "0" else "1") + signature[1:]
+    await world.tamper(thread_id, update("signature", flipped, thread_id, 4))
+    assert await tampered_findings(world, thread_id, clean) == {(4, "signature")}
+
+
+async def test_a_changed_receipt_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    receipt = bytes((await world.row(thread_id, APPROVED_AT))["receipt"])
+    forged = receipt.replace(b"reviewer/alice", b"reviewer/mallo")
+    await world.tamper(thread_id, update("receipt", forged, thread_id, APPROVED_AT))
+    assert await tampered_findings(world, thread_id, clean) == {
+        (APPROVED_AT, "receipt.digest"),
+        (APPROVED_AT, "receipt.signature"),
+    }
+
+
+async def test_a_removed_receipt_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    await world.tamper(
+        thread_id,
+        update("receipt", None, thread_id, APPROVED_AT),
+        update("receipt_signature", None, thread_id, APPROVED_AT),
+    )
+    assert await tampered_findings(world, thread_id, clean) == {(APPROVED_AT, "receipt.missing")}
+
+
+async def test_a_deleted_row_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    await world.tamper(
+        thread_id,
+        ("DELETE FROM ztate.transitions WHERE thread_id = $1 AND version = 2", (thread_id,)),
+    )
+    findings = await tampered_findings(world, thread_id, clean)
+    assert findings == {(2, "version")}
+
+
+async def test_a_deleted_head_row_is_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    await world.tamper(
+        thread_id,
+        ("DELETE FROM ztate.transitions WHERE thread_id = $1 AND version = 4", (thread_id,)),
+    )
+    assert await tampered_findings(world, thread_id, clean) == {(4, "head")}
+
+
+def forged_row(
+    world: World, parent: asyncpg.Record, version: int, node: str, patch: dict[str, Any]
+) -> tuple[tuple[str, tuple[Any, ...]], bytes, str]:
+    """An INSERT of a record on ``parent``, signed with the real key (a stolen key or
+    a buggy writer), with the state bytes and digest it commits to."""
+    state = canonical_bytes({**json.loads(bytes(parent["state"])), **patch})
+    node_id = f"spiffe://ztate.test/node/{node}"
+    now = datetime.now(UTC)
+    sealed = seal(
+        build_record(
+            kind="transition",
+            thread_id=parent["thread_id"],
+            version=version,
+            parent_digest=parent["digest"],
+            node_id=node_id,
+            patch=patch,
+            state_digest=sha256_hex(state),
+            policy_digest=json.loads(bytes(parent["record"]))["policy_digest"],
+            receipt_digest=None,
+            key_id=world.keyring.current,
+            committed_at=now,
+        ),
+        world.keyring,
+    )
+    insert = (
+        "INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, "
+        "key_id, signature, record, state, committed_at) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        (
+            parent["thread_id"],
+            version,
+            sealed.digest,
+            parent["digest"],
+            node_id,
+            sealed.key_id,
+            sealed.signature,
+            sealed.record_bytes,
+            state,
+            now,
+        ),
+    )
+    return insert, state, sealed.digest
+
+
+async def test_an_inserted_fork_is_pinpointed(world: World, clean: str) -> None:
+    """A second child of version 1, appended as version 5."""
+    thread_id = await world.thread()
+    parent, head = await world.row(thread_id, 1), await world.row(thread_id, 4)
+    (sql, args), _, _ = forged_row(
+        world, parent, 5, "db-writer", {"result_ref": "https://x.example/"}
+    )
+    # the parent_digest column claims a clean link to the head; the signed record forks
+    args = (*args[:3], head["digest"], *args[4:])
+    await world.tamper(thread_id, (sql, args))
+    findings = await tampered_findings(world, thread_id, clean)
+    assert (5, "parent") in findings
+    assert {version for version, _ in findings} == {5}
+    assert {check for _, check in findings} == {"parent", "column.parent_digest", "replay", "head"}
+
+
+async def test_a_risky_transition_committed_without_a_receipt_is_pinpointed(
+    world: World, clean: str
+) -> None:
+    """Well signed, well linked, the head moved along: only the missing approval shows."""
+    thread_id = await world.thread()
+    head = await world.row(thread_id, 4)
+    insert, state, digest = forged_row(world, head, 5, "planner", {"target_user_id": USER})
+    await world.tamper(
+        thread_id,
+        insert,
+        (
+            "UPDATE ztate.threads SET version = 5, head_digest = $2, state = $3 "
+            "WHERE thread_id = $1",
+            (thread_id, digest, state),
+        ),
+    )
+    findings, _ = await world.verify(thread_id)
+    assert [(f.version, f.check) for f in findings] == [(5, "risk")]
+    assert "target-user-change" in findings[0].expected
+    assert await tampered_findings(world, thread_id, clean) == {(5, "risk")}
+
+
+async def test_swapped_versions_are_pinpointed(world: World, clean: str) -> None:
+    thread_id = await world.thread()
+    await world.tamper(
+        thread_id,
+        update("version", 1000, thread_id, 1),
+        update("version", 1, thread_id, 3),
+        update("version", 3, thread_id, 1000),
+    )
+    assert await tampered_findings(world, thread_id, clean) == {(1, "version"), (3, "version")}
+
+
+async def test_a_head_without_records_and_an_unknown_thread_are_reported(world: World) -> None:
+    thread_id = await world.thread()
+    await world.tamper(
+        thread_id, ("DELETE FROM ztate.transitions WHERE thread_id = $1", (thread_id,))
+    )
+    findings, summary = await world.verify(thread_id)
+    assert [(f.thread_id, f.version, f.check) for f in findings] == [(thread_id, 4, "head")]
+    findings, summary = await world.verify("no-such-thread")
+    assert [(f.thread_id, f.check) for f in findings] == [("no-such-thread", "head")]
+    assert summary.exit_code == 1
+
+
+# --- bundles ----------------------------------------------------------------------------
+
+
+async def test_a_bundle_finds_exactly_what_the_database_finds(
+    world: World, clean: str, tmp_path: Path
+) -> None:
+    from_db, db_summary = await world.verify()
+    manifest = await export_bundle(world.dsn, tmp_path / "bundle")
+    from_bundle: list[Finding] = []
+    summary = verify_bundle(tmp_path / "bundle", world.trust, from_bundle.append)
+    assert from_bundle == from_db
+    assert (summary.threads, summary.records) == (db_summary.threads, db_summary.records)
+    assert manifest.records == summary.records
+    assert world.trust.policies.policies["pipeline"].digest in manifest.policy_digests
+
+
+Lines = list[dict[str, Any]]
+
+
+def edit_record(line: dict[str, Any], old: str, new: str) -> None:
+    assert line["record"].count(old) == 1
+    line["record"] = line["record"].replace(old, new)
+
+
+def set_state(lines: Lines) -> None:
+    lines[3]["state"] = json.dumps({"is_admin": True}, separators=(",", ":"))
+
+
+def set_patch(lines: Lines) -> None:
+    edit_record(lines[3], '"amount_cents":1200', '"amount_cents":9900')
+
+
+def set_node_id(lines: Lines) -> None:
+    lines[1]["node_id"] = "spiffe://ztate.test/node/db-writer"
+
+
+def set_signature(lines: Lines) -> None:
+    lines[4]["signature"] = "0" * 64
+
+
+def set_receipt(lines: Lines) -> None:
+    lines[APPROVED_AT]["receipt"] = lines[APPROVED_AT]["receipt"].replace("alice", "mallo")
+
+
+def delete_line(lines: Lines) -> None:
+    del lines[2]
+
+
+def swap_lines(lines: Lines) -> None:
+    lines[1], lines[3] = lines[3], lines[1]
+
+
+def fork_line(lines: Lines) -> None:
+    """A second record at version 3, as a copy with another patch."""
+    fork = dict(lines[3])
+    edit_record(fork, '"amount_cents":1200', '"amount_cents":9900')
+    lines.insert(4, fork)
+
+
+BUNDLE_TAMPERING: dict[str, tuple[Callable[[Lines], None], set[tuple[int | None, str]]]] = {
+    "state": (set_state, {(3, "state")}),
+    "patch": (set_patch, {(3, "digest"), (3, "replay")}),
+    "node_id": (set_node_id, {(1, "column.node_id")}),
+    "signature": (set_signature, {(4, "signature")}),
+    "receipt": (set_receipt, {(APPROVED_AT, "receipt.digest"), (APPROVED_AT, "receipt.signature")}),
+    "deleted": (delete_line, {(2, "version")}),
+    "fork": (fork_line, {(3, "version"), (3, "digest")}),
+    "swapped": (swap_lines, {(1, "version"), (2, "version")}),
+}
+
+
+def write_lines(folder: Path, lines: Lines, *, fix_manifest: bool) -> None:
+    data = b"".join(json.dumps(line, ensure_ascii=False).encode() + b"\n" for line in lines)
+    (folder / RECORDS).write_bytes(data)
+    if fix_manifest:  # an attacker who also rewrites the packing list
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest.update(records_sha256=sha256_hex(data), records=len(lines))
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fix_manifest", [True, False], ids=["manifest-rewritten", "manifest-kept"])
+@pytest.mark.parametrize("tampering", sorted(BUNDLE_TAMPERING))
+async def test_tampering_in_a_bundle_is_pinpointed(
+    world: World, clean: str, tmp_path: Path, tampering: str, fix_manifest: bool
+) -> None:
+    source = tmp_path / "bundle"
+    await export_bundle(world.dsn, source, clean)
+    lines = [json.loads(line) for line in (source / RECORDS).read_text().splitlines()]
+    assert [line["version"] for line in lines] == list(range(VERSIONS))
+    edit, expected = BUNDLE_TAMPERING[tampering]
+    edit(lines)
+    write_lines(source, lines, fix_manifest=fix_manifest)
+    findings: list[Finding] = []
+    summary = verify_bundle(source, world.trust, findings.append)
+    pinpointed = {(f.version, f.check) for f in findings if f.thread_id == clean}
+    assert pinpointed == expected
+    bundle_level = {f.check for f in findings if f.thread_id is None}
+    if fix_manifest:
+        assert bundle_level == set()
+    else:
+        assert BUNDLE_HASH in bundle_level
+    assert summary.exit_code == 1
+
+
+async def test_a_bundle_whose_file_no_longer_matches_its_manifest(
+    world: World, clean: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "bundle"
+    await export_bundle(world.dsn, folder, clean)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["records_sha256"] = "0" * 64
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    findings: list[Finding] = []
+    verify_bundle(folder, world.trust, findings.append)
+    assert [(f.thread_id, f.version, f.check) for f in findings] == [(None, None, BUNDLE_HASH)]
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+async def ztate(
+    world: World, *args: str, dsn: str | None = None
+) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the verifier's commands as a script would, with only key files and policies;
+    returns the exit code, the JSON lines printed (with --json) and stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    env.update(
+        DATABASE_URL=dsn or world.dsn,
+        ZTATE_HOME=str(world.root / "cli-home"),
+        ZTATE_HMAC_KEYRING_FILE=str(world.settings.hmac_keyring_file),
+        ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(world.settings.approval_public_keys_file),
+        ZTATE_POLICY_PATH=str(world.settings.policy_path),
+    )
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("ztate")),
+        *args,
+        env=env,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    lines = [json.loads(line) for line in out.splitlines()] if "--json" in args else []
+    return process.returncode, lines, err.decode()
+
+
+async def test_the_command_exits_0_clean_1_tampered_2_unable(
+    postgres_server_dsn: str,
+    pki: Pki,
+    keyring_file: Path,
+    policy_dir: Path,
+    tmp_path: Path,
+) -> None:
+    own = await open_world(postgres_server_dsn, pki, keyring_file, policy_dir, tmp_path)
+    try:
+        thread_id = await own.thread()
+        await own.thread()
+    finally:
+        await own.service.stop(grace=1.0)  # verification needs no running service
+
+    code, lines, _ = await ztate(own, "verify", "--json")
+    assert code == 0
+    assert lines == [
+        {"type": "summary", "threads": 2, "records": 10, "failures": 0, "verified": True}
+    ]
+
+    await own.tamper(
+        thread_id, update("node_id", "spiffe://ztate.test/node/db-writer", thread_id, 3)
+    )
+    code, lines, _ = await ztate(own, "verify", "--json")
+    assert code == 1
+    assert lines[0] == {
+        "type": "finding",
+        "thread_id": thread_id,
+        "version": 3,
+        "check": "column.node_id",
+        "expected": "spiffe://ztate.test/node/planner (the record's)",
+        "found": "spiffe://ztate.test/node/db-writer",
+    }
+    assert lines[-1]["type"] == "summary"
+    assert lines[-1]["failures"] == 1
+
+    code, _, err = await ztate(own, "ledger", "export", "--out", str(tmp_path / "export"))
+    assert code == 0, err
+    code, lines, _ = await ztate(own, "verify", "--bundle", str(tmp_path / "export"), "--json")
+    assert code == 1
+    assert [(line["version"], line["check"]) for line in lines[:-1]] == [(3, "column.node_id")]
+
+    code, _, err = await ztate(own, "verify", "--keyring", str(tmp_path / "missing.json"))
+    assert code == 2
+    assert "cannot verify" in err
+    code, _, err = await ztate(
+        own, "verify", dsn=with_database(postgres_server_dsn, "no_such_database")
+    )
+    assert code == 2
+    assert "cannot connect" in err

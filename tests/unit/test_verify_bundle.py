@@ -1,0 +1,378 @@
+"""The verifier's checks on synthetic chains, and bundles without a database.
+
+The chains are built with the ledger's own sealing code and a test keyring, so
+each test can produce exactly one defect a running service would never write:
+a risky transition without a receipt, an expired or misbound receipt, a record
+under an unknown policy or key. Tampering with stored rows of a real ledger is
+tested in tests/integration/test_verify.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from services.bundle import (
+    BUNDLE_COUNT,
+    BUNDLE_HASH,
+    BUNDLE_LINE,
+    BUNDLE_ORDER,
+    MANIFEST,
+    RECORDS,
+    BundleError,
+    BundleWriter,
+    verify_bundle,
+)
+from services.canonical import JsonObject, canonical_bytes, sha256_hex
+from services.chain import (
+    GENESIS_PARENT,
+    KIND_GENESIS,
+    KIND_TRANSITION,
+    build_proposal,
+    build_record,
+    format_time,
+    seal,
+    sign_digest,
+)
+from services.changes import apply_patch
+from services.keyring import Keyring
+from services.policy import PolicySet
+from services.receipts import build_receipt, sign_receipt
+from services.verify import Finding, LedgerRow, Summary, Trust, Verification
+
+REPO = Path(__file__).resolve().parents[2]
+POLICIES = PolicySet.load(REPO / "services" / "defaults" / "policy.yaml")
+POLICY = POLICIES.policies["pipeline"]
+KEYRING = Keyring.from_json(
+    json.dumps({"current": "k1", "keys": {"k1": base64.b64encode(bytes(range(32))).decode()}}),
+    source="test",
+)
+APPROVAL_KEY = Ed25519PrivateKey.generate()
+TRUST = Trust(KEYRING, {"approval-k1": APPROVAL_KEY.public_key()}, POLICIES)
+THREAD = "unit-thread"
+OPERATOR = "spiffe://ztate.test/operator/admin"
+PLANNER = "spiffe://ztate.test/node/planner"
+USER = "123e4567-e89b-42d3-a456-426614174000"
+OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
+T0 = datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
+RISKY = {"target_user_id": OTHER_USER}
+
+
+class Chain:
+    """Builds one thread's rows the way the transition service writes them."""
+
+    def __init__(self, initial: JsonObject) -> None:
+        self.rows: list[LedgerRow] = []
+        self.state: JsonObject = {}
+        self._append(KIND_GENESIS, OPERATOR, initial, None)
+
+    def _append(
+        self,
+        kind: str,
+        node_id: str,
+        patch: JsonObject,
+        receipt: tuple[bytes, str] | None,
+        *,
+        policy_digest: str = POLICY.digest,
+    ) -> LedgerRow:
+        version = len(self.rows)
+        state = apply_patch(self.state, patch)
+        state_bytes = canonical_bytes(state)
+        committed_at = T0 + timedelta(minutes=version)
+        sealed = seal(
+            build_record(
+                kind=kind,
+                thread_id=THREAD,
+                version=version,
+                parent_digest=self.rows[-1].digest if self.rows else GENESIS_PARENT,
+                node_id=node_id,
+                patch=patch,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=policy_digest,
+                receipt_digest=sha256_hex(receipt[0]) if receipt else None,
+                key_id="k1",
+                committed_at=committed_at,
+            ),
+            KEYRING,
+        )
+        row = LedgerRow(
+            thread_id=THREAD,
+            version=version,
+            digest=sealed.digest,
+            parent_digest=sealed.record["parent_digest"],
+            node_id=node_id,
+            key_id="k1",
+            signature=sealed.signature,
+            record=sealed.record_bytes,
+            state=state_bytes,
+            receipt=receipt[0] if receipt else None,
+            receipt_signature=receipt[1] if receipt else None,
+            receipt_key_id="approval-k1" if receipt else None,
+            committed_at=format_time(committed_at),
+        )
+        self.rows.append(row)
+        self.state = state
+        return row
+
+    def propose(
+        self,
+        patch: JsonObject,
+        *,
+        approved: bool = False,
+        rules: Sequence[str] = ("target-user-change",),
+        policy_digest: str = POLICY.digest,
+        **receipt_changes: Any,
+    ) -> LedgerRow:
+        receipt = self.receipt(patch, rules, **receipt_changes) if approved else None
+        return self._append(KIND_TRANSITION, PLANNER, patch, receipt, policy_digest=policy_digest)
+
+    def receipt(self, patch: JsonObject, rules: Sequence[str], **changes: Any) -> tuple[bytes, str]:
+        """A receipt for ``patch`` as the next transition, as the approval service signs it."""
+        base = len(self.rows) - 1
+        proposal = build_proposal(
+            thread_id=THREAD,
+            base_version=base,
+            parent_digest=self.rows[-1].digest,
+            node_id=PLANNER,
+            patch=patch,
+            state_digest=sha256_hex(canonical_bytes(apply_patch(self.state, patch))),
+            policy_digest=POLICY.digest,
+            risk_rules=rules,
+        )
+        committed_at = T0 + timedelta(minutes=base + 1)
+        fields: dict[str, Any] = {
+            "transition_digest": sha256_hex(canonical_bytes(proposal)),
+            "thread_id": THREAD,
+            "base_version": base,
+            "decision": "approve",
+            "reviewers": ["spiffe://ztate.test/reviewer/alice"],
+            "issued_at": committed_at - timedelta(seconds=30),
+            "expires_at": committed_at + timedelta(minutes=5),
+            "key_id": "approval-k1",
+        }
+        fields.update(changes)
+        signed = sign_receipt(build_receipt(**fields), APPROVAL_KEY)
+        return signed.receipt_bytes, signed.signature
+
+
+def initial() -> JsonObject:
+    return {
+        "raw_text": "refund order A-42",
+        "authority": {"tenant": "acme"},
+        "target_user_id": USER,
+    }
+
+
+def verify_rows(rows: Sequence[LedgerRow], trust: Trust = TRUST) -> tuple[list[Finding], Summary]:
+    findings: list[Finding] = []
+    run = Verification(trust, findings.append)
+    thread = run.thread(THREAD)
+    for row in rows:
+        thread.add(row)
+    return findings, run.summary
+
+
+def where(findings: Sequence[Finding]) -> set[tuple[int | None, str]]:
+    return {(f.version, f.check) for f in findings}
+
+
+def honest_chain() -> Chain:
+    chain = Chain(initial())
+    chain.propose({"pending_transition": {"action": "refund", "order_id": "A-42"}})
+    chain.propose(RISKY, approved=True)
+    chain.propose({"pending_transition": None})
+    return chain
+
+
+# --- the records ----------------------------------------------------------------------
+
+
+def test_an_honest_chain_with_an_approved_transition_verifies() -> None:
+    findings, summary = verify_rows(honest_chain().rows)
+    assert findings == []
+    assert (summary.threads, summary.records, summary.failures, summary.exit_code) == (1, 4, 0, 0)
+
+
+def test_pruned_state_bodies_still_verify_by_replay() -> None:
+    rows = [dataclasses.replace(row, state=None) for row in honest_chain().rows]
+    assert verify_rows(rows)[0] == []
+
+
+def test_a_risky_transition_without_a_receipt_is_found() -> None:
+    chain = Chain(initial())
+    chain.propose(RISKY)
+    findings, summary = verify_rows(chain.rows)
+    assert where(findings) == {(1, "risk")}
+    assert "target-user-change" in findings[0].expected
+    assert summary.exit_code == 1
+
+
+def test_a_receipt_expired_at_commit_time_is_found() -> None:
+    chain = Chain(initial())
+    chain.propose(RISKY, approved=True, expires_at=T0 + timedelta(seconds=30))
+    assert where(verify_rows(chain.rows)[0]) == {(1, "receipt.expired")}
+
+
+@pytest.mark.parametrize(
+    ("changes", "member"),
+    [
+        ({"base_version": 7}, "base_version"),
+        ({"thread_id": "another-thread"}, "thread_id"),
+        ({"decision": "reject"}, "decision"),
+        ({"transition_digest": "ab" * 32}, "transition_digest"),
+    ],
+)
+def test_a_receipt_for_another_transition_is_found(changes: dict[str, Any], member: str) -> None:
+    chain = Chain(initial())
+    chain.propose(RISKY, approved=True, **changes)
+    findings = verify_rows(chain.rows)[0]
+    assert where(findings) == {(1, "receipt.binding")}
+    assert findings[0].expected.startswith(member)
+
+
+def test_a_receipt_approving_other_risk_rules_binds_another_transition() -> None:
+    chain = Chain(initial())
+    chain.propose(RISKY, approved=True, rules=["large-refund"])
+    assert where(verify_rows(chain.rows)[0]) == {(1, "receipt.binding")}
+
+
+def test_a_receipt_under_an_unknown_approval_key_is_found() -> None:
+    rows = honest_chain().rows
+    no_keys = Trust(KEYRING, {}, POLICIES)
+    assert where(verify_rows(rows, no_keys)[0]) == {(2, "receipt.signature")}
+
+
+def test_an_unknown_policy_digest_is_found() -> None:
+    chain = Chain(initial())
+    chain.propose(
+        {"pending_transition": {"action": "lookup", "order_id": "A-1"}}, policy_digest="0" * 64
+    )
+    findings = verify_rows(chain.rows)[0]
+    assert where(findings) == {(1, "policy")}
+    assert POLICY.digest in findings[0].expected
+
+
+def test_an_unknown_key_id_and_a_non_canonical_record_are_found() -> None:
+    chain = honest_chain()
+    record = orjson.loads(chain.rows[1].record)
+    spaced = json.dumps(record).encode()  # valid JSON, not RFC 8785
+    digest = sha256_hex(spaced)
+    chain.rows[1] = dataclasses.replace(
+        chain.rows[1],
+        record=spaced,
+        digest=digest,
+        signature=sign_digest(KEYRING.key("k1"), digest),
+    )
+    other = Keyring.from_json(
+        json.dumps({"current": "k9", "keys": {"k9": base64.b64encode(bytes(32)).decode()}}),
+        source="test",
+    )
+    findings = verify_rows(chain.rows, Trust(other, TRUST.approval_keys, POLICIES))[0]
+    # the re-written record no longer has the digest its child links to
+    assert where(findings) == {(1, "canonical"), (2, "parent")} | {(v, "key_id") for v in range(4)}
+
+
+def test_bytes_that_are_no_record_are_reported_not_raised() -> None:
+    chain = honest_chain()
+    for junk in (b"", b"[1]", b"\xff\xfe", b'{"format": 1e400}', b"{" * 5000):
+        rows = list(chain.rows)
+        rows[1] = dataclasses.replace(rows[1], record=junk)
+        findings = verify_rows(rows)[0]
+        assert (1, "canonical") in where(findings), junk[:10]
+        assert all(f.version == 1 for f in findings), findings
+
+
+# --- bundles --------------------------------------------------------------------------
+
+
+def write(folder: Path, rows: Sequence[LedgerRow]) -> Path:
+    with BundleWriter(folder) as writer:
+        for row in rows:
+            writer.add(row)
+        writer.finish({THREAD: (rows[-1].version, rows[-1].digest)})
+    return folder
+
+
+def check(folder: Path) -> tuple[list[Finding], Summary]:
+    findings: list[Finding] = []
+    summary = verify_bundle(folder, TRUST, findings.append)
+    return findings, summary
+
+
+def rewrite(folder: Path, lines: list[bytes], *, fix_manifest: bool) -> None:
+    data = b"".join(lines)
+    (folder / RECORDS).write_bytes(data)
+    if fix_manifest:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["records_sha256"] = sha256_hex(data)
+        manifest["records"] = len(lines)
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_bundle_round_trip_verifies(tmp_path: Path) -> None:
+    findings, summary = check(write(tmp_path, honest_chain().rows))
+    assert findings == []
+    assert (summary.threads, summary.records) == (1, 4)
+
+
+def test_an_existing_bundle_is_never_overwritten(tmp_path: Path) -> None:
+    write(tmp_path, honest_chain().rows)
+    with pytest.raises(BundleError, match="already holds a bundle"):
+        BundleWriter(tmp_path)
+
+
+def test_lines_swapped_in_a_bundle_are_pinpointed(tmp_path: Path) -> None:
+    folder = write(tmp_path, honest_chain().rows)
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    lines[1], lines[2] = lines[2], lines[1]
+    rewrite(folder, lines, fix_manifest=True)
+    findings = check(folder)[0]
+    assert where(findings) == {(1, "version")}
+    assert len(findings) == 2  # version 1 missing where 2 stands, then version 1 out of place
+
+
+def test_a_blank_line_and_a_split_thread_are_reported(tmp_path: Path) -> None:
+    chain = honest_chain()
+    other = [dataclasses.replace(row, thread_id="zz-other") for row in chain.rows[:1]]
+    folder = tmp_path / "b"
+    with BundleWriter(folder) as writer:
+        for row in [*chain.rows[:2], *other, *chain.rows[2:]]:
+            writer.add(row)
+        writer.finish({THREAD: (3, chain.rows[3].digest), "zz-other": (0, other[0].digest)})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    rewrite(folder, [*lines, b"\n"], fix_manifest=True)
+    findings = check(folder)[0]
+    checks = {(f.thread_id, f.check) for f in findings}
+    assert (None, BUNDLE_LINE) in checks
+    assert (THREAD, BUNDLE_ORDER) in checks
+    assert ("zz-other", "thread_id") in checks  # its record names another thread
+
+
+def test_a_bundle_edited_without_its_manifest_fails_the_file_hash(tmp_path: Path) -> None:
+    folder = write(tmp_path, honest_chain().rows)
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    rewrite(folder, lines[:-1], fix_manifest=False)  # the head record removed
+    findings = check(folder)[0]
+    assert {(f.version, f.check) for f in findings} == {
+        (None, BUNDLE_HASH),
+        (None, BUNDLE_COUNT),
+        (3, "head"),
+    }
+
+
+def test_an_unusable_manifest_means_verification_cannot_run(tmp_path: Path) -> None:
+    folder = write(tmp_path, honest_chain().rows)
+    (folder / MANIFEST).write_text('{"format": 1}')
+    with pytest.raises(BundleError):
+        check(folder)
+    with pytest.raises(BundleError):
+        check(tmp_path / "missing")
