@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 import rfc8785
 
+from services.credentials import shown_name
 from services.errors import PatchMalformed, ValueOutOfRange
 
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -69,7 +70,7 @@ def _duplicate_free(pairs: list[tuple[str, Any]]) -> JsonObject:
         seen: set[str] = set()
         for name, _ in pairs:
             if name in seen:
-                raise PatchMalformed(f"duplicate member name {json.dumps(name)}")
+                raise PatchMalformed(f"duplicate member name {shown_name(name)}")
             seen.add(name)
     return obj
 

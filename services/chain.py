@@ -25,6 +25,8 @@ RECORD_FORMAT = 1
 GENESIS_PARENT = "0" * 64
 KIND_GENESIS = "genesis"
 KIND_TRANSITION = "transition"
+KIND_REVERT = "revert"  # an operator's repair: a new transition restoring an earlier state
+KINDS_AFTER_GENESIS = frozenset({KIND_TRANSITION, KIND_REVERT})
 
 
 class ChainError(Exception):
@@ -149,6 +151,11 @@ def verify_record(
     return record
 
 
+def kind_fits(kind: object, version: int) -> bool:
+    """Genesis at version 0 only; a transition or a revert at every later version."""
+    return kind == KIND_GENESIS if version == 0 else kind in KINDS_AFTER_GENESIS
+
+
 def _parse_record(record_bytes: bytes) -> JsonObject:
     """Parse record bytes that must be canonical JSON of a format-1 record."""
     try:
@@ -174,10 +181,7 @@ def _parse_record(record_bytes: bytes) -> JsonObject:
     version = parsed["version"]
     if type(version) is not int or not isinstance(parsed["key_id"], str):
         raise ChainError("record version must be an integer and key_id a string")
-    if (parsed["kind"] == KIND_GENESIS) != (version == 0) or parsed["kind"] not in (
-        KIND_GENESIS,
-        KIND_TRANSITION,
-    ):
+    if not kind_fits(parsed["kind"], version):
         raise ChainError(f"record kind {parsed['kind']!r} does not fit version {version}")
     return parsed
 

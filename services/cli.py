@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -22,13 +23,13 @@ from approval_service.cli import add_approval_commands
 from services import ca
 from services.config import ApprovalSettings, Settings
 from services.identity import NAME, Identity, Role
-from services.keyring import KeyringError, generate_keyring_file
+from services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
 from services.operator_client import add_connection_flags, operator_channel
 from services.policy import PolicyError, PolicySet
 from services.receipts import KeyFileError
 from services.store.migrate import MigrationError
 from services.verify_cli import add_export_command, add_verify_commands
-from ztate.v1 import ledger_pb2, ledger_pb2_grpc
+from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 
 def _settings() -> Settings:
@@ -183,6 +184,18 @@ def cmd_keys_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_rotate(args: argparse.Namespace) -> int:
+    """Add a new HMAC key and make it current; old keys stay to verify old records."""
+    try:
+        key_id = rotate_keyring_file(Path(args.file), args.key_id)
+    except KeyringError as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    print(f"added key {key_id!r} to {args.file} and made it current (mode 0600)")
+    print("restart the transition service to sign new records under it")
+    return 0
+
+
 def _load_policies(path: Path) -> PolicySet | None:
     try:
         return PolicySet.load(path)
@@ -271,6 +284,59 @@ def cmd_ledger_rejections(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ledger_prune(args: argparse.Namespace) -> int:
+    """Prune old state bodies; every record, digest and signature stays."""
+    from datetime import timedelta
+
+    from services.store.retention import Limits, RetentionError, prune
+    from services.verify import VerifyError
+    from services.verify_cli import database_dsn
+
+    try:
+        limits = Limits(
+            keep_versions=args.keep_versions,
+            older_than=None if args.older_than is None else timedelta(days=args.older_than),
+        )
+        dsn, _embedded = database_dsn(_settings())
+        pruned = asyncio.run(prune(dsn, limits, thread_id=args.thread))
+    except (RetentionError, VerifyError) as exc:
+        print(f"ztate ledger prune: {exc}", file=sys.stderr)
+        return 2
+    print(f"pruned {pruned} state bodies; every record, digest and signature is kept")
+    return 0
+
+
+async def _revert(args: argparse.Namespace) -> transition_pb2.RevertThreadResponse:
+    request = transition_pb2.RevertThreadRequest(
+        thread_id=args.thread,
+        to_version=args.to,
+        idempotency_key=args.idempotency_key or f"revert-{uuid.uuid4().hex}",
+    )
+    async with operator_channel(args, _settings().home) as channel:
+        stub = transition_pb2_grpc.TransitionServiceStub(channel)
+        response: transition_pb2.RevertThreadResponse = await stub.RevertThread(request, timeout=30)
+        return response
+
+
+def cmd_threads_revert(args: argparse.Namespace) -> int:
+    """Append a transition restoring an earlier state; history is never rewritten."""
+    try:
+        response = asyncio.run(_revert(args))
+    except grpc.aio.AioRpcError as error:
+        print(f"ztate: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    done = response.transition
+    again = " (already done: this idempotency key was used)" if response.replayed else ""
+    print(
+        f"thread {done.thread_id} reverted to the state of version {args.to}{again}: "
+        f"new version {done.version}, digest {done.digest}, by {done.node_id}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ztate", description="zero-trust control plane for shared agent state"
@@ -306,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys_init.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
     keys_init.add_argument("--key-id", default="k1")
     keys_init.set_defaults(func=cmd_keys_init)
+    keys_rotate = keys_sub.add_parser("rotate", help="add a new key and make it current")
+    keys_rotate.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
+    keys_rotate.add_argument("--key-id", help="default: the next free kN")
+    keys_rotate.set_defaults(func=cmd_keys_rotate)
 
     policy = sub.add_parser("policy", help="policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
@@ -331,6 +401,24 @@ def build_parser() -> argparse.ArgumentParser:
     rejections.add_argument("--json", action="store_true", help="one JSON object per line")
     rejections.set_defaults(func=cmd_ledger_rejections)
     add_export_command(ledger_sub)
+    prune = ledger_sub.add_parser(
+        "prune", help="drop old state bodies (records, digests and signatures stay)"
+    )
+    prune.add_argument("--keep-versions", type=int, help="keep the newest N state bodies")
+    prune.add_argument("--older-than", type=float, help="prune bodies older than DAYS")
+    prune.add_argument("--thread", help="one thread only (default: every thread)")
+    prune.set_defaults(func=cmd_ledger_prune)
+
+    threads = sub.add_parser("threads", help="operate on threads")
+    threads_sub = threads.add_subparsers(dest="threads_command", required=True)
+    revert = threads_sub.add_parser(
+        "revert", help="append a transition restoring the state of an earlier version"
+    )
+    revert.add_argument("thread")
+    revert.add_argument("--to", type=int, required=True, metavar="VERSION")
+    revert.add_argument("--idempotency-key", help="default: a new random key")
+    add_connection_flags(revert)
+    revert.set_defaults(func=cmd_threads_revert)
     return parser
 
 

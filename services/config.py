@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     approval_public_keys_file: Path | None = None
     pending_ttl_seconds: int = Field(default=24 * 3600, gt=0)
     outbox_interval_seconds: float = Field(default=2.0, gt=0)
+    checkpoint_key_file: Path | None = Field(
+        default=None, description="Ed25519 key that signs head checkpoints; absent: none"
+    )
+    checkpoint_key_id: str = Field(default="checkpoint-k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    checkpoint_public_keys_file: Path | None = None
+    checkpoint_interval_seconds: float = Field(default=60.0, gt=0)
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -62,6 +68,8 @@ class Settings(BaseSettings):
             "policy_path": self.home / "policy.yaml",
             "hmac_keyring_file": self.home / "keys" / "hmac-keyring.json",
             "approval_public_keys_file": self.home / "keys" / "approval-public.json",
+            "checkpoint_key_file": self.home / "keys" / "checkpoint-signing.pem",
+            "checkpoint_public_keys_file": self.home / "keys" / "checkpoint-public.json",
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:

@@ -104,6 +104,7 @@ path is made of member names, which the scan has already checked.
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
 import math
 import re
@@ -487,3 +488,16 @@ def find_credential(value: object, *, high_entropy: bool = True) -> CredentialFi
     if not _may_hold(serialised.decode(), _skeleton(serialised)):
         return None
     return _walk(value, high_entropy)
+
+
+_PLAIN_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def shown_name(name: str) -> str:
+    """A member name an attacker chose, as an error or the rejections ledger may show
+    it: a plain lower-case name that does not look like a credential as itself,
+    anything else by the first 16 hex digits of its SHA-256."""
+    if _PLAIN_NAME.match(name) and find_credential(name) is None:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"sha256:{digest[:16]}"

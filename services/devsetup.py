@@ -60,6 +60,14 @@ def ensure_dev_layout(settings: Settings) -> DevLayout:
             issue(Role.NODE, node)
     if settings.hmac_keyring is None and not settings.hmac_keyring_file.exists():
         generate_keyring_file(settings.hmac_keyring_file)
+    assert settings.checkpoint_key_file is not None
+    assert settings.checkpoint_public_keys_file is not None
+    if not settings.checkpoint_key_file.exists():
+        generate_signing_key(
+            settings.checkpoint_key_file,
+            settings.checkpoint_public_keys_file,
+            settings.checkpoint_key_id,
+        )
     approval = ApprovalSettings(home=home, trust_domain=settings.trust_domain)
     assert approval.signing_key_file is not None
     assert settings.approval_public_keys_file is not None

@@ -156,4 +156,8 @@ class AlreadyDecided(ZtateError):
     reason = "ALREADY_DECIDED"
 
 
+class StatePruned(ZtateError):
+    reason = "STATE_PRUNED"
+
+
 ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())

@@ -94,3 +94,49 @@ def generate_keyring_file(path: Path, key_id: str = "k1") -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump(doc, handle)
+
+
+def new_key_id(existing: tuple[str, ...]) -> str:
+    """The next free ``kN`` id: rotation needs a fresh id, never a reused one."""
+    number = len(existing) + 1
+    while f"k{number}" in existing:
+        number += 1
+    return f"k{number}"
+
+
+def rotate_keyring_file(path: Path, key_id: str | None = None) -> str:
+    """Add a new random key to the keyring at ``path`` and make it current.
+
+    Old keys stay, so records signed under them keep verifying. The file is
+    replaced atomically (a 0600 temp file in the same folder, then a rename), so a
+    crash leaves either the old keyring or the new one, never half of one.
+    Returns the new key id; never the key.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KeyringError(f"{path}: cannot read the keyring ({exc.strerror})") from None
+    keyring = Keyring.from_json(text, source=str(path))
+    chosen = key_id if key_id is not None else new_key_id(keyring.key_ids)
+    if not KEY_ID.match(chosen):
+        raise KeyringError(f"key id {chosen!r} must match {KEY_ID.pattern}")
+    if chosen in keyring.key_ids:
+        raise KeyringError(f"{path}: key id {chosen!r} already exists; key ids are never reused")
+    keys = {kid: base64.b64encode(keyring.key(kid)).decode() for kid in keyring.key_ids}
+    keys[chosen] = base64.b64encode(secrets.token_bytes(32)).decode()
+    _write_atomically(path, json.dumps({"current": chosen, "keys": keys}))
+    return chosen
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise

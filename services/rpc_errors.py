@@ -48,6 +48,7 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.ReviewClosed: grpc.StatusCode.FAILED_PRECONDITION,
     errors.SelfApproval: grpc.StatusCode.PERMISSION_DENIED,
     errors.AlreadyDecided: grpc.StatusCode.ALREADY_EXISTS,
+    errors.StatePruned: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from services.canonical import MAX_SAFE_INTEGER
+from services.credentials import shown_name
 
 UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 RFC3339 = re.compile(
@@ -213,7 +214,13 @@ class StateValidator:
         except ValidationError as exc:
             raise TypeMismatch(
                 [
-                    (".".join(str(part) for part in err["loc"]) or "<patch>", err["msg"])
+                    (".".join(_shown_loc(err["loc"])) or "<patch>", err["msg"])
                     for err in exc.errors(include_input=False, include_url=False)
                 ]
             ) from None
+
+
+def _shown_loc(loc: tuple[int | str, ...]) -> list[str]:
+    """Error locations hold member names an attacker may have chosen (an extra
+    member's name): show those that are not plain names by digest."""
+    return [shown_name(part) if isinstance(part, str) else str(part) for part in loc]

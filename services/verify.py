@@ -42,18 +42,18 @@ from services import errors
 from services.canonical import JsonObject, canonical_bytes, sha256_hex
 from services.chain import (
     GENESIS_PARENT,
-    KIND_GENESIS,
-    KIND_TRANSITION,
     RECORD_FORMAT,
     RECORD_MEMBERS,
     build_proposal,
     format_time,
+    kind_fits,
     sign_digest,
 )
 
 # The risk semantics must be exactly the transition service's, so they are reused
 # rather than re-implemented: a verifier that disagreed would cry wolf or miss.
 from services.changes import Change, apply_patch, matched_risk_rules
+from services.checkpoints import CheckpointError, SignedCheckpoint, verify_checkpoint
 from services.keyring import Keyring
 from services.policy import Policy, PolicySet
 from services.receipts import APPROVE, SignedReceipt, verify_receipt
@@ -84,6 +84,7 @@ RECEIPT_EXPIRED = "receipt.expired"  # not valid at the record's committed_at
 RECEIPT_BINDING = "receipt.binding"  # binds another transition, thread, version or decision
 HEAD = "head"  # the threads row disagrees with the last record
 HEAD_STATE = "head.state"  # the head state does not hash to the last record's state_digest
+CHECKPOINT = "checkpoint"  # a signed head does not verify, or the chain misses it
 
 HEX_256 = re.compile(r"^[0-9a-f]{64}$")
 COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
@@ -158,9 +159,11 @@ class Head:
 class Trust:
     """Everything the verifier trusts: key material and the known policies."""
 
-    keyring: Keyring
+    keyring: Keyring | None  # None: public-only, no HMAC check
     approval_keys: Mapping[str, Ed25519PublicKey]
     policies: PolicySet
+    # the transition service's checkpoint public keys; None: checkpoints not checked
+    checkpoint_keys: Mapping[str, Ed25519PublicKey] | None = None
     by_digest: dict[str, Policy] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -244,6 +247,11 @@ class ThreadVerifier:
         self._state: JsonObject | None = {}
         self._policy_name: str | None = None
         self._last: _Last | None = None
+        self._checkpoints: dict[int, SignedCheckpoint] = {}
+
+    def expect_checkpoints(self, checkpoints: dict[int, SignedCheckpoint]) -> None:
+        """Signed heads the chain must pass through (version -> checkpoint)."""
+        self._checkpoints = dict(checkpoints)
 
     def _fail(self, version: int | None, check: str, expected: str, found: str) -> None:
         self._run.finding(Finding(self.thread_id, version, check, expected, found))
@@ -252,6 +260,9 @@ class ThreadVerifier:
 
     def add(self, row: LedgerRow) -> None:
         self._run.summary.records += 1
+        checkpoint = self._checkpoints.pop(row.version, None)
+        if checkpoint is not None:
+            self._check_checkpoint(row, checkpoint)
         if not self._check_position(row):
             self._check_alone(row)  # out of order or repeated: the chain stays as it was
             return
@@ -305,16 +316,19 @@ class ThreadVerifier:
         record, problem = _parse_canonical(row.record)
         if record is None:
             self._fail(version, CANONICAL, "RFC 8785 JSON of an object", problem)
-            self._check_hmac(row, row.key_id, recomputed)
+            if self._trust.keyring is not None:
+                self._check_hmac(row, row.key_id, recomputed)
             return None
         if problem:
             self._fail(version, CANONICAL, "the record's RFC 8785 form", problem)
         problems = _format_problems(record)
         if problems:
             self._fail(version, FORMAT, f"a format {RECORD_FORMAT} record", "; ".join(problems))
-            self._check_hmac(row, row.key_id, recomputed)
+            if self._trust.keyring is not None:
+                self._check_hmac(row, row.key_id, recomputed)
             return None
-        self._check_hmac(row, record["key_id"], recomputed)
+        if self._trust.keyring is not None:
+            self._check_hmac(row, record["key_id"], recomputed)
         if record["thread_id"] != self.thread_id:
             self._fail(version, THREAD, self.thread_id, shown(record["thread_id"]))
         if record["version"] != row.version:
@@ -330,6 +344,7 @@ class ThreadVerifier:
         return record
 
     def _check_hmac(self, row: LedgerRow, key_id: str, recomputed: str) -> None:
+        assert self._trust.keyring is not None
         try:
             key = self._trust.keyring.key(key_id)
         except KeyError:
@@ -515,9 +530,35 @@ class ThreadVerifier:
 
     # --- the head -------------------------------------------------------------------
 
+    def _check_checkpoint(self, row: LedgerRow, checkpoint: SignedCheckpoint) -> None:
+        """A signed head must be exactly the record the chain holds at its version."""
+        keys = dict(self._trust.checkpoint_keys or {})
+        try:
+            body = verify_checkpoint(checkpoint, keys)
+        except CheckpointError as exc:
+            self._fail(row.version, CHECKPOINT, "a checkpoint signed by a known key", str(exc))
+            return
+        recomputed = sha256_hex(row.record)
+        signed = (body["thread_id"], body["version"], body["head_digest"])
+        if signed != (self.thread_id, row.version, recomputed):
+            self._fail(
+                row.version,
+                CHECKPOINT,
+                f"the signed head {body['head_digest']} at version {body['version']}",
+                f"the record here hashes to {recomputed}",
+            )
+
     def check_head(self, head: Head | None) -> None:
         """The source's head must be the last record: nothing after it was removed,
         nothing was appended behind its back."""
+        for version in sorted(self._checkpoints):
+            self._fail(
+                version,
+                CHECKPOINT,
+                f"a record at version {version} (a signed head)",
+                "no record: the chain no longer passes through a signed head",
+            )
+        self._checkpoints = {}
         last = self._last
         if head is None:
             at = last.version if last else None
@@ -598,7 +639,7 @@ def _format_problems(record: JsonObject) -> list[str]:
     if record["format"] != RECORD_FORMAT:
         problems.append(f"format {record['format']}")
     version = record["version"]
-    if record["kind"] != (KIND_GENESIS if version == 0 else KIND_TRANSITION):
+    if not kind_fits(record["kind"], version):
         problems.append(f"kind {shown(record['kind'])} at version {version}")
     for name in ("parent_digest", "state_digest"):
         if not HEX_256.match(record[name]):
@@ -749,6 +790,8 @@ async def _verify_snapshot(
             if current is not None:
                 current.check_head(head or await _head_of(conn, current.thread_id))
             current, head = run.thread(stored["thread_id"]), None
+            if trust.checkpoint_keys is not None:
+                current.expect_checkpoints(await _checkpoints_of(conn, current.thread_id))
         current.add(row_from_db(stored))
         if stored["head_version"] is not None:
             head = Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
@@ -766,3 +809,14 @@ async def _head_of(conn: asyncpg.Connection, thread_id: str) -> Head | None:
     if row is None:
         return None
     return Head(row["version"], row["head_digest"], bytes(row["state"]))
+
+
+async def _checkpoints_of(conn: asyncpg.Connection, thread_id: str) -> dict[int, SignedCheckpoint]:
+    rows = await conn.fetch(
+        "SELECT version, checkpoint, signature, key_id FROM ztate.checkpoints WHERE thread_id = $1",
+        thread_id,
+    )
+    return {
+        row["version"]: SignedCheckpoint(bytes(row["checkpoint"]), row["signature"], row["key_id"])
+        for row in rows
+    }

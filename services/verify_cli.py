@@ -64,6 +64,16 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
     verify.add_argument(
         "--policy", type=Path, help="policy file or folder (default: ZTATE_POLICY_PATH)"
     )
+    verify.add_argument(
+        "--public-only",
+        action="store_true",
+        help="no HMAC key: check chain links and signed checkpoints with public keys alone",
+    )
+    verify.add_argument(
+        "--checkpoint-keys",
+        type=Path,
+        help="checkpoint public keys (default: ZTATE_CHECKPOINT_PUBLIC_KEYS_FILE)",
+    )
     verify.add_argument("--json", action="store_true", help="one JSON object per line")
     verify.set_defaults(func=cmd_verify)
 
@@ -138,17 +148,34 @@ def _settings() -> Settings:
 
 def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
     try:
-        if args.keyring is not None:
+        keyring: Keyring | None = None
+        if args.public_only:
+            pass
+        elif args.keyring is not None:
             keyring = Keyring.load(args.keyring, None)
         else:
             env = settings.hmac_keyring.get_secret_value() if settings.hmac_keyring else None
             keyring = Keyring.load(settings.hmac_keyring_file, env)
         approval_keys = _approval_keys(args.approval_keys, settings)
+        checkpoint_keys = _checkpoint_keys(args, settings)
         assert settings.policy_path is not None
         policies = PolicySet.load(args.policy or settings.policy_path)
     except (KeyringError, KeyFileError, PolicyError) as exc:
         raise VerifyError(str(exc)) from None
-    return Trust(keyring, approval_keys, policies)
+    return Trust(keyring, approval_keys, policies, checkpoint_keys)
+
+
+def _checkpoint_keys(
+    args: argparse.Namespace, settings: Settings
+) -> dict[str, Ed25519PublicKey] | None:
+    """Checkpoints are checked whenever their public keys are at hand; public-only
+    verification needs them."""
+    path = args.checkpoint_keys or settings.checkpoint_public_keys_file
+    if path is not None and Path(path).exists():
+        return load_public_keys(Path(path))
+    if args.public_only:
+        raise VerifyError("--public-only needs the checkpoint public keys (--checkpoint-keys)")
+    return None
 
 
 def _approval_keys(path: Path | None, settings: Settings) -> dict[str, Ed25519PublicKey]:
@@ -171,6 +198,11 @@ def _verify_database(
 ) -> Summary:
     dsn, _embedded = _database(settings)
     return asyncio.run(verify_database(dsn, trust, report, thread_id=thread_id))
+
+
+def database_dsn(settings: Settings) -> tuple[str, Any]:
+    """The database operator tools (verify, export, prune) run against."""
+    return _database(settings)
 
 
 def _database(settings: Settings) -> tuple[str, Any]:

@@ -20,12 +20,13 @@ from services import tls
 from services.config import Settings
 from services.keyring import Keyring
 from services.policy import PolicySet
-from services.receipts import KeyFileError, load_public_keys
+from services.receipts import KeyFileError, load_public_keys, load_signing_key
 from services.store.approvals import ApprovalStore
 from services.store.embedded import start_embedded_postgres
 from services.store.ledger import LedgerQueries
 from services.store.migrate import migrate
 from services.store.transitions import TransitionStore
+from transition_service.checkpointer import Checkpointer
 from transition_service.decisions import DecisionPipeline
 from transition_service.ledger_server import LedgerServicer
 from transition_service.outbox import ApprovalOutbox
@@ -51,12 +52,15 @@ class RunningService:
     health: HealthServicer
     listener: OutcomeListener
     outbox: ApprovalOutbox
+    checkpointer: Checkpointer | None
     embedded: Any = field(default=None, repr=False)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
         await self.health.enter_graceful_shutdown()
         await self.outbox.stop()
+        if self.checkpointer is not None:
+            await self.checkpointer.stop()
         await self.server.stop(grace)
         await self.listener.close()
         await self.store.close()
@@ -147,6 +151,16 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         heads=pipeline.heads,
         listener=listener,
     )
+    checkpointer = (
+        Checkpointer(
+            store.pool,
+            load_signing_key(settings.checkpoint_key_file),
+            settings.checkpoint_key_id,
+            settings.checkpoint_interval_seconds,
+        )
+        if settings.checkpoint_key_file is not None and settings.checkpoint_key_file.exists()
+        else None
+    )
     outbox = ApprovalOutbox(
         approvals=approvals,
         channel=approval_channel(settings),
@@ -187,6 +201,8 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         raise OSError(f"cannot listen on {settings.listen}")
     await server.start()
     outbox.start()
+    if checkpointer is not None:
+        checkpointer.start()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -195,7 +211,9 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         ", ".join(f"{p.name} ({p.digest[:12]})" for p in policies.policies.values()),
         keyring.current,
     )
-    return RunningService(server, port, store, queries, health, listener, outbox, embedded)
+    return RunningService(
+        server, port, store, queries, health, listener, outbox, checkpointer, embedded
+    )
 
 
 async def serve(settings: Settings) -> None:

@@ -33,6 +33,8 @@ from transition_service.outcomes import OutcomeListener
 from transition_service.pipeline import as_stored, check_privileged
 
 APPROVAL_SERVICE_NAME = "approval"
+NONCE_CONSTRAINT = "receipts_nonce_key"
+MAX_WAIT_SECONDS = 60.0
 RECHECK_SECONDS = 1.0
 
 
@@ -85,6 +87,7 @@ class DecisionPipeline:
             raise errors.ReceiptMismatch(
                 "the receipt binds another thread or base version than the parked transition"
             )
+        self._check_reviewers(receipt, pending)
         if await self._approvals.nonce_used(receipt["nonce"]):
             raise errors.ReceiptReplayed("the receipt's nonce was used before")
         if pending.status != "pending":
@@ -95,6 +98,23 @@ class DecisionPipeline:
                 raise errors.ReviewClosed("the transition was decided meanwhile")
             return Resolution(Outcome.REJECTED)
         return await self._commit(pending, signed, receipt["nonce"], now)
+
+    @staticmethod
+    def _check_reviewers(receipt: dict[str, object], pending: PendingTransition) -> None:
+        """Defence in depth: the approval service enforces these too."""
+        reviewers = receipt["reviewers"]
+        if not isinstance(reviewers, list) or not all(isinstance(r, str) for r in reviewers):
+            raise errors.ReceiptInvalid("reviewers must be a list of SPIFFE IDs")
+        if receipt["decision"] != APPROVE:
+            return
+        if len(set(reviewers)) < pending.required_approvals:
+            raise errors.ReceiptMismatch(
+                f"the transition needs {pending.required_approvals} distinct approvals; "
+                f"the receipt names {len(set(reviewers))}"
+            )
+        proposer = pending.node_id.rsplit("/", 1)[-1]
+        if any(str(r).rsplit("/", 1)[-1] == proposer for r in reviewers):
+            raise errors.ReceiptMismatch("a reviewer of the receipt proposed the transition")
 
     async def _commit(
         self, pending: PendingTransition, signed: SignedReceipt, nonce: str, now: datetime
@@ -119,18 +139,22 @@ class DecisionPipeline:
             self._keyring,
         )
         try:
-            committed = await self._approvals.commit_approved(
+            result = await self._approvals.commit_approved(
                 sealed, state_bytes, pending, signed, nonce, now
             )
-        except asyncpg.UniqueViolationError:
-            raise errors.ReceiptReplayed("the receipt's nonce was used before") from None
-        if not committed:
-            stale = await self._approvals.close_without_decision([pending.digest], "stale", now)
-            if stale:
-                raise errors.ApprovalStale(
-                    "the thread moved on since the transition was parked; propose again"
-                )
-            raise errors.ReviewClosed("the transition was decided meanwhile")
+        except asyncpg.UniqueViolationError as violation:
+            if violation.constraint_name == NONCE_CONSTRAINT:
+                raise errors.ReceiptReplayed("the receipt's nonce was used before") from None
+            # The request's idempotency key was taken by a committed transition
+            # meanwhile: this parked transition can never commit.
+            result = "stale"
+        if result == "stale":
+            await self._approvals.close_without_decision([pending.digest], "stale", now)
+            raise errors.ApprovalStale(
+                "the thread moved on since the transition was parked; propose again"
+            )
+        if result != "committed":
+            raise errors.ReviewClosed(f"the transition was {result} meanwhile")
         policy_name = await self._policy_name(pending.thread_id)
         self._heads.put(
             pending.thread_id,
@@ -159,13 +183,13 @@ class DecisionPipeline:
         """The outcome of a parked transition, once it has one or ``patience`` seconds pass."""
         pending = await self._visible(caller, digest)
         loop = asyncio.get_running_loop()
-        deadline = None if patience is None else loop.time() + patience
+        deadline = loop.time() + min(patience or MAX_WAIT_SECONDS, MAX_WAIT_SECONDS)
         async with self._listener.watching(digest) as announced:
             while True:
                 pending = await self._visible(caller, digest)
                 if pending.status != "pending":
                     return await self.resolution(pending)
-                remaining = RECHECK_SECONDS if deadline is None else deadline - loop.time()
+                remaining = deadline - loop.time()
                 if remaining <= 0:
                     return Resolution(Outcome.PENDING)
                 announced.clear()

@@ -65,7 +65,7 @@ class ApprovalOutbox:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         if self._channel is not None:
             await self._channel.close(None)
@@ -78,9 +78,11 @@ class ApprovalOutbox:
             self._wake.clear()
             try:
                 await self.run_once()
-            except (OSError, grpc.aio.AioRpcError) as failure:
-                # The database or the network failed us; the next round retries.
-                log.warning("approval outbox round failed: %s", type(failure).__name__)
+            except Exception as failure:  # the outbox must outlive any one failure
+                log.warning(
+                    "approval outbox round failed (%s); the next round retries",
+                    type(failure).__name__,
+                )
 
     async def run_once(self) -> None:
         """One round: expire overdue transitions, then submit what is waiting."""

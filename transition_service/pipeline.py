@@ -26,6 +26,7 @@ from services.canonical import JsonObject, canonical_bytes, parse_object, sha256
 from services.chain import (
     GENESIS_PARENT,
     KIND_GENESIS,
+    KIND_REVERT,
     KIND_TRANSITION,
     SealedRecord,
     build_proposal,
@@ -33,7 +34,7 @@ from services.chain import (
     seal,
 )
 from services.changes import Change, apply_patch, check_invariants, matched_risk_rules
-from services.credentials import find_credential
+from services.credentials import find_credential, shown_name
 from services.identity import Identity, Role
 from services.keyring import Keyring
 from services.policy import Policy, PolicySet
@@ -50,7 +51,10 @@ from transition_service.heads import CachedHead, HeadCache
 THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 KEY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
-PRIVILEGED = frozenset({Role.OPERATOR, Role.SERVICE})
+# Only operators administer threads and read whole states or the ledger; the
+# services talk to each other through their own calls (the approval service may
+# deliver decisions, nothing else).
+PRIVILEGED = frozenset({Role.OPERATOR})
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,15 @@ Outcome = Committed | Parked
 
 
 @dataclass(frozen=True, slots=True)
+class Revert:
+    """An operator's request to restore the state a thread had at ``to_version``."""
+
+    thread_id: str
+    to_version: int
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True)
 class View:
     thread_id: str
     version: int
@@ -95,6 +108,38 @@ def check_thread_id(thread_id: str) -> None:
 def check_privileged(caller: Identity, action: str) -> None:
     if caller.role not in PRIVILEGED:
         raise errors.RoleForbidden(f"a {caller.role} identity may not {action}")
+
+
+def check_operator(caller: Identity, action: str) -> None:
+    if caller.role is not Role.OPERATOR:
+        raise errors.RoleForbidden(f"a {caller.role} identity may not {action}")
+
+
+def check_revert_fields(revert: Revert) -> None:
+    check_thread_id(revert.thread_id)
+    if not IDEMPOTENCY_KEY.match(revert.idempotency_key):
+        raise errors.RequestInvalid("idempotency_key must be 1-128 printable ASCII characters")
+
+
+def check_revert_target(revert: Revert, head_version: int) -> None:
+    if not 0 <= revert.to_version < head_version:
+        raise errors.RequestInvalid(
+            f"to_version must be an earlier version, 0 to {head_version - 1}; "
+            f"found {revert.to_version}"
+        )
+
+
+def restoring_patch(current: JsonObject, target: JsonObject) -> JsonObject:
+    """The patch that turns ``current`` into ``target``: every key of ``target`` set,
+    every key ``target`` lacks removed."""
+    patch: JsonObject = dict(target)
+    patch.update(dict.fromkeys(current.keys() - target.keys()))
+    return patch
+
+
+def revert_digest(revert: Revert) -> str:
+    """What makes two revert requests with one idempotency key the same request."""
+    return hashlib.sha256(b"revert\n%d" % revert.to_version).hexdigest()
 
 
 def check_registered(caller: Identity, policies: PolicySet) -> Policy:
@@ -140,21 +185,10 @@ def check_size(data: bytes, limit: int, what: str) -> None:
         )
 
 
-def shown_key(name: str) -> str:
-    """A refused key name as errors and the rejections ledger may show it.
-
-    Key names in a refused patch are chosen by whoever wrote it; one that is not a
-    plain key name, or that looks like a credential, is shown by digest.
-    """
-    if KEY_NAME.match(name) and find_credential(name) is None:
-        return name
-    return "sha256:" + sha256_hex(name.encode("utf-8", "surrogatepass"))[:16]
-
-
 def check_writable(patch: JsonObject, writable: frozenset[str]) -> None:
     if not patch:
         raise errors.RequestInvalid("patch is empty: it changes nothing")
-    refused = sorted(shown_key(key) for key in patch.keys() - writable)
+    refused = sorted(shown_name(key) for key in patch.keys() - writable)
     if refused:
         raise errors.KeyNotWritable(
             f"patch writes keys outside this node's write allowlist: {refused}", keys=refused
@@ -162,7 +196,7 @@ def check_writable(patch: JsonObject, writable: frozenset[str]) -> None:
 
 
 def check_declared(state: JsonObject, policy: Policy) -> None:
-    unknown = sorted(shown_key(key) for key in policy.unknown_keys(state))
+    unknown = sorted(shown_name(key) for key in policy.unknown_keys(state))
     if unknown:
         raise errors.KeyUnknown(f"keys not declared in the policy: {unknown}", keys=unknown)
 
@@ -363,10 +397,9 @@ class TransitionPipeline:
         check_credentials(patch, policy)
         check_layers(patch, policy, node)
 
-        base = await self._base(caller, proposal)
+        base = await self._base(caller, policy, proposal)
         if not isinstance(base, CachedHead):
             return base
-        check_bound_policy(caller, policy, base)
         state = apply_patch(base.state, patch)
         change = Change.of(policy, state, base.state, patch, node)
         check_invariants(policy, change)
@@ -471,17 +504,28 @@ class TransitionPipeline:
                 "idempotency_key was already used by this node on this thread for a "
                 "different request"
             )
+        if not inserted and not same_request_key and parked.status != "pending":
+            raise errors.ReviewClosed(
+                f"this exact change on this version was already {parked.status}; change it "
+                "or propose on a newer version"
+            )
         # Not inserted: this request, or this exact proposal, is parked already.
         return Parked(parked, replayed=not inserted)
 
-    async def _base(self, caller: Identity, proposal: Proposal) -> CachedHead | Outcome:
-        """The head to build on: it must be at the expected version."""
+    async def _base(
+        self, caller: Identity, policy: Policy, proposal: Proposal
+    ) -> CachedHead | Outcome:
+        """The head to build on: bound to the caller's policy (checked first, so that
+        nothing, not even a version, is told about another workflow's thread) and at
+        the expected version."""
         cached = self._heads.get(proposal.thread_id, proposal.expected_version)
         if cached is not None:
+            check_bound_policy(caller, policy, cached)
             return cached
         head = await self._store.read_head(proposal.thread_id)
         if head is None:
             raise thread_not_found(proposal.thread_id)
+        check_bound_policy(caller, policy, head)
         state = self._remember(head)
         if head.version != proposal.expected_version:
             return await self._replay_or_stale(caller, proposal, head.version)
@@ -519,6 +563,97 @@ class TransitionPipeline:
         raise errors.StaleVersion(
             f"expected version {proposal.expected_version}, but the head is at {head_version}",
             current_version=head_version,
+        )
+
+    async def revert(self, caller: Identity, revert: Revert) -> Committed:
+        """Append a transition of kind "revert" restoring the state at ``to_version``.
+
+        History is never rewritten: the revert is a new record on top of the head,
+        committed by the same compare-and-swap as any transition, under the
+        operator's identity.
+        """
+        check_operator(caller, "revert threads")
+        check_revert_fields(revert)
+        head = await self._store.read_head(revert.thread_id)
+        if head is None:
+            raise thread_not_found(revert.thread_id)
+        replayed = await self._replayed_revert(caller, revert)
+        if replayed is not None:
+            return replayed
+        check_revert_target(revert, head.version)
+        target = await self._kept_state(revert)
+        policy = self._policy_named(head.policy_name)
+        current: JsonObject = orjson.loads(head.state_bytes)
+        patch = restoring_patch(current, target)
+        state = apply_patch(current, patch)
+        check_invariants(policy, Change.of(policy, state, current, patch, caller.name))
+        state_bytes = canonical_bytes(state)
+        now = datetime.now(UTC)
+        sealed = seal(
+            build_record(
+                kind=KIND_REVERT,
+                thread_id=revert.thread_id,
+                version=head.version + 1,
+                parent_digest=head.digest,
+                node_id=caller.spiffe_id,
+                patch=patch,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=policy.digest,
+                receipt_digest=None,
+                key_id=self._keyring.current,
+                committed_at=now,
+            ),
+            self._keyring,
+        )
+        digest = revert_digest(revert)
+        committed = await self._store.commit(
+            sealed,
+            state_bytes,
+            expected_version=head.version,
+            committed_at=now,
+            idempotency_key=revert.idempotency_key,
+            request_digest=digest,
+        )
+        if not committed:
+            return await self._revert_lost_race(caller, revert)
+        self._heads.put(
+            revert.thread_id, CachedHead(head.version + 1, sealed.digest, state, head.policy_name)
+        )
+        return Committed(as_stored(sealed, now, revert.idempotency_key, digest), False)
+
+    async def _replayed_revert(self, caller: Identity, revert: Revert) -> Committed | None:
+        earlier = await self._store.find_by_idempotency_key(
+            revert.thread_id, caller.spiffe_id, revert.idempotency_key
+        )
+        if earlier is None:
+            return None
+        if earlier.request_digest != revert_digest(revert):
+            raise errors.IdempotencyKeyReused(
+                "idempotency_key was already used by this operator on this thread for a "
+                "different request"
+            )
+        return Committed(earlier, True)
+
+    async def _kept_state(self, revert: Revert) -> JsonObject:
+        exists, body = await self._store.state_at(revert.thread_id, revert.to_version)
+        if not exists:
+            raise errors.RequestInvalid(f"version {revert.to_version} does not exist")
+        if body is None:
+            raise errors.StatePruned(
+                f"the state of version {revert.to_version} was pruned by retention; "
+                "it cannot be restored"
+            )
+        state: JsonObject = orjson.loads(body)
+        return state
+
+    async def _revert_lost_race(self, caller: Identity, revert: Revert) -> Committed:
+        replayed = await self._replayed_revert(caller, revert)
+        if replayed is not None:
+            return replayed
+        version = await self._store.head_version(revert.thread_id)
+        raise errors.StaleVersion(
+            "the thread moved while reverting; nothing was written, retry",
+            current_version=version,
         )
 
     def _remember(self, head: Head) -> JsonObject:

@@ -15,7 +15,7 @@ from services.receipts import SignedReceipt
 from services.rpc_guard import Context, guarded
 from services.store.transitions import PendingTransition, StoredTransition
 from transition_service.decisions import DecisionPipeline, Resolution
-from transition_service.pipeline import Parked, Proposal, TransitionPipeline
+from transition_service.pipeline import Parked, Proposal, Revert, TransitionPipeline
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 
@@ -144,6 +144,24 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             return transition_pb2.WaitForOutcomeResponse(**resolution_fields(resolution))
 
         return await guarded(context, self._trust_domain, "WaitForOutcome", handle)
+
+    async def RevertThread(
+        self, request: transition_pb2.RevertThreadRequest, context: Context
+    ) -> transition_pb2.RevertThreadResponse:
+        async def handle(caller: Identity) -> transition_pb2.RevertThreadResponse:
+            outcome = await self._pipeline.revert(
+                caller,
+                Revert(
+                    thread_id=request.thread_id,
+                    to_version=request.to_version,
+                    idempotency_key=request.idempotency_key,
+                ),
+            )
+            return transition_pb2.RevertThreadResponse(
+                transition=transition_message(outcome.transition), replayed=outcome.replayed
+            )
+
+        return await guarded(context, self._trust_domain, "RevertThread", handle)
 
 
 def resolution_fields(resolution: Resolution) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from services.chain import SealedRecord
 from services.receipts import SignedReceipt
@@ -88,12 +89,37 @@ class ApprovalStore:
         receipt: SignedReceipt,
         nonce: str,
         committed_at: datetime,
-    ) -> bool:
-        """Commit a parked transition under its receipt; False if the head moved.
+    ) -> str:
+        """Commit a parked transition under its receipt, in one transaction that
+        first locks the parked row. Returns "committed", "stale" (the head moved:
+        nothing was written) or the parked row's status when it is no longer
+        pending (nothing was written either).
 
         Raises ``asyncpg.UniqueViolationError`` if the receipt's nonce was used."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            status = await conn.fetchval(
+                "SELECT status FROM ztate.pending_transitions WHERE digest = $1 FOR UPDATE",
+                pending.digest,
+            )
+            if status != "pending":
+                return str(status)
+            committed = await self._commit_locked(
+                conn, sealed, state_bytes, pending, receipt, nonce, committed_at
+            )
+            return "committed" if committed else "stale"
+
+    @staticmethod
+    async def _commit_locked(
+        conn: PoolConnectionProxy[asyncpg.Record],
+        sealed: SealedRecord,
+        state_bytes: bytes,
+        pending: PendingTransition,
+        receipt: SignedReceipt,
+        nonce: str,
+        committed_at: datetime,
+    ) -> bool:
         record = sealed.record
-        version = await self._pool.fetchval(
+        version = await conn.fetchval(
             COMMIT_APPROVED,
             record["thread_id"],
             pending.base_version,

@@ -120,12 +120,22 @@ async def apply_migrations(
     return applied_now
 
 
+PRUNER_ROLE = "ztate_pruner"
+
+
 async def migrate(
-    conn: asyncpg.Connection, service_role: str, reader_role: str = "ztate_reader"
+    conn: asyncpg.Connection,
+    service_role: str,
+    reader_role: str = "ztate_reader",
+    pruner_role: str = PRUNER_ROLE,
 ) -> list[str]:
     """Apply the transition service's pending migrations."""
     return await apply_migrations(
         conn,
         TRANSITION_MIGRATIONS,
-        {":service_role": service_role, ":reader_role": reader_role},
+        {
+            ":service_role": service_role,
+            ":reader_role": reader_role,
+            ":pruner_role": pruner_role,
+        },
     )

@@ -278,6 +278,19 @@ class TransitionStore:
         )
         return StoredTransition.from_row(row) if row else None
 
+    async def state_at(self, thread_id: str, version: int) -> tuple[bool, bytes | None]:
+        """Whether the record (thread_id, version) exists, and its kept state body
+        (None when retention pruned it)."""
+        row = await self._pool.fetchrow(
+            "SELECT state FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
+            thread_id,
+            version,
+        )
+        if row is None:
+            return False, None
+        state: bytes | None = row["state"]
+        return True, state
+
     async def park(
         self, pending: PendingTransition, state_bytes: bytes
     ) -> tuple[PendingTransition | None, bool]:
@@ -349,5 +362,6 @@ STORAGE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
+    asyncpg.OperatorInterventionError,  # the server is shutting down or restarting
 )
 """Failures that mean the database could not be reached, not that a request was bad."""

@@ -240,14 +240,15 @@ REFUSED = [
     pytest.param(b'"text"', PatchMalformed, "patch must be a JSON object", id="top-string"),
     pytest.param(b"null", PatchMalformed, "patch must be a JSON object", id="top-null"),
     pytest.param(b"42", PatchMalformed, "patch must be a JSON object", id="top-number"),
-    pytest.param(b'{"a":1,"a":2}', PatchMalformed, 'duplicate member name "a"', id="duplicate"),
+    pytest.param(b'{"a":1,"a":2}', PatchMalformed, "duplicate member name a", id="duplicate"),
     pytest.param(
-        b'{"x":{"b":1,"b":1}}', PatchMalformed, 'duplicate member name "b"', id="duplicate-nested"
+        b'{"x":{"b":1,"b":1}}', PatchMalformed, "duplicate member name b", id="duplicate-nested"
     ),
     pytest.param(
         b'{"x":[{"\\u00e9":1,"\xc3\xa9":2}]}',
         PatchMalformed,
-        'duplicate member name "\\u00e9"',
+        # not a plain name: shown by digest, never verbatim
+        "duplicate member name sha256:4a99557e4033c353",
         id="duplicate-in-list-escaped-vs-raw",
     ),
     pytest.param(

@@ -458,3 +458,27 @@ def test_records_outside_format_1_are_refused(change: dict[str, Any], message: s
     with pytest.raises(ChainError) as refused:
         verify_record(text, digest=digest, signature=sign_digest(key, digest), keyring=keyring())
     assert str(refused.value) == message
+
+
+def _resigned(change: dict[str, Any], vector: dict[str, Any]) -> tuple[bytes, str, str]:
+    text = canonical_bytes({**vector["record"], **change})
+    digest = sha256_hex(text)
+    key = bytes.fromhex(KEYS_HEX[vector["record"]["key_id"]])
+    return text, digest, sign_digest(key, digest)
+
+
+def test_a_revert_after_genesis_is_a_record_kind() -> None:
+    vector = RECORDS[1]
+    text, digest, signature = _resigned({"kind": "revert"}, vector)
+    record = verify_record(text, digest=digest, signature=signature, keyring=keyring())
+    assert (record["kind"], record["version"]) == ("revert", vector["record"]["version"])
+
+
+@pytest.mark.parametrize("kind", ["genesis", "proposal", "Revert"])
+def test_only_transition_or_revert_follow_genesis(kind: str) -> None:
+    vector = RECORDS[1]
+    text, digest, signature = _resigned({"kind": kind}, vector)
+    with pytest.raises(ChainError) as refused:
+        verify_record(text, digest=digest, signature=signature, keyring=keyring())
+    version = vector["record"]["version"]
+    assert str(refused.value) == f"record kind {kind!r} does not fit version {version}"

@@ -148,6 +148,24 @@ class WaitForOutcomeResponse(_message.Message):
     transition: Transition
     def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
 
+class RevertThreadRequest(_message.Message):
+    __slots__ = ("thread_id", "to_version", "idempotency_key")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    to_version: int
+    idempotency_key: str
+    def __init__(self, thread_id: _Optional[str] = ..., to_version: _Optional[int] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class RevertThreadResponse(_message.Message):
+    __slots__ = ("transition", "replayed")
+    TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    transition: Transition
+    replayed: bool
+    def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
 class Transition(_message.Message):
     __slots__ = ("thread_id", "version", "digest", "parent_digest", "signature", "key_id", "record_json", "node_id", "committed_at")
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class TransitionServiceStub:
                 request_serializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeRequest.SerializeToString,
                 response_deserializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeResponse.FromString,
                 _registered_method=True)
+        self.RevertThread = channel.unary_unary(
+                '/ztate.v1.TransitionService/RevertThread',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.RevertThreadRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.RevertThreadResponse.FromString,
+                _registered_method=True)
 
 
 class TransitionServiceServicer:
@@ -122,6 +127,16 @@ class TransitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevertThread(self, request, context):
+        """RevertThread appends a new transition (kind "revert") whose patch restores
+        the state the thread had at to_version; history is never rewritten. It is
+        recorded under the operator's identity and commits by compare-and-swap on
+        the current head. Operator identities only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransitionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +169,11 @@ def add_TransitionServiceServicer_to_server(servicer, server):
                     servicer.WaitForOutcome,
                     request_deserializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeRequest.FromString,
                     response_serializer=ztate_dot_v1_dot_transition__pb2.WaitForOutcomeResponse.SerializeToString,
+            ),
+            'RevertThread': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevertThread,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.RevertThreadRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.RevertThreadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +339,33 @@ class TransitionService:
             '/ztate.v1.TransitionService/WaitForOutcome',
             ztate_dot_v1_dot_transition__pb2.WaitForOutcomeRequest.SerializeToString,
             ztate_dot_v1_dot_transition__pb2.WaitForOutcomeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevertThread(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.TransitionService/RevertThread',
+            ztate_dot_v1_dot_transition__pb2.RevertThreadRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.RevertThreadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,95 @@
+"""Signing checkpoints of thread heads that moved since their last checkpoint.
+
+Runs in every replica; two replicas signing the same head is harmless (one row
+per thread and version). A head signed once stays signed: checkpoints are
+append-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+
+import asyncpg
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from services.checkpoints import sign_checkpoint
+
+log = logging.getLogger("ztate.transition")
+BATCH = 1000
+
+UNSIGNED_HEADS = """
+SELECT t.thread_id, t.version, t.head_digest
+  FROM ztate.threads t
+ WHERE NOT EXISTS (SELECT 1 FROM ztate.checkpoints c
+                    WHERE c.thread_id = t.thread_id AND c.version = t.version)
+ LIMIT $1
+"""
+
+INSERT = """
+INSERT INTO ztate.checkpoints (thread_id, version, head_digest, checkpoint, signature, key_id,
+                               signed_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT DO NOTHING
+"""
+
+
+class Checkpointer:
+    """Signs unsigned heads now (``run_once``) or every ``interval`` seconds."""
+
+    def __init__(
+        self, pool: asyncpg.Pool, key: Ed25519PrivateKey, key_id: str, interval: float
+    ) -> None:
+        self._pool = pool
+        self._key = key
+        self._key_id = key_id
+        self._interval = interval
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="ztate-checkpointer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.run_once()
+            except Exception as failure:  # checkpointing must outlive any one failure
+                log.warning("checkpointing failed: %s; next round retries", type(failure).__name__)
+
+    async def run_once(self) -> int:
+        """Sign every head that has no checkpoint yet (up to a batch); returns how many."""
+        heads = await self._pool.fetch(UNSIGNED_HEADS, BATCH)
+        now = datetime.now(UTC)
+        rows = []
+        for head in heads:
+            signed = sign_checkpoint(
+                self._key,
+                self._key_id,
+                thread_id=head["thread_id"],
+                version=head["version"],
+                head_digest=head["head_digest"],
+                signed_at=now,
+            )
+            rows.append(
+                (
+                    head["thread_id"],
+                    head["version"],
+                    head["head_digest"],
+                    signed.checkpoint,
+                    signed.signature,
+                    signed.key_id,
+                    now,
+                )
+            )
+        if rows:
+            await self._pool.executemany(INSERT, rows)
+        return len(rows)
