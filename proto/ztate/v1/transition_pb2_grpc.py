@@ -78,7 +78,7 @@ class TransitionServiceServicer:
 
     def CreateThread(self, request, context):
         """CreateThread creates a thread with its initial state (version 0, the
-        genesis record of its chain). Operator and service identities only.
+        genesis record of its chain). Operator identities only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,7 +102,7 @@ class TransitionServiceServicer:
 
     def GetTransition(self, request, context):
         """GetTransition returns one ledger record, by digest or by (thread, version).
-        Operator and service identities only.
+        Operator identities only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
