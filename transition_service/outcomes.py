@@ -2,8 +2,9 @@
 
 Every status change of a parked transition is announced with ``pg_notify`` in the
 same transaction, so every replica's listener hears it once it is committed.
-Waiters also re-read the status every ``recheck`` seconds, which covers a
-listener that was reconnecting when the announcement went out.
+Waiters also re-read the status every second, which covers an announcement
+missed while the listening connection was down (it is not re-opened: a lost
+listener degrades waiting to that one-second re-check).
 """
 
 from __future__ import annotations
