@@ -20,6 +20,7 @@ from worker_sdk.errors import (
     Unavailable,
     ZtateError,
 )
+from worker_sdk.sync import SyncZtateClient
 
 __all__ = [
     "AlreadyExists",
@@ -32,6 +33,7 @@ __all__ = [
     "PatchTooLarge",
     "PermissionDenied",
     "StaleVersion",
+    "SyncZtateClient",
     "Transition",
     "Unauthenticated",
     "Unavailable",

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import os
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
-from worker_sdk.errors import AwaitingApproval, from_rpc_error
+from worker_sdk.errors import AwaitingApproval, StaleVersion, from_rpc_error
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
+DEFAULT_RETRIES = 3
+# Transport failures whose outcome is unknown or that never reached the service.
+# Retried only for calls that are safe to repeat (a proposal keeps its
+# idempotency key, so a retry returns the original outcome).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+Reply = TypeVar("Reply")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +106,11 @@ class ZtateClient:
         ca_pem: bytes,
         server_name: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = 0.1,
     ) -> None:
+        self._retries = retries
+        self._backoff = backoff
         credentials = grpc.ssl_channel_credentials(
             root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
         )
@@ -111,6 +125,33 @@ class ZtateClient:
         self._timeout = timeout
 
     @classmethod
+    def from_env(cls, prefix: str = "ZTATE_WORKER_") -> ZtateClient:
+        """Connect from ``<prefix>TARGET``, ``CERT``, ``KEY``, ``CA`` (paths) and the
+        optional ``SERVER_NAME``, as a container or a process manager sets them."""
+        missing = [n for n in ("TARGET", "CERT", "KEY", "CA") if not os.environ.get(prefix + n)]
+        if missing:
+            raise ValueError(f"set {', '.join(prefix + n for n in missing)}")
+        return cls.from_files(
+            os.environ[prefix + "TARGET"],
+            cert=os.environ[prefix + "CERT"],
+            key=os.environ[prefix + "KEY"],
+            ca=os.environ[prefix + "CA"],
+            server_name=os.environ.get(prefix + "SERVER_NAME") or None,
+        )
+
+    async def _call(self, method: Callable[..., Awaitable[Reply]], request: object) -> Reply:
+        """One RPC, retried with exponential backoff on transport failures."""
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=self._timeout)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in RETRYABLE or attempt >= self._retries:
+                    raise from_rpc_error(error) from None
+            await asyncio.sleep(self._backoff * 2**attempt)
+            attempt += 1
+
+    @classmethod
     def from_files(
         cls,
         target: str,
@@ -120,8 +161,15 @@ class ZtateClient:
         ca: str | Path,
         server_name: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = 0.1,
     ) -> ZtateClient:
-        """Connect with a PEM certificate, its private key and the CA certificate."""
+        """Connect with a PEM certificate, its private key and the CA certificate.
+
+        Calls that fail in transport (UNAVAILABLE, DEADLINE_EXCEEDED) and are safe
+        to repeat are retried ``retries`` times, waiting ``backoff`` seconds, then
+        twice that, and so on; a proposal keeps its idempotency key throughout.
+        """
         return cls(
             target,
             cert_pem=Path(cert).read_bytes(),
@@ -129,6 +177,8 @@ class ZtateClient:
             ca_pem=Path(ca).read_bytes(),
             server_name=server_name,
             timeout=timeout,
+            retries=retries,
+            backoff=backoff,
         )
 
     async def __aenter__(self) -> ZtateClient:
@@ -164,12 +214,9 @@ class ZtateClient:
 
     async def get_view(self, thread_id: str) -> View:
         """The head of a thread, projected to the keys this worker may read."""
-        try:
-            response = await self._stub.GetView(
-                transition_pb2.GetViewRequest(thread_id=thread_id), timeout=self._timeout
-            )
-        except grpc.aio.AioRpcError as error:
-            raise from_rpc_error(error) from None
+        response = await self._call(
+            self._stub.GetView, transition_pb2.GetViewRequest(thread_id=thread_id)
+        )
         return View(
             thread_id=response.thread_id,
             version=response.version,
@@ -197,10 +244,7 @@ class ZtateClient:
             patch_json=patch if isinstance(patch, bytes) else encode_json(patch),
             idempotency_key=idempotency_key or uuid.uuid4().hex,
         )
-        try:
-            response = await self._stub.ProposeTransition(request, timeout=self._timeout)
-        except grpc.aio.AioRpcError as error:
-            raise from_rpc_error(error) from None
+        response = await self._call(self._stub.ProposeTransition, request)
         if response.WhichOneof("outcome") == "pending":
             pending = response.pending
             raise AwaitingApproval(
@@ -220,10 +264,7 @@ class ZtateClient:
             )
         else:
             raise ValueError("give digest, or thread_id and version")
-        try:
-            response = await self._stub.GetTransition(request, timeout=self._timeout)
-        except grpc.aio.AioRpcError as error:
-            raise from_rpc_error(error) from None
+        response = await self._call(self._stub.GetTransition, request)
         return Transition.from_message(response.transition)
 
     async def wait_for_outcome(self, digest: str, *, within: float = 60.0) -> Outcome:
@@ -244,3 +285,25 @@ class ZtateClient:
             else None
         )
         return Outcome(status, transition)
+
+    async def update(
+        self,
+        thread_id: str,
+        change: Callable[[View], dict[str, Any] | Awaitable[dict[str, Any]]],
+        *,
+        attempts: int = 5,
+    ) -> Transition:
+        """Read the view, compute a patch with ``change(view)`` and propose it; when
+        another writer got there first (STALE_VERSION), read again and re-run
+        ``change``, up to ``attempts`` times. Any other refusal is raised at once."""
+        for attempt in range(attempts):
+            view = await self.get_view(thread_id)
+            patch = change(view)
+            if inspect.isawaitable(patch):
+                patch = await patch
+            try:
+                return await self.propose(thread_id, view.version, patch)
+            except StaleVersion:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
