@@ -291,9 +291,14 @@ class ReviewStore:
 
         Leaving the block normally commits; an exception rolls everything back."""
         async with self._pool.acquire() as conn, conn.transaction():
+            # Lock first, then read in a second statement: in READ COMMITTED a
+            # statement that waited for the lock still reads with the snapshot it
+            # started with, and would miss decisions committed while it waited.
+            await conn.execute(
+                "SELECT 1 FROM ztate_approval.reviews WHERE digest = $1 FOR UPDATE", digest
+            )
             row = await conn.fetchrow(
-                f"SELECT {REVIEW_COLUMNS} FROM {REVIEWS} WHERE r.digest = $1 "  # noqa: S608
-                "FOR UPDATE OF r",
+                f"SELECT {REVIEW_COLUMNS} FROM {REVIEWS} WHERE r.digest = $1",  # noqa: S608
                 digest,
             )
             yield LockedReview(conn, StoredReview.from_row(row)) if row else None
