@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format, timestamp_pb2
@@ -284,6 +284,144 @@ def cmd_ledger_rejections(args: argparse.Namespace) -> int:
     return 0
 
 
+_T = TypeVar("_T")
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    found: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return found
+
+
+def _ledger_query(query: Coroutine[Any, Any, _T]) -> _T | None:
+    """Run one ledger query; a printed error and None when it fails."""
+    try:
+        return asyncio.run(query)
+    except grpc.aio.AioRpcError as error:
+        print(f"ztate: {error.code().name}: {error.details()}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+    return None
+
+
+async def _list_transitions(args: argparse.Namespace) -> list[dict[str, Any]]:
+    request = ledger_pb2.ListTransitionsRequest(
+        thread_id=args.thread or "",
+        node_id=args.node or "",
+        changed_key=args.changed_key or "",
+        status=args.status or "",
+        page_size=min(args.limit, 1000),
+    )
+    if args.since:
+        request.since.CopyFrom(_parse_time(args.since))
+    if args.until:
+        request.until.CopyFrom(_parse_time(args.until))
+    found: list[dict[str, Any]] = []
+    async with operator_channel(args, _settings().home) as channel:
+        stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+        while len(found) < args.limit:
+            response = await stub.ListTransitions(request, timeout=30)
+            found += [_as_dict(entry) for entry in response.entries]
+            if not response.next_page_token:
+                break
+            request.page_token = response.next_page_token
+    return found[: args.limit]
+
+
+def cmd_ledger_list(args: argparse.Namespace) -> int:
+    """List transitions (or parked proposals by status), newest first."""
+    rows = _ledger_query(_list_transitions(args))
+    if rows is None:
+        return 1
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return 0
+    for row in rows:
+        keys = ",".join(row.get("changed_keys", [])) or "-"
+        receipt = "  receipt" if row.get("has_receipt") else ""
+        print(
+            f"{row['at']}  {row.get('status', '-'):<9} {row['thread_id']}@{row.get('version', 0)}"
+            f"  {row.get('kind', '-'):<10} {row['digest'][:16]}  {row['node_id']}"
+            f"  keys={keys}{receipt}"
+        )
+    if not rows:
+        print("no transitions match")
+    return 0
+
+
+async def _show_transition(args: argparse.Namespace) -> dict[str, Any]:
+    request = ledger_pb2.GetTransitionDetailRequest(
+        digest=args.digest or "", thread_id=args.thread or "", version=args.version or 0
+    )
+    async with operator_channel(args, _settings().home) as channel:
+        stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+        return _as_dict(await stub.GetTransitionDetail(request, timeout=30))
+
+
+def cmd_ledger_show(args: argparse.Namespace) -> int:
+    """One committed record with its patch, state (if kept) and receipt."""
+    if bool(args.digest) == (args.thread is not None):
+        print("ztate ledger show: give DIGEST or --thread and --version", file=sys.stderr)
+        return 2
+    if args.thread is not None and args.version is None:
+        print("ztate ledger show: --thread needs --version", file=sys.stderr)
+        return 2
+    detail = _ledger_query(_show_transition(args))
+    if detail is None:
+        return 1
+    if args.json:
+        print(json.dumps(detail, sort_keys=True))
+        return 0
+    entry = detail["entry"]
+    print(f"{entry['thread_id']}@{entry.get('version', 0)}  {entry.get('kind', '-')}")
+    print(f"digest     {entry['digest']}")
+    print(f"parent     {entry['parent_digest']}")
+    print(f"node       {entry['node_id']}")
+    print(f"committed  {entry['at']}")
+    print(f"key id     {detail.get('key_id', '-')}  signature {detail.get('signature', '-')}")
+    print(f"patch      {detail['patch_json']}")
+    state = detail["state_json"] if detail.get("state_kept") else "(pruned)"
+    print(f"state      {state}")
+    if detail.get("receipt_json"):
+        print(f"receipt    {detail['receipt_json']}")
+        print(f"           key {detail.get('receipt_key_id', '-')}")
+    else:
+        print("receipt    none")
+    return 0
+
+
+async def _key_history(args: argparse.Namespace) -> list[dict[str, Any]]:
+    request = ledger_pb2.KeyHistoryRequest(
+        thread_id=args.thread, key=args.state_key, page_size=1000
+    )
+    found: list[dict[str, Any]] = []
+    async with operator_channel(args, _settings().home) as channel:
+        stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+        while True:
+            response = await stub.KeyHistory(request, timeout=30)
+            found += [_as_dict(change) for change in response.changes]
+            if not response.next_page_token:
+                return found
+            request.page_token = response.next_page_token
+
+
+def cmd_ledger_history(args: argparse.Namespace) -> int:
+    """The values one key took across a thread, oldest first."""
+    rows = _ledger_query(_key_history(args))
+    if rows is None:
+        return 1
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+        return 0
+    for row in rows:
+        value = "(removed)" if row.get("removed") else row.get("value_json", "")
+        print(f"v{row.get('version', 0):<6} {row['committed_at']}  {row['node_id']}  {value}")
+    if not rows:
+        print(f"{args.state_key} never changed in {args.thread}")
+    return 0
+
+
 def cmd_ledger_prune(args: argparse.Namespace) -> int:
     """Prune old state bodies; every record, digest and signature stays."""
     from datetime import timedelta
@@ -400,6 +538,38 @@ def build_parser() -> argparse.ArgumentParser:
     rejections.add_argument("--limit", type=int, default=50)
     rejections.add_argument("--json", action="store_true", help="one JSON object per line")
     rejections.set_defaults(func=cmd_ledger_rejections)
+    listing = ledger_sub.add_parser("list", help="list transitions, newest first")
+    add_connection_flags(listing)
+    listing.add_argument("--thread")
+    listing.add_argument("--node", help="full SPIFFE ID")
+    # --key names the client's TLS key (add_connection_flags)
+    listing.add_argument(
+        "--changed-key", dest="changed_key", help="a top-level key the patch touches"
+    )
+    listing.add_argument(
+        "--status", help="committed (default), or parked: pending, rejected, expired, stale"
+    )
+    listing.add_argument("--since", help="RFC 3339 time")
+    listing.add_argument("--until", help="RFC 3339 time")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    listing.set_defaults(func=cmd_ledger_list)
+    show_one = ledger_sub.add_parser(
+        "show", help="one record by digest or --thread/--version, with patch, state, receipt"
+    )
+    add_connection_flags(show_one)
+    show_one.add_argument("digest", nargs="?")
+    show_one.add_argument("--thread")
+    show_one.add_argument("--version", type=int)
+    show_one.add_argument("--json", action="store_true", help="one JSON object")
+    show_one.set_defaults(func=cmd_ledger_show)
+    history = ledger_sub.add_parser("history", help="the values one key took across a thread")
+    add_connection_flags(history)
+    history.add_argument("thread")
+    # dest "key" is the client's TLS key (add_connection_flags)
+    history.add_argument("state_key", metavar="KEY", help="a top-level key of the state")
+    history.add_argument("--json", action="store_true", help="one JSON object per line")
+    history.set_defaults(func=cmd_ledger_history)
     add_export_command(ledger_sub)
     prune = ledger_sub.add_parser(
         "prune", help="drop old state bodies (records, digests and signatures stay)"

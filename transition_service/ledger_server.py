@@ -1,15 +1,38 @@
-"""``ztate.v1.LedgerService``: read-only ledger queries for operators."""
+"""``ztate.v1.LedgerService``: read-only ledger queries for operators.
+
+Operators ask what happened (which transitions, by whom, touching which key,
+with which receipt) without a superuser shell: every query runs on the
+read-only role, only privileged identities may ask, and every list is a keyset
+page so that the millionth row costs what the first does.
+"""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import base64
+import binascii
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
 
 from google.protobuf import timestamp_pb2
 
 from services import errors
+from services.canonical import canonical_bytes
 from services.identity import Identity
 from services.rpc_guard import Context, guarded
-from services.store.ledger import LedgerQueries, RejectionFilter, StoredRejection
+from services.store.ledger import (
+    COMMITTED,
+    PARKED_STATUSES,
+    LedgerQueries,
+    PageKey,
+    RejectionFilter,
+    StoredDetail,
+    StoredEntry,
+    StoredKeyChange,
+    StoredRejection,
+    TransitionFilter,
+)
 from transition_service.pipeline import check_privileged
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -23,7 +46,11 @@ def _timestamp(moment: datetime) -> timestamp_pb2.Timestamp:
     return stamp
 
 
-def _moment(message: ledger_pb2.ListRejectionsRequest, field: str) -> datetime | None:
+class _WithTimes(Protocol):
+    def HasField(self, field_name: Any) -> bool: ...
+
+
+def _moment(message: _WithTimes, field: str) -> datetime | None:
     if not message.HasField(field):
         return None
     stamp: timestamp_pb2.Timestamp = getattr(message, field)
@@ -63,6 +90,94 @@ def rejection_message(row: StoredRejection) -> ledger_pb2.Rejection:
     )
 
 
+DIGEST = re.compile(r"^[0-9a-f]{64}$")
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def entry_page_token(entry: StoredEntry) -> str:
+    """An opaque token naming the last entry of a page: its moment and digest."""
+    token = f"{_micros(entry.at)}:{entry.digest}"
+    return base64.urlsafe_b64encode(token.encode()).decode()
+
+
+def _micros(moment: datetime) -> int:
+    delta = moment - EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def entry_page_after(token: str) -> PageKey | None:
+    """The inverse of ``entry_page_token``; refuses anything this service did not issue."""
+    if not token:
+        return None
+    try:
+        micros, digest = base64.urlsafe_b64decode(token.encode()).decode().split(":")
+        at = EPOCH + timedelta(microseconds=int(micros))
+    except (binascii.Error, UnicodeDecodeError, ValueError, OverflowError):
+        raise errors.RequestInvalid("page_token is not one this service issued") from None
+    if not DIGEST.match(digest):
+        raise errors.RequestInvalid("page_token is not one this service issued")
+    return PageKey(at, digest)
+
+
+def entry_message(row: StoredEntry) -> ledger_pb2.LedgerEntry:
+    return ledger_pb2.LedgerEntry(
+        thread_id=row.thread_id,
+        version=row.version,
+        digest=row.digest,
+        parent_digest=row.parent_digest,
+        node_id=row.node_id,
+        kind=row.kind or "",
+        status=row.status,
+        at=_timestamp(row.at),
+        changed_keys=row.changed_keys,
+        has_receipt=row.has_receipt,
+    )
+
+
+def detail_message(row: StoredDetail) -> ledger_pb2.GetTransitionDetailResponse:
+    record = json.loads(row.record)
+    return ledger_pb2.GetTransitionDetailResponse(
+        entry=entry_message(row.entry),
+        record_json=row.record.decode(),
+        patch_json=canonical_bytes(record["patch"]).decode(),
+        state_json=row.state.decode() if row.state is not None else "",
+        state_kept=row.state is not None,
+        key_id=row.key_id,
+        signature=row.signature,
+        # the exact RFC 8785 bytes the approval service signed
+        receipt_json=row.receipt.decode() if row.receipt is not None else "",
+        receipt_signature=row.receipt_signature or "",
+        receipt_key_id=row.receipt_key_id or "",
+    )
+
+
+def key_change_message(row: StoredKeyChange, key: str) -> ledger_pb2.KeyChange:
+    value = json.loads(row.record)["patch"][key]
+    return ledger_pb2.KeyChange(
+        version=row.version,
+        digest=row.digest,
+        node_id=row.node_id,
+        committed_at=_timestamp(row.committed_at),
+        removed=value is None,
+        value_json="" if value is None else canonical_bytes(value).decode(),
+    )
+
+
+def transition_filter(request: ledger_pb2.ListTransitionsRequest) -> TransitionFilter:
+    status = request.status or COMMITTED
+    if status != COMMITTED and status not in PARKED_STATUSES:
+        allowed = ", ".join([COMMITTED, *sorted(PARKED_STATUSES)])
+        raise errors.RequestInvalid(f"status must be one of {allowed}")
+    return TransitionFilter(
+        thread_id=request.thread_id or None,
+        node_id=request.node_id or None,
+        changed_key=request.changed_key or None,
+        status=status,
+        since=_moment(request, "since"),
+        until=_moment(request, "until"),
+    )
+
+
 class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     """Adapts ``LedgerQueries`` to ``ztate.v1.LedgerService``."""
 
@@ -93,3 +208,68 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
             )
 
         return await guarded(context, self._trust_domain, "ListRejections", handle)
+
+    async def ListTransitions(
+        self, request: ledger_pb2.ListTransitionsRequest, context: Context
+    ) -> ledger_pb2.ListTransitionsResponse:
+        async def handle(caller: Identity) -> ledger_pb2.ListTransitionsResponse:
+            check_privileged(caller, "read the ledger")
+            limit = page_size(request.page_size)
+            rows = await self._queries.transitions(
+                transition_filter(request),
+                limit=limit,
+                after=entry_page_after(request.page_token),
+            )
+            return ledger_pb2.ListTransitionsResponse(
+                entries=[entry_message(row) for row in rows],
+                next_page_token=entry_page_token(rows[-1]) if len(rows) == limit else "",
+            )
+
+        return await guarded(context, self._trust_domain, "ListTransitions", handle)
+
+    async def GetTransitionDetail(
+        self, request: ledger_pb2.GetTransitionDetailRequest, context: Context
+    ) -> ledger_pb2.GetTransitionDetailResponse:
+        async def handle(caller: Identity) -> ledger_pb2.GetTransitionDetailResponse:
+            check_privileged(caller, "read the ledger")
+            if request.digest:
+                if request.thread_id or request.version:
+                    raise errors.RequestInvalid("give either digest or thread_id and version")
+                if not DIGEST.match(request.digest):
+                    raise errors.RequestInvalid("digest must be 64 lower-case hex characters")
+                row = await self._queries.detail(digest=request.digest)
+                wanted = f"transition {request.digest}"
+            else:
+                if not request.thread_id or request.version < 0:
+                    raise errors.RequestInvalid("give either digest or thread_id and version")
+                row = await self._queries.detail(
+                    thread_id=request.thread_id, version=request.version
+                )
+                wanted = f"version {request.version} of thread {request.thread_id}"
+            if row is None:
+                raise errors.TransitionNotFound(f"no committed {wanted}")
+            return detail_message(row)
+
+        return await guarded(context, self._trust_domain, "GetTransitionDetail", handle)
+
+    async def KeyHistory(
+        self, request: ledger_pb2.KeyHistoryRequest, context: Context
+    ) -> ledger_pb2.KeyHistoryResponse:
+        async def handle(caller: Identity) -> ledger_pb2.KeyHistoryResponse:
+            check_privileged(caller, "read the ledger")
+            if not request.thread_id or not request.key:
+                raise errors.RequestInvalid("thread_id and key are required")
+            limit = page_size(request.page_size)
+            after = page_after(request.page_token)
+            rows = await self._queries.key_history(
+                request.thread_id,
+                request.key,
+                limit=limit,
+                after_version=-1 if after is None else after,
+            )
+            return ledger_pb2.KeyHistoryResponse(
+                changes=[key_change_message(row, request.key) for row in rows],
+                next_page_token=str(rows[-1].version) if len(rows) == limit else "",
+            )
+
+        return await guarded(context, self._trust_domain, "KeyHistory", handle)

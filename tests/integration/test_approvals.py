@@ -54,7 +54,14 @@ from tests.harness import (
 )
 from transition_service.app import RunningService, start
 from worker_sdk import AwaitingApproval, PermissionDenied, ZtateClient
-from ztate.v1 import approval_pb2, approval_pb2_grpc, transition_pb2, transition_pb2_grpc
+from ztate.v1 import (
+    approval_pb2,
+    approval_pb2_grpc,
+    ledger_pb2,
+    ledger_pb2_grpc,
+    transition_pb2,
+    transition_pb2_grpc,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
@@ -339,6 +346,22 @@ async def test_parked_then_approved_commits_with_a_verifiable_receipt(world: Wor
     assert receipt["reviewers"] == ["spiffe://ztate.test/reviewer/alice"]
     assert await world.ledger.verify(thread_id) == 2
     assert await world.pending_status(parked.digest) == "committed"
+
+    # operators see the receipt through the ledger API, byte for byte
+    creds = world.pki.operator()
+    credentials = grpc.ssl_channel_credentials(
+        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
+    )
+    async with grpc.aio.secure_channel(world.target, credentials) as channel:
+        detail = await ledger_pb2_grpc.LedgerServiceStub(channel).GetTransitionDetail(
+            ledger_pb2.GetTransitionDetailRequest(thread_id=thread_id, version=1)
+        )
+    assert detail.entry.has_receipt
+    assert detail.receipt_json.encode() == stored.receipt_bytes
+    assert (detail.receipt_signature, detail.receipt_key_id) == (
+        stored.signature,
+        row["receipt_key_id"],
+    )
 
 
 async def test_a_rejection_closes_the_transition_and_commits_nothing(world: World) -> None:

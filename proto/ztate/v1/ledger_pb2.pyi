@@ -60,3 +60,125 @@ class Rejection(_message.Message):
     patch_bytes: int
     message: str
     def __init__(self, id: _Optional[int] = ..., rejected_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., method: _Optional[str] = ..., node_id: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., reason: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., patch_digest: _Optional[str] = ..., patch_bytes: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ListTransitionsRequest(_message.Message):
+    __slots__ = ("thread_id", "node_id", "changed_key", "status", "since", "until", "page_size", "page_token")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_KEY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    node_id: str
+    changed_key: str
+    status: str
+    since: _timestamp_pb2.Timestamp
+    until: _timestamp_pb2.Timestamp
+    page_size: int
+    page_token: str
+    def __init__(self, thread_id: _Optional[str] = ..., node_id: _Optional[str] = ..., changed_key: _Optional[str] = ..., status: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListTransitionsResponse(_message.Message):
+    __slots__ = ("entries", "next_page_token")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
+    next_page_token: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class LedgerEntry(_message.Message):
+    __slots__ = ("thread_id", "version", "digest", "parent_digest", "node_id", "kind", "status", "at", "changed_keys", "has_receipt")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PARENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    HAS_RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    version: int
+    digest: str
+    parent_digest: str
+    node_id: str
+    kind: str
+    status: str
+    at: _timestamp_pb2.Timestamp
+    changed_keys: _containers.RepeatedScalarFieldContainer[str]
+    has_receipt: bool
+    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ..., parent_digest: _Optional[str] = ..., node_id: _Optional[str] = ..., kind: _Optional[str] = ..., status: _Optional[str] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., changed_keys: _Optional[_Iterable[str]] = ..., has_receipt: _Optional[bool] = ...) -> None: ...
+
+class GetTransitionDetailRequest(_message.Message):
+    __slots__ = ("digest", "thread_id", "version")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    thread_id: str
+    version: int
+    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class GetTransitionDetailResponse(_message.Message):
+    __slots__ = ("entry", "record_json", "patch_json", "state_json", "state_kept", "key_id", "signature", "receipt_json", "receipt_signature", "receipt_key_id")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
+    PATCH_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATE_KEPT_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_JSON_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    entry: LedgerEntry
+    record_json: str
+    patch_json: str
+    state_json: str
+    state_kept: bool
+    key_id: str
+    signature: str
+    receipt_json: str
+    receipt_signature: str
+    receipt_key_id: str
+    def __init__(self, entry: _Optional[_Union[LedgerEntry, _Mapping]] = ..., record_json: _Optional[str] = ..., patch_json: _Optional[str] = ..., state_json: _Optional[str] = ..., state_kept: _Optional[bool] = ..., key_id: _Optional[str] = ..., signature: _Optional[str] = ..., receipt_json: _Optional[str] = ..., receipt_signature: _Optional[str] = ..., receipt_key_id: _Optional[str] = ...) -> None: ...
+
+class KeyHistoryRequest(_message.Message):
+    __slots__ = ("thread_id", "key", "page_size", "page_token")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    key: str
+    page_size: int
+    page_token: str
+    def __init__(self, thread_id: _Optional[str] = ..., key: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class KeyHistoryResponse(_message.Message):
+    __slots__ = ("changes", "next_page_token")
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[KeyChange]
+    next_page_token: str
+    def __init__(self, changes: _Optional[_Iterable[_Union[KeyChange, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class KeyChange(_message.Message):
+    __slots__ = ("version", "digest", "node_id", "committed_at", "removed", "value_json")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    VALUE_JSON_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    digest: str
+    node_id: str
+    committed_at: _timestamp_pb2.Timestamp
+    removed: bool
+    value_json: str
+    def __init__(self, version: _Optional[int] = ..., digest: _Optional[str] = ..., node_id: _Optional[str] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., removed: _Optional[bool] = ..., value_json: _Optional[str] = ...) -> None: ...

@@ -40,6 +40,21 @@ class LedgerServiceStub:
                 request_serializer=ztate_dot_v1_dot_ledger__pb2.ListRejectionsRequest.SerializeToString,
                 response_deserializer=ztate_dot_v1_dot_ledger__pb2.ListRejectionsResponse.FromString,
                 _registered_method=True)
+        self.ListTransitions = channel.unary_unary(
+                '/ztate.v1.LedgerService/ListTransitions',
+                request_serializer=ztate_dot_v1_dot_ledger__pb2.ListTransitionsRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_ledger__pb2.ListTransitionsResponse.FromString,
+                _registered_method=True)
+        self.GetTransitionDetail = channel.unary_unary(
+                '/ztate.v1.LedgerService/GetTransitionDetail',
+                request_serializer=ztate_dot_v1_dot_ledger__pb2.GetTransitionDetailRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_ledger__pb2.GetTransitionDetailResponse.FromString,
+                _registered_method=True)
+        self.KeyHistory = channel.unary_unary(
+                '/ztate.v1.LedgerService/KeyHistory',
+                request_serializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServiceServicer:
@@ -54,6 +69,30 @@ class LedgerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTransitions(self, request, context):
+        """ListTransitions lists committed transitions (or parked proposals by their
+        status), newest first, with optional filters and keyset pagination.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTransitionDetail(self, request, context):
+        """GetTransitionDetail returns one committed record by digest or by
+        (thread_id, version), with its patch, its state if kept and its receipt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeyHistory(self, request, context):
+        """KeyHistory lists the values one top-level key took across a thread, version
+        by version, from the records' patches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +100,21 @@ def add_LedgerServiceServicer_to_server(servicer, server):
                     servicer.ListRejections,
                     request_deserializer=ztate_dot_v1_dot_ledger__pb2.ListRejectionsRequest.FromString,
                     response_serializer=ztate_dot_v1_dot_ledger__pb2.ListRejectionsResponse.SerializeToString,
+            ),
+            'ListTransitions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTransitions,
+                    request_deserializer=ztate_dot_v1_dot_ledger__pb2.ListTransitionsRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_ledger__pb2.ListTransitionsResponse.SerializeToString,
+            ),
+            'GetTransitionDetail': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransitionDetail,
+                    request_deserializer=ztate_dot_v1_dot_ledger__pb2.GetTransitionDetailRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_ledger__pb2.GetTransitionDetailResponse.SerializeToString,
+            ),
+            'KeyHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyHistory,
+                    request_deserializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +145,87 @@ class LedgerService:
             '/ztate.v1.LedgerService/ListRejections',
             ztate_dot_v1_dot_ledger__pb2.ListRejectionsRequest.SerializeToString,
             ztate_dot_v1_dot_ledger__pb2.ListRejectionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTransitions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.LedgerService/ListTransitions',
+            ztate_dot_v1_dot_ledger__pb2.ListTransitionsRequest.SerializeToString,
+            ztate_dot_v1_dot_ledger__pb2.ListTransitionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTransitionDetail(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.LedgerService/GetTransitionDetail',
+            ztate_dot_v1_dot_ledger__pb2.GetTransitionDetailRequest.SerializeToString,
+            ztate_dot_v1_dot_ledger__pb2.GetTransitionDetailResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.LedgerService/KeyHistory',
+            ztate_dot_v1_dot_ledger__pb2.KeyHistoryRequest.SerializeToString,
+            ztate_dot_v1_dot_ledger__pb2.KeyHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
