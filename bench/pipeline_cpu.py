@@ -40,22 +40,19 @@ from bench.workload import (
 from services import errors
 from services.canonical import canonical_bytes, parse_object, sha256_hex
 from services.chain import KIND_TRANSITION, build_record, seal
+from services.changes import Change, apply_patch, check_invariants, matched_risk_rules
 from services.identity import Identity, Role
 from services.keyring import Keyring
 from services.policy import Policy, PolicySet
 from services.store.transitions import Rejection
 from transition_service.pipeline import (
-    Change,
     Committed,
     Proposal,
     TransitionPipeline,
-    apply_patch,
     check_credentials,
-    check_invariants,
     check_layers,
     check_schema,
     check_writable,
-    matched_risk_rules,
 )
 from worker_sdk import encode_json
 

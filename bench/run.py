@@ -35,9 +35,11 @@ from bench.environment import (
     wait_until_serving,
 )
 from bench.floor import CommitPayload, commit_payload, measure_floor
+from bench.ledger_queries import measure_ledger_queries
 from bench.machine import describe
 from bench.pipeline_cpu import CpuTable, measure_pipeline_cpu
 from bench.report import CEILING, FLOOR, ZTATE, Measured, Report, render
+from bench.verify import measure_verification
 from bench.workload import DEFAULT_POLICY, receipt_patch
 from services.config import Settings
 from services.keyring import Keyring
@@ -45,6 +47,7 @@ from services.policy import Policy
 from worker_sdk import encode_json
 
 DB_ROLE: str = Settings.model_fields["db_role"].default
+DB_READER_ROLE: str = Settings.model_fields["db_reader_role"].default
 SERVICE_POOL_SIZE: int = Settings.model_fields["db_pool_size"].default
 SERVICE_HEAD_CACHE: int = Settings.model_fields["head_cache_size"].default
 
@@ -56,6 +59,7 @@ class Options:
     concurrency: tuple[int, ...]
     rounds: int
     patch_bytes: int
+    only: str | None = None  # one part of the suite ("verify"), or None for the default run
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,22 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the best counts (3)")
     parser.add_argument("--patch-bytes", type=int, default=1024, help="patch size (1024)")
+    parser.add_argument(
+        "--only",
+        choices=["verify", "ledger-queries"],
+        help="run one part alone, not in the default run: verify (verification throughput), "
+        "ledger-queries (operator query latency on 1,000,000 transitions)",
+    )
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.warmup < 0 or args.rounds < 1 or min(args.concurrency) < 1:
         parser.error("duration must be > 0, warm-up >= 0, rounds and concurrencies >= 1")
     return Options(
-        args.duration, args.warmup, tuple(args.concurrency), args.rounds, args.patch_bytes
+        args.duration,
+        args.warmup,
+        tuple(args.concurrency),
+        args.rounds,
+        args.patch_bytes,
+        args.only,
     )
 
 
@@ -203,10 +218,63 @@ async def run(options: Options) -> Report:
     return Report(machine, setup_lines(options, database, patch_json), measured, pipeline)
 
 
+async def run_verify() -> list[str]:
+    """``--only verify``: verification throughput in a database of its own."""
+    current = asyncio.current_task()
+    assert current is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current.cancel)
+    machine = describe()
+    async with AsyncExitStack() as stack:
+        root = stack.enter_context(temporary_folder())
+        keyring = Keyring.load(make_keyring(root), None)
+        progress("starting Postgres")
+        server_dsn, postmaster_pid = stack.enter_context(postgres_server(root))
+        database = await stack.enter_async_context(
+            bench_database(server_dsn, postmaster_pid, DB_ROLE)
+        )
+        figures = await measure_verification(database.dsn, root, keyring, progress)
+    where = "DATABASE_URL" if database.postmaster_pid is None else "embedded"
+    return [
+        *machine.lines(),
+        f"database  PostgreSQL {database.server_version} ({where})",
+        "",
+        *figures.lines(),
+    ]
+
+
+async def run_ledger_queries() -> list[str]:
+    """``--only ledger-queries``: operator query latency in a database of its own."""
+    current = asyncio.current_task()
+    assert current is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current.cancel)
+    machine = describe()
+    async with AsyncExitStack() as stack:
+        root = stack.enter_context(temporary_folder())
+        progress("starting Postgres")
+        server_dsn, postmaster_pid = stack.enter_context(postgres_server(root))
+        database = await stack.enter_async_context(
+            bench_database(server_dsn, postmaster_pid, DB_ROLE)
+        )
+        figures = await measure_ledger_queries(database.dsn, DB_ROLE, DB_READER_ROLE, progress)
+    where = "DATABASE_URL" if database.postmaster_pid is None else "embedded"
+    return [
+        *machine.lines(),
+        f"database  PostgreSQL {database.server_version} ({where}), {database.durability}",
+        "",
+        *figures.lines(),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the suite and print the report; 130 when interrupted."""
+    """Run the suite (or one part) and print the report; 130 when interrupted."""
     options = parse_args(argv)
     try:
+        if options.only == "ledger-queries":
+            print("\n".join(uvloop.run(run_ledger_queries())))
+            return 0
+        if options.only == "verify":
+            print("\n".join(uvloop.run(run_verify())))
+            return 0
         report = uvloop.run(run(options))
     except (KeyboardInterrupt, asyncio.CancelledError):
         progress("interrupted; everything started was stopped")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import operator
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,8 +82,12 @@ LINE_MEMBERS = (
     "receipt_key_id",
     "committed_at",
 )
+_LINE_MEMBER_SET = frozenset(LINE_MEMBERS)
 _TEXT_MEMBERS = ("thread_id", "digest", "parent_digest", "node_id", "key_id", "signature")
 _OPTIONAL_TEXT = ("receipt_signature", "receipt_key_id", "committed_at")
+_TEXT = operator.itemgetter(*_TEXT_MEMBERS)
+_OPTIONAL = operator.itemgetter(*_OPTIONAL_TEXT)
+_STR, _STR_OR_NULL = frozenset({str}), frozenset({str, type(None)})
 
 
 class BundleError(VerifyError):
@@ -365,14 +370,18 @@ def _row_from_line(line: bytes) -> LedgerRow:
         doc = orjson.loads(line)
     except orjson.JSONDecodeError:
         raise _LineProblem("not JSON") from None
-    if not isinstance(doc, dict) or sorted(doc) != sorted(LINE_MEMBERS):
+    if not isinstance(doc, dict) or doc.keys() != _LINE_MEMBER_SET:
         raise _LineProblem(f"not an object with exactly the members {', '.join(LINE_MEMBERS)}")
-    for name in _TEXT_MEMBERS:
-        if not isinstance(doc[name], str):
-            raise _LineProblem(f"{name} must be a string")
-    for name in _OPTIONAL_TEXT:
-        if doc[name] is not None and not isinstance(doc[name], str):
-            raise _LineProblem(f"{name} must be a string or null")
+    if not (
+        _STR.issuperset(map(type, _TEXT(doc)))
+        and _STR_OR_NULL.issuperset(map(type, _OPTIONAL(doc)))
+    ):
+        for name in _TEXT_MEMBERS:
+            if not isinstance(doc[name], str):
+                raise _LineProblem(f"{name} must be a string")
+        for name in _OPTIONAL_TEXT:
+            if doc[name] is not None and not isinstance(doc[name], str):
+                raise _LineProblem(f"{name} must be a string or null")
     if type(doc["version"]) is not int:
         raise _LineProblem("version must be an integer")
     record = _blob_in(doc["record"], "record")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any
 
 import orjson
@@ -62,6 +63,42 @@ def _fast_path_safe(value: Any) -> bool:
     if kind is list:
         return all(_fast_path_safe(item) for item in value)
     return False
+
+
+# What ``orjson_canonical`` looks for in bytes orjson wrote, to know that the
+# value they encode is inside the fast path without walking it: any float (a
+# number with a fraction or an exponent), any integer of 16 digits or more (the
+# bound is 2^53 - 1, 16 digits) and any character outside the Basic Multilingual
+# Plane (a 4-byte UTF-8 sequence, which orjson never escapes). Strings are cut
+# out first, so that digits and dots inside them ("...T00:00:01.000000Z") do not
+# count. Over-approximating is safe: it only sends a value to the slow path.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OUTSIDE_FAST_PATH_NUMBER = re.compile(rb"[0-9][.eE]|[0-9]{16}")
+_NON_BMP = re.compile(rb"[\xf0-\xff]")
+
+
+def orjson_canonical(data: bytes, value: Any) -> bool:
+    """True when ``data`` is what orjson writes of ``value`` (keys sorted) and lies
+    inside the fast path, so that ``data == canonical_bytes(value)`` without a walk
+    of ``value``. False says nothing: ask ``canonical_bytes``.
+    """
+    if not fast_path_bytes(data):
+        return False
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS) == data
+    except orjson.JSONEncodeError:
+        return False
+
+
+def fast_path_bytes(data: bytes) -> bool:
+    """Whether JSON bytes (compact, as orjson writes them) hold no float, no integer
+    of 16 digits or more and no character outside the BMP: then the value they
+    encode is one on which ``canonical_bytes`` takes the orjson fast path."""
+    if not data.isascii() and _NON_BMP.search(data):
+        return False
+    # with no escapes, every other piece between quotes is a string
+    skeleton = _STRING.sub(b'""', data) if b"\\" in data else b"".join(data.split(b'"')[::2])
+    return _OUTSIDE_FAST_PATH_NUMBER.search(skeleton) is None
 
 
 def _duplicate_free(pairs: list[tuple[str, Any]]) -> JsonObject:

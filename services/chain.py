@@ -10,7 +10,6 @@ fixed inputs with their expected digests and signatures. In short::
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import re
@@ -82,7 +81,7 @@ def build_record(
 
 def sign_digest(key: bytes, digest_hex: str) -> str:
     """HMAC-SHA256 of the 32 digest bytes, lower-case hex."""
-    return hmac.new(key, bytes.fromhex(digest_hex), hashlib.sha256).hexdigest()
+    return hmac.digest(key, bytes.fromhex(digest_hex), "sha256").hex()
 
 
 def seal(record: JsonObject, keyring: Keyring) -> SealedRecord:

@@ -24,13 +24,13 @@ Two properties shape the code:
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
+import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -39,7 +39,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from services import errors
-from services.canonical import JsonObject, canonical_bytes, sha256_hex
+from services.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
 from services.chain import (
     GENESIS_PARENT,
     RECORD_FORMAT,
@@ -57,6 +57,7 @@ from services.checkpoints import CheckpointError, SignedCheckpoint, verify_check
 from services.keyring import Keyring
 from services.policy import Policy, PolicySet
 from services.receipts import APPROVE, SignedReceipt, verify_receipt
+from services.rules import Reads, bind, merge_reads
 
 EXIT_VERIFIED, EXIT_FAILURES, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -165,10 +166,38 @@ class Trust:
     # the transition service's checkpoint public keys; None: checkpoints not checked
     checkpoint_keys: Mapping[str, Ed25519PublicKey] | None = None
     by_digest: dict[str, Policy] = field(init=False)
+    # what each policy's risk expressions read (by policy digest): only these are
+    # bound to re-derive the risk rules, not what its invariants read
+    risk_reads: dict[str, Reads] = field(init=False)
+    # what decides each policy's risk rules: the above and the keys of its key rules
+    risk_inputs: dict[str, Reads] = field(init=False)
 
     def __post_init__(self) -> None:
         by_digest = {policy.digest: policy for policy in self.policies.policies.values()}
         object.__setattr__(self, "by_digest", by_digest)
+        risk_reads = {
+            digest: merge_reads(
+                [rule.expression for rule in policy.risk_rules if rule.expression is not None]
+            )
+            for digest, policy in by_digest.items()
+        }
+        object.__setattr__(self, "risk_reads", risk_reads)
+        risk_inputs = {
+            digest: _with_keys(risk_reads[digest], policy) for digest, policy in by_digest.items()
+        }
+        object.__setattr__(self, "risk_inputs", risk_inputs)
+
+
+def _with_keys(reads: Reads, policy: Policy) -> Reads:
+    """``reads`` and the keys the policy's key rules compare in ``patch`` and ``old``."""
+    keys = frozenset(key for rule in policy.risk_rules for key in rule.keys)
+    merged = dict(reads)
+    for var in ("patch", "old"):
+        if keys and var not in merged:
+            merged[var] = keys
+        elif keys and merged[var] is not None:
+            merged[var] = (merged[var] or frozenset()) | keys
+    return merged
 
 
 @dataclass
@@ -207,6 +236,9 @@ class Verification:
         self.trust = trust
         self.summary = Summary()
         self._report = report
+        # the risk rules matched, by policy digest and the exact JSON of everything
+        # they read (a pure function of it): most transitions repeat a few inputs
+        self.risk_memo: dict[tuple[str, bytes], list[str]] = {}
 
     def finding(self, finding: Finding) -> None:
         self.summary.failures += 1
@@ -232,6 +264,26 @@ class _Last:
     version: int
     digest: str
     state_digest: str | None
+    state: bytes | None = None  # the record's kept state body, when it verified
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    """A well-formed record; ``fast`` when its bytes are orjson's own output of it
+    inside the canonical fast path (so is every value in it, the patch included)."""
+
+    record: JsonObject
+    fast: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Replay:
+    """The state replayed from the previous state and a patch, in canonical bytes;
+    ``fast`` when it lies inside the canonical fast path."""
+
+    state: JsonObject
+    data: bytes
+    fast: bool
 
 
 class ThreadVerifier:
@@ -245,6 +297,10 @@ class ThreadVerifier:
         self._expected = 0
         self._parent: str | None = GENESIS_PARENT
         self._state: JsonObject | None = {}
+        # the state is known to lie inside the canonical fast path: its RFC 8785 form
+        # is orjson's, with no walk of the value (the empty state, and what replays
+        # fast-path patches onto it)
+        self._state_fast = True
         self._policy_name: str | None = None
         self._last: _Last | None = None
         self._checkpoints: dict[int, SignedCheckpoint] = {}
@@ -264,14 +320,28 @@ class ThreadVerifier:
         if checkpoint is not None:
             self._check_checkpoint(row, checkpoint)
         if not self._check_position(row):
-            self._check_alone(row)  # out of order or repeated: the chain stays as it was
+            # out of order or repeated: the chain stays as it was
+            misplaced = self._check_alone(row)
+            if misplaced is not None:
+                self._check_state_body(row, misplaced.record, None)
             return
-        record = self._check_alone(row)
-        self._last = _Last(row.version, row.digest, _state_digest(record))
-        if record is None or record["version"] != row.version:
+        parsed = self._check_alone(row)
+        record = parsed.record if parsed is not None else None
+        if parsed is None or parsed.record["version"] != row.version:
+            if parsed is not None:
+                self._check_state_body(row, parsed.record, None)
+            self._last = _Last(row.version, row.digest, _state_digest(record))
             self._lose_track()
             return
-        self._check_in_chain(row, record)
+        replay = self._replay(parsed)
+        body_verified = self._check_state_body(row, parsed.record, replay)
+        self._last = _Last(
+            row.version,
+            row.digest,
+            _state_digest(record),
+            row.state if body_verified else None,
+        )
+        self._check_in_chain(row, parsed.record, replay, body_verified)
 
     def _check_position(self, row: LedgerRow) -> bool:
         """Versions run 0, 1, 2, ...; a gap is reported at the first missing version."""
@@ -304,16 +374,17 @@ class ThreadVerifier:
         self._parent = None
         self._state = None
 
-    def _check_alone(self, row: LedgerRow) -> JsonObject | None:
-        """Steps 1-5 and the columns: what holds of a record wherever it stands.
-        Returns the record when it is well formed."""
+    def _check_alone(self, row: LedgerRow) -> _Parsed | None:
+        """Steps 1-5 and the columns: what holds of a record wherever it stands
+        (but its state body, which ``_check_state_body`` checks next). Returns the
+        record when it is well formed."""
         version = row.version
         recomputed = sha256_hex(row.record)
         if recomputed != row.digest:
             self._fail(
                 version, DIGEST, f"{shown(row.digest)} (stored)", f"{recomputed} (recomputed)"
             )
-        record, problem = _parse_canonical(row.record)
+        record, problem, fast = _parse_canonical(row.record)
         if record is None:
             self._fail(version, CANONICAL, "RFC 8785 JSON of an object", problem)
             if self._trust.keyring is not None:
@@ -340,8 +411,7 @@ class ThreadVerifier:
             )
         self._check_columns(row, record)
         self._check_policy(version, record)
-        self._check_state_body(row, record)
-        return record
+        return _Parsed(record, fast and not problem)
 
     def _check_hmac(self, row: LedgerRow, key_id: str, recomputed: str) -> None:
         assert self._trust.keyring is not None
@@ -353,7 +423,8 @@ class ThreadVerifier:
                 row.version, KEY_ID, f"one of the keyring's key ids ({known})", shown(key_id)
             )
             return
-        signed = row.digest if HEX_256.match(row.digest) else recomputed
+        digest = row.digest
+        signed = digest if digest == recomputed or HEX_256.match(digest) else recomputed
         if not hmac.compare_digest(sign_digest(key, signed), row.signature):
             self._fail(
                 row.version,
@@ -397,16 +468,43 @@ class ThreadVerifier:
                 f"{digest} (policy {policy.name!r})",
             )
 
-    def _check_state_body(self, row: LedgerRow, record: JsonObject) -> None:
+    def _check_state_body(self, row: LedgerRow, record: JsonObject, replay: _Replay | None) -> bool:
+        """A kept state body must be canonical and hash to the record's state_digest.
+        True when it does. When it is byte for byte the replayed state's canonical
+        form it is canonical JSON of an object, and only its hash remains to check."""
         if row.state is None:
-            return
-        problem = _state_problem(row.state, record["state_digest"])
+            return False
+        state_digest = record["state_digest"]
+        if replay is not None and replay.data == row.state:
+            found = sha256_hex(row.state)
+            problem = "" if found == state_digest else f"a state body hashing to {found}"
+        else:
+            problem = _state_problem(row.state, state_digest)
         if problem:
-            self._fail(row.version, STATE, f"a state hashing to {record['state_digest']}", problem)
+            self._fail(row.version, STATE, f"a state hashing to {state_digest}", problem)
+            return False
+        return True
+
+    def _replay(self, parsed: _Parsed) -> _Replay | None:
+        """The previous state with the record's patch applied, in canonical bytes;
+        None when the previous state is unknown."""
+        old = self._state
+        if old is None:
+            return None
+        state = apply_patch(old, parsed.record["patch"])
+        if self._state_fast and parsed.fast:
+            # both inside the fast path, so is the replayed state: no walk needed
+            try:
+                return _Replay(state, orjson.dumps(state, option=orjson.OPT_SORT_KEYS), True)
+            except orjson.JSONEncodeError:
+                pass
+        return _Replay(state, canonical_bytes(state), False)
 
     # --- the chain ------------------------------------------------------------------
 
-    def _check_in_chain(self, row: LedgerRow, record: JsonObject) -> None:
+    def _check_in_chain(
+        self, row: LedgerRow, record: JsonObject, replay: _Replay | None, body_verified: bool
+    ) -> None:
         """Steps 7 and 10, the risk rules and the receipt: what depends on the
         previous record and state."""
         version = row.version
@@ -416,10 +514,13 @@ class ThreadVerifier:
             )
             self._fail(version, PARENT, expected, f"{record['parent_digest']}")
         policy = self._trust.by_digest.get(record["policy_digest"])
-        old, state = self._state, None
-        if old is not None:
-            state = apply_patch(old, record["patch"])
-            replayed = _digest_of(state)
+        old, state, state_fast = self._state, None, False
+        if replay is not None:
+            state, state_fast = replay.state, replay.fast
+            if body_verified and replay.data == row.state:
+                replayed = record["state_digest"]  # the same bytes hashed to it just now
+            else:
+                replayed = sha256_hex(replay.data)
             if replayed != record["state_digest"]:
                 self._fail(
                     version,
@@ -433,17 +534,37 @@ class ThreadVerifier:
             matched = self._risk_rules(version, policy, old, state, record)
         self._check_receipt(row, record, matched)
         self._parent = row.digest
-        self._state = state if state is not None else _kept_state(row.state, record)
+        if state is not None:
+            self._state, self._state_fast = state, state_fast
+        else:
+            self._state, self._state_fast = _kept_state(row.state, record)
 
     def _risk_rules(
         self, version: int, policy: Policy, old: JsonObject, state: JsonObject, record: JsonObject
     ) -> list[str] | None:
+        if not policy.risk_rules:
+            return []
         node = record["node_id"].rsplit("/", 1)[-1]
+        patch = record["patch"]
+        values = {"state": state, "old": old, "patch": patch, "node": node}
+        memo = self._run.risk_memo
+        key = _risk_key(policy.digest, self._trust.risk_inputs[policy.digest], values)
+        if key is not None and key in memo:
+            return list(memo[key])
         try:
-            return matched_risk_rules(policy, Change.of(policy, state, old, record["patch"], node))
+            # bound as the transition service binds them (services.changes.Change.of),
+            # but only what the risk rules read: the invariants are not re-checked here
+            reads = self._trust.risk_reads[policy.digest]
+            bound = bind(reads, values) if reads else None
+            matched = matched_risk_rules(policy, Change(state, old, patch, node, bound))
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             self._fail(version, RISK_UNCHECKED, "risk rules that evaluate", f"{type(exc).__name__}")
             return None
+        if key is not None:
+            if len(memo) >= RISK_MEMO_SIZE:
+                memo.clear()
+            memo[key] = list(matched)
+        return matched
 
     def _check_receipt(self, row: LedgerRow, record: JsonObject, matched: list[str] | None) -> None:
         version, receipt_digest = row.version, record["receipt_digest"]
@@ -575,7 +696,9 @@ class ThreadVerifier:
             )
             return
         if head.state is not None and last.state_digest is not None:
-            problem = _state_problem(head.state, last.state_digest)
+            # the last record's kept body verified already: the same bytes need no more
+            same = last.state is not None and head.state == last.state
+            problem = "" if same else _state_problem(head.state, last.state_digest)
             if problem:
                 self._fail(
                     head.version, HEAD_STATE, f"a state hashing to {last.state_digest}", problem
@@ -585,25 +708,32 @@ class ThreadVerifier:
 # --- record parsing ---------------------------------------------------------------------
 
 
-def _parse_canonical(data: bytes) -> tuple[JsonObject | None, str]:
-    """The parsed object and a problem: (None, why) if unusable, (obj, why) if usable
-    but not canonical, (obj, "") if canonical."""
+def _parse_canonical(data: bytes) -> tuple[JsonObject | None, str, bool]:
+    """The parsed object, a problem and whether the canonical fast path holds it:
+    (None, why, False) if unusable, (obj, why, False) if usable but not canonical,
+    (obj, "", fast) if canonical."""
     try:
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        return None, f"not JSON ({shown(str(exc))})"
+        return None, f"not JSON ({shown(str(exc))})", False
     if not isinstance(parsed, dict):
-        return None, f"a JSON {type(parsed).__name__}, not an object"
+        return None, f"a JSON {type(parsed).__name__}, not an object", False
+    if orjson_canonical(data, parsed):
+        return parsed, "", True
     try:
         canonical = canonical_bytes(parsed)
     except (ValueError, TypeError, RecursionError):
-        return None, "values outside the canonical JSON domain"
+        return None, "values outside the canonical JSON domain", False
     if canonical != data:
-        return parsed, (
-            f"{len(data)} bytes that are not their own RFC 8785 form "
-            f"({len(canonical)} bytes, digest {sha256_hex(canonical)})"
+        return (
+            parsed,
+            (
+                f"{len(data)} bytes that are not their own RFC 8785 form "
+                f"({len(canonical)} bytes, digest {sha256_hex(canonical)})"
+            ),
+            False,
         )
-    return parsed, ""
+    return parsed, "", False
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -622,6 +752,14 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+_TYPED_MEMBERS = operator.itemgetter(*_TYPES)
+# the member types of a well-formed record, with and without a receipt digest
+_WELL_TYPED = frozenset(
+    tuple(types[0] if name != "receipt_digest" else receipt for name, types in _TYPES.items())
+    for receipt in (str, type(None))
+)
+
+
 def _format_problems(record: JsonObject) -> list[str]:
     """Step 5: exactly the members of format 1, with their types and shapes."""
     if record.keys() != RECORD_MEMBERS:
@@ -629,13 +767,15 @@ def _format_problems(record: JsonObject) -> list[str]:
             f"missing members {sorted(RECORD_MEMBERS - record.keys())}, "
             f"unexpected {[shown(k) for k in sorted(record.keys() - RECORD_MEMBERS)]}"
         ]
-    problems = [
-        f"{name} is a {type(record[name]).__name__}"
-        for name, types in _TYPES.items()
-        if type(record[name]) not in types
-    ]
-    if problems:
-        return problems
+    if tuple(map(type, _TYPED_MEMBERS(record))) not in _WELL_TYPED:
+        problems = [
+            f"{name} is a {type(record[name]).__name__}"
+            for name, types in _TYPES.items()
+            if type(record[name]) not in types
+        ]
+        if problems:
+            return problems
+    problems = []
     if record["format"] != RECORD_FORMAT:
         problems.append(f"format {record['format']}")
     version = record["version"]
@@ -667,7 +807,7 @@ def _state_digest(record: JsonObject | None) -> str | None:
 def _state_problem(state: bytes, state_digest: str) -> str:
     """Why ``state`` is not the canonical state hashing to ``state_digest`` ("" if it is)."""
     found = sha256_hex(state)
-    parsed, problem = _parse_canonical(state)
+    parsed, problem, _ = _parse_canonical(state)
     if parsed is None or problem:
         return f"a state body that is not canonical JSON of an object ({problem})"
     if found != state_digest:
@@ -675,16 +815,30 @@ def _state_problem(state: bytes, state_digest: str) -> str:
     return ""
 
 
-def _kept_state(state: bytes | None, record: JsonObject) -> JsonObject | None:
-    """A kept state body to re-synchronise on, if it is the record's state."""
-    if state is None or _state_problem(state, record["state_digest"]):
+def _kept_state(state: bytes | None, record: JsonObject) -> tuple[JsonObject | None, bool]:
+    """A kept state body to re-synchronise on, if it is the record's state, and
+    whether it lies inside the canonical fast path."""
+    if state is None or sha256_hex(state) != record["state_digest"]:
+        return None, False
+    parsed, problem, fast = _parse_canonical(state)
+    if parsed is None or problem:
+        return None, False
+    return parsed, fast
+
+
+def _risk_key(digest: str, inputs: Reads, values: dict[str, Any]) -> tuple[str, bytes] | None:
+    """The exact JSON of what the policy's risk rules see of ``values`` (None if it
+    cannot be written, and then nothing is remembered)."""
+    seen: list[Any] = []
+    for var, keys in inputs.items():
+        value = values[var]
+        if keys is not None and isinstance(value, dict):
+            value = {key: value[key] for key in keys if key in value}
+        seen += (var, value)
+    try:
+        return digest, orjson.dumps(seen)
+    except orjson.JSONEncodeError:
         return None
-    parsed: JsonObject = orjson.loads(state)
-    return parsed
-
-
-def _digest_of(state: JsonObject) -> str:
-    return hashlib.sha256(canonical_bytes(state)).hexdigest()
 
 
 def _transition_digest(record: JsonObject, matched: list[str]) -> str:
@@ -726,7 +880,8 @@ SELECT h.thread_id, h.version, h.head_digest
    AND NOT EXISTS (SELECT 1 FROM ztate.transitions t WHERE t.thread_id = h.thread_id)
  ORDER BY h.thread_id
 """
-PREFETCH = 256
+PREFETCH = 256  # measured: larger batches fetch more slowly
+RISK_MEMO_SIZE = 4096
 CONNECT_TIMEOUT = 10.0
 
 
@@ -736,6 +891,15 @@ async def connect(dsn: str) -> asyncpg.Connection:
         return await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT)
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise VerifyError(f"cannot connect to the database: {type(exc).__name__}: {exc}") from None
+
+
+def _column_time(moment: datetime) -> str:
+    """``format_time`` of a timestamptz column, by ``isoformat`` (several times faster
+    than ``strftime``) where the two agree: a four-digit year."""
+    utc = moment.astimezone(UTC)
+    if utc.year < 1000:
+        return format_time(utc)
+    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def row_from_db(record: asyncpg.Record) -> LedgerRow:
@@ -753,7 +917,7 @@ def row_from_db(record: asyncpg.Record) -> LedgerRow:
         receipt=_bytes_or_none(record["receipt"]),
         receipt_signature=record["receipt_signature"],
         receipt_key_id=record["receipt_key_id"],
-        committed_at=format_time(committed_at),
+        committed_at=_column_time(committed_at),
     )
 
 

@@ -14,12 +14,19 @@ import math
 import struct
 from typing import Any
 
+import orjson
 import pytest
 import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.canonical import MAX_SAFE_INTEGER, canonical_bytes, parse_object, sha256_hex
+from services.canonical import (
+    MAX_SAFE_INTEGER,
+    canonical_bytes,
+    orjson_canonical,
+    parse_object,
+    sha256_hex,
+)
 from services.errors import PatchMalformed, ValueOutOfRange
 
 PROPERTY = settings(max_examples=300, deadline=None)
@@ -162,6 +169,75 @@ APPENDIX_B = [
     ("becbf647612f3696", "-0.0000033333333333333333"),
     ("43143ff3c1cb0959", "1424953923781206.2"),
 ]
+
+
+# --- orjson_canonical: canonical form recognised without a walk -------------------------
+
+
+def _encodings(value: dict[str, Any]) -> list[bytes]:
+    """Bytes that parse to ``value``: orjson's (sorted and not) and json's."""
+    out = [
+        orjson.dumps(value, option=orjson.OPT_SORT_KEYS),
+        orjson.dumps(value),
+        json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode(
+            "utf-8", "surrogatepass"
+        ),
+    ]
+    return out
+
+
+@PROPERTY
+@given(st.dictionaries(NAMES, VALUES, max_size=4))
+def test_orjson_canonical_is_never_wrong(value: dict[str, Any]) -> None:
+    # True only when the bytes are exactly the reference's canonical form
+    for data in _encodings(value):
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if orjson_canonical(data, parsed):
+            assert data == rfc8785.dumps(parsed)
+
+
+@PROPERTY
+@given(st.dictionaries(TEXT, json_values(st.one_of(st.none(), st.booleans(), INTEGERS, TEXT))))
+def test_orjson_canonical_recognises_the_fast_path(value: dict[str, Any]) -> None:
+    data = canonical_bytes(value)
+    safe = all(abs(n) < 10**15 for n in _integers(value)) and not any(
+        ord(c) > 0xFFFF for c in data.decode("utf-8", "surrogatepass")
+    )
+    assert orjson_canonical(data, orjson.loads(data)) or not safe
+
+
+def _integers(value: Any) -> list[int]:
+    if type(value) is int:
+        return [value]
+    if isinstance(value, dict):
+        return [n for item in value.values() for n in _integers(item)]
+    if isinstance(value, list):
+        return [n for item in value for n in _integers(item)]
+    return []
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"a":1.0}',
+        b'{"a":[1e21]}',
+        b'{"a":{"b":-0.5e-7}}',
+        b'{"a":9007199254740992}',
+        b'{"\xee\x80\x80":1,"\xf0\x9f\x98\x80":2}',
+    ],
+)
+def test_orjson_canonical_sends_floats_large_integers_and_non_bmp_names_elsewhere(
+    data: bytes,
+) -> None:
+    assert not orjson_canonical(data, orjson.loads(data))
+
+
+def test_orjson_canonical_ignores_numbers_inside_strings() -> None:
+    data = b'{"at":"2026-11-01T00:00:01.000000Z","n":12,"s":"x:1.5,\\n"}'
+    assert orjson_canonical(data, orjson.loads(data))
 
 
 @pytest.mark.parametrize(("bits", "expected"), APPENDIX_B)
