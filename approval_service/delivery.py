@@ -145,10 +145,10 @@ class ReceiptDelivery:
             except STORAGE_ERRORS as failure:
                 self._failed()
                 log.warning("receipt delivery round failed: %s", type(failure).__name__)
-            except Exception:
-                # A bug must not end delivery for good: log it, back off, go on.
+            except Exception as unexpected:
+                # A bug must not end delivery for good: log it loudly, back off, go on.
                 self._failed()
-                log.exception("receipt delivery round failed unexpectedly")
+                log.exception("receipt delivery round failed: %s", type(unexpected).__name__)
             delay = min(self._interval * 2**self._failures, MAX_BACKOFF_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)

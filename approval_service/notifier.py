@@ -339,9 +339,9 @@ class WebhookNotifier:
         except asyncio.CancelledError:
             log.warning("webhook %s: cancelled, not delivered", delivery_id)
             raise
-        except Exception:
+        except Exception as unexpected:
             # A bug here must not surface as an unretrieved task exception.
-            log.exception("webhook %s: delivery failed unexpectedly", delivery_id)
+            log.exception("webhook %s: delivery failed: %s", delivery_id, type(unexpected).__name__)
 
     async def _attempts(self, event: ReviewEvent, delivery_id: str) -> None:
         body = event.body()

@@ -234,7 +234,7 @@ def child_server(
     child = ChildServer(name, process, f"127.0.0.1:{port}", log)
     try:
         yield child
-    except Exception:
+    except Exception:  # shown with the child's log, then re-raised
         tail = child.log_tail()
         if tail:
             print(f"--- last lines of the {name} log ---\n{tail}", file=sys.stderr)
