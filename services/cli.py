@@ -21,7 +21,7 @@ from pydantic import SecretStr, ValidationError
 
 from approval_service.cli import add_approval_commands
 from services import ca
-from services.config import ApprovalSettings, Settings
+from services.config import ApprovalSettings, Settings, describe
 from services.identity import NAME, Identity, Role
 from services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
 from services.operator_client import add_connection_flags, operator_channel
@@ -36,11 +36,7 @@ def _settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        problems = "; ".join(
-            f"ZTATE_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise SystemExit(f"ztate: invalid configuration: {problems}") from None
+        raise SystemExit(f"ztate: invalid configuration: {describe(exc)}") from None
 
 
 def _configure_logging() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -137,3 +137,11 @@ class ApprovalSettings(BaseSettings):
         if (self.webhook_url is None) != (self.webhook_secret is None):
             raise ValueError("set both ZTATE_APPROVAL_WEBHOOK_URL and _WEBHOOK_SECRET, or neither")
         return self
+
+
+def describe(error: ValidationError) -> str:
+    """A configuration error as the operator fixes it: by variable name."""
+    return "; ".join(
+        f"ZTATE_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
+        for err in error.errors()
+    )

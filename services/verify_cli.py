@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
 from services.bundle import export_bundle, verify_bundle
-from services.config import Settings
+from services.config import Settings, describe
 from services.keyring import Keyring, KeyringError
 from services.policy import PolicyError, PolicySet
 from services.receipts import KeyFileError, load_public_keys
@@ -139,11 +139,7 @@ def _settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        problems = "; ".join(
-            f"ZTATE_{'_'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise VerifyError(f"invalid configuration: {problems}") from None
+        raise VerifyError(f"invalid configuration: {describe(exc)}") from None
 
 
 def _trust(args: argparse.Namespace, settings: Settings) -> Trust:

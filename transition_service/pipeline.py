@@ -152,6 +152,12 @@ def check_registered(caller: Identity, policies: PolicySet) -> Policy:
     return policy
 
 
+def key_reused() -> errors.IdempotencyKeyReused:
+    return errors.IdempotencyKeyReused(
+        "idempotency_key was already used by this node on this thread for a different request"
+    )
+
+
 def thread_not_found(thread_id: str) -> errors.ThreadNotFound:
     return errors.ThreadNotFound(f"thread {thread_id!r} does not exist")
 
@@ -500,10 +506,7 @@ class TransitionPipeline:
             proposal.idempotency_key,
         )
         if same_request_key and parked.request_digest != digest_of_request:
-            raise errors.IdempotencyKeyReused(
-                "idempotency_key was already used by this node on this thread for a "
-                "different request"
-            )
+            raise key_reused()
         if not inserted and not same_request_key and parked.status != "pending":
             raise errors.ReviewClosed(
                 f"this exact change on this version was already {parked.status}; change it "
@@ -545,20 +548,14 @@ class TransitionPipeline:
         )
         if earlier is not None:
             if earlier.request_digest != request_digest(proposal):
-                raise errors.IdempotencyKeyReused(
-                    "idempotency_key was already used by this node on this thread for a "
-                    "different request"
-                )
+                raise key_reused()
             return Committed(earlier, True)
         parked = await self._store.find_pending(
             proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
         )
         if parked is not None:
             if parked.request_digest != request_digest(proposal):
-                raise errors.IdempotencyKeyReused(
-                    "idempotency_key was already used by this node on this thread for a "
-                    "different request"
-                )
+                raise key_reused()
             return Parked(parked, True)
         raise errors.StaleVersion(
             f"expected version {proposal.expected_version}, but the head is at {head_version}",
