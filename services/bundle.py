@@ -1,9 +1,12 @@
 """Ledger bundles: an export an auditor verifies with no database and no server.
 
-A bundle is a folder of two files. ``records.jsonl`` holds one JSON object per
+A bundle is a folder of three files. ``records.jsonl`` holds one JSON object per
 ledger row, in ``(thread_id, version)`` order, with the record as its exact
 canonical text, so the bytes that were hashed and signed travel unchanged.
-``manifest.json`` is a packing list: counts, the file's SHA-256 and every
+``checkpoints.jsonl`` holds the signed checkpoints (format 2 bundles; format 1
+bundles have none), in the same order, so that ``ztate verify --bundle
+--public-only`` can anchor the chain with public keys alone.
+``manifest.json`` is a packing list: counts, the files' SHA-256 and every
 thread's head as the database held it at export time. The manifest is not
 signed (the records carry their own proof: digests, HMACs, the chain and the
 receipts); it turns a truncated, padded or edited file into a precise finding
@@ -20,6 +23,10 @@ Each line has exactly these members::
     record             the canonical record text
     state, receipt     text, or null when the row keeps none
     receipt_signature, receipt_key_id, committed_at
+
+and each checkpoint line ``thread_id, version, checkpoint`` (the signed canonical
+text), ``signature, key_id``. Both files are sorted by thread id in code point
+order (Postgres ``COLLATE "C"``), so the verifier merges them in one pass.
 
 A byte string that is not UTF-8 (only a damaged row holds one) is written as
 ``{"base64": "..."}`` instead of text, so that an export never loses evidence.
@@ -42,7 +49,9 @@ import asyncpg
 import orjson
 
 from services.chain import format_time
+from services.checkpoints import SignedCheckpoint
 from services.verify import (
+    CHECKPOINT,
     Finding,
     Head,
     LedgerRow,
@@ -54,17 +63,21 @@ from services.verify import (
     VerifyError,
     connect,
     row_from_db,
+    shown,
 )
 
-BUNDLE_FORMAT = 1
+BUNDLE_FORMAT = 2  # 2: with checkpoints.jsonl
+READABLE_FORMATS = (1, 2)
 BUNDLE_KIND = "ztate-ledger-bundle"
 RECORDS = "records.jsonl"
+CHECKPOINTS = "checkpoints.jsonl"
 MANIFEST = "manifest.json"
 
 BUNDLE_HASH = "bundle.file_hash"  # records.jsonl is not the file the manifest describes
 BUNDLE_COUNT = "bundle.count"  # lines or threads added or removed
 BUNDLE_LINE = "bundle.line"  # a line that is not a ledger row
 BUNDLE_ORDER = "bundle.order"  # a thread's lines are not together
+BUNDLE_CHECKPOINT = "bundle.checkpoint"  # a checkpoint line that is not one, or of no thread
 
 HEX_256 = re.compile(r"^[0-9a-f]{64}$")
 LINE_MEMBERS = (
@@ -88,6 +101,7 @@ _OPTIONAL_TEXT = ("receipt_signature", "receipt_key_id", "committed_at")
 _TEXT = operator.itemgetter(*_TEXT_MEMBERS)
 _OPTIONAL = operator.itemgetter(*_OPTIONAL_TEXT)
 _STR, _STR_OR_NULL = frozenset({str}), frozenset({str, type(None)})
+CHECKPOINT_MEMBERS = frozenset({"thread_id", "version", "checkpoint", "signature", "key_id"})
 
 
 class BundleError(VerifyError):
@@ -103,6 +117,9 @@ class Manifest:
     records_sha256: str
     policy_digests: tuple[str, ...]
     heads: dict[str, tuple[int, str]]
+    # None: a format 1 bundle, which carries no checkpoints
+    checkpoints: int | None = None
+    checkpoints_sha256: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -115,6 +132,8 @@ class Manifest:
             "records_sha256": self.records_sha256,
             "policy_digests": list(self.policy_digests),
             "heads": {thread: [v, d] for thread, (v, d) in self.heads.items()},
+            "checkpoints": self.checkpoints,
+            "checkpoints_sha256": self.checkpoints_sha256,
         }
 
 
@@ -126,7 +145,13 @@ SELECT thread_id, version, digest, parent_digest, node_id, key_id, signature, re
   FROM ztate.transitions
 """
 EXPORT_HEADS = "SELECT thread_id, version, head_digest FROM ztate.threads"
-ORDER = " ORDER BY thread_id, version"
+EXPORT_CHECKPOINTS = """
+SELECT thread_id, version, checkpoint, signature, key_id
+  FROM ztate.checkpoints
+"""
+# code point order, which Python's string comparison shares: the verifier merges
+# the records with the checkpoints in one pass
+ORDER = ' ORDER BY thread_id COLLATE "C", version'
 
 
 async def export_bundle(dsn: str, out_dir: Path, thread_id: str | None = None) -> Manifest:
@@ -155,11 +180,20 @@ async def _export_snapshot(
     with BundleWriter(out_dir) as writer:
         async for stored in conn.cursor(EXPORT_ROWS + where + ORDER, *args, prefetch=256):
             writer.add(row_from_db(stored))
+        async for stored in conn.cursor(EXPORT_CHECKPOINTS + where + ORDER, *args, prefetch=256):
+            writer.add_checkpoint(
+                stored["thread_id"],
+                stored["version"],
+                SignedCheckpoint(
+                    bytes(stored["checkpoint"]), stored["signature"], stored["key_id"]
+                ),
+            )
         return writer.finish(heads, thread_id=thread_id)
 
 
 class BundleWriter:
-    """Writes ``records.jsonl`` row by row, then the manifest that describes it.
+    """Writes ``records.jsonl`` row by row and ``checkpoints.jsonl`` checkpoint by
+    checkpoint, then the manifest that describes them.
 
     The manifest is written last: a folder without one is an export that did not
     finish. The folder must not hold a bundle already.
@@ -167,19 +201,21 @@ class BundleWriter:
 
     def __init__(self, out_dir: Path) -> None:
         self._records_path, self._manifest_path = out_dir / RECORDS, out_dir / MANIFEST
+        self._checkpoints_path = out_dir / CHECKPOINTS
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             if self._manifest_path.exists():
                 raise FileExistsError
             self._out = self._records_path.open("xb")
+            self._checkpoints_out = self._checkpoints_path.open("xb")
         except FileExistsError:
             raise BundleError(
                 f"{out_dir}: already holds a bundle; choose an empty folder"
             ) from None
         except OSError as exc:
             raise BundleError(f"{out_dir}: cannot write a bundle ({exc.strerror})") from None
-        self._hasher = hashlib.sha256()
-        self._records = self._threads = 0
+        self._hasher, self._checkpoint_hasher = hashlib.sha256(), hashlib.sha256()
+        self._records = self._threads = self._checkpoints = 0
         self._last_thread: str | None = None
         self._policy_digests: set[str] = set()
 
@@ -188,6 +224,7 @@ class BundleWriter:
 
     def __exit__(self, *_: object) -> None:
         self._out.close()
+        self._checkpoints_out.close()
 
     def add(self, row: LedgerRow) -> None:
         line = orjson.dumps(_line(row)) + b"\n"
@@ -203,11 +240,32 @@ class BundleWriter:
         if digest is not None:
             self._policy_digests.add(digest)
 
+    def add_checkpoint(self, thread_id: str, version: int, signed: SignedCheckpoint) -> None:
+        line = (
+            orjson.dumps(
+                {
+                    "thread_id": thread_id,
+                    "version": version,
+                    "checkpoint": _blob_out(signed.checkpoint),
+                    "signature": signed.signature,
+                    "key_id": signed.key_id,
+                }
+            )
+            + b"\n"
+        )
+        try:
+            self._checkpoints_out.write(line)
+        except OSError as exc:
+            raise BundleError(f"{self._checkpoints_path}: cannot write ({exc.strerror})") from None
+        self._checkpoint_hasher.update(line)
+        self._checkpoints += 1
+
     def finish(
         self, heads: dict[str, tuple[int, str]], *, thread_id: str | None = None
     ) -> Manifest:
-        """Close the records and write the manifest, with the heads the source holds."""
+        """Close the files and write the manifest, with the heads the source holds."""
         self._out.close()
+        self._checkpoints_out.close()
         manifest = Manifest(
             created_at=format_time(datetime.now(UTC)),
             thread_id=thread_id,
@@ -216,6 +274,8 @@ class BundleWriter:
             records_sha256=self._hasher.hexdigest(),
             policy_digests=tuple(sorted(self._policy_digests)),
             heads=heads,
+            checkpoints=self._checkpoints,
+            checkpoints_sha256=self._checkpoint_hasher.hexdigest(),
         )
         try:
             self._manifest_path.write_bytes(
@@ -274,11 +334,14 @@ def read_manifest(directory: Path) -> Manifest:
         raise BundleError(f"{path}: cannot read the manifest ({exc.strerror})") from None
     except orjson.JSONDecodeError:
         raise BundleError(f"{path}: the manifest is not JSON") from None
-    if not isinstance(doc, dict) or (doc.get("format"), doc.get("kind")) != (
-        BUNDLE_FORMAT,
-        BUNDLE_KIND,
+    if (
+        not isinstance(doc, dict)
+        or doc.get("kind") != BUNDLE_KIND
+        or doc.get("format") not in READABLE_FORMATS
+        or type(doc.get("format")) is not int
     ):
-        raise BundleError(f"{path}: not a format {BUNDLE_FORMAT} {BUNDLE_KIND} manifest")
+        formats = " or ".join(str(f) for f in READABLE_FORMATS)
+        raise BundleError(f"{path}: not a format {formats} {BUNDLE_KIND} manifest")
     try:
         return _manifest_from(doc)
     except (KeyError, TypeError, ValueError) as exc:
@@ -298,6 +361,13 @@ def _manifest_from(doc: dict[str, Any]) -> Manifest:
     if not isinstance(doc["records_sha256"], str) or not HEX_256.match(doc["records_sha256"]):
         raise ValueError("records_sha256 must be 64 lower-case hex characters")
     thread_id = doc.get("thread_id")
+    checkpoints, checkpoints_sha256 = None, None
+    if doc["format"] >= 2:
+        checkpoints, checkpoints_sha256 = doc["checkpoints"], doc["checkpoints_sha256"]
+        if type(checkpoints) is not int:
+            raise ValueError("checkpoints must be an integer")
+        if not isinstance(checkpoints_sha256, str) or not HEX_256.match(checkpoints_sha256):
+            raise ValueError("checkpoints_sha256 must be 64 lower-case hex characters")
     return Manifest(
         created_at=str(doc["created_at"]),
         thread_id=thread_id if isinstance(thread_id, str) else None,
@@ -306,6 +376,8 @@ def _manifest_from(doc: dict[str, Any]) -> Manifest:
         records_sha256=doc["records_sha256"],
         policy_digests=tuple(str(d) for d in doc["policy_digests"]),
         heads=heads,
+        checkpoints=checkpoints,
+        checkpoints_sha256=checkpoints_sha256,
     )
 
 
@@ -417,15 +489,138 @@ def _blob_in(value: Any, name: str) -> bytes | None:
     raise _LineProblem(f"{name} must be text, {{'base64': ...}} or null")
 
 
+class CheckpointReader:
+    """The bundle's checkpoints, taken thread by thread in one pass over the file,
+    in step with the records (both are in code point order of thread id).
+
+    A checkpoint of a thread with no records in the bundle is reported (the chain
+    no longer passes through a signed head); after the last line, the file's hash
+    and line count are compared with the manifest.
+    """
+
+    def __init__(
+        self, directory: Path, manifest: Manifest, report: Report, *, thread_id: str | None
+    ) -> None:
+        self._path = directory / CHECKPOINTS
+        self._manifest, self._report, self._only = manifest, report, thread_id
+        self._hasher, self._lines = hashlib.sha256(), 0
+        try:
+            self._handle = self._path.open("rb")
+        except OSError as exc:
+            raise BundleError(
+                f"{self._path}: cannot read the checkpoints ({exc.strerror})"
+            ) from None
+        self._last_thread: str | None = None
+        self._next: tuple[str, int, SignedCheckpoint] | None = None
+        self._advance()
+
+    def _advance(self) -> None:
+        self._next = None
+        for line in self._handle:
+            self._hasher.update(line)
+            self._lines += 1
+            try:
+                entry = _checkpoint_from_line(line)
+            except _LineProblem as problem:
+                found = f"line {self._lines}: {problem}"
+                self._report(Finding(None, None, BUNDLE_CHECKPOINT, "a checkpoint", found))
+                continue
+            if self._last_thread is not None and entry[0] < self._last_thread:
+                self._report(
+                    Finding(
+                        entry[0],
+                        entry[1],
+                        BUNDLE_ORDER,
+                        "checkpoints in thread id order",
+                        f"line {self._lines} comes after thread {shown(self._last_thread)}",
+                    )
+                )
+            self._last_thread, self._next = entry[0], entry
+            return
+
+    def take(self, thread_id: str) -> dict[int, SignedCheckpoint]:
+        """The checkpoints of ``thread_id``; those of threads before it have no records."""
+        taken: dict[int, SignedCheckpoint] = {}
+        while self._next is not None and self._next[0] <= thread_id:
+            owner, version, checkpoint = self._next
+            if owner == thread_id:
+                taken[version] = checkpoint
+            else:
+                self._orphan(owner, version)
+            self._advance()
+        return taken
+
+    def _orphan(self, thread_id: str, version: int) -> None:
+        if self._only is None or self._only == thread_id:
+            self._report(
+                Finding(
+                    thread_id,
+                    version,
+                    CHECKPOINT,
+                    f"a record at version {version} (a signed head)",
+                    "no record of the thread in the bundle",
+                )
+            )
+
+    def finish(self) -> None:
+        while self._next is not None:
+            self._orphan(self._next[0], self._next[1])
+            self._advance()
+        self._handle.close()
+        found = self._hasher.hexdigest()
+        if found != self._manifest.checkpoints_sha256:
+            expected = f"{CHECKPOINTS} with SHA-256 {self._manifest.checkpoints_sha256}"
+            self._report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
+        if self._lines != self._manifest.checkpoints:
+            expected = f"{self._manifest.checkpoints} checkpoint lines (the manifest's)"
+            self._report(Finding(None, None, BUNDLE_COUNT, expected, f"{self._lines} lines"))
+
+
+def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise _LineProblem("not JSON") from None
+    if not isinstance(doc, dict) or doc.keys() != CHECKPOINT_MEMBERS:
+        members = ", ".join(sorted(CHECKPOINT_MEMBERS))
+        raise _LineProblem(f"not an object with exactly the members {members}")
+    for name in ("thread_id", "signature", "key_id"):
+        if not isinstance(doc[name], str):
+            raise _LineProblem(f"{name} must be a string")
+    if type(doc["version"]) is not int:
+        raise _LineProblem("version must be an integer")
+    checkpoint = _blob_in(doc["checkpoint"], "checkpoint")
+    if checkpoint is None:
+        raise _LineProblem("checkpoint must not be null")
+    return (
+        doc["thread_id"],
+        doc["version"],
+        SignedCheckpoint(checkpoint, doc["signature"], doc["key_id"]),
+    )
+
+
 # --- verification -----------------------------------------------------------------------
 
 
 def verify_bundle(
     directory: Path, trust: Trust, report: Report, *, thread_id: str | None = None
 ) -> Summary:
-    """Verify the bundle in ``directory`` (every thread, or one) with no database."""
+    """Verify the bundle in ``directory`` (every thread, or one) with no database.
+
+    Checkpoints are checked whenever the trust holds their public keys; public-only
+    verification (no HMAC keyring) needs a bundle that carries them."""
     manifest = read_manifest(directory)
+    if trust.keyring is None and manifest.checkpoints is None:
+        raise BundleError(
+            f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
+            "verification needs; export it again"
+        )
     run = Verification(trust, report)
+    checkpoints = (
+        CheckpointReader(directory, manifest, run.finding, thread_id=thread_id)
+        if trust.checkpoint_keys is not None and manifest.checkpoints is not None
+        else None
+    )
     current: ThreadVerifier | None = None
     seen: set[str] = set()
     for row in read_rows(directory, manifest, run.finding, thread_id=thread_id):
@@ -444,9 +639,13 @@ def verify_bundle(
                 )
             seen.add(row.thread_id)
             current = run.thread(row.thread_id)
+            if checkpoints is not None:
+                current.expect_checkpoints(checkpoints.take(row.thread_id))
         current.add(row)
     if current is not None:
         current.check_head(_head(manifest, current.thread_id))
+    if checkpoints is not None:
+        checkpoints.finish()
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
         run.headless(missing, _head(manifest, missing))

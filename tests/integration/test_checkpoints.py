@@ -20,7 +20,17 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from services.canonical import canonical_bytes
+from services.bundle import (
+    CHECKPOINTS,
+    MANIFEST,
+    RECORDS,
+    BundleError,
+    export_bundle,
+    read_manifest,
+    verify_bundle,
+)
+from services.canonical import JsonObject, canonical_bytes
+from services.changes import apply_patch
 from services.policy import PolicySet
 from services.receipts import generate_signing_key, load_public_keys, load_signing_key
 from services.verify import Finding, Trust, verify_database
@@ -173,3 +183,120 @@ async def test_the_cli_verifies_with_public_keys_alone(
     assert summary["type"] == "summary"
     assert summary["failures"] == 0
     assert summary["records"] == 3
+
+
+# --- bundles carry the checkpoints --------------------------------------------------------
+
+
+async def _exported(dsn: str, out: Path, thread_id: str) -> Path:
+    await export_bundle(dsn, out, thread_id)
+    return out
+
+
+def _verify_bundle(folder: Path, thread_id: str, trust: Trust) -> list[Finding]:
+    findings: list[Finding] = []
+    verify_bundle(folder, trust, findings.append, thread_id=thread_id)
+    return findings
+
+
+def _rewrite_manifest(folder: Path) -> None:
+    """Make the packing list agree with the edited files, as anyone could."""
+    manifest = json.loads((folder / MANIFEST).read_bytes())
+    records = (folder / RECORDS).read_bytes()
+    checkpoints = (folder / CHECKPOINTS).read_bytes()
+    manifest.update(
+        records_sha256=hashlib.sha256(records).hexdigest(),
+        records=len(records.splitlines()),
+        checkpoints_sha256=hashlib.sha256(checkpoints).hexdigest(),
+        checkpoints=len(checkpoints.splitlines()),
+    )
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+async def test_a_bundle_verifies_with_public_keys_alone(
+    signed: tuple[str, Path, Checkpointer], database_dsn: str, tmp_path: Path
+) -> None:
+    thread_id, public, checkpointer = signed
+    await checkpointer.run_once()
+    folder = await _exported(database_dsn, tmp_path / "bundle", thread_id)
+    manifest = read_manifest(folder)
+    assert manifest.checkpoints is not None
+    assert manifest.checkpoints >= 1
+    assert _verify_bundle(folder, thread_id, public_trust(public)) == []
+
+
+async def test_a_consistent_rewrite_in_a_bundle_is_caught_by_the_signed_head(
+    signed: tuple[str, Path, Checkpointer], database_dsn: str, tmp_path: Path
+) -> None:
+    """Without the HMAC key an attacker can rehash a bundle's chain and its manifest;
+    only the checkpoints, signed elsewhere, disagree."""
+    thread_id, public, checkpointer = signed
+    await checkpointer.run_once()
+    folder = await _exported(database_dsn, tmp_path / "bundle", thread_id)
+    lines = [json.loads(line) for line in (folder / RECORDS).read_bytes().splitlines()]
+    parent: str | None = None
+    state: JsonObject = {}
+    for line in lines:
+        record = json.loads(line["record"])
+        if line["version"] == 1:
+            record["patch"] = {"requested_action": act("forged")}
+        if parent is not None:
+            record["parent_digest"] = line["parent_digest"] = parent
+        state = apply_patch(state, record["patch"])
+        line["state"] = canonical_bytes(state).decode()
+        record["state_digest"] = hashlib.sha256(line["state"].encode()).hexdigest()
+        line["record"] = canonical_bytes(record).decode()
+        line["digest"] = parent = hashlib.sha256(line["record"].encode()).hexdigest()
+    (folder / RECORDS).write_bytes(b"".join(canonical_bytes(line) + b"\n" for line in lines))
+    manifest = json.loads((folder / MANIFEST).read_bytes())
+    manifest["heads"][thread_id] = [lines[-1]["version"], parent]
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    _rewrite_manifest(folder)
+    findings = _verify_bundle(folder, thread_id, public_trust(public))
+    checks = {(f.version, f.check) for f in findings}
+    assert (1, "checkpoint") in checks
+    assert [str(f) for f in findings if f.check != "checkpoint"] == []
+
+
+async def test_a_checkpoint_removed_from_a_bundle_is_reported(
+    signed: tuple[str, Path, Checkpointer], database_dsn: str, tmp_path: Path
+) -> None:
+    thread_id, public, checkpointer = signed
+    await checkpointer.run_once()
+    folder = await _exported(database_dsn, tmp_path / "bundle", thread_id)
+    kept = (folder / CHECKPOINTS).read_bytes().splitlines(keepends=True)[1:]
+    (folder / CHECKPOINTS).write_bytes(b"".join(kept))
+    findings = _verify_bundle(folder, thread_id, public_trust(public))
+    assert {f.check for f in findings} == {"bundle.file_hash", "bundle.count"}
+
+
+async def test_a_signed_head_of_a_thread_whose_records_were_removed_is_reported(
+    signed: tuple[str, Path, Checkpointer], database_dsn: str, tmp_path: Path
+) -> None:
+    thread_id, public, checkpointer = signed
+    await checkpointer.run_once()
+    folder = await _exported(database_dsn, tmp_path / "bundle", thread_id)
+    (folder / RECORDS).write_bytes(b"")
+    manifest = json.loads((folder / MANIFEST).read_bytes())
+    manifest.update(threads=0, heads={})
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    _rewrite_manifest(folder)
+    findings: list[Finding] = []
+    verify_bundle(folder, public_trust(public), findings.append)
+    orphans = [f for f in findings if f.check == "checkpoint"]
+    assert orphans
+    assert all(f.thread_id == thread_id for f in orphans)
+    assert all(f.found == "no record of the thread in the bundle" for f in orphans)
+
+
+async def test_public_only_refuses_a_bundle_without_checkpoints(
+    signed: tuple[str, Path, Checkpointer], database_dsn: str, tmp_path: Path
+) -> None:
+    thread_id, public, _ = signed
+    folder = await _exported(database_dsn, tmp_path / "bundle", thread_id)
+    manifest = json.loads((folder / MANIFEST).read_bytes())
+    manifest["format"] = 1  # a bundle from before checkpoints travelled with it
+    del manifest["checkpoints"], manifest["checkpoints_sha256"]
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="carries no checkpoints"):
+        verify_bundle(folder, public_trust(public), lambda finding: None, thread_id=thread_id)
