@@ -42,8 +42,9 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	cd proto && ../$(VENV)/bin/buf lint
 
-## bench: the benchmarks (not part of the test suite)
+## bench: the benchmarks (not part of the test suite; installs the LangGraph comparison)
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m bench
 
 clean:

@@ -18,14 +18,24 @@ run, minutes apart:
     ``ztate serve`` in its own process, each worker proposing sequentially on its
     own thread against the version it last committed.
 
-Each runs closed-loop at concurrency 1 and 32 after a short warm-up, for a fixed
+(d) **langgraph**: LangGraph's ``AsyncPostgresSaver.aput`` writing the same
+    states, one saver per worker: what most users would pick instead, with no
+    authentication, validation, compare-and-swap or signature.
+
+Each runs closed-loop at concurrency 1, 32 and 128 after a short warm-up, for a fixed
 duration, in interleaved rounds; the best round counts. The report gives
 commits/s, p50 and p99 latency, and CPU per operation of the load generator, the
 server and Postgres (read from ``/proc``), which says where the time went, beside
 the CPU every other process on the machine used meanwhile, which says whether the
 figure was disturbed. Then the proposal pipeline's own CPU per proposal, without
 I/O, step by step for 1 KB and 10 KB patches, with ``rfc8785.dumps`` of the same
-value as the reference.
+value as the reference; then the service's resident memory at 10,000 active
+threads (``bench/memory.py``).
+
+The same run then measures, each in a database of its own, verification
+throughput against a hashing floor (``bench/verify.py``) and operator query
+latency on a ledger of 1,000,000 transitions (``bench/ledger_queries.py``);
+``--only end-to-end|verify|ledger-queries`` runs one part alone.
 
 The targets tracked: ztate >= 0.6 x the gRPC ceiling at concurrency 32, and at
 most 50 µs of pipeline CPU for a 1 KB patch. The verdicts are printed as measured.

@@ -9,8 +9,8 @@ from bench.loadgen import Sample
 from bench.machine import Machine
 from bench.pipeline_cpu import TOTAL_STEP, CpuTable
 
-FLOOR, CEILING, ZTATE = "floor", "ceiling", "ztate"
-KINDS = (FLOOR, CEILING, ZTATE)
+FLOOR, CEILING, ZTATE, LANGGRAPH = "floor", "ceiling", "ztate", "langgraph"
+KINDS = (FLOOR, CEILING, ZTATE, LANGGRAPH)
 TARGET_CONCURRENCY = 32
 TARGET_CEILING_RATIO = 0.6
 PIPELINE_BUDGET_US = 50.0
@@ -32,6 +32,7 @@ class Report:
     setup: Sequence[str]
     measured: Sequence[Measured]
     pipeline: CpuTable
+    memory: Sequence[str] = ()  # the service's memory at many active threads, if measured
 
     def rounds(self, kind: str, concurrency: int) -> list[Sample]:
         """Every sample of one measurement, in the order the rounds ran."""
@@ -59,9 +60,10 @@ def render(report: Report) -> str:
         _throughput_table(report),
         _ratio_table(report),
         _pipeline_table(report.pipeline),
+        "\n".join(report.memory),
         "\n".join(_verdicts(report)),
     ]
-    return "\n\n".join(sections)
+    return "\n\n".join(section for section in sections if section)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -119,17 +121,27 @@ def _ratio_table(report: Report) -> str:
     rows = []
     for concurrency in report.concurrencies():
         ztate = report.rate(ZTATE, concurrency)
+        floor = report.rate(FLOOR, concurrency)
+        langgraph = report.rate(LANGGRAPH, concurrency)
         rows.append(
             [
                 str(concurrency),
                 _number(_ratio(ztate, report.rate(CEILING, concurrency)), 2),
-                _number(_ratio(ztate, report.rate(FLOOR, concurrency)), 2),
-                _number(
-                    _ratio(report.rate(CEILING, concurrency), report.rate(FLOOR, concurrency)), 2
-                ),
+                _number(_ratio(ztate, floor), 2),
+                _number(_ratio(report.rate(CEILING, concurrency), floor), 2),
+                _number(_ratio(langgraph, floor), 2),
+                _number(_ratio(ztate, langgraph), 2),
             ]
         )
-    return _table(["c", "ztate / ceiling", "ztate / floor", "ceiling / floor"], rows)
+    header = [
+        "c",
+        "ztate / ceiling",
+        "ztate / floor",
+        "ceiling / floor",
+        "langgraph / floor",
+        "ztate / langgraph",
+    ]
+    return _table(header, rows)
 
 
 def _pipeline_table(table: CpuTable) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
@@ -35,12 +36,14 @@ from bench.environment import (
     wait_until_serving,
 )
 from bench.floor import CommitPayload, commit_payload, measure_floor
+from bench.langgraph_saver import measure_langgraph
 from bench.ledger_queries import measure_ledger_queries
 from bench.machine import describe
+from bench.memory import measure_memory
 from bench.pipeline_cpu import CpuTable, measure_pipeline_cpu
-from bench.report import CEILING, FLOOR, ZTATE, Measured, Report, render
+from bench.report import CEILING, FLOOR, LANGGRAPH, ZTATE, Measured, Report, render
 from bench.verify import measure_verification
-from bench.workload import DEFAULT_POLICY, receipt_patch
+from bench.workload import DEFAULT_POLICY, INITIAL_STATE, WRITTEN_KEY, receipt_patch
 from services.config import Settings
 from services.keyring import Keyring
 from services.policy import Policy
@@ -59,7 +62,7 @@ class Options:
     concurrency: tuple[int, ...]
     rounds: int
     patch_bytes: int
-    only: str | None = None  # one part of the suite ("verify"), or None for the default run
+    only: str | None = None  # one part of the suite ("verify"), or None for all of it
 
 
 @dataclass(frozen=True)
@@ -75,15 +78,16 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds measured (5)")
     parser.add_argument("--warmup", type=float, default=1.5, help="seconds discarded (1.5)")
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=[1, 32], help="workers (1 32)"
+        "--concurrency", type=int, nargs="+", default=[1, 32, 128], help="workers (1 32 128)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the best counts (3)")
     parser.add_argument("--patch-bytes", type=int, default=1024, help="patch size (1024)")
     parser.add_argument(
         "--only",
-        choices=["verify", "ledger-queries"],
-        help="run one part alone, not in the default run: verify (verification throughput), "
-        "ledger-queries (operator query latency on 1,000,000 transitions)",
+        choices=["end-to-end", "verify", "ledger-queries"],
+        help="run one part alone: end-to-end (commits/s against the floor, the ceiling and "
+        "LangGraph, pipeline CPU, memory at 10,000 threads), verify (verification "
+        "throughput), ledger-queries (operator query latency on 1,000,000 transitions)",
     )
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.warmup < 0 or args.rounds < 1 or min(args.concurrency) < 1:
@@ -129,6 +133,7 @@ async def measure_at(
     pki: Pki,
     payload: CommitPayload,
     patch_json: bytes,
+    state: dict[str, Any],
 ) -> list[Measured]:
     """Floor, ceiling and ztate at one concurrency, one after the other."""
     client = {"client": cpu.this_process()}
@@ -161,7 +166,21 @@ async def measure_at(
         meters=client | {"server": cpu.process(servers.ztate.process.pid)} | postgres,
         **window,
     )
-    return [Measured(FLOOR, floor), Measured(CEILING, ceiling), Measured(ZTATE, ztate)]
+    langgraph = await measure_langgraph(
+        database.dsn,
+        state,
+        WRITTEN_KEY,
+        pool_size=SERVICE_POOL_SIZE,
+        concurrency=concurrency,
+        meters=client | postgres,
+        **window,
+    )
+    return [
+        Measured(FLOOR, floor),
+        Measured(CEILING, ceiling),
+        Measured(ZTATE, ztate),
+        Measured(LANGGRAPH, langgraph),
+    ]
 
 
 def setup_lines(options: Options, database: Database, patch_json: bytes) -> list[str]:
@@ -173,6 +192,8 @@ def setup_lines(options: Options, database: Database, patch_json: bytes) -> list
         f"patch and echo payload {len(patch_json):,} B; one mTLS channel per worker",
         f"service   ztate serve with its defaults: db pool {SERVICE_POOL_SIZE}, head cache "
         f"{SERVICE_HEAD_CACHE}; floor pool {SERVICE_POOL_SIZE}, same role and reset hook",
+        f"langgraph AsyncPostgresSaver.aput of the same state, one saver per worker over one "
+        f"psycopg pool of {SERVICE_POOL_SIZE} (a shared saver serialises its writes)",
     ]
 
 
@@ -213,9 +234,14 @@ async def run(options: Options) -> Report:
                     pki=pki,
                     payload=payload,
                     patch_json=patch_json,
+                    state=INITIAL_STATE | patch,
                 )
+        progress("memory at 10,000 active threads")
+        memory = await measure_memory(servers.ztate, pki, SERVICE_HEAD_CACHE)
         progress("stopping servers")
-    return Report(machine, setup_lines(options, database, patch_json), measured, pipeline)
+    return Report(
+        machine, setup_lines(options, database, patch_json), measured, pipeline, memory.lines()
+    )
 
 
 async def run_verify() -> list[str]:
@@ -269,15 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the suite (or one part) and print the report; 130 when interrupted."""
     options = parse_args(argv)
     try:
-        if options.only == "ledger-queries":
-            print("\n".join(uvloop.run(run_ledger_queries())))
-            return 0
-        if options.only == "verify":
-            print("\n".join(uvloop.run(run_verify())))
-            return 0
-        report = uvloop.run(run(options))
+        if options.only in (None, "end-to-end"):
+            print(render(uvloop.run(run(options))), flush=True)
+        if options.only in (None, "verify"):
+            print("\n".join(["", *uvloop.run(run_verify())]), flush=True)
+        if options.only in (None, "ledger-queries"):
+            print("\n".join(["", *uvloop.run(run_ledger_queries())]), flush=True)
     except (KeyboardInterrupt, asyncio.CancelledError):
         progress("interrupted; everything started was stopped")
         return 130
-    print(render(report))
     return 0
