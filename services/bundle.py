@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import asyncpg
 import orjson
@@ -381,8 +381,46 @@ def _manifest_from(doc: dict[str, Any]) -> Manifest:
     )
 
 
-class _LineProblem(ValueError):
-    pass
+class LineProblem(ValueError):
+    """A line of the bundle that is not a ledger row; the message says why."""
+
+
+def open_records(directory: Path) -> BinaryIO:
+    path = directory / RECORDS
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read the records ({exc.strerror})") from None
+
+
+def line_finding(number: int, problem: LineProblem) -> Finding:
+    return Finding(None, None, BUNDLE_LINE, "a ledger row", f"line {number}: {problem}")
+
+
+def check_records_file(
+    manifest: Manifest, sha256: str, lines: int, threads: int, report: Report
+) -> None:
+    """Compare what was read of ``records.jsonl`` with the manifest's packing list."""
+    if sha256 != manifest.records_sha256:
+        report(
+            Finding(
+                None,
+                None,
+                BUNDLE_HASH,
+                f"{RECORDS} with SHA-256 {manifest.records_sha256} (the manifest's)",
+                f"SHA-256 {sha256}",
+            )
+        )
+    if (lines, threads) != (manifest.records, manifest.threads):
+        report(
+            Finding(
+                None,
+                None,
+                BUNDLE_COUNT,
+                f"{manifest.records} lines of {manifest.threads} threads (the manifest's)",
+                f"{lines} lines of {threads} threads",
+            )
+        )
 
 
 def read_rows(
@@ -393,72 +431,46 @@ def read_rows(
     Lines that are not rows are reported and skipped; after the last line the
     file's hash, line count and thread count are compared with the manifest.
     """
-    path = directory / RECORDS
     hasher, lines = hashlib.sha256(), 0
     threads: set[str] = set()
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot read the records ({exc.strerror})") from None
-    with handle:
+    with open_records(directory) as handle:
         for number, line in enumerate(handle, 1):
             hasher.update(line)
             lines += 1
             try:
-                row = _row_from_line(line)
-            except _LineProblem as problem:
-                report(
-                    Finding(None, None, BUNDLE_LINE, "a ledger row", f"line {number}: {problem}")
-                )
+                row = row_from_line(line)
+            except LineProblem as problem:
+                report(line_finding(number, problem))
                 continue
             threads.add(row.thread_id)
             if thread_id is None or row.thread_id == thread_id:
                 yield row
-    found = hasher.hexdigest()
-    if found != manifest.records_sha256:
-        report(
-            Finding(
-                None,
-                None,
-                BUNDLE_HASH,
-                f"{RECORDS} with SHA-256 {manifest.records_sha256} (the manifest's)",
-                f"SHA-256 {found}",
-            )
-        )
-    if (lines, len(threads)) != (manifest.records, manifest.threads):
-        report(
-            Finding(
-                None,
-                None,
-                BUNDLE_COUNT,
-                f"{manifest.records} lines of {manifest.threads} threads (the manifest's)",
-                f"{lines} lines of {len(threads)} threads",
-            )
-        )
+    check_records_file(manifest, hasher.hexdigest(), lines, len(threads), report)
 
 
-def _row_from_line(line: bytes) -> LedgerRow:
+def row_from_line(line: bytes) -> LedgerRow:
+    """The ledger row one line of ``records.jsonl`` holds; ``LineProblem`` if none."""
     try:
         doc = orjson.loads(line)
     except orjson.JSONDecodeError:
-        raise _LineProblem("not JSON") from None
+        raise LineProblem("not JSON") from None
     if not isinstance(doc, dict) or doc.keys() != _LINE_MEMBER_SET:
-        raise _LineProblem(f"not an object with exactly the members {', '.join(LINE_MEMBERS)}")
+        raise LineProblem(f"not an object with exactly the members {', '.join(LINE_MEMBERS)}")
     if not (
         _STR.issuperset(map(type, _TEXT(doc)))
         and _STR_OR_NULL.issuperset(map(type, _OPTIONAL(doc)))
     ):
         for name in _TEXT_MEMBERS:
             if not isinstance(doc[name], str):
-                raise _LineProblem(f"{name} must be a string")
+                raise LineProblem(f"{name} must be a string")
         for name in _OPTIONAL_TEXT:
             if doc[name] is not None and not isinstance(doc[name], str):
-                raise _LineProblem(f"{name} must be a string or null")
+                raise LineProblem(f"{name} must be a string or null")
     if type(doc["version"]) is not int:
-        raise _LineProblem("version must be an integer")
+        raise LineProblem("version must be an integer")
     record = _blob_in(doc["record"], "record")
     if record is None:
-        raise _LineProblem("record must not be null")
+        raise LineProblem("record must not be null")
     return LedgerRow(
         thread_id=doc["thread_id"],
         version=doc["version"],
@@ -486,7 +498,7 @@ def _blob_in(value: Any, name: str) -> bytes | None:
             return base64.b64decode(value["base64"], validate=True)
         except (binascii.Error, ValueError):
             pass
-    raise _LineProblem(f"{name} must be text, {{'base64': ...}} or null")
+    raise LineProblem(f"{name} must be text, {{'base64': ...}} or null")
 
 
 class CheckpointReader:
@@ -521,7 +533,7 @@ class CheckpointReader:
             self._lines += 1
             try:
                 entry = _checkpoint_from_line(line)
-            except _LineProblem as problem:
+            except LineProblem as problem:
                 found = f"line {self._lines}: {problem}"
                 self._report(Finding(None, None, BUNDLE_CHECKPOINT, "a checkpoint", found))
                 continue
@@ -580,18 +592,18 @@ def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
     try:
         doc = orjson.loads(line)
     except orjson.JSONDecodeError:
-        raise _LineProblem("not JSON") from None
+        raise LineProblem("not JSON") from None
     if not isinstance(doc, dict) or doc.keys() != CHECKPOINT_MEMBERS:
         members = ", ".join(sorted(CHECKPOINT_MEMBERS))
-        raise _LineProblem(f"not an object with exactly the members {members}")
+        raise LineProblem(f"not an object with exactly the members {members}")
     for name in ("thread_id", "signature", "key_id"):
         if not isinstance(doc[name], str):
-            raise _LineProblem(f"{name} must be a string")
+            raise LineProblem(f"{name} must be a string")
     if type(doc["version"]) is not int:
-        raise _LineProblem("version must be an integer")
+        raise LineProblem("version must be an integer")
     checkpoint = _blob_in(doc["checkpoint"], "checkpoint")
     if checkpoint is None:
-        raise _LineProblem("checkpoint must not be null")
+        raise LineProblem("checkpoint must not be null")
     return (
         doc["thread_id"],
         doc["version"],
@@ -602,6 +614,17 @@ def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
 # --- verification -----------------------------------------------------------------------
 
 
+def usable_manifest(directory: Path, trust: Trust) -> Manifest:
+    """The bundle's manifest, if the bundle can be verified with ``trust`` at all."""
+    manifest = read_manifest(directory)
+    if trust.keyring is None and manifest.checkpoints is None:
+        raise BundleError(
+            f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
+            "verification needs; export it again"
+        )
+    return manifest
+
+
 def verify_bundle(
     directory: Path, trust: Trust, report: Report, *, thread_id: str | None = None
 ) -> Summary:
@@ -609,12 +632,7 @@ def verify_bundle(
 
     Checkpoints are checked whenever the trust holds their public keys; public-only
     verification (no HMAC keyring) needs a bundle that carries them."""
-    manifest = read_manifest(directory)
-    if trust.keyring is None and manifest.checkpoints is None:
-        raise BundleError(
-            f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
-            "verification needs; export it again"
-        )
+    manifest = usable_manifest(directory, trust)
     run = Verification(trust, report)
     checkpoints = (
         CheckpointReader(directory, manifest, run.finding, thread_id=thread_id)
@@ -626,7 +644,7 @@ def verify_bundle(
     for row in read_rows(directory, manifest, run.finding, thread_id=thread_id):
         if current is None or row.thread_id != current.thread_id:
             if current is not None:
-                current.check_head(_head(manifest, current.thread_id))
+                current.check_head(head_of(manifest, current.thread_id))
             if row.thread_id in seen:
                 run.finding(
                     Finding(
@@ -643,15 +661,15 @@ def verify_bundle(
                 current.expect_checkpoints(checkpoints.take(row.thread_id))
         current.add(row)
     if current is not None:
-        current.check_head(_head(manifest, current.thread_id))
+        current.check_head(head_of(manifest, current.thread_id))
     if checkpoints is not None:
         checkpoints.finish()
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
-        run.headless(missing, _head(manifest, missing))
+        run.headless(missing, head_of(manifest, missing))
     return run.summary
 
 
-def _head(manifest: Manifest, thread_id: str) -> Head | None:
+def head_of(manifest: Manifest, thread_id: str) -> Head | None:
     head = manifest.heads.get(thread_id)
     return None if head is None else Head(head[0], head[1], None)

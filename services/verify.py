@@ -952,15 +952,15 @@ async def _verify_snapshot(
     async for stored in conn.cursor(query, *args, prefetch=PREFETCH):
         if current is None or stored["thread_id"] != current.thread_id:
             if current is not None:
-                current.check_head(head or await _head_of(conn, current.thread_id))
+                current.check_head(head or await head_from_db(conn, current.thread_id))
             current, head = run.thread(stored["thread_id"]), None
             if trust.checkpoint_keys is not None:
-                current.expect_checkpoints(await _checkpoints_of(conn, current.thread_id))
+                current.expect_checkpoints(await checkpoints_from_db(conn, current.thread_id))
         current.add(row_from_db(stored))
         if stored["head_version"] is not None:
             head = Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
     if current is not None:
-        current.check_head(head or await _head_of(conn, current.thread_id))
+        current.check_head(head or await head_from_db(conn, current.thread_id))
     for orphan in await conn.fetch(HEADLESS, thread_id):
         run.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
     if thread_id is not None and run.summary.threads == 0:
@@ -968,14 +968,16 @@ async def _verify_snapshot(
     return run.summary
 
 
-async def _head_of(conn: asyncpg.Connection, thread_id: str) -> Head | None:
+async def head_from_db(conn: asyncpg.Connection, thread_id: str) -> Head | None:
     row = await conn.fetchrow(HEAD_OF, thread_id)
     if row is None:
         return None
     return Head(row["version"], row["head_digest"], bytes(row["state"]))
 
 
-async def _checkpoints_of(conn: asyncpg.Connection, thread_id: str) -> dict[int, SignedCheckpoint]:
+async def checkpoints_from_db(
+    conn: asyncpg.Connection, thread_id: str
+) -> dict[int, SignedCheckpoint]:
     rows = await conn.fetch(
         "SELECT version, checkpoint, signature, key_id FROM ztate.checkpoints WHERE thread_id = $1",
         thread_id,

@@ -40,7 +40,9 @@ from services.verify import (
     VerifyError,
     verify_database,
 )
+from services.verify_parallel import jobs_wanted, verify_bundle_parallel, verify_database_parallel
 
+MAX_JOBS = 256
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
 
@@ -74,8 +76,25 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
         type=Path,
         help="checkpoint public keys (default: ZTATE_CHECKPOINT_PUBLIC_KEYS_FILE)",
     )
+    verify.add_argument(
+        "--jobs",
+        type=_jobs,
+        default=1,
+        metavar="N",
+        help="verify threads on N worker processes (0: one per core; default 1)",
+    )
     verify.add_argument("--json", action="store_true", help="one JSON object per line")
     verify.set_defaults(func=cmd_verify)
+
+
+def _jobs(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= jobs <= MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"must be 0 (one per core) to {MAX_JOBS}")
+    return jobs_wanted(jobs)
 
 
 def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -> None:
@@ -96,10 +115,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         settings = _settings()
         trust = _trust(args, settings)
         printer = _Printer(json_lines=args.json)
-        if args.bundle is not None:
+        if args.bundle is not None and args.jobs > 1:
+            summary = verify_bundle_parallel(
+                args.bundle, trust, printer.finding, jobs=args.jobs, thread_id=args.thread
+            )
+        elif args.bundle is not None:
             summary = verify_bundle(args.bundle, trust, printer.finding, thread_id=args.thread)
         else:
-            summary = _verify_database(settings, trust, printer.finding, args.thread)
+            summary = _verify_database(settings, trust, printer.finding, args.thread, args.jobs)
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
@@ -190,9 +213,13 @@ def _approval_keys(path: Path | None, settings: Settings) -> dict[str, Ed25519Pu
 
 
 def _verify_database(
-    settings: Settings, trust: Trust, report: Report, thread_id: str | None
+    settings: Settings, trust: Trust, report: Report, thread_id: str | None, jobs: int
 ) -> Summary:
     dsn, _embedded = _database(settings)
+    if jobs > 1:
+        return asyncio.run(
+            verify_database_parallel(dsn, trust, report, jobs=jobs, thread_id=thread_id)
+        )
     return asyncio.run(verify_database(dsn, trust, report, thread_id=thread_id))
 
 

@@ -45,6 +45,7 @@ from services.receipts import (
     sign_receipt,
 )
 from services.verify import Finding, Summary, Trust, verify_database
+from services.verify_parallel import verify_bundle_parallel, verify_database_parallel
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
@@ -445,6 +446,33 @@ async def test_a_bundle_finds_exactly_what_the_database_finds(
     assert world.trust.policies.policies["pipeline"].digest in manifest.policy_digests
 
 
+def _ordered(findings: list[Finding]) -> list[Finding]:
+    """Workers report threads as they finish them: compare findings as a multiset."""
+    return sorted(findings, key=lambda f: (f.thread_id or "", f.version or -1, f.check, f.found))
+
+
+async def test_verification_on_worker_processes_finds_exactly_what_one_process_finds(
+    world: World, clean: str, tmp_path: Path
+) -> None:
+    """Over the whole ledger, with every tampering the tests above left in it."""
+    from_db, db_summary = await world.verify()
+    assert from_db  # the comparison means something only with findings to compare
+    parallel: list[Finding] = []
+    summary = await verify_database_parallel(world.dsn, world.trust, parallel.append, jobs=2)
+    assert _ordered(parallel) == _ordered(from_db)
+    assert summary == db_summary
+    await export_bundle(world.dsn, tmp_path / "bundle")
+    from_bundle: list[Finding] = []
+    bundle_summary = verify_bundle_parallel(
+        tmp_path / "bundle", world.trust, from_bundle.append, jobs=3
+    )
+    assert _ordered(from_bundle) == _ordered(from_db)
+    assert bundle_summary == db_summary
+    one: list[Finding] = []
+    await verify_database_parallel(world.dsn, world.trust, one.append, jobs=2, thread_id=clean)
+    assert one == []
+
+
 Lines = list[dict[str, Any]]
 
 
@@ -509,10 +537,11 @@ def write_lines(folder: Path, lines: Lines, *, fix_manifest: bool) -> None:
         (folder / MANIFEST).write_text(json.dumps(manifest))
 
 
+@pytest.mark.parametrize("jobs", [1, 2], ids=["one-process", "two-workers"])
 @pytest.mark.parametrize("fix_manifest", [True, False], ids=["manifest-rewritten", "manifest-kept"])
 @pytest.mark.parametrize("tampering", sorted(BUNDLE_TAMPERING))
 async def test_tampering_in_a_bundle_is_pinpointed(
-    world: World, clean: str, tmp_path: Path, tampering: str, fix_manifest: bool
+    world: World, clean: str, tmp_path: Path, tampering: str, fix_manifest: bool, jobs: int
 ) -> None:
     source = tmp_path / "bundle"
     await export_bundle(world.dsn, source, clean)
@@ -522,7 +551,10 @@ async def test_tampering_in_a_bundle_is_pinpointed(
     edit(lines)
     write_lines(source, lines, fix_manifest=fix_manifest)
     findings: list[Finding] = []
-    summary = verify_bundle(source, world.trust, findings.append)
+    if jobs == 1:
+        summary = verify_bundle(source, world.trust, findings.append)
+    else:
+        summary = verify_bundle_parallel(source, world.trust, findings.append, jobs=jobs)
     pinpointed = {(f.version, f.check) for f in findings if f.thread_id == clean}
     assert pinpointed == expected
     bundle_level = {f.check for f in findings if f.thread_id is None}
@@ -617,6 +649,14 @@ async def test_the_command_exits_0_clean_1_tampered_2_unable(
     code, lines, _ = await ztate(own, "verify", "--bundle", str(tmp_path / "export"), "--json")
     assert code == 1
     assert [(line["version"], line["check"]) for line in lines[:-1]] == [(3, "column.node_id")]
+    for source in ((), ("--bundle", str(tmp_path / "export"))):
+        code, lines, _ = await ztate(own, "verify", *source, "--jobs", "2", "--json")
+        assert code == 1
+        assert [(line["version"], line["check"]) for line in lines[:-1]] == [(3, "column.node_id")]
+        assert lines[-1]["records"] == 10
+    code, _, err = await ztate(own, "verify", "--jobs", "-1")
+    assert code == 2
+    assert "--jobs: must be 0 (one per core) to 256" in err
 
     code, _, err = await ztate(own, "verify", "--keyring", str(tmp_path / "missing.json"))
     assert code == 2
