@@ -45,7 +45,10 @@ class SealedRecord:
 
 def format_time(moment: datetime) -> str:
     """RFC 3339 in UTC with microseconds and a ``Z``, as records carry it."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    utc = moment.astimezone(UTC)
+    if utc.year < 1000:  # isoformat agrees with strftime only for four-digit years
+        return utc.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def build_record(

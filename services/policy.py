@@ -62,12 +62,15 @@ class Layer(enum.StrEnum):
     @property
     def rank(self) -> int:
         """0 for core (highest authority) to 5 for memory."""
-        return list(Layer).index(self)
+        return _LAYER_RANK[self]
 
     @property
     def immutable(self) -> bool:
         """Core and characteristics are set at thread creation and never change."""
         return self in (Layer.CORE, Layer.CHARACTERISTICS)
+
+
+_LAYER_RANK: dict[Layer, int] = {layer: rank for rank, layer in enumerate(Layer)}
 
 
 class _KeyAttributes(BaseModel):

@@ -12,11 +12,13 @@ import hmac
 import json
 import re
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.canonical import canonical_bytes, parse_object, sha256_hex
 from services.chain import (
@@ -482,3 +484,11 @@ def test_only_transition_or_revert_follow_genesis(kind: str) -> None:
         verify_record(text, digest=digest, signature=signature, keyring=keyring())
     version = vector["record"]["version"]
     assert str(refused.value) == f"record kind {kind!r} does not fit version {version}"
+
+
+@settings(max_examples=500)
+@given(st.datetimes(timezones=st.timezones()))
+def test_format_time_is_rfc3339_utc_with_microseconds(moment: datetime) -> None:
+    """The fast isoformat path writes exactly what the strftime format says."""
+    expected = moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    assert format_time(moment) == expected
