@@ -96,9 +96,11 @@ COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5,
 
 
 class Metrics:
-    """The instruments the request path records into (no-ops when telemetry is off)."""
+    """The instruments the request path records into (no-ops when telemetry is off,
+    and ``enabled`` False: the request path then skips its notes altogether)."""
 
-    def __init__(self, meter: Meter) -> None:
+    def __init__(self, meter: Meter, *, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.proposals = meter.create_counter(
             "ztate.proposals",
             unit="{proposal}",
@@ -123,7 +125,7 @@ class Metrics:
             self.proposals.add(1, {DECISION: decision, REASON: reason})
 
 
-NO_METRICS = Metrics(NoOpMeterProvider().get_meter("ztate"))
+NO_METRICS = Metrics(NoOpMeterProvider().get_meter("ztate"), enabled=False)
 
 
 class PendingApprovals:

@@ -388,15 +388,17 @@ class TransitionPipeline:
         try:
             outcome = await self._propose(caller, proposal)
         except errors.ZtateError as refusal:
-            self._metrics.proposal(REFUSED, refusal.reason)
-            note_transition(proposal.thread_id, proposal.expected_version)
+            if self._metrics.enabled:
+                self._metrics.proposal(REFUSED, refusal.reason)
+                note_transition(proposal.thread_id, proposal.expected_version)
             if not isinstance(refusal, errors.StorageUnavailable):
                 await self._store.record_rejection(_rejection(caller, proposal, refusal))
             if isinstance(refusal, errors.PolicyMismatch):
                 raise thread_not_found(proposal.thread_id) from None
             raise
-        observed(outcome)
-        self._metrics.proposal(decision_of(outcome))
+        if self._metrics.enabled:
+            observed(outcome)
+            self._metrics.proposal(decision_of(outcome))
         return outcome
 
     async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
