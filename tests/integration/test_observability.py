@@ -14,7 +14,7 @@ import base64
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,6 +201,20 @@ def worker_tracing(receiver: Receiver) -> TracerProvider:
     return provider
 
 
+async def flushed_until(
+    provider: TracerProvider, arrived: Callable[[], bool], deadline: float = 10.0
+) -> None:
+    """Flush ``provider`` until ``arrived()``, polling with a deadline."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline
+    while True:
+        await asyncio.to_thread(provider.force_flush)
+        if arrived():
+            return
+        assert loop.time() < give_up, "the worker's spans never arrived"
+        await asyncio.sleep(0.05)
+
+
 def hmac_key_forms(keyring_file: Path) -> list[bytes]:
     """The HMAC keys as the keyring holds them (base64) and as the raw bytes and hex."""
     forms: list[bytes] = []
@@ -241,8 +255,12 @@ async def test_traces_metrics_and_logs_reach_an_otlp_receiver_without_secrets(
     assert pending is not None
     await pending.sample()
 
-    await asyncio.to_thread(worker_provider.force_flush)
     await asyncio.to_thread(traced_service.telemetry.force_flush)
+    # A client span ends in the call's done callback: flush until both arrived.
+    await flushed_until(
+        worker_provider,
+        lambda: sum(s["service"] == WORKER_SERVICE for s in receiver.spans()) >= 2,
+    )
     worker_provider.shutdown()
 
     spans = receiver.spans()
