@@ -32,6 +32,7 @@ from services.config import ApprovalSettings
 from services.receipts import load_signing_key
 from services.store.embedded import start_embedded_postgres
 from services.store.migrate import MigrationSet, apply_migrations
+from services.telemetry import Telemetry
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 log = logging.getLogger("ztate.approval")
@@ -59,6 +60,7 @@ class RunningApproval:
     notifier: Notifier
     health: HealthServicer
     embedded: Any = field(default=None, repr=False)
+    telemetry: Telemetry = field(default_factory=Telemetry)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight decisions finish, then stop delivering."""
@@ -67,6 +69,7 @@ class RunningApproval:
         await self.delivery.stop()
         await self.notifier.close()
         await self.store.close()
+        await self.telemetry.shutdown()
 
 
 def server_credentials(settings: ApprovalSettings) -> grpc.ServerCredentials:
@@ -100,8 +103,13 @@ async def migrate_approvals(dsn: str, role: str) -> list[str]:
         await conn.close()
 
 
-async def start(settings: ApprovalSettings, *, dsn: str | None = None) -> RunningApproval:
-    """Validate everything, migrate, and start serving. Fails before binding on bad input."""
+async def start(
+    settings: ApprovalSettings, *, dsn: str | None = None, telemetry: Telemetry | None = None
+) -> RunningApproval:
+    """Validate everything, migrate, and start serving. Fails before binding on bad input.
+
+    ``telemetry`` (by default built from ``settings``) is the service's to shut down.
+    """
     assert settings.signing_key_file is not None
     signing_key = load_signing_key(settings.signing_key_file)
     credentials = server_credentials(settings)
@@ -113,12 +121,18 @@ async def start(settings: ApprovalSettings, *, dsn: str | None = None) -> Runnin
     applied = await migrate_approvals(dsn, settings.db_role)
     if applied:
         log.info("applied approval migrations: %s", ", ".join(applied))
+    telemetry = telemetry or Telemetry.from_settings(settings)
+    telemetry.instrument_asyncpg()
     store = await ReviewStore.open(dsn, role=settings.db_role, pool_size=settings.db_pool_size)
     try:
-        return await _serve_on(settings, store, signing_key, credentials, notifier, embedded)
+        running = await _serve_on(
+            settings, store, signing_key, credentials, notifier, embedded, telemetry
+        )
     except BaseException:
         await store.close()
+        await telemetry.shutdown()
         raise
+    return running
 
 
 async def _serve_on(
@@ -128,6 +142,7 @@ async def _serve_on(
     credentials: grpc.ServerCredentials,
     notifier: Notifier,
     embedded: Any,
+    telemetry: Telemetry,
 ) -> RunningApproval:
     await store.ping()
     decided = asyncio.Event()
@@ -147,7 +162,8 @@ async def _serve_on(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ]
+        ],
+        interceptors=telemetry.server_interceptors(),
     )
     approval_pb2_grpc.add_ApprovalServiceServicer_to_server(
         ApprovalServicer(service, settings.trust_domain), server
@@ -182,12 +198,16 @@ async def _serve_on(
         settings.key_id,
         settings.transition_target,
     )
-    return RunningApproval(server, port, store, service, delivery, notifier, health, embedded)
+    return RunningApproval(
+        server, port, store, service, delivery, notifier, health, embedded, telemetry
+    )
 
 
 async def serve(settings: ApprovalSettings) -> None:
     """Run until SIGINT or SIGTERM, then shut down gracefully."""
-    running = await start(settings)
+    telemetry = Telemetry.from_settings(settings)
+    telemetry.install_globals()
+    running = await start(settings, telemetry=telemetry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import re
 import sys
@@ -56,6 +55,7 @@ def cmd_approval_serve(_: argparse.Namespace) -> int:
     from approval_service.app import serve
     from services.receipts import KeyFileError
     from services.store.migrate import MigrationError
+    from services.telemetry import configure_logging
 
     try:
         settings = ApprovalSettings()
@@ -66,11 +66,7 @@ def cmd_approval_serve(_: argparse.Namespace) -> int:
         )
         print(f"ztate: invalid approval configuration: {problems}", file=sys.stderr)
         return USAGE
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.log_format)
     try:
         asyncio.run(serve(settings))
     except (KeyFileError, MigrationError, OSError, ValueError) as exc:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -39,12 +38,10 @@ def _settings() -> Settings:
         raise SystemExit(f"ztate: invalid configuration: {describe(exc)}") from None
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+def _configure_logging(settings: Settings) -> None:
+    from services.telemetry import configure_logging
+
+    configure_logging(settings.log_format)
 
 
 def _serve(settings: Settings) -> int:
@@ -78,7 +75,7 @@ def cmd_run(_: argparse.Namespace) -> int:
     from services.store.embedded import start_embedded_postgres
 
     settings = _settings()
-    _configure_logging()
+    _configure_logging(settings)
     layout = ensure_dev_layout(settings)
     approval = ApprovalSettings(home=settings.home, trust_domain=settings.trust_domain)
     database = (
@@ -134,7 +131,7 @@ def _port(listen: str) -> str:
 def cmd_serve(_: argparse.Namespace) -> int:
     """Production: serve from configuration only; create nothing."""
     settings = _settings()
-    _configure_logging()
+    _configure_logging(settings)
     return _serve(settings)
 
 

@@ -8,12 +8,54 @@ conventional ``DATABASE_URL``. Paths default to the development layout under
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+TelemetryMode = Literal["off", "otlp", "console"]
+LogFormat = Literal["text", "json"]
 
-class Settings(BaseSettings):
+
+class TelemetrySettings(BaseSettings):
+    """Traces, metrics and logs (``services.telemetry``), read under the same
+    variables by both services: ``ZTATE_TELEMETRY``, ``ZTATE_OTLP_*``,
+    ``ZTATE_LOG_FORMAT``; the endpoint also from the standard
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``."""
+
+    telemetry: TelemetryMode | None = Field(
+        default=None,
+        validation_alias=AliasChoices("ZTATE_TELEMETRY"),
+        description="off, otlp or console; unset: otlp when an endpoint is set, else off",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("ZTATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="OTLP/gRPC collector, e.g. https://collector:4317",
+    )
+    otlp_insecure: bool = Field(
+        default=False,
+        validation_alias=AliasChoices("ZTATE_OTLP_INSECURE"),
+        description="plaintext gRPC to the collector (a local sidecar only)",
+    )
+    otlp_ca_file: Path | None = Field(
+        default=None,
+        validation_alias=AliasChoices("ZTATE_OTLP_CA_FILE"),
+        description="CA bundle the collector's certificate is verified with; unset: system roots",
+    )
+    log_format: LogFormat = Field(default="text", validation_alias=AliasChoices("ZTATE_LOG_FORMAT"))
+    metrics_interval_seconds: float = Field(
+        default=15.0, gt=0, validation_alias=AliasChoices("ZTATE_METRICS_INTERVAL_SECONDS")
+    )
+
+    @property
+    def telemetry_mode(self) -> TelemetryMode:
+        if self.telemetry is not None:
+            return self.telemetry
+        return "otlp" if self.otlp_endpoint else "off"
+
+
+class Settings(TelemetrySettings):
     """Configuration of the transition service."""
 
     model_config = SettingsConfigDict(
@@ -57,6 +99,11 @@ class Settings(BaseSettings):
     checkpoint_key_id: str = Field(default="checkpoint-k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     checkpoint_public_keys_file: Path | None = None
     checkpoint_interval_seconds: float = Field(default=60.0, gt=0)
+    service_name: str = Field(
+        default="ztate-transition",
+        validation_alias=AliasChoices("ZTATE_SERVICE_NAME", "OTEL_SERVICE_NAME"),
+        description="service.name of traces, metrics and logs",
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -87,7 +134,7 @@ def _shared(name: str) -> AliasChoices:
     return AliasChoices(f"ZTATE_{name.upper()}")
 
 
-class ApprovalSettings(BaseSettings):
+class ApprovalSettings(TelemetrySettings):
     """Configuration of the approval service (``ZTATE_APPROVAL_*``; the home, the
     database and the trust domain are shared with the transition service)."""
 
@@ -121,6 +168,9 @@ class ApprovalSettings(BaseSettings):
     outbox_interval_seconds: float = Field(default=2.0, gt=0)
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
+    service_name: str = Field(
+        default="ztate-approval", validation_alias=AliasChoices("ZTATE_APPROVAL_SERVICE_NAME")
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> ApprovalSettings:

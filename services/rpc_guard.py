@@ -17,6 +17,7 @@ import grpc
 from services import errors, rpc_errors
 from services.identity import Identity, identity_from_context
 from services.store.transitions import STORAGE_ERRORS
+from services.telemetry import note_caller, note_refusal
 
 log = logging.getLogger("ztate.rpc")
 Response = TypeVar("Response")
@@ -29,20 +30,27 @@ async def guarded(
     method: str,
     handler: Callable[[Identity], Awaitable[Response]],
 ) -> Response:
-    """Run ``handler`` for the authenticated caller, or abort with the right status."""
+    """Run ``handler`` for the authenticated caller, or abort with the right status.
+
+    The current span (when tracing) is told the caller's SPIFFE ID and, when the
+    call is refused, the reason code: never the refusal's message.
+    """
     try:
         caller = identity_from_context(context, trust_domain)
+        note_caller(caller.spiffe_id)
         return await handler(caller)
     except errors.ZtateError as refusal:
         log.info("refused %s: %s", method, refusal.reason)
+        note_refusal(refusal.reason)
         status = rpc_errors.to_status(refusal)
     except STORAGE_ERRORS as failure:
         log.warning("%s: database unavailable: %s", method, type(failure).__name__)
-        status = rpc_errors.to_status(
-            errors.StorageUnavailable("the ledger database is unavailable; retry")
-        )
+        unavailable = errors.StorageUnavailable("the ledger database is unavailable; retry")
+        note_refusal(unavailable.reason)
+        status = rpc_errors.to_status(unavailable)
     except Exception as failure:
         log.exception("%s failed unexpectedly: %s", method, type(failure).__name__)
+        note_refusal("UNSPECIFIED")
         status = rpc_errors.internal_status()
     await context.abort(status.code, status.details, status.trailing_metadata)
     raise AssertionError("unreachable: context.abort raises")

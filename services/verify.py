@@ -37,6 +37,7 @@ import asyncpg
 import orjson
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from opentelemetry import metrics
 
 from services import errors
 from services.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
@@ -90,6 +91,15 @@ CHECKPOINT = "checkpoint"  # a signed head does not verify, or the chain misses 
 HEX_256 = re.compile(r"^[0-9a-f]{64}$")
 COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
 SHOWN_MAX = 160
+
+
+# Through the process's meter provider: exported when telemetry is on (``ztate verify``
+# installs it from the settings), a no-op otherwise.
+FAILURES = metrics.get_meter("ztate.verify").create_counter(
+    "ztate.verify.failures",
+    unit="{failure}",
+    description="failed verification checks, by check",
+)
 
 
 class VerifyError(Exception):
@@ -242,6 +252,7 @@ class Verification:
 
     def finding(self, finding: Finding) -> None:
         self.summary.failures += 1
+        FAILURES.add(1, {"ztate.check": finding.check})
         self._report(finding)
 
     def thread(self, thread_id: str) -> ThreadVerifier:

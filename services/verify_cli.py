@@ -111,8 +111,13 @@ def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from services.telemetry import Telemetry
+
+    telemetry = Telemetry()
     try:
         settings = _settings()
+        telemetry = Telemetry.from_settings(settings)  # ztate.verify.failures, when on
+        telemetry.install_globals()
         trust = _trust(args, settings)
         printer = _Printer(json_lines=args.json)
         if args.bundle is not None and args.jobs > 1:
@@ -126,6 +131,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    finally:
+        telemetry.force_flush()
     printer.summary(summary)
     return summary.exit_code
 

@@ -26,6 +26,7 @@ from services.store.embedded import start_embedded_postgres
 from services.store.ledger import LedgerQueries
 from services.store.migrate import migrate
 from services.store.transitions import TransitionStore
+from services.telemetry import Telemetry
 from transition_service.checkpointer import Checkpointer
 from transition_service.decisions import DecisionPipeline
 from transition_service.ledger_server import LedgerServicer
@@ -54,6 +55,7 @@ class RunningService:
     outbox: ApprovalOutbox
     checkpointer: Checkpointer | None
     embedded: Any = field(default=None, repr=False)
+    telemetry: Telemetry = field(default_factory=Telemetry)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
@@ -65,6 +67,7 @@ class RunningService:
         await self.listener.close()
         await self.store.close()
         await self.queries.close()
+        await self.telemetry.shutdown()
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials:
@@ -107,8 +110,13 @@ def resolve_dsn(settings: Settings) -> tuple[str, Any]:
     return start_embedded_postgres(settings.home / "pg")
 
 
-async def start(settings: Settings, *, dsn: str | None = None) -> RunningService:
-    """Validate everything, migrate, and start serving. Fails before binding on bad input."""
+async def start(
+    settings: Settings, *, dsn: str | None = None, telemetry: Telemetry | None = None
+) -> RunningService:
+    """Validate everything, migrate, and start serving. Fails before binding on bad input.
+
+    ``telemetry`` (by default built from ``settings``) is the service's to shut down.
+    """
     assert settings.policy_path is not None
     policies = PolicySet.load(settings.policy_path)
     keyring = Keyring.load(
@@ -129,7 +137,11 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     if applied:
         log.info("applied migrations: %s", ", ".join(applied))
 
-    store = await TransitionStore.open(dsn, role=settings.db_role, pool_size=settings.db_pool_size)
+    telemetry = telemetry or Telemetry.from_settings(settings)
+    telemetry.instrument_asyncpg()
+    store = await TransitionStore.open(
+        dsn, role=settings.db_role, pool_size=settings.db_pool_size, metrics=telemetry.metrics
+    )
     await store.ping()
     queries = await LedgerQueries.open(dsn, role=settings.db_reader_role)
     pipeline = TransitionPipeline(
@@ -139,6 +151,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         max_patch_bytes=settings.max_patch_bytes,
         max_depth=settings.max_depth,
         head_cache_size=settings.head_cache_size,
+        metrics=telemetry.metrics,
     )
     listener = OutcomeListener(dsn, settings.db_role)
     await listener.start()
@@ -150,6 +163,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         public_keys=dict(public_keys),
         heads=pipeline.heads,
         listener=listener,
+        metrics=telemetry.metrics,
     )
     checkpointer = (
         Checkpointer(
@@ -175,7 +189,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=telemetry.server_interceptors())
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
         TransitionServicer(pipeline, decisions, settings.trust_domain), server
     )
@@ -201,6 +215,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         raise OSError(f"cannot listen on {settings.listen}")
     await server.start()
     outbox.start()
+    telemetry.watch_database({"transition": store.pool}, settings.metrics_interval_seconds)
     if checkpointer is not None:
         checkpointer.start()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -212,13 +227,15 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         keyring.current,
     )
     return RunningService(
-        server, port, store, queries, health, listener, outbox, checkpointer, embedded
+        server, port, store, queries, health, listener, outbox, checkpointer, embedded, telemetry
     )
 
 
 async def serve(settings: Settings) -> None:
     """Run until SIGINT or SIGTERM, then shut down gracefully."""
-    running = await start(settings)
+    telemetry = Telemetry.from_settings(settings)
+    telemetry.install_globals()
+    running = await start(settings, telemetry=telemetry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

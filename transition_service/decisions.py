@@ -28,6 +28,7 @@ from services.keyring import Keyring
 from services.receipts import APPROVE, SignedReceipt, verify_receipt
 from services.store.approvals import ApprovalStore
 from services.store.transitions import PendingTransition, StoredTransition, TransitionStore
+from services.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
 from transition_service.heads import CachedHead, HeadCache
 from transition_service.outcomes import OutcomeListener
 from transition_service.pipeline import as_stored, check_privileged
@@ -64,6 +65,7 @@ class DecisionPipeline:
         public_keys: dict[str, object],
         heads: HeadCache,
         listener: OutcomeListener,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self._store = store
         self._approvals = approvals
@@ -71,6 +73,7 @@ class DecisionPipeline:
         self._public_keys = public_keys
         self._heads = heads
         self._listener = listener
+        self._metrics = metrics
 
     async def apply(self, caller: Identity, signed: SignedReceipt) -> Resolution:
         if (caller.role, caller.name) != (Role.SERVICE, APPROVAL_SERVICE_NAME):
@@ -96,6 +99,7 @@ class DecisionPipeline:
             closed = await self._approvals.close_rejected(pending, signed, receipt["nonce"], now)
             if not closed:
                 raise errors.ReviewClosed("the transition was decided meanwhile")
+            note_transition(pending.thread_id, pending.base_version, Outcome.REJECTED.value)
             return Resolution(Outcome.REJECTED)
         return await self._commit(pending, signed, receipt["nonce"], now)
 
@@ -149,6 +153,7 @@ class DecisionPipeline:
             # meanwhile: this parked transition can never commit.
             result = "stale"
         if result == "stale":
+            self._metrics.cas_conflicts.add(1)
             await self._approvals.close_without_decision([pending.digest], "stale", now)
             raise errors.ApprovalStale(
                 "the thread moved on since the transition was parked; propose again"
@@ -163,6 +168,7 @@ class DecisionPipeline:
             ),
         )
         stored = as_stored(sealed, now, pending.idempotency_key, pending.request_digest)
+        note_transition(stored.thread_id, stored.version, COMMITTED)
         return Resolution(Outcome.COMMITTED, stored)
 
     async def _policy_name(self, thread_id: str) -> str:

@@ -46,6 +46,7 @@ from services.store.transitions import (
     StoredTransition,
     TransitionStore,
 )
+from services.telemetry import COMMITTED, NO_METRICS, PARKED, REFUSED, Metrics, note_transition
 from transition_service.heads import CachedHead, HeadCache
 
 THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -291,8 +292,10 @@ class TransitionPipeline:
         max_patch_bytes: int,
         max_depth: int,
         head_cache_size: int,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self._store = store
+        self._metrics = metrics
         self._policies = policies
         self._keyring = keyring
         self._max_patch_bytes = max_patch_bytes
@@ -383,13 +386,20 @@ class TransitionPipeline:
     async def propose(self, caller: Identity, proposal: Proposal) -> Outcome:
         """Run every check; commit, park, replay, or refuse (and record the refusal)."""
         try:
-            return await self._propose(caller, proposal)
+            outcome = await self._propose(caller, proposal)
         except errors.ZtateError as refusal:
+            if self._metrics.enabled:
+                self._metrics.proposal(REFUSED, refusal.reason)
+                note_transition(proposal.thread_id, proposal.expected_version)
             if not isinstance(refusal, errors.StorageUnavailable):
                 await self._store.record_rejection(_rejection(caller, proposal, refusal))
             if isinstance(refusal, errors.PolicyMismatch):
                 raise thread_not_found(proposal.thread_id) from None
             raise
+        if self._metrics.enabled:
+            observed(outcome)
+            self._metrics.proposal(decision_of(outcome))
+        return outcome
 
     async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
         policy = check_registered(caller, self._policies)
@@ -695,6 +705,23 @@ def as_stored(
         idempotency_key=idempotency_key,
         request_digest=digest,
     )
+
+
+def decision_of(outcome: Outcome) -> str:
+    """What a proposal's span and metrics call its outcome."""
+    if outcome.replayed:
+        return "replayed"
+    return COMMITTED if isinstance(outcome, Committed) else PARKED
+
+
+def observed(outcome: Outcome) -> None:
+    """The thread, the version (committed, or the base of a parked one) and the decision
+    of the current call."""
+    if isinstance(outcome, Committed):
+        where = (outcome.transition.thread_id, outcome.transition.version)
+    else:
+        where = (outcome.pending.thread_id, outcome.pending.base_version)
+    note_transition(*where, decision_of(outcome))
 
 
 def _rejection(caller: Identity, proposal: Proposal, refusal: errors.ZtateError) -> Rejection:

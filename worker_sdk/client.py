@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from worker_sdk._tracing import client_interceptors
 from worker_sdk.errors import AwaitingApproval, StaleVersion, from_rpc_error
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
@@ -108,6 +109,7 @@ class ZtateClient:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         retries: int = DEFAULT_RETRIES,
         backoff: float = 0.1,
+        tracer_provider: Any = None,
     ) -> None:
         self._retries = retries
         self._backoff = backoff
@@ -120,7 +122,13 @@ class ZtateClient:
         ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
-        self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        # Traced when OpenTelemetry is configured (or ``tracer_provider`` is given).
+        self._channel = grpc.aio.secure_channel(
+            target,
+            credentials,
+            options=options,
+            interceptors=client_interceptors(tracer_provider) or None,
+        )
         self._stub = transition_pb2_grpc.TransitionServiceStub(self._channel)
         self._timeout = timeout
 
@@ -163,6 +171,7 @@ class ZtateClient:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         retries: int = DEFAULT_RETRIES,
         backoff: float = 0.1,
+        tracer_provider: Any = None,
     ) -> ZtateClient:
         """Connect with a PEM certificate, its private key and the CA certificate.
 
@@ -179,6 +188,7 @@ class ZtateClient:
             timeout=timeout,
             retries=retries,
             backoff=backoff,
+            tracer_provider=tracer_provider,
         )
 
     async def __aenter__(self) -> ZtateClient:

@@ -8,6 +8,7 @@ version (or digest): nothing was written.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,6 +17,7 @@ from typing import Any
 import asyncpg
 
 from services.chain import SealedRecord
+from services.telemetry import NO_METRICS, Metrics
 
 COMMIT = """
 WITH head AS (
@@ -156,11 +158,14 @@ async def keep_session(_conn: asyncpg.Connection) -> None:
 class TransitionStore:
     """The transition service's view of its tables, through a least-privilege role."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, metrics: Metrics = NO_METRICS) -> None:
         self._pool = pool
+        self._metrics = metrics
 
     @classmethod
-    async def open(cls, dsn: str, *, role: str, pool_size: int) -> TransitionStore:
+    async def open(
+        cls, dsn: str, *, role: str, pool_size: int, metrics: Metrics = NO_METRICS
+    ) -> TransitionStore:
         pool = await asyncpg.create_pool(
             dsn,
             min_size=min(2, pool_size),
@@ -168,7 +173,7 @@ class TransitionStore:
             reset=keep_session,
             server_settings={"role": role, "application_name": "ztate-transition"},
         )
-        return cls(pool)
+        return cls(pool, metrics)
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -227,6 +232,7 @@ class TransitionStore:
     ) -> bool:
         """Compare-and-swap the head and append the record; False if the head moved."""
         record: dict[str, Any] = sealed.record
+        started = time.perf_counter()
         try:
             version = await self._pool.fetchval(
                 COMMIT,
@@ -247,8 +253,12 @@ class TransitionStore:
         except asyncpg.UniqueViolationError:
             # The idempotency key was taken by a different request: the whole
             # statement, head update included, rolled back.
+            version = None
+        self._metrics.commit_duration.record(time.perf_counter() - started)
+        if version is None:
+            self._metrics.cas_conflicts.add(1)
             return False
-        return version is not None
+        return True
 
     async def find_by_idempotency_key(
         self, thread_id: str, node_id: str, idempotency_key: str

@@ -1,0 +1,479 @@
+"""Traces, metrics and structured logs of the ztate services (OpenTelemetry).
+
+One ``Telemetry`` per service holds its providers. It is built from the settings
+(``Telemetry.from_settings``) and handed to what records: the gRPC server
+interceptor, the asyncpg instrumentation, the pipeline's metrics. Nothing here
+touches OpenTelemetry's process-wide providers except ``install_globals``, which
+only the service commands call, so tests can build as many as they like.
+
+Off (the default unless an OTLP endpoint is configured) means no providers at
+all: no interceptor, no instrumentation, no-op instruments; the commit path then
+pays for a few no-op calls only.
+
+What is recorded is decided in this module and nowhere else: identifiers (thread
+id, SPIFFE id of the caller, version), the decision and the reason code. Never a
+state value, a patch, a refusal message (it may name keys an attacker chose), a
+key or a DSN: exported spans lose their status descriptions and exception
+messages (``_Redacting``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from typing import Any
+
+import asyncpg
+import grpc
+import orjson
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Meter, NoOpMeterProvider, Observation
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Status
+
+from services.config import ApprovalSettings, LogFormat, Settings
+
+log = logging.getLogger("ztate.telemetry")
+
+# --- span attributes: the whole list of what a ztate span may say about a call --------
+
+THREAD_ID = "ztate.thread_id"
+NODE_ID = "ztate.node_id"  # the caller's SPIFFE ID, from its verified certificate
+VERSION = "ztate.version"
+DECISION = "ztate.decision"  # committed, parked, replayed, refused, rejected
+REASON = "ztate.reason"  # an ErrorReason name (without its prefix)
+
+COMMITTED = "committed"
+PARKED = "parked"
+REFUSED = "refused"
+
+_THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_EXCEPTION_KEPT = frozenset({"exception.type", "exception.escaped"})
+
+
+def note_caller(spiffe_id: str) -> None:
+    """The authenticated caller of the current RPC (``services.rpc_guard``)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute(NODE_ID, spiffe_id)
+
+
+def note_refusal(reason: str) -> None:
+    """The current RPC was refused, for ``reason`` (``services.rpc_guard``)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({DECISION: REFUSED, REASON: reason})
+
+
+def note_transition(thread_id: str, version: int, decision: str | None = None) -> None:
+    """The thread and version the current RPC is about, and what became of it.
+
+    A thread id that does not have the form of one (the caller chose it) is left out.
+    """
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    if _THREAD_ID.match(thread_id):
+        span.set_attribute(THREAD_ID, thread_id)
+    span.set_attribute(VERSION, version)
+    if decision is not None:
+        span.set_attribute(DECISION, decision)
+
+
+# --- metrics ---------------------------------------------------------------------------
+
+# seconds: a commit is one round trip, usually well under 10 ms
+COMMIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """The instruments the request path records into (no-ops when telemetry is off,
+    and ``enabled`` False: the request path then skips its notes altogether)."""
+
+    def __init__(self, meter: Meter, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.proposals = meter.create_counter(
+            "ztate.proposals",
+            unit="{proposal}",
+            description="proposals by decision and, when refused, reason",
+        )
+        self.cas_conflicts = meter.create_counter(
+            "ztate.cas.conflicts",
+            unit="{conflict}",
+            description="commits refused by compare-and-swap: the head had moved",
+        )
+        self.commit_duration = meter.create_histogram(
+            "ztate.commit.duration",
+            unit="s",
+            description="round trip of the compare-and-swap commit statement",
+            explicit_bucket_boundaries_advisory=COMMIT_BUCKETS,
+        )
+
+    def proposal(self, decision: str, reason: str | None = None) -> None:
+        if reason is None:
+            self.proposals.add(1, {DECISION: decision})
+        else:
+            self.proposals.add(1, {DECISION: decision, REASON: reason})
+
+
+NO_METRICS = Metrics(NoOpMeterProvider().get_meter("ztate"), enabled=False)
+
+
+class PendingApprovals:
+    """How many parked transitions wait for a decision, and since when the oldest.
+
+    Sampled from Postgres every ``interval`` seconds on the service's event loop
+    (a metric callback runs on the exporter's thread and cannot query); the age is
+    computed when read, so it keeps growing between samples.
+    """
+
+    QUERY = (
+        "SELECT count(*), min(parked_at) FROM ztate.pending_transitions WHERE status = 'pending'"
+    )
+
+    def __init__(self, pool: asyncpg.Pool, interval: float) -> None:
+        self._pool = pool
+        self._interval = interval
+        self.count: int | None = None
+        self.oldest: datetime | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pending-sampler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def sample(self) -> None:
+        from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+        with suppress_instrumentation():  # no trace of the sampler's own queries
+            row = await self._pool.fetchrow(self.QUERY)
+        assert row is not None
+        self.count, self.oldest = row[0], row[1]
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sample()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as failure:
+                log.warning("cannot sample pending approvals: %s", type(failure).__name__)
+            await asyncio.sleep(self._interval)
+
+    def observe_count(self, _: CallbackOptions) -> Iterable[Observation]:
+        return [] if self.count is None else [Observation(self.count)]
+
+    def observe_age(self, _: CallbackOptions) -> Iterable[Observation]:
+        if self.count is None:
+            return []
+        if self.oldest is None:
+            return [Observation(0.0)]
+        return [Observation((datetime.now(UTC) - self.oldest).total_seconds())]
+
+
+def _pool_observer(
+    pools: Mapping[str, asyncpg.Pool],
+) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def observe(_: CallbackOptions) -> Iterable[Observation]:
+        found: list[Observation] = []
+        for name, pool in pools.items():
+            size, idle = pool.get_size(), pool.get_idle_size()
+            found.append(Observation(size - idle, {"ztate.pool": name, "state": "used"}))
+            found.append(Observation(idle, {"ztate.pool": name, "state": "idle"}))
+        return found
+
+    return observe
+
+
+def _pool_limits(
+    pools: Mapping[str, asyncpg.Pool],
+) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def observe(_: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(pool.get_max_size(), {"ztate.pool": n}) for n, pool in pools.items()]
+
+    return observe
+
+
+# --- what leaves the process -----------------------------------------------------------
+
+
+class _Redacting(SpanExporter):
+    """Exports spans without status descriptions or exception messages.
+
+    The gRPC instrumentation puts a refused call's details (shown to the caller, and
+    naming keys the caller chose) into the span status, and a recorded exception's
+    text into an event; a span keeps the status code, the exception type, and the
+    reason code ``note_refusal`` set.
+    """
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self._inner = inner
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self._inner.export([_redacted(span) for span in spans])
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
+def _redacted(span: ReadableSpan) -> ReadableSpan:
+    exceptional = any(event.name == "exception" for event in span.events)
+    if span.status.description is None and not exceptional:
+        return span
+    events = [
+        Event(
+            event.name,
+            {k: v for k, v in (event.attributes or {}).items() if k in _EXCEPTION_KEPT},
+            event.timestamp,
+        )
+        if event.name == "exception"
+        else event
+        for event in span.events
+    ]
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=span.attributes,
+        events=events,
+        links=span.links,
+        kind=span.kind,
+        status=Status(span.status.status_code),
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+def _version() -> str:
+    try:
+        return metadata.version("ztate")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def _otlp_credentials(settings: Settings | ApprovalSettings) -> grpc.ChannelCredentials | None:
+    if settings.otlp_insecure:
+        return None
+    roots = settings.otlp_ca_file.read_bytes() if settings.otlp_ca_file else None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+@dataclass
+class Telemetry:
+    """The providers of one service; all ``None`` when telemetry is off."""
+
+    tracer_provider: TracerProvider | None = None
+    meter_provider: Any = None  # opentelemetry.sdk.metrics.MeterProvider
+    logger_provider: Any = None  # opentelemetry.sdk._logs.LoggerProvider
+    metrics: Metrics = field(default=NO_METRICS)
+    _asyncpg: Any = field(default=None, repr=False)
+    pending: PendingApprovals | None = field(default=None, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer_provider is not None
+
+    @classmethod
+    def from_settings(cls, settings: Settings | ApprovalSettings) -> Telemetry:
+        mode = settings.telemetry_mode
+        if mode == "off":
+            return cls()
+        from opentelemetry.sdk._logs import LoggerProvider
+        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        if mode == "otlp":
+            if not settings.otlp_endpoint:
+                raise ValueError("ZTATE_TELEMETRY=otlp needs ZTATE_OTLP_ENDPOINT")
+            from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            endpoint, insecure = settings.otlp_endpoint, settings.otlp_insecure
+            credentials = _otlp_credentials(settings)
+            spans: Any = OTLPSpanExporter(endpoint, insecure, credentials=credentials)
+            points: Any = OTLPMetricExporter(endpoint, insecure, credentials=credentials)
+            records: Any = OTLPLogExporter(endpoint, insecure, credentials=credentials)
+        else:
+            from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
+            from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            spans = ConsoleSpanExporter(out=sys.stderr)
+            points = ConsoleMetricExporter(out=sys.stderr)
+            records = ConsoleLogRecordExporter(out=sys.stderr)
+
+        resource = Resource.create(
+            {"service.name": settings.service_name, "service.version": _version()}
+        )
+        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider.add_span_processor(BatchSpanProcessor(_Redacting(spans)))
+        reader = PeriodicExportingMetricReader(
+            points, export_interval_millis=settings.metrics_interval_seconds * 1000
+        )
+        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        logger_provider = LoggerProvider(resource=resource)
+        logger_provider.add_log_record_processor(BatchLogRecordProcessor(records))
+        return cls(
+            tracer_provider,
+            meter_provider,
+            logger_provider,
+            Metrics(meter_provider.get_meter("ztate", _version())),
+        )
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
+        """Server spans, continuing the caller's trace (W3C trace context)."""
+        if not self.enabled:
+            return []
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+        interceptor: grpc.aio.ServerInterceptor[Any, Any] = aio_server_interceptor(  # type: ignore[no-untyped-call]
+            tracer_provider=self.tracer_provider
+        )
+        return [interceptor]
+
+    def instrument_asyncpg(self) -> None:
+        """A client span per query (the statement text; never its parameters).
+
+        asyncpg is instrumented for the whole process (its methods are wrapped);
+        ``shutdown`` undoes it.
+        """
+        if not self.enabled or self._asyncpg is not None:
+            return
+        from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
+
+        instrumentor = AsyncPGInstrumentor(capture_parameters=False)  # type: ignore[no-untyped-call]
+        if instrumentor.is_instrumented_by_opentelemetry:
+            return  # another Telemetry of this process did it
+        instrumentor.instrument(tracer_provider=self.tracer_provider)
+        self._asyncpg = instrumentor
+
+    def watch_database(self, pools: Mapping[str, asyncpg.Pool], interval: float) -> None:
+        """Pool saturation and pending approvals, as observable gauges."""
+        if not self.enabled:
+            return
+        meter: Meter = self.meter_provider.get_meter("ztate", _version())
+        meter.create_observable_gauge(
+            "ztate.db.pool.connections",
+            [_pool_observer(pools)],
+            unit="{connection}",
+            description="open connections of each asyncpg pool, used or idle",
+        )
+        meter.create_observable_gauge(
+            "ztate.db.pool.max",
+            [_pool_limits(pools)],
+            unit="{connection}",
+            description="the most connections each pool opens",
+        )
+        pending = PendingApprovals(next(iter(pools.values())), interval)
+        meter.create_observable_gauge(
+            "ztate.approvals.pending",
+            [pending.observe_count],
+            unit="{transition}",
+            description="parked transitions waiting for a decision",
+        )
+        meter.create_observable_gauge(
+            "ztate.approvals.pending.age",
+            [pending.observe_age],
+            unit="s",
+            description="how long the oldest parked transition has waited",
+        )
+        pending.start()
+        self.pending = pending
+
+    def log_handler(self) -> logging.Handler | None:
+        """A handler that sends log records to the logs exporter, with trace ids."""
+        if self.logger_provider is None:
+            return None
+        from opentelemetry.instrumentation.logging.handler import LoggingHandler
+
+        handler: logging.Handler = LoggingHandler(logger_provider=self.logger_provider)
+        return handler
+
+    def install_globals(self) -> None:
+        """Make these the process's providers, and send the root logger's records to
+        the logs exporter too (the service commands do this, once per process)."""
+        if not self.enabled:
+            return
+        from opentelemetry import _logs, metrics
+
+        trace.set_tracer_provider(self.tracer_provider)  # type: ignore[arg-type]
+        metrics.set_meter_provider(self.meter_provider)
+        _logs.set_logger_provider(self.logger_provider)
+        handler = self.log_handler()
+        if handler is not None:
+            logging.getLogger().addHandler(handler)
+
+    def force_flush(self) -> None:
+        """Export everything recorded so far (blocking: call it off the event loop)."""
+        for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
+            if provider is not None:
+                provider.force_flush()
+
+    async def shutdown(self) -> None:
+        """Stop sampling, undo the instrumentation, flush and close the exporters."""
+        if self.pending is not None:
+            await self.pending.stop()
+        if self._asyncpg is not None:
+            self._asyncpg.uninstrument()
+            self._asyncpg = None
+        for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
+            if provider is not None:
+                await asyncio.to_thread(provider.shutdown)
+
+
+# --- logs ------------------------------------------------------------------------------
+
+_RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, the exception if any,
+    ``extra`` fields, and the trace and span ids of the span active when logged."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            entry["trace_id"] = trace.format_trace_id(context.trace_id)
+            entry["span_id"] = trace.format_span_id(context.span_id)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        for name, value in vars(record).items():
+            if name not in _RECORD_FIELDS and not name.startswith("_"):
+                entry[name] = value
+        return orjson.dumps(entry, default=str).decode()
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def configure_logging(log_format: LogFormat) -> None:
+    """Logs to stderr, as text or as JSON lines (``ZTATE_LOG_FORMAT``)."""
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=logging.INFO, handlers=[stream])
