@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     checkpoint_key_id: str = Field(default="checkpoint-k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     checkpoint_public_keys_file: Path | None = None
     checkpoint_interval_seconds: float = Field(default=60.0, gt=0)
+    watch_max_streams: int = Field(
+        default=256, ge=0, le=100_000, description="WatchThread streams served at once"
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:

@@ -32,7 +32,9 @@ from transition_service.ledger_server import LedgerServicer
 from transition_service.outbox import ApprovalOutbox
 from transition_service.outcomes import OutcomeListener
 from transition_service.pipeline import TransitionPipeline
+from transition_service.reads import ThreadReads
 from transition_service.server import TransitionServicer
+from transition_service.watch import Watcher
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.transition")
@@ -143,6 +145,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     listener = OutcomeListener(dsn, settings.db_role)
     await listener.start()
     approvals = ApprovalStore(store.pool)
+    reads = ThreadReads(store, policies)
     decisions = DecisionPipeline(
         store=store,
         approvals=approvals,
@@ -177,7 +180,14 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     ]
     server = grpc.aio.server(options=options)
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
-        TransitionServicer(pipeline, decisions, settings.trust_domain), server
+        TransitionServicer(
+            pipeline,
+            decisions,
+            settings.trust_domain,
+            reads,
+            Watcher(store, reads, listener, settings.watch_max_streams),
+        ),
+        server,
     )
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
         LedgerServicer(queries, settings.trust_domain), server
