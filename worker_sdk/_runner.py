@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker_sdk.client import Outcome, Transition, View, ZtateClient
-from worker_sdk.errors import AwaitingApproval, StaleVersion
+from worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, ZtateError
 
 log = logging.getLogger("worker_sdk.runner")
 
@@ -20,15 +20,17 @@ Handler = Callable[[View], Patch | Awaitable[Patch | None] | None]
 
 @dataclass
 class Step:
-    """What one proposal of the runner became: ``status`` is "committed", or a parked
-    transition's outcome ("rejected", "expired", "stale", "pending" when the wait
-    ran out); ``transition`` is set once committed, ``digest`` once parked."""
+    """What one proposal of the runner became: ``status`` is "committed", "refused"
+    (``error`` says why: nothing was written), or a parked transition's outcome
+    ("rejected", "expired", "stale", "pending" when the wait ran out);
+    ``transition`` is set once committed, ``digest`` once parked."""
 
     view_version: int
     patch: Patch
     status: str
     transition: Transition | None = None
     digest: str | None = None
+    error: ZtateError | None = None
 
 
 @dataclass
@@ -39,9 +41,12 @@ class NodeRunner:
     view and returns a patch to propose, or None to do nothing. A proposal beaten
     by another writer (stale) is re-run on a fresh view, up to ``attempts`` times;
     a proposal parked for approval is waited for (``approval_wait`` seconds) and
-    its outcome recorded. Versions the node already acted past are skipped, so a
+    its outcome recorded; a refused proposal is recorded as "refused" and the
+    node carries on with the next version (transport failures, ``Unavailable``,
+    are raised). Versions the node already acted past are skipped, so a
     handler never sees an older view than the last one it saw. ``steps`` records
-    every proposal and what became of it; ``on_step`` is called with each.
+    every proposal and what became of it; ``on_step`` is called with each, and
+    ``on_parked`` when a proposal is parked, before waiting for its outcome.
     """
 
     client: ZtateClient
@@ -52,6 +57,7 @@ class NodeRunner:
     attempts: int = 5
     approval_wait: float = 60.0
     on_step: Callable[[Step], None] | None = None
+    on_parked: Callable[[AwaitingApproval], None] | None = None
     steps: list[Step] = field(default_factory=list)
     _seen: int = field(default=-1, init=False, repr=False)
 
@@ -85,8 +91,15 @@ class NodeRunner:
                     raise
                 view = await self.client.get_view(self.thread_id)
                 continue
+            except Unavailable:
+                raise
+            except ZtateError as refused:
+                log.info("%s: refused: %s", self.node_name, refused)
+                return self._refused(view, patch, refused)
             except AwaitingApproval as parked:
                 log.info("%s: parked %s (%s)", self.node_name, parked.digest, parked.risk_rules)
+                if self.on_parked is not None:
+                    self.on_parked(parked)
                 outcome = await self.client.wait_for_outcome(
                     parked.digest, within=self.approval_wait
                 )
@@ -97,6 +110,13 @@ class NodeRunner:
                 return step
             return self._record(view, patch, Outcome("committed", committed), None)
         return None
+
+    def _refused(self, view: View, patch: Patch, error: ZtateError) -> Step:
+        step = Step(view.version, patch, "refused", error=error)
+        self.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
+        return step
 
     async def _patch_for(self, view: View) -> Patch | None:
         produced = self.handler(view)
