@@ -3,7 +3,11 @@
 A stream first sends the versions newer than the one the caller names, then
 sleeps on the process's one LISTEN connection (``OutcomeListener``) until the
 thread commits again; it also re-reads every ``RECHECK_SECONDS``, which covers an
-announcement lost while that connection was down. Every message is projected to
+announcement lost while that connection was down. Commits are announced only for
+threads some replica watches (NOTIFY serialises commits on a global lock): the
+first stream of this process on a thread registers it in
+``ztate.watched_threads``, the last one to end unregisters it. A commit racing
+with the very first registration may wait for the re-read. Every message is projected to
 the keys the caller may read, exactly as ``GetView``. A server holds at most
 ``max_streams`` streams at once and refuses more with ``TOO_MANY_STREAMS``.
 """
@@ -11,6 +15,9 @@ the keys the caller may read, exactly as ``GetView``. A server holds at most
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
@@ -23,6 +30,7 @@ from services.store.transitions import TransitionStore, VersionState
 from transition_service.outcomes import OutcomeListener
 from transition_service.reads import ThreadReads
 
+log = logging.getLogger("ztate.transition")
 BATCH = 100
 RECHECK_SECONDS = 2.0
 
@@ -51,6 +59,9 @@ class Watcher:
         self._listener = listener
         self._max_streams = max_streams
         self._active = 0
+        self._replica = uuid.uuid4().hex
+        self._watched: Counter[str] = Counter()
+        self._registering = asyncio.Lock()
 
     @property
     def active(self) -> int:
@@ -66,12 +77,36 @@ class Watcher:
                 f"this server already serves {self._max_streams} watch streams; retry later",
                 limit=self._max_streams,
             )
-        readable = await self._reads.readable(caller, thread_id)
-        self._active += 1
+        self._active += 1  # taken before any await, so concurrent calls cannot overshoot
+        try:
+            readable = await self._reads.readable(caller, thread_id)
+            await self._register(thread_id)
+        except BaseException:
+            self._active -= 1
+            raise
         return Subscription(self, thread_id, from_version, readable)
 
-    def _release(self) -> None:
+    async def _register(self, thread_id: str) -> None:
+        async with self._registering:
+            self._watched[thread_id] += 1
+            if self._watched[thread_id] == 1:
+                try:
+                    await self._store.watch_thread(thread_id, self._replica)
+                except BaseException:
+                    del self._watched[thread_id]
+                    raise
+
+    async def _release(self, thread_id: str) -> None:
         self._active -= 1
+        async with self._registering:
+            self._watched[thread_id] -= 1
+            if self._watched[thread_id] > 0:
+                return
+            del self._watched[thread_id]
+            try:
+                await self._store.unwatch_thread(thread_id, self._replica)
+            except Exception as failure:  # a stale row only costs announcements
+                log.warning("could not unregister a watched thread: %s", type(failure).__name__)
 
     async def versions(
         self, thread_id: str, last: int, readable: frozenset[str] | None
@@ -99,6 +134,7 @@ class Subscription:
         self, watcher: Watcher, thread_id: str, last: int, readable: frozenset[str] | None
     ) -> None:
         self._watcher = watcher
+        self._thread_id = thread_id
         self._versions = watcher.versions(thread_id, last, readable)
         self._open = True
 
@@ -108,8 +144,8 @@ class Subscription:
     async def close(self) -> None:
         if self._open:
             self._open = False
-            self._watcher._release()
             await self._versions.aclose()
+            await self._watcher._release(self._thread_id)
 
 
 def project(thread_id: str, found: VersionState, readable: frozenset[str] | None) -> WatchedVersion:

@@ -344,6 +344,22 @@ class TransitionStore:
         )
         return [VersionState(r["version"], r["digest"], r["state"]) for r in rows]
 
+    async def watch_thread(self, thread_id: str, replica: str) -> None:
+        """Have commits of ``thread_id`` announced (migration 0008): ``replica`` watches it."""
+        await self._pool.execute(
+            "INSERT INTO ztate.watched_threads (thread_id, replica) VALUES ($1, $2) "
+            "ON CONFLICT DO NOTHING",
+            thread_id,
+            replica,
+        )
+
+    async def unwatch_thread(self, thread_id: str, replica: str) -> None:
+        await self._pool.execute(
+            "DELETE FROM ztate.watched_threads WHERE thread_id = $1 AND replica = $2",
+            thread_id,
+            replica,
+        )
+
     async def latest_checkpoint(self, thread_id: str) -> CheckpointRow | None:
         row = await self._pool.fetchrow(
             "SELECT checkpoint, signature, key_id FROM ztate.checkpoints "

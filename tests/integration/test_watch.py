@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 import pytest_asyncio
@@ -240,3 +241,37 @@ async def test_a_parked_proposal_is_not_a_version(target: str, pki: Pki, ledger:
     assert event.state is not None
     assert event.state["target_user_id"] == USER  # the parked change is not state
     assert (await ledger.snapshot(thread_id)).head_version == 1
+
+
+async def test_commits_of_a_watched_thread_are_announced_and_the_watch_unregistered(
+    target: str, pki: Pki, database_dsn: str
+) -> None:
+    thread_id = await new_thread(target, pki)
+    conn = await asyncpg.connect(database_dsn)
+    announced: asyncio.Queue[str] = asyncio.Queue()
+    await conn.add_listener("ztate_commits", lambda *args: announced.put_nowait(args[3]))
+
+    async def registered() -> int:
+        count: int = await conn.fetchval(
+            "SELECT count(*) FROM ztate.watched_threads WHERE thread_id = $1", thread_id
+        )
+        return count
+
+    try:
+        async with client(target, pki.node("input-parser")) as parser:
+            stream = parser.watch(thread_id)
+            await take(stream, 1)  # the stream is open, so the thread is registered
+            assert await registered() == 1
+            await parser.propose(thread_id, 0, {"requested_action": act("heard")})
+            assert await asyncio.wait_for(announced.get(), 10) == thread_id
+            await stream.aclose()
+
+            async def unregistered() -> None:
+                while True:
+                    if await registered() == 0:
+                        return
+                    await asyncio.sleep(0.05)  # the server ends the stream on the cancel
+
+            await asyncio.wait_for(unregistered(), 10)
+    finally:
+        await conn.close()
