@@ -51,6 +51,7 @@ class Transition:
 
     @classmethod
     def from_message(cls, msg: transition_pb2.Transition, *, replayed: bool = False) -> Transition:
+        """From the wire message."""
         return cls(
             thread_id=msg.thread_id,
             version=msg.version,
@@ -242,6 +243,7 @@ class ZtateClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
         await self._channel.close(None)
 
     async def create_thread(

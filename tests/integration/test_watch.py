@@ -23,6 +23,7 @@ from worker_sdk import (
     AwaitingApproval,
     NotFound,
     PermissionDenied,
+    SyncZtateClient,
     TooManyStreams,
     WatchEvent,
 )
@@ -275,3 +276,22 @@ async def test_commits_of_a_watched_thread_are_announced_and_the_watch_unregiste
             await asyncio.wait_for(unregistered(), 10)
     finally:
         await conn.close()
+
+
+async def test_the_blocking_client_watches_too(target: str, pki: Pki) -> None:
+    thread_id = await new_thread(target, pki)
+    creds = pki.node("input-parser")
+
+    def work() -> list[int]:
+        with SyncZtateClient.from_files(
+            target, cert=creds.cert, key=creds.key, ca=creds.ca
+        ) as worker:
+            worker.propose(thread_id, 0, {"requested_action": act("sync")})
+            versions = []
+            for change in worker.watch(thread_id):
+                versions.append(change.version)
+                if change.version == 1:
+                    break
+            return versions
+
+    assert await asyncio.to_thread(work) == [0, 1]
