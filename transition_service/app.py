@@ -56,10 +56,13 @@ class RunningService:
     outbox: ApprovalOutbox
     checkpointer: Checkpointer | None
     embedded: Any = field(default=None, repr=False)
+    watcher: Watcher | None = None
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
         await self.health.enter_graceful_shutdown()
+        if self.watcher is not None:
+            self.watcher.shutdown()  # watch streams never finish on their own
         await self.outbox.stop()
         if self.checkpointer is not None:
             await self.checkpointer.stop()
@@ -146,6 +149,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     await listener.start()
     approvals = ApprovalStore(store.pool)
     reads = ThreadReads(store, policies)
+    watcher = Watcher(store, reads, listener, settings.watch_max_streams)
     decisions = DecisionPipeline(
         store=store,
         approvals=approvals,
@@ -180,13 +184,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     ]
     server = grpc.aio.server(options=options)
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
-        TransitionServicer(
-            pipeline,
-            decisions,
-            settings.trust_domain,
-            reads,
-            Watcher(store, reads, listener, settings.watch_max_streams),
-        ),
+        TransitionServicer(pipeline, decisions, settings.trust_domain, reads, watcher),
         server,
     )
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
@@ -222,7 +220,7 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         keyring.current,
     )
     return RunningService(
-        server, port, store, queries, health, listener, outbox, checkpointer, embedded
+        server, port, store, queries, health, listener, outbox, checkpointer, embedded, watcher
     )
 
 

@@ -58,6 +58,12 @@ class OutcomeListener:
         for event in self._watchers.get(str(payload), ()):
             event.set()
 
+    def wake_all_watchers(self) -> None:
+        """Wake every thread watcher (the service is stopping)."""
+        for events in self._watchers.values():
+            for event in events:
+                event.set()
+
     @contextlib.asynccontextmanager
     async def watching_thread(self, thread_id: str) -> AsyncIterator[asyncio.Event]:
         """An event set whenever ``thread_id`` commits a new version."""

@@ -62,6 +62,13 @@ class Watcher:
         self._replica = uuid.uuid4().hex
         self._watched: Counter[str] = Counter()
         self._registering = asyncio.Lock()
+        self._closing = False
+
+    def shutdown(self) -> None:
+        """End every stream now (they complete with OK; clients resume elsewhere) and
+        refuse new ones, so that stopping the server does not wait on them."""
+        self._closing = True
+        self._listener.wake_all_watchers()
 
     @property
     def active(self) -> int:
@@ -72,6 +79,10 @@ class Watcher:
         """Check access and take a stream slot; ``Subscription.close`` gives it back."""
         if from_version < -1:
             raise errors.RequestInvalid("from_version must be >= -1")
+        if self._closing:
+            raise errors.TooManyStreams(
+                "this server is shutting down; watch on another replica", limit=0
+            )
         if self._active >= self._max_streams:
             raise errors.TooManyStreams(
                 f"this server already serves {self._max_streams} watch streams; retry later",
@@ -113,7 +124,7 @@ class Watcher:
     ) -> AsyncGenerator[WatchedVersion, None]:
         """Versions newer than ``last``, in order, forever."""
         async with self._listener.watching_thread(thread_id) as announced:
-            while True:
+            while not self._closing:
                 announced.clear()
                 batch = await self._store.versions_after(thread_id, last, BATCH)
                 for found in batch:

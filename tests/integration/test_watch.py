@@ -25,6 +25,7 @@ from worker_sdk import (
     PermissionDenied,
     SyncZtateClient,
     TooManyStreams,
+    Unavailable,
     WatchEvent,
 )
 
@@ -295,3 +296,18 @@ async def test_the_blocking_client_watches_too(target: str, pki: Pki) -> None:
             return versions
 
     assert await asyncio.to_thread(work) == [0, 1]
+
+
+async def test_stopping_the_server_ends_open_streams_instead_of_waiting_on_them(
+    settings: Settings, database_dsn: str, pki: Pki
+) -> None:
+    running = await start(settings, dsn=database_dsn)
+    target = f"localhost:{running.port}"
+    thread_id = await new_thread(target, pki)
+    async with client(target, pki.node("planner")) as planner:
+        stream = planner.watch(thread_id, reconnects=0)
+        await take(stream, 1)
+        # the grace period is a minute; the open stream must not hold the stop that long
+        await asyncio.wait_for(running.stop(grace=60), 15)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(anext(stream), 15)
