@@ -402,7 +402,7 @@ class Demo:
         if not kept:
             say("(this run's home was temporary; run with --home DIR to keep it)")
         say(
-            f"""  export ZTATE_HOME={home}
+            f"""  export ZTATE_HOME={home} PATH={Path(sys.executable).parent}:$PATH
   ztate run &                                     # the control plane on the kept data
   ztate ledger list                               # every transition, newest first
   ztate ledger show --thread request-3-refund --version 3   # the approved one, with its receipt

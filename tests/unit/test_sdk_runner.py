@@ -23,6 +23,7 @@ from worker_sdk import (
     HeadNotVerified,
     NodeRunner,
     NotFound,
+    Unavailable,
     View,
     ZtateClient,
     verify_head_before_acting,
@@ -57,6 +58,8 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         self.record: transition_pb2.GetTransitionResponse | None = None
         self.checkpoint: transition_pb2.SignedCheckpoint | None = None
         self.outcome = transition_pb2.WaitForOutcomeResponse()
+        self.view_failures = 0
+        self.view_calls = 0
 
     async def WatchThread(
         self, request: transition_pb2.WatchThreadRequest, context: Any
@@ -73,6 +76,9 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
     async def GetView(
         self, request: transition_pb2.GetViewRequest, context: Any
     ) -> transition_pb2.GetViewResponse:
+        self.view_calls += 1
+        if self.view_calls <= self.view_failures:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is restarting")
         return transition_pb2.GetViewResponse(
             thread_id=THREAD, version=self.view_version, state_json=b'{"n":1}', head_digest="f"
         )
@@ -179,6 +185,19 @@ async def test_watch_raises_a_refusal_at_once(scripted: tuple[Scripted, ZtateCli
         await anext(worker.watch(THREAD))
     assert refused.value.reason == "THREAD_NOT_FOUND"
     assert servicer.watch_from == [-1]  # not retried
+
+
+async def test_reads_are_retried_through_transport_failures_then_give_up(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.view_failures = 2
+    view = await worker.get_view(THREAD)  # three attempts: two failures, then the answer
+    assert (view.version, servicer.view_calls) == (0, 3)
+    servicer.view_calls, servicer.view_failures = 0, 10
+    with pytest.raises(Unavailable):
+        await worker.get_view(THREAD)
+    assert servicer.view_calls == 4  # the first call and its three retries
 
 
 # --- the runner ---------------------------------------------------------------------------
