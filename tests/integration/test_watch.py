@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from services.checkpoints import SignedCheckpoint, verify_checkpoint
 from services.config import Settings
+from services.store.retention import Limits, prune
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
 from transition_service.app import RunningService, start
 from transition_service.checkpointer import Checkpointer
@@ -311,3 +312,21 @@ async def test_stopping_the_server_ends_open_streams_instead_of_waiting_on_them(
         await asyncio.wait_for(running.stop(grace=60), 15)
         with pytest.raises(Unavailable):
             await asyncio.wait_for(anext(stream), 15)
+
+
+async def test_a_version_whose_state_was_pruned_says_so(
+    target: str, pki: Pki, database_dsn: str
+) -> None:
+    thread_id = await new_thread(target, pki)
+    async with (
+        client(target, pki.node("input-parser")) as parser,
+        client(target, pki.node("planner")) as planner,
+    ):
+        await parser.propose(thread_id, 0, {"requested_action": act("old")})
+        await parser.propose(thread_id, 1, {"requested_action": act("new")})
+        assert await prune(database_dsn, Limits(keep_versions=1), thread_id=thread_id) == 2
+        events = await take(planner.watch(thread_id), 3)
+    assert [(e.version, e.state is None) for e in events] == [(0, True), (1, True), (2, False)]
+    assert events[2].state is not None
+    assert events[2].state["requested_action"] == act("new")
+    assert events[0].as_view() is None
