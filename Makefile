@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/ztate/v1/*.proto)
 
-.PHONY: run test proto proto-check lint bench clean
+.PHONY: run test proto proto-check lint bench clean demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	cd proto && ../$(VENV)/bin/buf lint
+
+## demo: the four-node pipeline as separate processes, an injection refused, an approval
+## verified; the ledger is kept in .ztate/demo to explore afterwards
+demo: $(STAMP)
+	$(PY) examples/demo/run.py --home .ztate/demo
 
 ## bench: the benchmarks (not part of the test suite; installs the LangGraph comparison)
 bench: $(STAMP)

@@ -104,6 +104,9 @@ class Settings(TelemetrySettings):
         validation_alias=AliasChoices("ZTATE_SERVICE_NAME", "OTEL_SERVICE_NAME"),
         description="service.name of traces, metrics and logs",
     )
+    watch_max_streams: int = Field(
+        default=256, ge=0, le=100_000, description="WatchThread streams served at once"
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:

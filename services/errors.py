@@ -160,4 +160,8 @@ class StatePruned(ZtateError):
     reason = "STATE_PRUNED"
 
 
+class TooManyStreams(ZtateError):
+    reason = "TOO_MANY_STREAMS"
+
+
 ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())

@@ -49,6 +49,7 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.SelfApproval: grpc.StatusCode.PERMISSION_DENIED,
     errors.AlreadyDecided: grpc.StatusCode.ALREADY_EXISTS,
     errors.StatePruned: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

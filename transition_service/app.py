@@ -33,7 +33,9 @@ from transition_service.ledger_server import LedgerServicer
 from transition_service.outbox import ApprovalOutbox
 from transition_service.outcomes import OutcomeListener
 from transition_service.pipeline import TransitionPipeline
+from transition_service.reads import ThreadReads
 from transition_service.server import TransitionServicer
+from transition_service.watch import Watcher
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.transition")
@@ -56,10 +58,13 @@ class RunningService:
     checkpointer: Checkpointer | None
     embedded: Any = field(default=None, repr=False)
     telemetry: Telemetry = field(default_factory=Telemetry)
+    watcher: Watcher | None = None
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
         await self.health.enter_graceful_shutdown()
+        if self.watcher is not None:
+            self.watcher.shutdown()  # watch streams never finish on their own
         await self.outbox.stop()
         if self.checkpointer is not None:
             await self.checkpointer.stop()
@@ -156,6 +161,8 @@ async def start(
     listener = OutcomeListener(dsn, settings.db_role)
     await listener.start()
     approvals = ApprovalStore(store.pool)
+    reads = ThreadReads(store, policies)
+    watcher = Watcher(store, reads, listener, settings.watch_max_streams)
     decisions = DecisionPipeline(
         store=store,
         approvals=approvals,
@@ -191,7 +198,8 @@ async def start(
     ]
     server = grpc.aio.server(options=options, interceptors=telemetry.server_interceptors())
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
-        TransitionServicer(pipeline, decisions, settings.trust_domain), server
+        TransitionServicer(pipeline, decisions, settings.trust_domain, reads, watcher),
+        server,
     )
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
         LedgerServicer(queries, settings.trust_domain), server
@@ -227,7 +235,17 @@ async def start(
         keyring.current,
     )
     return RunningService(
-        server, port, store, queries, health, listener, outbox, checkpointer, embedded, telemetry
+        server,
+        port,
+        store,
+        queries,
+        health,
+        listener,
+        outbox,
+        checkpointer,
+        embedded,
+        telemetry=telemetry,
+        watcher=watcher,
     )
 
 

@@ -6,17 +6,24 @@ refusals to gRPC statuses.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from google.protobuf import timestamp_pb2
 
+from services import errors, rpc_errors
 from services.identity import Identity
 from services.receipts import SignedReceipt
 from services.rpc_guard import Context, guarded
-from services.store.transitions import PendingTransition, StoredTransition
+from services.store.transitions import STORAGE_ERRORS, PendingTransition, StoredTransition
 from transition_service.decisions import DecisionPipeline, Resolution
 from transition_service.pipeline import Parked, Proposal, Revert, TransitionPipeline
-from ztate.v1 import transition_pb2, transition_pb2_grpc
+from transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
+from transition_service.watch import Subscription, Watcher
+from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+
+log = logging.getLogger("ztate.rpc")
 
 
 def transition_message(stored: StoredTransition) -> transition_pb2.Transition:
@@ -52,11 +59,18 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
     """Adapts ``TransitionPipeline`` to ``ztate.v1.TransitionService``."""
 
     def __init__(
-        self, pipeline: TransitionPipeline, decisions: DecisionPipeline, trust_domain: str
+        self,
+        pipeline: TransitionPipeline,
+        decisions: DecisionPipeline,
+        trust_domain: str,
+        reads: ThreadReads,
+        watcher: Watcher,
     ) -> None:
         self._pipeline = pipeline
         self._decisions = decisions
         self._trust_domain = trust_domain
+        self._reads = reads
+        self._watcher = watcher
 
     async def CreateThread(
         self, request: transition_pb2.CreateThreadRequest, context: Context
@@ -111,15 +125,62 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
     ) -> transition_pb2.GetTransitionResponse:
         async def handle(caller: Identity) -> transition_pb2.GetTransitionResponse:
             lookup = request.WhichOneof("lookup")
-            stored = await self._pipeline.transition(
+            found = await self._reads.transition(
                 caller,
-                digest=request.digest if lookup == "digest" else None,
-                thread_id=request.thread_version.thread_id if lookup == "thread_version" else None,
-                version=request.thread_version.version if lookup == "thread_version" else None,
+                Lookup(
+                    digest=request.digest if lookup == "digest" else None,
+                    thread_id=(
+                        request.thread_version.thread_id if lookup == "thread_version" else None
+                    ),
+                    version=request.thread_version.version if lookup == "thread_version" else None,
+                    head_of=request.head_of_thread if lookup == "head_of_thread" else None,
+                ),
             )
-            return transition_pb2.GetTransitionResponse(transition=transition_message(stored))
+            return evidence_message(found)
 
         return await guarded(context, self._trust_domain, "GetTransition", handle)
+
+    async def GetCheckpoint(
+        self, request: transition_pb2.GetCheckpointRequest, context: Context
+    ) -> transition_pb2.GetCheckpointResponse:
+        async def handle(caller: Identity) -> transition_pb2.GetCheckpointResponse:
+            found = await self._reads.checkpoint(caller, request.thread_id)
+            if found is None:
+                return transition_pb2.GetCheckpointResponse()
+            return transition_pb2.GetCheckpointResponse(
+                checkpoint=transition_pb2.SignedCheckpoint(
+                    checkpoint_json=found.checkpoint,
+                    signature=found.signature,
+                    key_id=found.key_id,
+                )
+            )
+
+        return await guarded(context, self._trust_domain, "GetCheckpoint", handle)
+
+    async def WatchThread(
+        self, request: transition_pb2.WatchThreadRequest, context: Context
+    ) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        async def handle(caller: Identity) -> Subscription:
+            return await self._watcher.open(caller, request.thread_id, request.from_version)
+
+        subscription = await guarded(context, self._trust_domain, "WatchThread", handle)
+        try:
+            async for version in subscription:
+                yield transition_pb2.WatchThreadResponse(
+                    thread_id=version.thread_id,
+                    version=version.version,
+                    digest=version.digest,
+                    state_json=version.state_json,
+                    state_pruned=version.state_pruned,
+                )
+        except STORAGE_ERRORS as failure:
+            log.warning("WatchThread: database unavailable: %s", type(failure).__name__)
+            status = rpc_errors.to_status(
+                errors.StorageUnavailable("the ledger database is unavailable; resume the watch")
+            )
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        finally:
+            await subscription.close()
 
     async def ApplyDecision(
         self, request: transition_pb2.ApplyDecisionRequest, context: Context
@@ -162,6 +223,21 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             )
 
         return await guarded(context, self._trust_domain, "RevertThread", handle)
+
+
+def evidence_message(found: RecordWithEvidence) -> transition_pb2.GetTransitionResponse:
+    response = transition_pb2.GetTransitionResponse(transition=transition_message(found.transition))
+    evidence = found.evidence
+    if evidence.receipt is not None:
+        response.receipt.CopyFrom(
+            approval_pb2.SignedReceipt(
+                receipt_json=evidence.receipt,
+                signature=evidence.receipt_signature or "",
+                key_id=evidence.receipt_key_id or "",
+            )
+        )
+        response.risk_rules.extend(evidence.risk_rules)
+    return response
 
 
 def resolution_fields(resolution: Resolution) -> dict[str, Any]:

@@ -1,11 +1,32 @@
 """The Python SDK for ztate agent workers.
 
 A worker holds only its own certificate and key and the CA certificate. It
-imports no database driver and no server code: it can read its view and propose
-patches, nothing more.
+imports no database driver and no server code: it can read its view, watch its
+thread, propose patches, and check with public keys that a head was approved.
+
+* ``ZtateClient`` (asyncio) and ``SyncZtateClient`` (blocking): the calls.
+* ``NodeRunner`` / ``run_node``: a node as a function from its view to a patch,
+  driven by the thread's changes.
+* ``verify_head_before_acting``: a privileged worker's check, immediately before
+  it acts, of the head's approval receipt and checkpoint (``VerifiedHead``, or
+  ``HeadNotVerified``).
+* One exception type per refusal (``StaleVersion``, ``PermissionDenied``, ...).
 """
 
-from worker_sdk.client import Outcome, Transition, View, ZtateClient, encode_json
+from worker_sdk._evidence import load_public_keys
+from worker_sdk._runner import Handler, NodeRunner, Step, run_node
+from worker_sdk._verify import HeadNotVerified, VerifiedHead, verify_head_before_acting
+from worker_sdk.client import (
+    Checkpoint,
+    HeadRecord,
+    Outcome,
+    Receipt,
+    Transition,
+    View,
+    WatchEvent,
+    ZtateClient,
+    encode_json,
+)
 from worker_sdk.errors import (
     AlreadyExists,
     AwaitingApproval,
@@ -16,6 +37,7 @@ from worker_sdk.errors import (
     PatchTooLarge,
     PermissionDenied,
     StaleVersion,
+    TooManyStreams,
     Unauthenticated,
     Unavailable,
     ZtateError,
@@ -25,20 +47,33 @@ from worker_sdk.sync import SyncZtateClient
 __all__ = [
     "AlreadyExists",
     "AwaitingApproval",
+    "Checkpoint",
     "FailedPrecondition",
+    "Handler",
+    "HeadNotVerified",
+    "HeadRecord",
     "InvalidRequest",
     "InvariantViolated",
+    "NodeRunner",
     "NotFound",
     "Outcome",
     "PatchTooLarge",
     "PermissionDenied",
+    "Receipt",
     "StaleVersion",
+    "Step",
     "SyncZtateClient",
+    "TooManyStreams",
     "Transition",
     "Unauthenticated",
     "Unavailable",
+    "VerifiedHead",
     "View",
+    "WatchEvent",
     "ZtateClient",
     "ZtateError",
     "encode_json",
+    "load_public_keys",
+    "run_node",
+    "verify_head_before_acting",
 ]

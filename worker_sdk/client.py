@@ -7,7 +7,7 @@ import inspect
 import json
 import os
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from worker_sdk._tracing import client_interceptors
-from worker_sdk.errors import AwaitingApproval, StaleVersion, from_rpc_error
+from worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, from_rpc_error
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
@@ -52,6 +52,7 @@ class Transition:
 
     @classmethod
     def from_message(cls, msg: transition_pb2.Transition, *, replayed: bool = False) -> Transition:
+        """From the wire message."""
         return cls(
             thread_id=msg.thread_id,
             version=msg.version,
@@ -84,6 +85,55 @@ class View:
     version: int
     head_digest: str
     state: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One new version of a watched thread, as this worker may see it.
+
+    ``state`` holds only the keys this worker may read, at ``version``; it is
+    ``None`` when retention pruned that version's state (``get_view`` reads the
+    head instead).
+    """
+
+    thread_id: str
+    version: int
+    digest: str
+    state: dict[str, Any] | None
+
+    def as_view(self) -> View | None:
+        """This version as a ``View`` (None when its state was pruned)."""
+        if self.state is None:
+            return None
+        return View(self.thread_id, self.version, self.digest, self.state)
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """An approval receipt as the approval service signed it (docs/approvals.md)."""
+
+    receipt_json: bytes
+    signature: str
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRecord:
+    """A ledger record with the approval receipt it was committed under (if any) and
+    the risk rules the approved proposal matched."""
+
+    transition: Transition
+    receipt: Receipt | None
+    risk_rules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A thread head signed with the transition service's Ed25519 checkpoint key."""
+
+    checkpoint_json: bytes
+    signature: str
+    key_id: str
 
 
 def encode_json(value: dict[str, Any]) -> bytes:
@@ -203,6 +253,7 @@ class ZtateClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
         await self._channel.close(None)
 
     async def create_thread(
@@ -276,6 +327,88 @@ class ZtateClient:
             raise ValueError("give digest, or thread_id and version")
         response = await self._call(self._stub.GetTransition, request)
         return Transition.from_message(response.transition)
+
+    async def get_record(
+        self,
+        thread_id: str,
+        *,
+        version: int | None = None,
+    ) -> HeadRecord:
+        """The head record of ``thread_id`` (or the record at ``version``) with the
+        approval receipt it was committed under.
+
+        A node may read a record of its own workflow's thread whose patch changes
+        only keys it may read; ``PermissionDenied`` otherwise.
+        """
+        if version is None:
+            request = transition_pb2.GetTransitionRequest(head_of_thread=thread_id)
+        else:
+            request = transition_pb2.GetTransitionRequest(
+                thread_version=transition_pb2.ThreadVersion(thread_id=thread_id, version=version)
+            )
+        response = await self._call(self._stub.GetTransition, request)
+        receipt = (
+            Receipt(
+                response.receipt.receipt_json, response.receipt.signature, response.receipt.key_id
+            )
+            if response.HasField("receipt")
+            else None
+        )
+        return HeadRecord(
+            Transition.from_message(response.transition), receipt, tuple(response.risk_rules)
+        )
+
+    async def get_checkpoint(self, thread_id: str) -> Checkpoint | None:
+        """The newest signed checkpoint of a thread, or None if none was signed yet."""
+        response = await self._call(
+            self._stub.GetCheckpoint, transition_pb2.GetCheckpointRequest(thread_id=thread_id)
+        )
+        if not response.HasField("checkpoint"):
+            return None
+        found = response.checkpoint
+        return Checkpoint(found.checkpoint_json, found.signature, found.key_id)
+
+    async def watch(
+        self, thread_id: str, from_version: int = -1, *, reconnects: int = 10
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Each version of ``thread_id`` newer than ``from_version``, in order, forever.
+
+        Versions already committed come first, then each one as it commits. When
+        the stream breaks in transport (UNAVAILABLE, DEADLINE_EXCEEDED, or the
+        server closing it), it is re-opened from the last version received, so no
+        version is skipped or repeated; after ``reconnects`` failures in a row
+        without a message, the typed error is raised. Refusals (a thread of
+        another workflow, the server's stream limit: ``TooManyStreams``) are
+        raised at once. Break out of the loop to stop watching.
+        """
+        last = from_version
+        failures = 0
+        while True:
+            call = self._stub.WatchThread(
+                transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=last)
+            )
+            try:
+                async for message in call:
+                    failures = 0
+                    last = message.version
+                    yield WatchEvent(
+                        thread_id=message.thread_id,
+                        version=message.version,
+                        digest=message.digest,
+                        state=None if message.state_pruned else json.loads(message.state_json),
+                    )
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in RETRYABLE or failures >= reconnects:
+                    raise from_rpc_error(error) from None
+            finally:
+                call.cancel()
+            # the stream ended or broke in transport: resume after the last version
+            failures += 1
+            if failures > reconnects:
+                raise Unavailable(
+                    grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "the watch stream keeps ending"
+                )
+            await asyncio.sleep(min(self._backoff * 2 ** (failures - 1), 5.0))
 
     async def wait_for_outcome(self, digest: str, *, within: float = 60.0) -> Outcome:
         """Wait until the parked transition ``digest`` is decided, or ``within`` seconds pass.

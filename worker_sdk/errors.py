@@ -65,6 +65,11 @@ class StaleVersion(ZtateError):
     """The thread moved on; ``current_version`` is its head. Re-read and retry."""
 
 
+class TooManyStreams(ZtateError):
+    """The server already serves as many watch streams as it allows; ``limit`` is that
+    number. Retry later, or on another replica."""
+
+
 class NotFound(ZtateError):
     """No such thread or transition."""
 
@@ -111,6 +116,8 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
     )
     if reason == "INVARIANT_VIOLATED":
         cls = InvariantViolated
+    elif reason == "TOO_MANY_STREAMS":
+        cls = TooManyStreams
     return cls(
         code,
         reason,

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
-from worker_sdk.client import Outcome, Transition, View, ZtateClient
+from worker_sdk.client import (
+    Checkpoint,
+    HeadRecord,
+    Outcome,
+    Transition,
+    View,
+    WatchEvent,
+    ZtateClient,
+)
 
 Result = TypeVar("Result")
 
@@ -36,10 +44,12 @@ class SyncZtateClient:
 
     @classmethod
     def from_files(cls, target: str, **kwargs: Any) -> SyncZtateClient:
+        """Connect as ``ZtateClient.from_files`` does."""
         return cls(lambda: ZtateClient.from_files(target, **kwargs))
 
     @classmethod
     def from_env(cls, prefix: str = "ZTATE_WORKER_") -> SyncZtateClient:
+        """Connect as ``ZtateClient.from_env`` does."""
         return cls(lambda: ZtateClient.from_env(prefix))
 
     def _run(self, call: Coroutine[Any, Any, Result]) -> Result:
@@ -48,9 +58,11 @@ class SyncZtateClient:
     def create_thread(
         self, thread_id: str, initial_state: dict[str, Any], *, policy: str = ""
     ) -> Transition:
+        """See ``ZtateClient.create_thread``."""
         return self._run(self._client.create_thread(thread_id, initial_state, policy=policy))
 
     def get_view(self, thread_id: str) -> View:
+        """See ``ZtateClient.get_view``."""
         return self._run(self._client.get_view(thread_id))
 
     def propose(
@@ -61,6 +73,7 @@ class SyncZtateClient:
         *,
         idempotency_key: str | None = None,
     ) -> Transition:
+        """See ``ZtateClient.propose``."""
         return self._run(
             self._client.propose(
                 thread_id, expected_version, patch, idempotency_key=idempotency_key
@@ -70,10 +83,37 @@ class SyncZtateClient:
     def update(
         self, thread_id: str, change: Callable[[View], dict[str, Any]], *, attempts: int = 5
     ) -> Transition:
+        """See ``ZtateClient.update``."""
         return self._run(self._client.update(thread_id, change, attempts=attempts))
 
     def wait_for_outcome(self, digest: str, *, within: float = 60.0) -> Outcome:
+        """See ``ZtateClient.wait_for_outcome``."""
         return self._run(self._client.wait_for_outcome(digest, within=within))
+
+    def get_record(self, thread_id: str, *, version: int | None = None) -> HeadRecord:
+        """See ``ZtateClient.get_record``."""
+        return self._run(self._client.get_record(thread_id, version=version))
+
+    def get_checkpoint(self, thread_id: str) -> Checkpoint | None:
+        """See ``ZtateClient.get_checkpoint``."""
+        return self._run(self._client.get_checkpoint(thread_id))
+
+    def watch(self, thread_id: str, from_version: int = -1) -> Iterator[WatchEvent]:
+        """See ``ZtateClient.watch``: a blocking iterator; close it (or leave the loop)
+        to end the stream."""
+        stream = self._client.watch(thread_id, from_version)
+
+        async def step() -> WatchEvent:
+            return await anext(stream)
+
+        try:
+            while True:
+                try:
+                    yield self._run(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(stream.aclose())
 
     def close(self) -> None:
         """Close the channel and stop the background loop."""

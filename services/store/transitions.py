@@ -90,6 +90,35 @@ class StoredTransition:
 
 
 @dataclass(frozen=True, slots=True)
+class Evidence:
+    """What a record was committed under: its approval receipt (if any), and the
+    risk rules the approved proposal matched."""
+
+    receipt: bytes | None
+    receipt_signature: str | None
+    receipt_key_id: str | None
+    risk_rules: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionState:
+    """One version of a thread with its kept state body (None once pruned)."""
+
+    version: int
+    digest: str
+    state: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRow:
+    """A signed checkpoint of a thread head, as stored."""
+
+    checkpoint: bytes
+    signature: str
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class PendingTransition:
     """A proposal parked for approval."""
 
@@ -287,6 +316,67 @@ class TransitionStore:
             version,
         )
         return StoredTransition.from_row(row) if row else None
+
+    async def head_transition(self, thread_id: str) -> StoredTransition | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))} "  # noqa: S608
+            "FROM ztate.threads h JOIN ztate.transitions t "
+            "ON t.thread_id = h.thread_id AND t.version = h.version WHERE h.thread_id = $1",
+            thread_id,
+        )
+        return StoredTransition.from_row(row) if row else None
+
+    async def evidence(self, digest: str) -> Evidence:
+        """The receipt a record was committed under and the rules its proposal matched."""
+        row = await self._pool.fetchrow(
+            "SELECT t.receipt, t.receipt_signature, t.receipt_key_id, "
+            "coalesce(p.risk_rules, '{}') AS risk_rules "
+            "FROM ztate.transitions t LEFT JOIN ztate.pending_transitions p "
+            "ON t.receipt IS NOT NULL AND p.thread_id = t.thread_id AND p.node_id = t.node_id "
+            "AND p.idempotency_key = t.idempotency_key AND p.status = 'committed' "
+            "WHERE t.digest = $1",
+            digest,
+        )
+        if row is None:
+            return Evidence(None, None, None, [])
+        return Evidence(
+            row["receipt"], row["receipt_signature"], row["receipt_key_id"], row["risk_rules"]
+        )
+
+    async def versions_after(self, thread_id: str, version: int, limit: int) -> list[VersionState]:
+        """Up to ``limit`` versions newer than ``version``, oldest first."""
+        rows = await self._pool.fetch(
+            "SELECT version, digest, state FROM ztate.transitions "
+            "WHERE thread_id = $1 AND version > $2 ORDER BY version LIMIT $3",
+            thread_id,
+            version,
+            limit,
+        )
+        return [VersionState(r["version"], r["digest"], r["state"]) for r in rows]
+
+    async def watch_thread(self, thread_id: str, replica: str) -> None:
+        """Have commits of ``thread_id`` announced (migration 0008): ``replica`` watches it."""
+        await self._pool.execute(
+            "INSERT INTO ztate.watched_threads (thread_id, replica) VALUES ($1, $2) "
+            "ON CONFLICT DO NOTHING",
+            thread_id,
+            replica,
+        )
+
+    async def unwatch_thread(self, thread_id: str, replica: str) -> None:
+        await self._pool.execute(
+            "DELETE FROM ztate.watched_threads WHERE thread_id = $1 AND replica = $2",
+            thread_id,
+            replica,
+        )
+
+    async def latest_checkpoint(self, thread_id: str) -> CheckpointRow | None:
+        row = await self._pool.fetchrow(
+            "SELECT checkpoint, signature, key_id FROM ztate.checkpoints "
+            "WHERE thread_id = $1 ORDER BY version DESC LIMIT 1",
+            thread_id,
+        )
+        return CheckpointRow(row["checkpoint"], row["signature"], row["key_id"]) if row else None
 
     async def state_at(self, thread_id: str, version: int) -> tuple[bool, bytes | None]:
         """Whether the record (thread_id, version) exists, and its kept state body

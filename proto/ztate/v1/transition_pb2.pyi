@@ -99,12 +99,14 @@ class PendingTransition(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., risk_rules: _Optional[_Iterable[str]] = ..., proposal_json: _Optional[bytes] = ..., parked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetTransitionRequest(_message.Message):
-    __slots__ = ("digest", "thread_version")
+    __slots__ = ("digest", "thread_version", "head_of_thread")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     THREAD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_OF_THREAD_FIELD_NUMBER: _ClassVar[int]
     digest: str
     thread_version: ThreadVersion
-    def __init__(self, digest: _Optional[str] = ..., thread_version: _Optional[_Union[ThreadVersion, _Mapping]] = ...) -> None: ...
+    head_of_thread: str
+    def __init__(self, digest: _Optional[str] = ..., thread_version: _Optional[_Union[ThreadVersion, _Mapping]] = ..., head_of_thread: _Optional[str] = ...) -> None: ...
 
 class ThreadVersion(_message.Message):
     __slots__ = ("thread_id", "version")
@@ -115,10 +117,58 @@ class ThreadVersion(_message.Message):
     def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GetTransitionResponse(_message.Message):
-    __slots__ = ("transition",)
+    __slots__ = ("transition", "receipt", "risk_rules")
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    RISK_RULES_FIELD_NUMBER: _ClassVar[int]
     transition: Transition
-    def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+    receipt: _approval_pb2.SignedReceipt
+    risk_rules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ..., receipt: _Optional[_Union[_approval_pb2.SignedReceipt, _Mapping]] = ..., risk_rules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("thread_id",)
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    def __init__(self, thread_id: _Optional[str] = ...) -> None: ...
+
+class GetCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: SignedCheckpoint
+    def __init__(self, checkpoint: _Optional[_Union[SignedCheckpoint, _Mapping]] = ...) -> None: ...
+
+class SignedCheckpoint(_message.Message):
+    __slots__ = ("checkpoint_json", "signature", "key_id")
+    CHECKPOINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_json: bytes
+    signature: str
+    key_id: str
+    def __init__(self, checkpoint_json: _Optional[bytes] = ..., signature: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
+
+class WatchThreadRequest(_message.Message):
+    __slots__ = ("thread_id", "from_version")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    from_version: int
+    def __init__(self, thread_id: _Optional[str] = ..., from_version: _Optional[int] = ...) -> None: ...
+
+class WatchThreadResponse(_message.Message):
+    __slots__ = ("thread_id", "version", "digest", "state_json", "state_pruned")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATE_PRUNED_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    version: int
+    digest: str
+    state_json: bytes
+    state_pruned: bool
+    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ..., state_json: _Optional[bytes] = ..., state_pruned: _Optional[bool] = ...) -> None: ...
 
 class ApplyDecisionRequest(_message.Message):
     __slots__ = ("receipt",)

@@ -55,6 +55,16 @@ class TransitionServiceStub:
                 request_serializer=ztate_dot_v1_dot_transition__pb2.GetTransitionRequest.SerializeToString,
                 response_deserializer=ztate_dot_v1_dot_transition__pb2.GetTransitionResponse.FromString,
                 _registered_method=True)
+        self.GetCheckpoint = channel.unary_unary(
+                '/ztate.v1.TransitionService/GetCheckpoint',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.GetCheckpointResponse.FromString,
+                _registered_method=True)
+        self.WatchThread = channel.unary_stream(
+                '/ztate.v1.TransitionService/WatchThread',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.WatchThreadRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.WatchThreadResponse.FromString,
+                _registered_method=True)
         self.ApplyDecision = channel.unary_unary(
                 '/ztate.v1.TransitionService/ApplyDecision',
                 request_serializer=ztate_dot_v1_dot_transition__pb2.ApplyDecisionRequest.SerializeToString,
@@ -101,8 +111,37 @@ class TransitionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTransition(self, request, context):
-        """GetTransition returns one ledger record, by digest or by (thread, version).
-        Operator identities only.
+        """GetTransition returns one ledger record, by digest, by (thread, version) or
+        the thread's head, with the approval receipt it was committed under (if
+        any). Operators may read any record. A node may read a record of a thread
+        bound to its policy whose patch changes only keys the node may read (so it
+        can check, before acting, that the head was approved); any other record is
+        refused as if it did not exist (NOT_FOUND) or, when it changes keys the node
+        may not read, with PERMISSION_DENIED (ROLE_FORBIDDEN), naming no key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCheckpoint(self, request, context):
+        """GetCheckpoint returns the newest signed checkpoint (Ed25519) of a thread, or
+        none yet. Operators, and nodes for threads bound to their policy (others:
+        NOT_FOUND, as GetView).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchThread(self, request, context):
+        """WatchThread streams the caller's view of each version of a thread newer than
+        from_version, in version order: first those already committed, then each
+        one as it commits. Every message is filtered exactly as GetView: only the
+        keys the caller may read. Access is that of GetView (a thread of another
+        workflow, or an unknown one: NOT_FOUND). Each server serves at most
+        ZTATE_WATCH_MAX_STREAMS streams at once; beyond that the call fails with
+        RESOURCE_EXHAUSTED (TOO_MANY_STREAMS). The stream ends only when the caller
+        cancels it, its deadline passes, or the server shuts down: resume from the
+        last version received.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,6 +198,16 @@ def add_TransitionServiceServicer_to_server(servicer, server):
                     servicer.GetTransition,
                     request_deserializer=ztate_dot_v1_dot_transition__pb2.GetTransitionRequest.FromString,
                     response_serializer=ztate_dot_v1_dot_transition__pb2.GetTransitionResponse.SerializeToString,
+            ),
+            'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.GetCheckpointResponse.SerializeToString,
+            ),
+            'WatchThread': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchThread,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.WatchThreadRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.WatchThreadResponse.SerializeToString,
             ),
             'ApplyDecision': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyDecision,
@@ -285,6 +334,60 @@ class TransitionService:
             '/ztate.v1.TransitionService/GetTransition',
             ztate_dot_v1_dot_transition__pb2.GetTransitionRequest.SerializeToString,
             ztate_dot_v1_dot_transition__pb2.GetTransitionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.TransitionService/GetCheckpoint',
+            ztate_dot_v1_dot_transition__pb2.GetCheckpointRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.GetCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchThread(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ztate.v1.TransitionService/WatchThread',
+            ztate_dot_v1_dot_transition__pb2.WatchThreadRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.WatchThreadResponse.FromString,
             options,
             channel_credentials,
             insecure,

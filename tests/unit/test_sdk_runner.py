@@ -1,0 +1,381 @@
+"""The SDK's watch, runner and pre-action check against a scripted server: real gRPC
+and mTLS, with each answer chosen by the test (a transport failure mid-stream, a
+stale version, a refusal, a parked proposal, a head without a receipt)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf import timestamp_pb2
+
+from services import errors, rpc_errors, tls
+from services.canonical import canonical_bytes, sha256_hex
+from services.checkpoints import sign_checkpoint
+from tests.harness import Pki
+from tests.unit.test_sdk_evidence import PATCH, RULES, T0, approved
+from worker_sdk import (
+    HeadNotVerified,
+    NodeRunner,
+    NotFound,
+    Unavailable,
+    View,
+    ZtateClient,
+    verify_head_before_acting,
+)
+from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+
+THREAD = "order-42"
+
+
+async def refuse(context: Any, error: errors.ZtateError) -> None:
+    status = rpc_errors.to_status(error)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+def committed(version: int, digest: str = "f" * 64) -> transition_pb2.Transition:
+    at = timestamp_pb2.Timestamp()
+    at.FromDatetime(T0)
+    return transition_pb2.Transition(
+        thread_id=THREAD, version=version, digest=digest, committed_at=at
+    )
+
+
+class Scripted(transition_pb2_grpc.TransitionServiceServicer):
+    """Answers as the test says; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.watch_from: list[int] = []
+        self.proposals: list[transition_pb2.ProposeTransitionRequest] = []
+        self.watch: Callable[[int, int], AsyncIterator[transition_pb2.WatchThreadResponse]]
+        self.propose: Callable[[int, Any], Any]
+        self.view_version = 0
+        self.record: transition_pb2.GetTransitionResponse | None = None
+        self.checkpoint: transition_pb2.SignedCheckpoint | None = None
+        self.outcome = transition_pb2.WaitForOutcomeResponse()
+        self.view_failures = 0
+        self.view_calls = 0
+
+    async def WatchThread(
+        self, request: transition_pb2.WatchThreadRequest, context: Any
+    ) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        self.watch_from.append(request.from_version)
+        try:
+            async for message in self.watch(len(self.watch_from), request.from_version):
+                yield message
+        except errors.ZtateError as refusal:
+            await refuse(context, refusal)
+        except ConnectionError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is restarting")
+
+    async def GetView(
+        self, request: transition_pb2.GetViewRequest, context: Any
+    ) -> transition_pb2.GetViewResponse:
+        self.view_calls += 1
+        if self.view_calls <= self.view_failures:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is restarting")
+        return transition_pb2.GetViewResponse(
+            thread_id=THREAD, version=self.view_version, state_json=b'{"n":1}', head_digest="f"
+        )
+
+    async def ProposeTransition(
+        self, request: transition_pb2.ProposeTransitionRequest, context: Any
+    ) -> transition_pb2.ProposeTransitionResponse:
+        self.proposals.append(request)
+        try:
+            response: transition_pb2.ProposeTransitionResponse = self.propose(
+                len(self.proposals), request
+            )
+        except errors.ZtateError as refusal:
+            await refuse(context, refusal)
+            raise
+        return response
+
+    async def WaitForOutcome(
+        self, request: transition_pb2.WaitForOutcomeRequest, context: Any
+    ) -> transition_pb2.WaitForOutcomeResponse:
+        return self.outcome
+
+    async def GetTransition(
+        self, request: transition_pb2.GetTransitionRequest, context: Any
+    ) -> transition_pb2.GetTransitionResponse:
+        assert request.head_of_thread == THREAD
+        assert self.record is not None
+        return self.record
+
+    async def GetCheckpoint(
+        self, request: transition_pb2.GetCheckpointRequest, context: Any
+    ) -> transition_pb2.GetCheckpointResponse:
+        if self.checkpoint is None:
+            return transition_pb2.GetCheckpointResponse()
+        return transition_pb2.GetCheckpointResponse(checkpoint=self.checkpoint)
+
+
+def event(version: int, state: bytes = b'{"n":1}') -> transition_pb2.WatchThreadResponse:
+    return transition_pb2.WatchThreadResponse(
+        thread_id=THREAD, version=version, digest=f"{version:064x}", state_json=state
+    )
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+@pytest_asyncio.fixture
+async def scripted(pki: Pki) -> AsyncIterator[tuple[Scripted, ZtateClient]]:
+    servicer = Scripted()
+    server = grpc.aio.server()
+    transition_pb2_grpc.add_TransitionServiceServicer_to_server(servicer, server)
+    certs = pki.certs
+    port = server.add_secure_port(
+        "127.0.0.1:0",
+        tls.server_credentials(
+            certs / "service-transition.crt", certs / "service-transition.key", certs / "ca.crt"
+        ),
+    )
+    await server.start()
+    creds = pki.node("db-writer")
+    worker = ZtateClient.from_files(
+        f"localhost:{port}", cert=creds.cert, key=creds.key, ca=creds.ca, backoff=0.01
+    )
+    yield servicer, worker
+    await worker.close()
+    await server.stop(None)
+
+
+# --- watch ------------------------------------------------------------------------------
+
+
+async def test_watch_resumes_after_the_last_version_when_the_stream_breaks(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        for version in range(after + 1, 3 if call == 1 else 5):
+            yield event(version)
+        if call == 1:
+            raise ConnectionError
+        await forever()
+
+    servicer.watch = watch
+    seen = []
+    async for change in worker.watch(THREAD):
+        seen.append(change.version)
+        if change.version == 4:
+            break
+    assert seen == [0, 1, 2, 3, 4]  # nothing skipped, nothing repeated
+    assert servicer.watch_from == [-1, 2]
+
+
+async def test_watch_raises_a_refusal_at_once(scripted: tuple[Scripted, ZtateClient]) -> None:
+    servicer, worker = scripted
+
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        raise errors.ThreadNotFound(f"thread {THREAD!r} does not exist")
+        yield event(0)  # pragma: no cover - makes this a generator
+
+    servicer.watch = watch
+    with pytest.raises(NotFound) as refused:
+        await anext(worker.watch(THREAD))
+    assert refused.value.reason == "THREAD_NOT_FOUND"
+    assert servicer.watch_from == [-1]  # not retried
+
+
+async def test_reads_are_retried_through_transport_failures_then_give_up(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.view_failures = 2
+    view = await worker.get_view(THREAD)  # three attempts: two failures, then the answer
+    assert (view.version, servicer.view_calls) == (0, 3)
+    servicer.view_calls, servicer.view_failures = 0, 10
+    with pytest.raises(Unavailable):
+        await worker.get_view(THREAD)
+    assert servicer.view_calls == 4  # the first call and its three retries
+
+
+# --- the runner ---------------------------------------------------------------------------
+
+
+def only(*versions: int) -> Callable[[int, int], AsyncIterator[transition_pb2.WatchThreadResponse]]:
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        for version in versions:
+            if version > after:
+                yield event(version)
+        await forever()
+
+    return watch
+
+
+async def test_the_runner_reruns_its_handler_on_a_fresh_view_when_stale(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.watch = only(0)
+    servicer.view_version = 1
+
+    def propose(call: int, request: Any) -> transition_pb2.ProposeTransitionResponse:
+        if call == 1:
+            raise errors.StaleVersion("the head is at 1", current_version=1)
+        return transition_pb2.ProposeTransitionResponse(transition=committed(2))
+
+    servicer.propose = propose
+    views: list[int] = []
+
+    def handler(view: View) -> dict[str, Any]:
+        views.append(view.version)
+        return {"n": view.version + 10}
+
+    steps = await NodeRunner(worker, THREAD, handler, node_name="planner").run(stop_after=1)
+    assert views == [0, 1]
+    assert [p.expected_version for p in servicer.proposals] == [0, 1]
+    assert [(s.status, s.view_version, s.patch) for s in steps] == [("committed", 1, {"n": 11})]
+    assert steps[0].transition is not None
+    assert steps[0].transition.version == 2
+
+
+async def test_the_runner_records_a_refusal_and_carries_on(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.watch = only(0, 1)
+
+    def propose(call: int, request: Any) -> transition_pb2.ProposeTransitionResponse:
+        if call == 1:
+            raise errors.KeyNotWritable("outside the allowlist", keys=["target_user_id"])
+        return transition_pb2.ProposeTransitionResponse(transition=committed(2))
+
+    servicer.propose = propose
+    steps = await NodeRunner(
+        worker, THREAD, lambda view: {"target_user_id": "x"} if view.version == 0 else {"n": 2}
+    ).run(stop_after=2)
+    assert [s.status for s in steps] == ["refused", "committed"]
+    assert steps[0].error is not None
+    assert steps[0].error.reason == "KEY_NOT_WRITABLE"
+    assert steps[0].error.keys == ("target_user_id",)
+    assert steps[0].transition is None
+
+
+async def test_the_runner_waits_for_an_approval_and_skips_its_own_commit(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.watch = only(0, 1, 2)  # version 1 is its own approved commit
+    servicer.propose = lambda call, request: transition_pb2.ProposeTransitionResponse(
+        pending=transition_pb2.PendingTransition(
+            digest="d" * 64, thread_id=THREAD, base_version=request.expected_version,
+            risk_rules=["large-refund"],
+        )
+    )  # fmt: skip
+    servicer.outcome = transition_pb2.WaitForOutcomeResponse(
+        outcome=transition_pb2.OUTCOME_COMMITTED, transition=committed(1)
+    )
+    seen: list[int] = []
+    parked: list[str] = []
+
+    def handler(view: View) -> dict[str, Any]:
+        seen.append(view.version)
+        return {"n": view.version}
+
+    runner = NodeRunner(worker, THREAD, handler, on_parked=lambda p: parked.append(p.digest))
+    steps = await runner.run(stop_after=2)
+    assert seen == [0, 2]
+    assert parked == ["d" * 64, "d" * 64]
+    assert [(s.status, s.digest) for s in steps] == [("committed", "d" * 64)] * 2
+
+
+# --- verify_head_before_acting --------------------------------------------------------------
+
+
+def head_with_receipt(receipt: bool = True) -> tuple[transition_pb2.GetTransitionResponse, Any]:
+    signed, record, keys = approved(PATCH)
+    if not receipt:
+        record["receipt_digest"] = None
+    record_json = canonical_bytes(record)
+    response = transition_pb2.GetTransitionResponse(
+        transition=transition_pb2.Transition(
+            thread_id=THREAD, version=4, digest=sha256_hex(record_json), record_json=record_json
+        ),
+        risk_rules=RULES if receipt else [],
+    )
+    if receipt:
+        response.receipt.CopyFrom(
+            approval_pb2.SignedReceipt(
+                receipt_json=signed.receipt_bytes, signature=signed.signature, key_id=signed.key_id
+            )
+        )
+    return response, keys
+
+
+def signed_head(digest: str, version: int = 4) -> tuple[transition_pb2.SignedCheckpoint, Any]:
+    key = Ed25519PrivateKey.generate()
+    signed = sign_checkpoint(
+        key, "ck1", thread_id=THREAD, version=version, head_digest=digest, signed_at=T0
+    )
+    return (
+        transition_pb2.SignedCheckpoint(
+            checkpoint_json=signed.checkpoint, signature=signed.signature, key_id="ck1"
+        ),
+        {"ck1": key.public_key()},
+    )
+
+
+async def test_an_approved_and_checkpointed_head_verifies(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.record, approval_keys = head_with_receipt()
+    servicer.checkpoint, checkpoint_keys = signed_head(servicer.record.transition.digest)
+    head = await verify_head_before_acting(
+        worker,
+        THREAD,
+        approval_keys=approval_keys,
+        checkpoint_keys=checkpoint_keys,
+        expected_version=4,
+    )
+    assert (head.version, head.digest) == (4, servicer.record.transition.digest)
+    assert head.receipt["reviewers"] == ["spiffe://ztate.test/reviewer/alice"]
+
+
+@pytest.mark.parametrize(
+    ("case", "check"),
+    [
+        ("no receipt", "receipt.missing"),
+        ("moved", "head.moved"),
+        ("other approval key", "receipt.signature"),
+        ("checkpoint of another head", "checkpoint.head"),
+        ("other checkpoint key", "checkpoint.signature"),
+        ("no checkpoint", "checkpoint.missing"),
+    ],
+)
+async def test_a_head_that_does_not_prove_its_approval_is_refused(
+    scripted: tuple[Scripted, ZtateClient], case: str, check: str
+) -> None:
+    servicer, worker = scripted
+    servicer.record, approval_keys = head_with_receipt(receipt=case != "no receipt")
+    digest = servicer.record.transition.digest
+    servicer.checkpoint, checkpoint_keys = signed_head(
+        "0" * 64 if case == "checkpoint of another head" else digest
+    )
+    if case == "no checkpoint":
+        servicer.checkpoint = None
+    if case == "other approval key":
+        approval_keys = {"approval-k1": Ed25519PrivateKey.generate().public_key()}
+    if case == "other checkpoint key":
+        checkpoint_keys = {"ck1": Ed25519PrivateKey.generate().public_key()}
+    with pytest.raises(HeadNotVerified) as refused:
+        await verify_head_before_acting(
+            worker,
+            THREAD,
+            approval_keys=approval_keys,
+            checkpoint_keys=checkpoint_keys,
+            expected_version=3 if case == "moved" else 4,
+            checkpoint_wait=0.3,
+        )
+    assert refused.value.check == check

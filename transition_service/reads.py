@@ -1,0 +1,128 @@
+"""What a caller may read of a thread beyond its view: records with their approval
+receipt, and signed checkpoints.
+
+A node reads exactly what ``GetView`` lets it read: threads bound to its policy
+(any other thread is "not found", as if it did not exist), and of those only
+records whose patch changes keys it may read, so that no value, and no name of a
+key it may not read, ever reaches it. That is enough for a privileged worker (a
+database writer) to check, with public keys, that the head it is about to act on
+was approved. Operators read everything.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import orjson
+
+from services import errors
+from services.identity import Identity, Role
+from services.policy import PolicySet
+from services.store.transitions import (
+    CheckpointRow,
+    Evidence,
+    StoredTransition,
+    TransitionStore,
+)
+from transition_service.pipeline import (
+    check_bound_policy,
+    check_privileged,
+    check_registered,
+    check_thread_id,
+    thread_not_found,
+)
+
+DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """One of: a record digest, a (thread, version), or a thread's head."""
+
+    digest: str | None = None
+    thread_id: str | None = None
+    version: int | None = None
+    head_of: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordWithEvidence:
+    transition: StoredTransition
+    evidence: Evidence
+
+
+class ThreadReads:
+    """Access checks shared by GetTransition, GetCheckpoint and WatchThread."""
+
+    def __init__(self, store: TransitionStore, policies: PolicySet) -> None:
+        self._store = store
+        self._policies = policies
+
+    async def readable(self, caller: Identity, thread_id: str) -> frozenset[str] | None:
+        """The keys ``caller`` may read on ``thread_id`` (None: every key).
+
+        Refuses as ``GetView`` does: identities that are neither nodes nor
+        operators, unregistered nodes, and threads that do not exist or are bound
+        to another policy (told apart from nothing: "not found").
+        """
+        check_thread_id(thread_id)
+        if caller.role is not Role.NODE:
+            check_privileged(caller, "read threads")
+            if await self._store.head_version(thread_id) is None:
+                raise thread_not_found(thread_id)
+            return None
+        policy = check_registered(caller, self._policies)
+        head = await self._store.read_head(thread_id)
+        if head is None:
+            raise thread_not_found(thread_id)
+        try:
+            check_bound_policy(caller, policy, head)
+        except errors.PolicyMismatch:
+            raise thread_not_found(thread_id) from None
+        return policy.readable(caller.name)
+
+    async def transition(self, caller: Identity, lookup: Lookup) -> RecordWithEvidence:
+        """One record and the receipt it was committed under, if the caller may read it."""
+        found = await self._find(caller, lookup)
+        if caller.role is Role.NODE:
+            try:
+                readable = await self.readable(caller, found.thread_id)
+            except errors.ThreadNotFound:
+                raise errors.TransitionNotFound("no transition matches") from None
+            assert readable is not None
+            patch = orjson.loads(found.record)["patch"]
+            if not patch.keys() <= readable:
+                raise errors.RoleForbidden("this record changes keys this node may not read")
+        else:
+            check_privileged(caller, "read the ledger")
+        return RecordWithEvidence(found, await self._store.evidence(found.digest))
+
+    async def _find(self, caller: Identity, lookup: Lookup) -> StoredTransition:
+        if caller.role not in (Role.NODE, Role.OPERATOR):
+            check_privileged(caller, "read the ledger")
+        if lookup.digest is not None:
+            if not DIGEST.match(lookup.digest):
+                raise errors.RequestInvalid("digest must be 64 lower-case hex characters")
+            found = await self._store.transition_by_digest(lookup.digest)
+        elif lookup.head_of is not None:
+            await self._may_look_into(caller, lookup.head_of)
+            found = await self._store.head_transition(lookup.head_of)
+        elif lookup.thread_id is not None and lookup.version is not None:
+            await self._may_look_into(caller, lookup.thread_id)
+            found = await self._store.transition_at(lookup.thread_id, lookup.version)
+        else:
+            raise errors.RequestInvalid("give a digest, a (thread_id, version) or head_of_thread")
+        if found is None:
+            raise errors.TransitionNotFound("no transition matches")
+        return found
+
+    async def _may_look_into(self, caller: Identity, thread_id: str) -> None:
+        check_thread_id(thread_id)
+        if caller.role is Role.NODE:
+            await self.readable(caller, thread_id)
+
+    async def checkpoint(self, caller: Identity, thread_id: str) -> CheckpointRow | None:
+        """The newest signed checkpoint of a thread the caller may read."""
+        await self.readable(caller, thread_id)
+        return await self._store.latest_checkpoint(thread_id)

@@ -1,0 +1,158 @@
+"""A node as a function from its view to a patch, driven by the thread's changes."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker_sdk.client import Outcome, Transition, View, ZtateClient
+from worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, ZtateError
+
+log = logging.getLogger("worker_sdk.runner")
+
+Patch = dict[str, Any]
+Handler = Callable[[View], Patch | Awaitable[Patch | None] | None]
+
+
+@dataclass
+class Step:
+    """What one proposal of the runner became: ``status`` is "committed", "refused"
+    (``error`` says why: nothing was written), or a parked transition's outcome
+    ("rejected", "expired", "stale", "pending" when the wait ran out);
+    ``transition`` is set once committed, ``digest`` once parked."""
+
+    view_version: int
+    patch: Patch
+    status: str
+    transition: Transition | None = None
+    digest: str | None = None
+    error: ZtateError | None = None
+
+
+@dataclass
+class NodeRunner:
+    """Runs ``handler`` for node ``node_name`` on every new version of ``thread_id``.
+
+    For each version the node can see (from ``WatchThread``) the handler gets the
+    view and returns a patch to propose, or None to do nothing. A proposal beaten
+    by another writer (stale) is re-run on a fresh view, up to ``attempts`` times;
+    a proposal parked for approval is waited for (``approval_wait`` seconds) and
+    its outcome recorded; a refused proposal is recorded as "refused" and the
+    node carries on with the next version (transport failures, ``Unavailable``,
+    are raised). Versions the node already acted past are skipped, so a
+    handler never sees an older view than the last one it saw. ``steps`` records
+    every proposal and what became of it; ``on_step`` is called with each, and
+    ``on_parked`` when a proposal is parked, before waiting for its outcome.
+    """
+
+    client: ZtateClient
+    thread_id: str
+    handler: Handler
+    node_name: str = "node"
+    from_version: int = -1
+    attempts: int = 5
+    approval_wait: float = 60.0
+    on_step: Callable[[Step], None] | None = None
+    on_parked: Callable[[AwaitingApproval], None] | None = None
+    steps: list[Step] = field(default_factory=list)
+    _seen: int = field(default=-1, init=False, repr=False)
+
+    async def run(self, *, stop_after: int | None = None) -> list[Step]:
+        """Watch the thread and act on it until cancelled, or until ``stop_after``
+        proposals were made; returns the steps."""
+        self._seen = self.from_version
+        async for event in self.client.watch(self.thread_id, self.from_version):
+            if event.version <= self._seen:
+                continue
+            view = event.as_view() or await self.client.get_view(self.thread_id)
+            await self.handle(view)
+            if stop_after is not None and len(self.steps) >= stop_after:
+                break
+        return self.steps
+
+    async def handle(self, view: View) -> Step | None:
+        """Run the handler on ``view`` and carry its patch through to an outcome."""
+        for attempt in range(self.attempts):
+            self._seen = max(self._seen, view.version)
+            patch = await self._patch_for(view)
+            if patch is None:
+                return None
+            key = f"{self.node_name}-{view.version}-{uuid.uuid4().hex[:12]}"
+            try:
+                committed = await self.client.propose(
+                    self.thread_id, view.version, patch, idempotency_key=key
+                )
+            except StaleVersion:
+                if attempt == self.attempts - 1:
+                    raise
+                view = await self.client.get_view(self.thread_id)
+                continue
+            except Unavailable:
+                raise
+            except ZtateError as refused:
+                log.info("%s: refused: %s", self.node_name, refused)
+                return self._refused(view, patch, refused)
+            except AwaitingApproval as parked:
+                log.info("%s: parked %s (%s)", self.node_name, parked.digest, parked.risk_rules)
+                if self.on_parked is not None:
+                    self.on_parked(parked)
+                outcome = await self.client.wait_for_outcome(
+                    parked.digest, within=self.approval_wait
+                )
+                step = self._record(view, patch, outcome, parked.digest)
+                if outcome.status == "stale" and attempt < self.attempts - 1:
+                    view = await self.client.get_view(self.thread_id)
+                    continue
+                return step
+            return self._record(view, patch, Outcome("committed", committed), None)
+        return None
+
+    def _refused(self, view: View, patch: Patch, error: ZtateError) -> Step:
+        step = Step(view.version, patch, "refused", error=error)
+        self.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
+        return step
+
+    async def _patch_for(self, view: View) -> Patch | None:
+        produced = self.handler(view)
+        if inspect.isawaitable(produced):
+            produced = await produced
+        return produced
+
+    def _record(self, view: View, patch: Patch, outcome: Outcome, digest: str | None) -> Step:
+        step = Step(view.version, patch, outcome.status, outcome.transition, digest)
+        if outcome.transition is not None:
+            self._seen = max(self._seen, outcome.transition.version)
+        self.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
+        return step
+
+
+async def run_node(
+    client: ZtateClient,
+    thread_id: str,
+    handler: Handler,
+    *,
+    node_name: str = "node",
+    from_version: int = -1,
+    stop_after: int | None = None,
+    approval_wait: float = 60.0,
+    on_step: Callable[[Step], None] | None = None,
+) -> list[Step]:
+    """Run ``handler`` as node ``node_name`` on ``thread_id`` (see ``NodeRunner``)."""
+    runner = NodeRunner(
+        client,
+        thread_id,
+        handler,
+        node_name=node_name,
+        from_version=from_version,
+        approval_wait=approval_wait,
+        on_step=on_step,
+    )
+    return await runner.run(stop_after=stop_after)
