@@ -35,15 +35,21 @@ def _dsn_and_settings() -> tuple[str, Settings, ApprovalSettings]:
     return settings.database_url.get_secret_value(), settings, approval
 
 
-async def _migrate(dsn: str, settings: Settings, approval: ApprovalSettings) -> list[str]:
+async def _migrate(
+    dsn: str, settings: Settings, approval: ApprovalSettings
+) -> dict[str, list[str]]:
+    """The migrations applied now, by service."""
     from approval_service.app import migrate_approvals
 
     conn = await asyncpg.connect(dsn)
     try:
-        applied = await migrate(conn, settings.db_role, settings.db_reader_role)
+        transition = await migrate(conn, settings.db_role, settings.db_reader_role)
     finally:
         await conn.close()
-    return applied + await migrate_approvals(dsn, approval.db_role)
+    return {
+        "transition service": transition,
+        "approval service": await migrate_approvals(dsn, approval.db_role),
+    }
 
 
 async def _citus(dsn: str) -> list[str]:
@@ -64,7 +70,8 @@ def cmd_db_migrate(_: argparse.Namespace) -> int:
     except (MigrationError, OSError, asyncpg.PostgresError) as exc:
         print(f"ztate db migrate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return CANNOT_RUN
-    print(f"applied: {', '.join(applied)}" if applied else "the schema is up to date")
+    for service, names in applied.items():
+        print(f"{service}: {', '.join(names) if names else 'up to date'}")
     return OK
 
 

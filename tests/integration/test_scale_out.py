@@ -387,3 +387,60 @@ async def test_health_command_reports_each_replica(cluster: Cluster, pki: Pki) -
     _, stderr = await asyncio.wait_for(closed.communicate(), 30)
     assert closed.returncode == 2
     assert b"UNAVAILABLE" in stderr or b"DEADLINE_EXCEEDED" in stderr
+
+
+async def run_ztate(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        str(ZTATE),
+        *argv,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def test_the_migration_job_applies_both_schemas_once(postgres_server_dsn: str) -> None:
+    """`ztate db migrate`, the deployment's job that runs before the replicas start."""
+    name = f"ztate_job_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = with_database(postgres_server_dsn, name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+
+    without = {k: v for k, v in env.items() if k != "DATABASE_URL"}
+    code, _, stderr = await run_ztate("db", "migrate", env=without)
+    assert code == 2
+    assert "DATABASE_URL is not set" in stderr
+
+    code, stdout, stderr = await run_ztate("db", "migrate", env=dict(env, DATABASE_URL=dsn))
+    assert code == 0, stderr
+    lines = stdout.splitlines()
+    assert lines[0].startswith("transition service: 0001_transition_ledger, ")
+    assert lines[0].endswith(", 0007_ledger_indexes")
+    assert lines[1] == "approval service: 0001_reviews"
+    assert dsn not in stdout + stderr
+    conn = await asyncpg.connect(dsn)
+    try:
+        applied = await conn.fetchval("SELECT count(*) FROM public.ztate_schema_migrations")
+        tables = await conn.fetchval(
+            "SELECT count(*) FROM pg_tables WHERE schemaname IN ('ztate', 'ztate_approval')"
+        )
+    finally:
+        await conn.close()
+    assert applied == 7
+    assert tables > 7
+
+    code, stdout, _ = await run_ztate("db", "migrate", env=dict(env, DATABASE_URL=dsn))
+    assert code == 0
+    assert stdout.splitlines() == ["transition service: up to date", "approval service: up to date"]
+
+    # the optional Citus layout refuses a database without the extension
+    code, _, stderr = await run_ztate("db", "citus", env=dict(env, DATABASE_URL=dsn))
+    assert code == 2
+    assert "citus extension is not installed" in stderr
