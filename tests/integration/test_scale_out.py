@@ -32,7 +32,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.health_probe import TRANSITION_SERVICE, Probe, check
+from approval_service.app import start as start_approval
+from services import ca
+from services.config import ApprovalSettings
+from services.health_probe import APPROVAL_SERVICE, TRANSITION_SERVICE, Probe, check
+from services.identity import Identity, Role
+from services.receipts import generate_signing_key
 from tests.harness import INITIAL, TRUST_DOMAIN, Pki, act, client, new_thread_id, with_database
 from tests.integration.test_run_command import free_port
 from worker_sdk import StaleVersion, Transition, ZtateClient
@@ -444,3 +449,49 @@ async def test_the_migration_job_applies_both_schemas_once(postgres_server_dsn: 
     code, _, stderr = await run_ztate("db", "citus", env=dict(env, DATABASE_URL=dsn))
     assert code == 2
     assert "citus extension is not installed" in stderr
+
+
+async def test_health_command_probes_the_approval_service_by_its_certificate_name(
+    cluster: Cluster, pki: Pki, tmp_path: Path
+) -> None:
+    """As in Kubernetes: the approval service's certificate names its Service
+    (ztate-approval), not localhost, so the probe passes --server-name."""
+    issued = ca.issue(
+        pki.ca_dir,
+        Identity(TRUST_DOMAIN, Role.SERVICE, "approval"),
+        tmp_path / "certs",
+        dns_names=("ztate-approval",),
+    )
+    generate_signing_key(tmp_path / "signing.pem", tmp_path / "public.json", "approval-k1")
+    settings = ApprovalSettings(
+        ZTATE_HOME=tmp_path,
+        ZTATE_TRUST_DOMAIN=TRUST_DOMAIN,
+        listen="127.0.0.1:0",
+        tls_cert=issued.cert,
+        tls_key=issued.key,
+        tls_ca=issued.ca_cert,
+        signing_key_file=tmp_path / "signing.pem",
+        transition_target=cluster.replicas[0].target,
+        transition_server_name="localhost",
+        db_pool_size=2,
+    )
+    running = await start_approval(settings, dsn=cluster.dsn)
+    try:
+        env = dict(
+            cluster.env,
+            ZTATE_APPROVAL_LISTEN=f"127.0.0.1:{running.port}",
+            ZTATE_APPROVAL_TLS_CERT=str(issued.cert),
+            ZTATE_APPROVAL_TLS_KEY=str(issued.key),
+            ZTATE_APPROVAL_TLS_CA=str(issued.ca_cert),
+        )
+        code, stdout, stderr = await run_ztate(
+            "health", "--approval", "--server-name", "ztate-approval", env=env
+        )
+        assert code == 0, stderr
+        assert stdout.strip() == f"{APPROVAL_SERVICE}: SERVING"
+        # localhost is not a name in this certificate: the handshake fails, nothing is asked
+        code, _, stderr = await run_ztate("health", "--approval", "--timeout", "2", env=env)
+        assert code == 2
+        assert "UNAVAILABLE" in stderr or "DEADLINE_EXCEEDED" in stderr
+    finally:
+        await running.stop(grace=1.0)
