@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import grpc
@@ -495,3 +496,69 @@ async def test_health_command_probes_the_approval_service_by_its_certificate_nam
         assert "UNAVAILABLE" in stderr or "DEADLINE_EXCEEDED" in stderr
     finally:
         await running.stop(grace=1.0)
+
+
+SERVICE_LOGIN_GRANTS = """
+CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ztate_transition, ztate_reader;
+-- the service checks the schema at start-up: it may look, and create nothing that exists
+GRANT CREATE ON SCHEMA public TO {login};
+GRANT SELECT ON public.ztate_schema_migrations TO {login};
+"""
+
+
+def as_login(dsn: str, login: str, password: str) -> str:
+    parts = urlsplit(dsn)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(
+        (parts.scheme, f"{login}:{password}@{host}", parts.path, parts.query, parts.fragment)
+    )
+
+
+async def test_a_replica_runs_with_a_login_that_owns_nothing(
+    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
+) -> None:
+    """The deployment's split (deploy/README.md): the migration job as the owner, the
+    replicas as a login that is only a member of the service's roles."""
+    name = f"ztate_least_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    owner_dsn = with_database(postgres_server_dsn, name)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    code, _, stderr = await run_ztate("db", "migrate", env=dict(base, DATABASE_URL=owner_dsn))
+    assert code == 0, stderr
+
+    login, password = f"ztate_svc_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    owner = await asyncpg.connect(owner_dsn)
+    try:
+        await owner.execute(SERVICE_LOGIN_GRANTS.format(login=login, password=password))
+    finally:
+        await owner.close()
+    service_dsn = as_login(owner_dsn, login, password)
+    env = replica_env(service_dsn, pki, keyring_file, policy_dir, tmp_path)
+    replica = await start_replica(env)
+    try:
+        await wait_serving(replica, pki)
+        thread_id = await create_thread(Cluster(service_dsn, env, [replica]), pki)
+        async with client(replica.target, pki.node("input-parser")) as parser:
+            committed = await parser.propose(thread_id, 0, {"requested_action": act("least")})
+        assert committed.version == 1
+    finally:
+        assert await stop_replica(replica) == 0
+    assert password.encode() not in replica.log
+
+    conn = await asyncpg.connect(service_dsn)
+    try:
+        owners = await conn.fetch(
+            "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'ztate'"
+        )
+        assert login not in {r["tableowner"] for r in owners}
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("DELETE FROM ztate.threads WHERE thread_id = $1", thread_id)
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("ALTER TABLE ztate.transitions DISABLE TRIGGER ALL")
+    finally:
+        await conn.close()
+    assert [r["version"] for r in await ledger_rows(owner_dsn, thread_id)] == [0, 1]
