@@ -504,6 +504,11 @@ CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ztate_transition, ztate_
 GRANT CREATE ON SCHEMA public TO {login};
 GRANT SELECT ON public.ztate_schema_migrations TO {login};
 """
+APPROVAL_LOGIN_GRANTS = """
+CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ztate_approver;
+GRANT CREATE ON SCHEMA public TO {login};
+GRANT SELECT ON public.ztate_approval_schema_migrations TO {login};
+"""
 
 
 def as_login(dsn: str, login: str, password: str) -> str:
@@ -517,8 +522,8 @@ def as_login(dsn: str, login: str, password: str) -> str:
 async def test_a_replica_runs_with_a_login_that_owns_nothing(
     postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
 ) -> None:
-    """The deployment's split (deploy/README.md): the migration job as the owner, the
-    replicas as a login that is only a member of the service's roles."""
+    """The deployment's split (deploy/README.md): the migration job as the owner, each
+    service as a login that is only a member of that service's roles."""
     name = f"ztate_least_{uuid.uuid4().hex[:12]}"
     admin = await asyncpg.connect(postgres_server_dsn)
     try:
@@ -562,3 +567,52 @@ async def test_a_replica_runs_with_a_login_that_owns_nothing(
     finally:
         await conn.close()
     assert [r["version"] for r in await ledger_rows(owner_dsn, thread_id)] == [0, 1]
+
+    # the approval service, with its own login that owns nothing, starts and serves
+    approver, approver_password = f"ztate_appr_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    owner = await asyncpg.connect(owner_dsn)
+    try:
+        await owner.execute(
+            APPROVAL_LOGIN_GRANTS.format(login=approver, password=approver_password)
+        )
+    finally:
+        await owner.close()
+    generate_signing_key(tmp_path / "signing.pem", tmp_path / "public.json", "approval-k1")
+    issued = ca.issue(
+        pki.ca_dir,
+        Identity(TRUST_DOMAIN, Role.SERVICE, "approval"),
+        tmp_path / "approval-certs",
+        dns_names=("localhost",),
+    )
+    approval = await start_approval(
+        ApprovalSettings(
+            ZTATE_HOME=tmp_path,
+            ZTATE_TRUST_DOMAIN=TRUST_DOMAIN,
+            listen="127.0.0.1:0",
+            tls_cert=issued.cert,
+            tls_key=issued.key,
+            tls_ca=issued.ca_cert,
+            signing_key_file=tmp_path / "signing.pem",
+            db_pool_size=2,
+        ),
+        dsn=as_login(owner_dsn, approver, approver_password),
+    )
+    try:
+        reviewer = pki.identity(Role.REVIEWER, "alice")
+        code, stdout, stderr = await run_ztate(
+            "approvals",
+            "list",
+            "--target",
+            f"localhost:{approval.port}",
+            "--cert",
+            str(reviewer.cert),
+            "--key",
+            str(reviewer.key),
+            "--ca",
+            str(reviewer.ca),
+            env=base,
+        )
+        assert code == 0, stderr
+        assert stdout.strip() == "no open reviews"
+    finally:
+        await approval.stop(grace=1.0)
