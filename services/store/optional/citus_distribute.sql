@@ -30,9 +30,9 @@ BEGIN
         IF NOT EXISTS (SELECT 1 FROM pg_dist_partition
                         WHERE logicalrelid = name::regclass) THEN
             IF name = 'ztate.threads' THEN
-                PERFORM create_distributed_table(name, 'thread_id');
+                PERFORM create_distributed_table(name::regclass, 'thread_id');
             ELSE
-                PERFORM create_distributed_table(name, 'thread_id',
+                PERFORM create_distributed_table(name::regclass, 'thread_id',
                                                  colocate_with => 'ztate.threads');
             END IF;
         END IF;
