@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/ztate/v1/*.proto)
 
-.PHONY: run test proto proto-check lint bench clean demo
+.PHONY: run test proto proto-check lint deploy-check bench clean demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	cd proto && ../$(VENV)/bin/buf lint
+
+## deploy-check: lint the Dockerfiles, validate compose and the Kubernetes manifests (offline;
+## images are not built here). secrets.yaml holds templates and is validated too.
+K8S_MANIFESTS := $(filter-out deploy/k8s/kustomization.yaml,$(wildcard deploy/k8s/*.yaml))
+deploy-check: $(STAMP)
+	$(VENV)/bin/hadolint deploy/docker/transition.Dockerfile deploy/docker/approval.Dockerfile
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec deploy/compose.yaml
+	$(VENV)/bin/kubernetes-validate --strict --quiet $(K8S_MANIFESTS)
 
 ## demo: the four-node pipeline as separate processes, an injection refused, an approval
 ## verified; the ledger is kept in .ztate/demo to explore afterwards

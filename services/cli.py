@@ -21,6 +21,8 @@ from pydantic import SecretStr, ValidationError
 from approval_service.cli import add_approval_commands
 from services import ca
 from services.config import ApprovalSettings, Settings, describe
+from services.db_cli import add_db_commands
+from services.health_probe import add_health_command
 from services.identity import NAME, Identity, Role
 from services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
 from services.operator_client import add_connection_flags, operator_channel
@@ -518,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_policy_show)
     add_approval_commands(sub)
     add_verify_commands(sub)
+    add_health_command(sub)
+    add_db_commands(sub)
 
     ledger = sub.add_parser("ledger", help="query and export the ledger")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True)

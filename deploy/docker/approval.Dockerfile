@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1
+# The image of the approval service (ztate approval-serve).
+# Build from the repository root:
+#   docker build -f deploy/docker/approval.Dockerfile -t ztate-approval .
+# No key, certificate, keyring or DSN is in the image: they are mounted at run
+# time (compose secrets, Kubernetes Secrets). Only the source folders the package
+# needs are copied, never the working tree (which may hold .ztate/).
+
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY services ./services
+COPY transition_service ./transition_service
+COPY approval_service ./approval_service
+COPY worker_sdk ./worker_sdk
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ztate
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    ZTATE_HOME=/var/lib/ztate \
+    ZTATE_APPROVAL_LISTEN=0.0.0.0:7444
+USER 10001:10001
+EXPOSE 7444
+# mTLS health check with the service's own certificate (see services/health_probe.py);
+# the certificate must name localhost, or override with --server-name.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["ztate", "health", "--approval"]
+ENTRYPOINT ["ztate", "approval-serve"]

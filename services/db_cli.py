@@ -1,0 +1,101 @@
+"""``ztate db ...``: database administration that runs with an owner's DSN, once.
+
+``ztate db migrate`` applies both services' numbered migrations (the same files
+and advisory locks the services use at start-up), so that a deployment can run
+them as a one-off job before the services start. ``ztate db citus`` applies the
+optional Citus layout (``services/store/optional/citus.sql``), which is never
+part of the numbered set: see docs/scale-out.md.
+
+The DSN is ``DATABASE_URL``; it is never printed. Exit codes: 0 done, 2 could not
+run (no DSN, unreachable database, a migration refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import asyncpg
+from pydantic import ValidationError
+
+from services.config import ApprovalSettings, Settings, describe
+from services.store.migrate import MigrationError, migrate
+from services.store.optional import CitusError, apply_citus_layout
+
+OK, CANNOT_RUN = 0, 2
+
+Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
+
+
+def _dsn_and_settings() -> tuple[str, Settings, ApprovalSettings]:
+    settings, approval = Settings(), ApprovalSettings()
+    if settings.database_url is None:
+        raise MigrationError("DATABASE_URL is not set (an owner of the ztate schemas)")
+    return settings.database_url.get_secret_value(), settings, approval
+
+
+async def _migrate(
+    dsn: str, settings: Settings, approval: ApprovalSettings
+) -> dict[str, list[str]]:
+    """The migrations applied now, by service."""
+    from approval_service.app import migrate_approvals
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        transition = await migrate(conn, settings.db_role, settings.db_reader_role)
+    finally:
+        await conn.close()
+    return {
+        "transition service": transition,
+        "approval service": await migrate_approvals(dsn, approval.db_role),
+    }
+
+
+async def _citus(dsn: str) -> list[str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await apply_citus_layout(conn)
+    finally:
+        await conn.close()
+
+
+def cmd_db_migrate(_: argparse.Namespace) -> int:
+    try:
+        dsn, settings, approval = _dsn_and_settings()
+        applied = asyncio.run(_migrate(dsn, settings, approval))
+    except ValidationError as exc:
+        print(f"ztate db migrate: invalid configuration: {describe(exc)}", file=sys.stderr)
+        return CANNOT_RUN
+    except (MigrationError, OSError, asyncpg.PostgresError) as exc:
+        print(f"ztate db migrate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return CANNOT_RUN
+    for service, names in applied.items():
+        print(f"{service}: {', '.join(names) if names else 'up to date'}")
+    return OK
+
+
+def cmd_db_citus(_: argparse.Namespace) -> int:
+    try:
+        dsn, _settings, _approval = _dsn_and_settings()
+        done = asyncio.run(_citus(dsn))
+    except ValidationError as exc:
+        print(f"ztate db citus: invalid configuration: {describe(exc)}", file=sys.stderr)
+        return CANNOT_RUN
+    except (CitusError, MigrationError, OSError, asyncpg.PostgresError) as exc:
+        print(f"ztate db citus: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return CANNOT_RUN
+    print("\n".join(done))
+    return OK
+
+
+def add_db_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``db`` to the ``ztate`` command."""
+    db = subparsers.add_parser("db", help="database administration (an owner's DATABASE_URL)")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    db_sub.add_parser(
+        "migrate", help="apply both services' migrations, then exit (a deployment's job)"
+    ).set_defaults(func=cmd_db_migrate)
+    db_sub.add_parser(
+        "citus", help="distribute the transition service's tables by thread_id (Citus only)"
+    ).set_defaults(func=cmd_db_citus)

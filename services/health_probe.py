@@ -1,0 +1,132 @@
+"""``ztate health``: the gRPC health check of a running service, over mutual TLS.
+
+Container runtimes need a command that says whether a service is serving.
+Kubernetes' built-in ``grpc:`` probe cannot present a client certificate (its
+``mode: TLS`` skips verification and sends none), and every ztate port requires
+one, so the probe runs inside the container as this command: it calls
+``grpc.health.v1.Health/Check`` with the service's own certificate, the same
+files the service serves with, read from the service's configuration
+(``ZTATE_TLS_*`` or ``ZTATE_APPROVAL_TLS_*``).
+
+Exit codes, as ``grpc_health_probe``'s: 0 SERVING; 1 the service answered but is
+not serving (starting, shutting down, unknown service name); 2 it could not be
+asked (unreachable, timed out, unreadable credentials, bad configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
+
+from services import tls
+from services.config import ApprovalSettings, Settings, describe
+
+SERVING, NOT_SERVING, CANNOT_ASK = 0, 1, 2
+TRANSITION_SERVICE = "ztate.v1.TransitionService"
+APPROVAL_SERVICE = "ztate.v1.ApprovalService"
+
+Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Where to ask, about which service, as which identity."""
+
+    target: str
+    service: str
+    cert: Path
+    key: Path
+    ca: Path
+    server_name: str | None = None
+    timeout: float = 3.0
+
+
+async def check(probe: Probe) -> str:
+    """The service's health status name, e.g. ``"SERVING"``; raises ``grpc.aio.AioRpcError``
+    when the call fails and ``OSError`` when a credential file cannot be read."""
+    async with tls.client_channel(
+        probe.target, probe.cert, probe.key, probe.ca, server_name=probe.server_name
+    ) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = await stub.Check(
+            health_pb2.HealthCheckRequest(service=probe.service), timeout=probe.timeout
+        )
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return name
+
+
+def _local(listen: str) -> str:
+    """The loopback address of a ``host:port`` the service listens on."""
+    return f"localhost:{listen.rsplit(':', 1)[1]}"
+
+
+def probe_from_settings(args: argparse.Namespace) -> Probe:
+    """The probe for the service configured in this environment (``--approval``: the
+    approval service's settings), with the command line's overrides."""
+    if args.approval:
+        approval = ApprovalSettings()
+        listen, service = approval.listen, APPROVAL_SERVICE
+        cert, key, ca = approval.tls_cert, approval.tls_key, approval.tls_ca
+    else:
+        settings = Settings()
+        listen, service = settings.listen, TRANSITION_SERVICE
+        cert, key, ca = settings.tls_cert, settings.tls_key, settings.tls_ca
+    assert cert is not None
+    assert key is not None
+    assert ca is not None
+    return Probe(
+        target=args.target or _local(listen),
+        service=service if args.service is None else args.service,
+        cert=cert,
+        key=key,
+        ca=ca,
+        server_name=args.server_name,
+        timeout=args.timeout,
+    )
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    try:
+        probe = probe_from_settings(args)
+    except ValidationError as exc:
+        print(f"ztate health: invalid configuration: {describe(exc)}", file=sys.stderr)
+        return CANNOT_ASK
+    try:
+        status = asyncio.run(check(probe))
+    except grpc.aio.AioRpcError as error:
+        if error.code() is grpc.StatusCode.NOT_FOUND:  # the server knows no such service
+            print(f"ztate health: {probe.service!r}: SERVICE_UNKNOWN", file=sys.stderr)
+            return NOT_SERVING
+        print(f"ztate health: {probe.target}: {error.code().name}", file=sys.stderr)
+        return CANNOT_ASK
+    except OSError as exc:
+        print(f"ztate health: cannot read credentials: {exc.strerror}", file=sys.stderr)
+        return CANNOT_ASK
+    print(f"{probe.service or '(server)'}: {status}")
+    return SERVING if status == "SERVING" else NOT_SERVING
+
+
+def add_health_command(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``health`` to the ``ztate`` command."""
+    health = subparsers.add_parser(
+        "health",
+        help="gRPC health check of a running service over mTLS (container probes)",
+        description="Exit 0: SERVING; 1: answered, not serving; 2: could not ask.",
+    )
+    health.add_argument(
+        "--approval", action="store_true", help="probe the approval service (ZTATE_APPROVAL_*)"
+    )
+    health.add_argument("--target", help="host:port (default: localhost and the listen port)")
+    health.add_argument(
+        "--service", help="service name to ask about (default: the service's own; '' = server)"
+    )
+    health.add_argument("--server-name", help="expected server name, if not the target host")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    health.set_defaults(func=cmd_health)

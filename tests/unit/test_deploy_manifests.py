@@ -1,0 +1,443 @@
+"""deploy/: the security properties of the images, compose and Kubernetes manifests.
+
+Docker is not available where these tests run, so no image is built: what can be
+checked statically is checked here (and schema validation also runs in
+`make deploy-check`), so that a regression (a root container, a probe that
+cannot authenticate, a NetworkPolicy that lets a worker reach the database, a
+real key in a committed Secret, a setting name that the service ignores) fails
+the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import dockerfile
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.config import ApprovalSettings, Settings
+from services.policy import PolicySet
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+SECRET_TEMPLATES = K8S / "secrets.yaml"
+OTHER_ENV = {"DATABASE_URL", "OTEL_SERVICE_NAME", "OTEL_EXPORTER_OTLP_ENDPOINT"}
+Doc = dict[str, Any]
+
+
+def documents(path: Path) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+def all_docs() -> list[Doc]:
+    return [d for p in MANIFESTS for d in documents(p)]
+
+
+def of_kind(kind: str) -> list[Doc]:
+    return [d for d in all_docs() if d["kind"] == kind]
+
+
+def named(kind: str, name: str) -> Doc:
+    (doc,) = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
+    return doc
+
+
+def workloads() -> Iterator[tuple[str, Doc]]:
+    """(name, pod spec) of every Deployment and Job."""
+    for doc in all_docs():
+        if doc["kind"] in {"Deployment", "Job"}:
+            yield doc["metadata"]["name"], doc["spec"]["template"]
+
+
+def known_env() -> set[str]:
+    """Every variable either service reads (pydantic-settings names)."""
+    names = {f"ZTATE_{field.upper()}" for field in Settings.model_fields}
+    names |= {f"ZTATE_APPROVAL_{field.upper()}" for field in ApprovalSettings.model_fields}
+    return names | {"ZTATE_HOME", "ZTATE_TRUST_DOMAIN"} | OTHER_ENV
+
+
+def subcommand(argv: list[str]) -> str:
+    """The function the real ``ztate`` parser dispatches ``argv`` to."""
+    assert argv[0] == "ztate"
+    name: str = build_parser().parse_args(argv[1:]).func.__name__
+    return name
+
+
+# --- Kubernetes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifests_validate_against_the_bundled_kubernetes_schemas(path: Path) -> None:
+    for doc in documents(path):
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_every_container_runs_unprivileged_with_a_read_only_root() -> None:
+    for name, template in workloads():
+        pod = template["spec"]
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["runAsNonRoot"] is True, name
+            assert context["allowPrivilegeEscalation"] is False, name
+            assert context["readOnlyRootFilesystem"] is True, name
+            assert context["capabilities"]["drop"] == ["ALL"], name
+            assert "add" not in context["capabilities"], name
+            assert context.get("privileged", False) is False, name
+            for bound in ("requests", "limits"):
+                assert set(container["resources"][bound]) == {"cpu", "memory"}, name
+
+
+def test_probes_ask_grpc_health_over_mtls_with_the_service_name() -> None:
+    """The kubelet's grpc probe cannot present a client certificate, so each probe is
+    `ztate health`: grpc.health.v1 over mTLS, with the name the certificate carries
+    (the Service's name), for the service the container runs."""
+    for name, template in workloads():
+        if name == "ztate-migrate":
+            continue
+        (container,) = template["spec"]["containers"]
+        env = {e["name"] for e in container["env"]}
+        service = named("Service", name)
+        assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container[kind]
+            assert set(probe) - {"periodSeconds", "timeoutSeconds", "failureThreshold"} == {
+                "exec"
+            }, f"{name} {kind}: only the mTLS health command can authenticate"
+            command = probe["exec"]["command"]
+            assert subcommand(command) == "cmd_health"
+            args = build_parser().parse_args(command[1:])
+            assert args.server_name == name
+            assert args.approval == ("ZTATE_APPROVAL_LISTEN" in env)
+            assert probe["timeoutSeconds"] > args.timeout
+
+
+def test_transition_service_runs_three_replicas_that_survive_a_drain() -> None:
+    transition = named("Deployment", "ztate-transition")
+    assert transition["spec"]["replicas"] == 3
+    assert transition["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    for deployment in of_kind("Deployment"):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        budgets = [
+            b
+            for b in of_kind("PodDisruptionBudget")
+            if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
+        assert len(budgets) == 1, deployment["metadata"]["name"]
+    budget = named("PodDisruptionBudget", "ztate-transition")["spec"]
+    assert 2 <= budget["minAvailable"] < transition["spec"]["replicas"]
+
+
+def test_containers_use_only_settings_the_services_read_and_files_they_mount() -> None:
+    for name, template in workloads():
+        for container in template["spec"]["containers"]:
+            mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+            for var in container["env"]:
+                assert var["name"] in known_env(), f"{name}: {var['name']} is read by nothing"
+                if var["name"] == "DATABASE_URL":  # a DSN carries a password
+                    assert "value" not in var
+                    assert "secretKeyRef" in var["valueFrom"]
+                value = var.get("value", "")
+                if value.startswith("/etc/"):
+                    assert any(value.startswith(m + "/") or value == m for m in mounts), (
+                        f"{name}: {var['name']}={value} is not in a mounted volume"
+                    )
+
+
+def test_committed_secrets_are_templates_that_kustomize_never_applies() -> None:
+    templates = documents(SECRET_TEMPLATES)
+    secrets = {d["metadata"]["name"]: d for d in templates if d["kind"] == "Secret"}
+    assert secrets
+    for doc in templates:
+        values = {**doc.get("data", {}), **doc.get("stringData", {})}
+        assert values, doc["metadata"]["name"]
+        for key, value in values.items():
+            assert value.startswith("REPLACE-"), f"{doc['metadata']['name']}/{key}"
+            assert "BEGIN" not in value
+    # no Secret anywhere else in deploy/k8s
+    for path in MANIFESTS:
+        if path != SECRET_TEMPLATES:
+            assert all(d["kind"] != "Secret" for d in documents(path)), path.name
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert SECRET_TEMPLATES.name not in kustomization["resources"]
+    assert {p.name for p in MANIFESTS} - set(kustomization["resources"]) == {SECRET_TEMPLATES.name}
+    # everything the workloads mount or read from a Secret is named in the templates
+    for name, template in workloads():
+        pod = template["spec"]
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in secrets, name
+                assert volume["secret"]["defaultMode"] & 0o007 == 0, name  # not world-readable
+        for container in pod["containers"]:
+            for var in container["env"]:
+                ref = var.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in secrets[ref["name"]]["stringData"], name
+
+
+def test_the_policy_config_map_is_a_valid_policy(tmp_path: Path) -> None:
+    policy = named("ConfigMap", "ztate-policy")
+    for file_name, text in policy["data"].items():
+        (tmp_path / file_name).write_text(text, encoding="utf-8")
+    assert set(PolicySet.load(tmp_path).policies) == {"pipeline"}
+
+
+# --- NetworkPolicies, evaluated ------------------------------------------------------------
+
+NAMESPACES = {
+    "ztate": {"kubernetes.io/metadata.name": "ztate"},
+    "ztate-workers": {"kubernetes.io/metadata.name": "ztate-workers", "ztate.dev/clients": "true"},
+    "kube-system": {"kubernetes.io/metadata.name": "kube-system"},
+    "observability": {"kubernetes.io/metadata.name": "observability"},
+    "elsewhere": {"kubernetes.io/metadata.name": "elsewhere"},
+}
+for doc in documents(K8S / "namespace.yaml"):
+    NAMESPACES[doc["metadata"]["name"]] |= doc["metadata"]["labels"]
+Pod = tuple[str, dict[str, str]]  # (namespace, labels)
+
+
+def pod_labels(deployment: str) -> dict[str, str]:
+    labels: dict[str, str] = named("Deployment", deployment)["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    return labels
+
+
+TRANSITION: Pod = ("ztate", pod_labels("ztate-transition"))
+APPROVAL: Pod = ("ztate", pod_labels("ztate-approval"))
+MIGRATE: Pod = (
+    "ztate",
+    named("Job", "ztate-migrate")["spec"]["template"]["metadata"]["labels"],
+)
+POSTGRES: Pod = ("ztate", {"app.kubernetes.io/name": "postgres"})
+COLLECTOR: Pod = ("observability", {"app.kubernetes.io/name": "otel-collector"})
+DNS: Pod = ("kube-system", {"k8s-app": "kube-dns"})
+WORKER: Pod = ("ztate-workers", {"ztate.dev/role": "worker"})
+REVIEWER: Pod = ("ztate-workers", {"ztate.dev/role": "reviewer"})
+OPERATOR: Pod = ("ztate-workers", {"ztate.dev/role": "operator"})
+
+
+def selects(selector: Doc, labels: dict[str, str]) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        value, operator = labels.get(expression["key"]), expression["operator"]
+        if operator == "In" and value not in expression["values"]:
+            return False
+        if operator == "NotIn" and value in expression["values"]:
+            return False
+        if operator == "Exists" and value is None:
+            return False
+        if operator == "DoesNotExist" and value is not None:
+            return False
+    return True
+
+
+def peer_matches(peer: Doc, policy_namespace: str, pod: Pod) -> bool:
+    namespace, labels = pod
+    if "ipBlock" in peer:
+        return False  # pods are reached by selectors in these manifests
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], NAMESPACES[namespace]):
+            return False
+    elif namespace != policy_namespace:
+        return False
+    return selects(peer.get("podSelector", {}), labels)
+
+
+def port_matches(rule: Doc, port: int, protocol: str) -> bool:
+    ports = rule.get("ports")
+    return not ports or any(
+        p["port"] == port and p.get("protocol", "TCP") == protocol for p in ports
+    )
+
+
+def permitted(direction: str, subject: Pod, other: Pod, port: int, protocol: str) -> bool:
+    """Whether the policies of ``subject``'s namespace let it send (Egress) to, or
+    receive (Ingress) from, ``other`` on ``port``."""
+    namespace, labels = subject
+    isolating = [
+        p
+        for p in of_kind("NetworkPolicy")
+        if p["metadata"]["namespace"] == namespace
+        and direction in p["spec"]["policyTypes"]
+        and selects(p["spec"]["podSelector"], labels)
+    ]
+    if not isolating:
+        return True
+    key, peers = ("egress", "to") if direction == "Egress" else ("ingress", "from")
+    return any(
+        port_matches(rule, port, protocol)
+        and any(peer_matches(peer, namespace, other) for peer in rule.get(peers, []))
+        for policy in isolating
+        for rule in policy["spec"].get(key, [])
+    )
+
+
+def reachable(source: Pod, destination: Pod, port: int, protocol: str = "TCP") -> bool:
+    return permitted("Egress", source, destination, port, protocol) and permitted(
+        "Ingress", destination, source, port, protocol
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "destination", "port", "allowed"),
+    [
+        (WORKER, TRANSITION, 7443, True),
+        (WORKER, DNS, 53, True),
+        (WORKER, APPROVAL, 7444, False),
+        (WORKER, POSTGRES, 5432, False),
+        (WORKER, COLLECTOR, 4317, False),
+        (WORKER, TRANSITION, 5432, False),
+        (WORKER, ("elsewhere", {}), 443, False),
+        (WORKER, WORKER, 7443, False),
+        (OPERATOR, TRANSITION, 7443, True),
+        (OPERATOR, APPROVAL, 7444, False),
+        (REVIEWER, APPROVAL, 7444, True),
+        (REVIEWER, TRANSITION, 7443, False),
+        (REVIEWER, POSTGRES, 5432, False),
+        (TRANSITION, APPROVAL, 7444, True),
+        (TRANSITION, POSTGRES, 5432, True),
+        (TRANSITION, COLLECTOR, 4317, True),
+        (TRANSITION, WORKER, 7443, False),
+        (APPROVAL, TRANSITION, 7443, True),
+        (APPROVAL, POSTGRES, 5432, True),
+        (MIGRATE, POSTGRES, 5432, True),
+        (MIGRATE, TRANSITION, 7443, False),
+        (("ztate", {"app": "debug"}), POSTGRES, 5432, False),
+        (("ztate", {"app": "debug"}), TRANSITION, 7443, False),
+        (("ztate-workers", {}), TRANSITION, 7443, False),
+        # a pod calling itself a worker outside a clients namespace is not let in
+        (("elsewhere", {"ztate.dev/role": "worker"}), TRANSITION, 7443, False),
+    ],
+)
+def test_network_policies_let_each_party_reach_only_its_peers(
+    source: Pod, destination: Pod, port: int, allowed: bool
+) -> None:
+    assert reachable(source, destination, port) is allowed
+
+
+# --- compose -----------------------------------------------------------------------------
+
+
+def compose() -> Doc:
+    loaded: Doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text(encoding="utf-8"))
+    return loaded
+
+
+def test_compose_validates_against_the_compose_spec_schema() -> None:
+    text = (
+        resources.files("check_jsonschema")
+        .joinpath("builtin_schemas/vendor/compose-spec.json")
+        .read_text(encoding="utf-8")
+    )
+    schema = json.loads(text)
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    assert sorted(e.message for e in validator.iter_errors(compose())) == []
+
+
+def test_compose_runs_the_stack_with_secrets_as_files_only() -> None:
+    spec = compose()
+    services = spec["services"]
+    assert set(services) == {"postgres", "migrate", "transition", "approval", "otel-collector"}
+    assert services["postgres"]["image"].startswith("postgres:15")
+    assert services["otel-collector"]["image"].startswith("otel/opentelemetry-collector:")
+    for name in ("transition", "approval"):
+        assert services[name]["depends_on"]["migrate"]["condition"] == (
+            "service_completed_successfully"
+        )
+    for name in ("migrate", "transition", "approval"):
+        service = services[name]
+        assert service["read_only"] is True
+        assert service["cap_drop"] == ["ALL"]
+        assert "no-new-privileges:true" in service["security_opt"]
+        assert not service["user"].startswith("0")
+        # the entrypoint only loads DATABASE_URL from its secret file, then runs the command
+        assert service["entrypoint"][:2] == ["/bin/sh", "-c"]
+        assert "/run/secrets/database_url" in service["entrypoint"][2]
+        assert subcommand(service["command"]) in {
+            "cmd_db_migrate",
+            "cmd_serve",
+            "cmd_approval_serve",
+        }
+        mounted = {f"/run/secrets/{s}" for s in service["secrets"]} | {
+            c["target"] for c in service.get("configs", [])
+        }
+        for variable, value in service.get("environment", {}).items():
+            assert variable in known_env(), f"{name}: {variable} is read by nothing"
+            assert variable != "DATABASE_URL"
+            if str(value).startswith(("/run/", "/etc/")):
+                assert value in mounted, f"{name}: {variable}={value} is not mounted"
+    # nothing secret is written in the file itself
+    postgres_env = services["postgres"]["environment"]
+    assert "POSTGRES_PASSWORD" not in postgres_env
+    assert postgres_env["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_password"
+    for secret in spec["secrets"].values():
+        assert set(secret) == {"file"}
+        assert secret["file"].startswith("./secrets/")
+    text = (DEPLOY / "compose.yaml").read_text(encoding="utf-8")
+    assert "BEGIN" not in text
+    assert not re.search(r"postgres(ql)?://[^@\s]*:[^@\s]+@", text)  # no DSN with a password
+    otel = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text(encoding="utf-8"))
+    assert otel["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
+    assert set(otel["service"]["pipelines"]) == {"traces", "metrics", "logs"}
+
+
+# --- images ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("image", "entrypoint", "listen"),
+    [
+        ("transition", ["ztate", "serve"], "ZTATE_LISTEN"),
+        ("approval", ["ztate", "approval-serve"], "ZTATE_APPROVAL_LISTEN"),
+    ],
+)
+def test_images_copy_only_sources_run_unprivileged_and_probe_health(
+    image: str, entrypoint: list[str], listen: str
+) -> None:
+    path = DEPLOY / "docker" / f"{image}.Dockerfile"
+    commands = dockerfile.parse_file(str(path))
+    by = {c.cmd: [x for x in commands if x.cmd == c.cmd] for c in commands}
+    assert all(f.value[0] == "python:3.11-slim" for f in by["FROM"])
+    for copy in by["COPY"]:
+        if any(flag.startswith("--from=") for flag in copy.flags):
+            continue
+        for source in copy.value[:-1]:
+            assert (REPO / source).exists(), f"COPY {source}: no such file"
+            assert not source.startswith((".ztate", "deploy/secrets")), source
+            assert source != ".", "the whole working tree (and its .ztate/) would be copied"
+    (entry,) = by["ENTRYPOINT"]
+    assert entry.json
+    assert list(entry.value) == entrypoint
+    assert subcommand(entrypoint) in {"cmd_serve", "cmd_approval_serve"}
+    (health,) = by["HEALTHCHECK"]
+    assert health.value[0] == "CMD"
+    assert subcommand(list(health.value[1:])) == "cmd_health"
+    assert ("--approval" in health.value) == (image == "approval")
+    assert by["USER"][-1].value[0].split(":")[0] not in {"0", "root"}
+    assert commands[-1].cmd == "ENTRYPOINT"
+    env_pairs = [c.value for c in by["ENV"]]
+    env = {k: v for pairs in env_pairs for k, v in zip(pairs[::2], pairs[1::2], strict=True)}
+    for variable in env:
+        assert variable in known_env() | {"PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
+        assert not re.search(r"KEY|SECRET|PASSWORD|TOKEN|DATABASE_URL", variable), variable
+    assert "ARG" not in by
+    (exposed,) = by["EXPOSE"]
+    assert env[listen].rsplit(":", 1) == ["0.0.0.0", exposed.value[0]]  # noqa: S104
+    ignore = (DEPLOY / "docker" / f"{image}.Dockerfile.dockerignore").read_text().splitlines()
+    assert ignore[[line.startswith("#") for line in ignore].index(False)] == "*"
