@@ -16,7 +16,14 @@ import asyncpg
 
 # Every table of schema ztate, by its place in the Citus layout. A migration that
 # adds a table must place it here (tests/unit/test_citus_layout.py checks).
-DISTRIBUTED = ("threads", "transitions", "pending_transitions", "checkpoints", "transition_keys")
+DISTRIBUTED = (
+    "threads",
+    "transitions",
+    "pending_transitions",
+    "checkpoints",
+    "transition_keys",
+    "watched_threads",
+)
 REFERENCE = ("receipts",)
 COORDINATOR_LOCAL = ("rejections",)
 

@@ -23,7 +23,7 @@ DO $$
 DECLARE
     distributed text[] := ARRAY['ztate.threads', 'ztate.transitions',
                                 'ztate.pending_transitions', 'ztate.checkpoints',
-                                'ztate.transition_keys'];
+                                'ztate.transition_keys', 'ztate.watched_threads'];
     name text;
 BEGIN
     FOREACH name IN ARRAY distributed LOOP
