@@ -29,6 +29,7 @@ from approval_service.service import ApprovalService
 from approval_service.store import ReviewStore
 from services import tls
 from services.config import ApprovalSettings
+from services.health import DatabaseHealth
 from services.receipts import load_signing_key
 from services.store.embedded import start_embedded_postgres
 from services.store.migrate import MigrationSet, apply_migrations
@@ -58,11 +59,13 @@ class RunningApproval:
     delivery: ReceiptDelivery
     notifier: Notifier
     health: HealthServicer
+    database_health: DatabaseHealth
     embedded: Any = field(default=None, repr=False)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight decisions finish, then stop delivering."""
         await self.health.enter_graceful_shutdown()
+        await self.database_health.stop()
         await self.server.stop(grace)
         await self.delivery.stop()
         await self.notifier.close()
@@ -154,6 +157,14 @@ async def _serve_on(
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    database_health = DatabaseHealth(
+        health,
+        (SERVICE_NAME,),
+        store.ping,
+        interval=settings.health_interval_seconds,
+        timeout=settings.health_timeout_seconds,
+    )
+    await database_health.not_serving_yet()
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
@@ -174,15 +185,17 @@ async def _serve_on(
         interval=settings.outbox_interval_seconds,
     )
     delivery.start()
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await database_health.check()  # SERVING from the first answer (migrations ran before)
+    database_health.start()
     log.info(
         "approval service listening on port %d, signing key %s, delivering to %s",
         port,
         settings.key_id,
         settings.transition_target,
     )
-    return RunningApproval(server, port, store, service, delivery, notifier, health, embedded)
+    return RunningApproval(
+        server, port, store, service, delivery, notifier, health, database_health, embedded
+    )
 
 
 async def serve(settings: ApprovalSettings) -> None:

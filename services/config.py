@@ -57,6 +57,12 @@ class Settings(BaseSettings):
     checkpoint_key_id: str = Field(default="checkpoint-k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     checkpoint_public_keys_file: Path | None = None
     checkpoint_interval_seconds: float = Field(default=60.0, gt=0)
+    health_interval_seconds: float = Field(
+        default=2.0, gt=0, le=60, description="how often the database is pinged for gRPC health"
+    )
+    health_timeout_seconds: float = Field(
+        default=2.0, gt=0, le=30, description="a ping slower than this reports NOT_SERVING"
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -119,6 +125,8 @@ class ApprovalSettings(BaseSettings):
     review_ttl_seconds: int = Field(default=24 * 3600, gt=0)
     receipt_ttl_seconds: int = Field(default=600, gt=0)
     outbox_interval_seconds: float = Field(default=2.0, gt=0)
+    health_interval_seconds: float = Field(default=2.0, gt=0, le=60)
+    health_timeout_seconds: float = Field(default=2.0, gt=0, le=30)
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
 

