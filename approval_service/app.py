@@ -19,7 +19,6 @@ import asyncpg
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from approval_service.delivery import ReceiptDelivery, transition_channel
@@ -29,7 +28,7 @@ from approval_service.service import ApprovalService
 from approval_service.store import ReviewStore
 from services import tls
 from services.config import ApprovalSettings
-from services.health import DatabaseHealth
+from services.health import DatabaseHealth, HealthReport
 from services.receipts import load_signing_key
 from services.store.embedded import start_embedded_postgres
 from services.store.migrate import MigrationSet, apply_migrations
@@ -58,7 +57,7 @@ class RunningApproval:
     service: ApprovalService
     delivery: ReceiptDelivery
     notifier: Notifier
-    health: HealthServicer
+    health: HealthReport
     database_health: DatabaseHealth
     embedded: Any = field(default=None, repr=False)
 
@@ -155,16 +154,14 @@ async def _serve_on(
     approval_pb2_grpc.add_ApprovalServiceServicer_to_server(
         ApprovalServicer(service, settings.trust_domain), server
     )
-    health = HealthServicer()
+    health = HealthReport((SERVICE_NAME,))  # NOT_SERVING until checked
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     database_health = DatabaseHealth(
         health,
-        (SERVICE_NAME,),
         store.ping,
         interval=settings.health_interval_seconds,
         timeout=settings.health_timeout_seconds,
     )
-    await database_health.not_serving_yet()
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,

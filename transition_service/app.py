@@ -13,12 +13,11 @@ import asyncpg
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services import tls
 from services.config import Settings
-from services.health import DatabaseHealth
+from services.health import DatabaseHealth, HealthReport
 from services.keyring import Keyring
 from services.policy import PolicySet
 from services.receipts import KeyFileError, load_public_keys, load_signing_key
@@ -50,7 +49,7 @@ class RunningService:
     port: int
     store: TransitionStore
     queries: LedgerQueries
-    health: HealthServicer
+    health: HealthReport
     listener: OutcomeListener
     outbox: ApprovalOutbox
     checkpointer: Checkpointer | None
@@ -185,16 +184,14 @@ async def start(settings: Settings, *, dsn: str | None = None) -> RunningService
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
         LedgerServicer(queries, settings.trust_domain), server
     )
-    health = HealthServicer()
+    health = HealthReport((SERVICE_NAME, LEDGER_SERVICE_NAME))  # NOT_SERVING until checked
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     database_health = DatabaseHealth(
         health,
-        (SERVICE_NAME, LEDGER_SERVICE_NAME),
         store.ping,
         interval=settings.health_interval_seconds,
         timeout=settings.health_timeout_seconds,
     )
-    await database_health.not_serving_yet()
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,

@@ -1,7 +1,7 @@
 """Faults under load: the transition service killed, its database restarted, and
 clients that hold on to the server without doing their part.
 
-The service is always a separate ``ztate serve`` process (``tests.processes``),
+The service is always a separate ``ztate serve`` process (``tests.faults``),
 so SIGKILL is real: no handler runs and nothing is flushed. The workers are
 asyncio clients in the test process, each proposal with its own idempotency key,
 and each acknowledged outcome is written down before anything is checked. Health
@@ -14,10 +14,8 @@ import asyncio
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
@@ -27,165 +25,26 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
 from services.keyring import Keyring
-from tests.harness import INITIAL, Ledger, Pki, act, client, new_thread_id, with_database
-from tests.processes import (
+from tests.faults import (
     NOT_SERVING,
     SERVING,
+    THREADS,
+    Load,
     ServedProcess,
+    assert_ledger_whole,
+    create_threads,
+    fresh_database,
+    ledger_rows,
     run_ztate,
     secure_channel,
     wait_for_status,
 )
-from worker_sdk import AwaitingApproval, Transition, ZtateClient, ZtateError
+from tests.harness import Ledger, Pki, act, client
+from worker_sdk import AwaitingApproval, ZtateClient, ZtateError
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
-THREADS = 4
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
 TRANSITION_SERVICE = "ztate.v1.TransitionService"
-
-
-# --- the load: proposers that write down what was acknowledged ----------------------------
-
-
-@dataclass
-class Request:
-    """One proposal as sent, and what came back for it (if anything did)."""
-
-    thread_id: str
-    expected_version: int
-    patch: dict[str, Any]
-    key: str
-    acked: Transition | None = None
-    failure: str | None = None
-
-
-@dataclass
-class Load:
-    """Proposers on several threads, one request at a time per thread."""
-
-    target: str
-    pki: Pki
-    threads: list[str]
-    retries: int
-    requests: list[Request] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    progress: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    def acked(self) -> list[Request]:
-        return [r for r in self.requests if r.acked is not None]
-
-    def unacked(self) -> list[Request]:
-        return [r for r in self.requests if r.acked is None]
-
-    async def until(self, condition: Callable[[], bool], within: float = 30.0) -> None:
-        """Wait until ``condition`` holds, re-checked at each proposer's progress."""
-
-        async def holds() -> None:
-            async with self.progress:
-                await self.progress.wait_for(condition)
-
-        await asyncio.wait_for(holds(), within)
-
-    async def until_acked(self, count: int) -> None:
-        """Wait until ``count`` proposals have been acknowledged in all."""
-        await self.until(lambda: len(self.acked()) >= count)
-
-    def acked_since(self, mark: int) -> set[str]:
-        """The threads with a proposal sent after the ``mark``-th and acknowledged."""
-        return {r.thread_id for r in self.requests[mark:] if r.acked is not None}
-
-    def failed(self) -> set[str]:
-        """The threads on which a request has failed (and was re-sent, if retrying)."""
-        return {r.thread_id for r in self.requests if r.failure is not None}
-
-    async def proposer(self, thread_id: str, *, keep_retrying: bool) -> None:
-        """Propose on ``thread_id`` until told to stop. A failed request is re-sent with
-        its own idempotency key while ``keep_retrying``, as a worker that must get its
-        change in would; otherwise the proposer gives up at the first failure."""
-        async with ZtateClient.from_files(
-            self.target,
-            cert=self.pki.node("input-parser").cert,
-            key=self.pki.node("input-parser").key,
-            ca=self.pki.node("input-parser").ca,
-            timeout=5.0,
-            retries=self.retries,
-            backoff=0.05,
-        ) as worker:
-            version, n = 0, 0
-            while not self.stop.is_set():
-                request = Request(
-                    thread_id,
-                    version,
-                    {"requested_action": act(f"o-{n}")},
-                    uuid.uuid4().hex,
-                )
-                self.requests.append(request)
-                while request.acked is None and not self.stop.is_set():
-                    try:
-                        request.acked = await worker.propose(
-                            thread_id, version, request.patch, idempotency_key=request.key
-                        )
-                    except ZtateError as failure:
-                        request.failure = failure.reason
-                        async with self.progress:
-                            self.progress.notify_all()
-                        if not keep_retrying:
-                            return
-                if request.acked is None:
-                    return
-                async with self.progress:
-                    self.progress.notify_all()
-                version, n = request.acked.version, n + 1
-
-    def run(self, *, keep_retrying: bool) -> list[asyncio.Task[None]]:
-        return [
-            asyncio.create_task(self.proposer(t, keep_retrying=keep_retrying)) for t in self.threads
-        ]
-
-
-async def create_threads(target: str, pki: Pki, count: int) -> list[str]:
-    threads = [new_thread_id() for _ in range(count)]
-    async with client(target, pki.operator()) as operator:
-        for thread_id in threads:
-            await operator.create_thread(thread_id, INITIAL, policy="pipeline")
-    return threads
-
-
-# --- what must hold after any fault ---------------------------------------------------------
-
-
-async def ledger_rows(dsn: str, thread_id: str) -> tuple[asyncpg.Record, list[asyncpg.Record]]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        head = await conn.fetchrow(
-            "SELECT version, head_digest FROM ztate.threads WHERE thread_id = $1", thread_id
-        )
-        rows = await conn.fetch(
-            "SELECT version, digest, idempotency_key FROM ztate.transitions "
-            "WHERE thread_id = $1 ORDER BY version",
-            thread_id,
-        )
-    finally:
-        await conn.close()
-    return head, rows
-
-
-async def assert_ledger_whole(dsn: str, load: Load) -> dict[str, asyncpg.Record]:
-    """No torn transition, no fork, nothing acknowledged missing; returns the rows by key."""
-    by_key: dict[str, asyncpg.Record] = {}
-    for thread_id in load.threads:
-        head, rows = await ledger_rows(dsn, thread_id)
-        assert [r["version"] for r in rows] == list(range(len(rows)))  # no gap, no fork
-        # the head is exactly the last record: never one without the other
-        assert (head["version"], head["head_digest"]) == (rows[-1]["version"], rows[-1]["digest"])
-        keys = [r["idempotency_key"] for r in rows[1:]]
-        assert len(keys) == len(set(keys))  # no request committed twice
-        by_key.update((r["idempotency_key"], r) for r in rows[1:])
-    for request in load.acked():
-        assert request.acked is not None
-        row = by_key[request.key]  # every acknowledged commit is in the ledger ...
-        assert (row["version"], row["digest"]) == (request.acked.version, request.acked.digest)
-    return by_key
 
 
 async def assert_verifies(service: ServedProcess) -> None:
@@ -198,13 +57,7 @@ async def assert_verifies(service: ServedProcess) -> None:
 
 @pytest_asyncio.fixture
 async def fresh_dsn(postgres_server_dsn: str) -> str:
-    name = f"ztate_faults_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    return with_database(postgres_server_dsn, name)
+    return await fresh_database(postgres_server_dsn)
 
 
 @pytest_asyncio.fixture
@@ -420,13 +273,7 @@ async def small_pool_service(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[tuple[ServedProcess, str]]:
     """A service with a pool of 2 connections, so that holding one shows at once."""
-    name = f"ztate_faults_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(postgres_server_dsn, name)
+    dsn = await fresh_database(postgres_server_dsn)
     service = ServedProcess(
         home=tmp_path_factory.mktemp("slow-home"),
         dsn=dsn,
