@@ -345,6 +345,111 @@ async def test_more_waiting_calls_than_streams_and_pool_do_not_block_others(
             await asyncio.gather(*waiting, return_exceptions=True)
 
 
+class StallingRelay:
+    """A TCP relay in front of the service that, once stalled, no longer reads what
+    the server sends: to the server, the client behind it never reads its answers."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self._upstream_port = upstream_port
+        self._stalled = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    def stall(self) -> None:
+        self._stalled.set()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream_port)
+        self._writers += [writer, up_writer]
+        for pump in (self._pump(reader, up_writer), self._pump(up_reader, writer, stalls=True)):
+            task = asyncio.create_task(pump)
+            self._pumps.add(task)
+
+    async def _pump(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, stalls: bool = False
+    ) -> None:
+        while data := await source.read(65536):
+            if stalls and self._stalled.is_set():
+                await self._closed.wait()  # deliver nothing, never read again
+                return
+            sink.write(data)
+            await sink.drain()
+
+    async def close(self) -> None:
+        self._closed.set()
+        for task in self._pumps:
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def committed_versions(dsn: str, threads: list[str]) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        count: int = await conn.fetchval(
+            "SELECT count(*) FROM ztate.threads WHERE thread_id = ANY($1) AND version = 1",
+            threads,
+        )
+        return count
+    finally:
+        await conn.close()
+
+
+async def test_a_client_that_never_reads_its_answers_holds_no_database_connection(
+    small_pool_service: tuple[ServedProcess, str], pki: Pki
+) -> None:
+    service, dsn = small_pool_service
+    threads = await create_threads(service.target, pki, 21)
+    hung_threads, other_thread = threads[:20], threads[20]
+    relay = StallingRelay(service.port)
+    port = await relay.start()
+    try:
+        async with secure_channel(f"localhost:{port}", pki.node("input-parser")) as channel:
+            stub = transition_pb2_grpc.TransitionServiceStub(channel)
+            await stub.GetView(transition_pb2.GetViewRequest(thread_id=other_thread), timeout=10)
+            relay.stall()  # from here on the server's answers are never read
+            calls = [
+                stub.ProposeTransition(
+                    transition_pb2.ProposeTransitionRequest(
+                        thread_id=thread_id,
+                        expected_version=0,
+                        patch_json=b'{"requested_action": {"action": "none"}}',
+                        idempotency_key=f"hung-{n}",
+                    ),
+                    timeout=30,
+                )
+                for n, thread_id in enumerate(hung_threads)
+            ]
+            waiting = [asyncio.ensure_future(call) for call in calls]
+            try:
+                # the server did the work of all twenty (ten times its pool) ...
+                deadline = time.monotonic() + 20
+                while await committed_versions(dsn, hung_threads) < len(hung_threads):
+                    assert time.monotonic() < deadline, "the hung client's proposals stalled"
+                    await asyncio.sleep(0.05)
+                assert not any(w.done() for w in waiting)  # ... and none got its answer
+                # ... and holds no database connection for them: others go on
+                await proposals_go_through(service.target, pki, other_thread, 3)
+                assert await transition_connections(dsn) <= 2
+            finally:
+                for call in calls:
+                    call.cancel()
+                await asyncio.gather(*waiting, return_exceptions=True)
+    finally:
+        await relay.close()
+
+
 async def test_connections_that_never_speak_do_not_block_others(
     small_pool_service: tuple[ServedProcess, str], pki: Pki
 ) -> None:
