@@ -19,7 +19,6 @@ import asyncpg
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from approval_service.delivery import ReceiptDelivery, transition_channel
@@ -29,6 +28,7 @@ from approval_service.service import ApprovalService
 from approval_service.store import ReviewStore
 from services import tls
 from services.config import ApprovalSettings
+from services.health import DatabaseHealth, HealthReport
 from services.receipts import load_signing_key
 from services.store.embedded import start_embedded_postgres
 from services.store.migrate import MigrationSet, apply_migrations
@@ -58,13 +58,15 @@ class RunningApproval:
     service: ApprovalService
     delivery: ReceiptDelivery
     notifier: Notifier
-    health: HealthServicer
+    health: HealthReport
+    database_health: DatabaseHealth
     embedded: Any = field(default=None, repr=False)
     telemetry: Telemetry = field(default_factory=Telemetry)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight decisions finish, then stop delivering."""
         await self.health.enter_graceful_shutdown()
+        await self.database_health.stop()
         await self.server.stop(grace)
         await self.delivery.stop()
         await self.notifier.close()
@@ -168,8 +170,14 @@ async def _serve_on(
     approval_pb2_grpc.add_ApprovalServiceServicer_to_server(
         ApprovalServicer(service, settings.trust_domain), server
     )
-    health = HealthServicer()
+    health = HealthReport((SERVICE_NAME,))  # NOT_SERVING until checked
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    database_health = DatabaseHealth(
+        health,
+        store.ping,
+        interval=settings.health_interval_seconds,
+        timeout=settings.health_timeout_seconds,
+    )
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
@@ -190,8 +198,8 @@ async def _serve_on(
         interval=settings.outbox_interval_seconds,
     )
     delivery.start()
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await database_health.check()  # SERVING from the first answer (migrations ran before)
+    database_health.start()
     log.info(
         "approval service listening on port %d, signing key %s, delivering to %s",
         port,
@@ -199,7 +207,16 @@ async def _serve_on(
         settings.transition_target,
     )
     return RunningApproval(
-        server, port, store, service, delivery, notifier, health, embedded, telemetry
+        server,
+        port,
+        store,
+        service,
+        delivery,
+        notifier,
+        health,
+        database_health,
+        embedded,
+        telemetry=telemetry,
     )
 
 

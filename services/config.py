@@ -107,6 +107,12 @@ class Settings(TelemetrySettings):
     watch_max_streams: int = Field(
         default=256, ge=0, le=100_000, description="WatchThread streams served at once"
     )
+    health_interval_seconds: float = Field(
+        default=2.0, gt=0, le=60, description="how often the database is pinged for gRPC health"
+    )
+    health_timeout_seconds: float = Field(
+        default=2.0, gt=0, le=30, description="a ping slower than this reports NOT_SERVING"
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -169,6 +175,8 @@ class ApprovalSettings(TelemetrySettings):
     review_ttl_seconds: int = Field(default=24 * 3600, gt=0)
     receipt_ttl_seconds: int = Field(default=600, gt=0)
     outbox_interval_seconds: float = Field(default=2.0, gt=0)
+    health_interval_seconds: float = Field(default=2.0, gt=0, le=60)
+    health_timeout_seconds: float = Field(default=2.0, gt=0, le=30)
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     service_name: str = Field(

@@ -13,11 +13,11 @@ import asyncpg
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services import tls
 from services.config import Settings
+from services.health import DatabaseHealth, HealthReport
 from services.keyring import Keyring
 from services.policy import PolicySet
 from services.receipts import KeyFileError, load_public_keys, load_signing_key
@@ -52,10 +52,11 @@ class RunningService:
     port: int
     store: TransitionStore
     queries: LedgerQueries
-    health: HealthServicer
+    health: HealthReport
     listener: OutcomeListener
     outbox: ApprovalOutbox
     checkpointer: Checkpointer | None
+    database_health: DatabaseHealth
     embedded: Any = field(default=None, repr=False)
     telemetry: Telemetry = field(default_factory=Telemetry)
     watcher: Watcher | None = None
@@ -63,6 +64,7 @@ class RunningService:
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
         await self.health.enter_graceful_shutdown()
+        await self.database_health.stop()
         if self.watcher is not None:
             self.watcher.shutdown()  # watch streams never finish on their own
         await self.outbox.stop()
@@ -204,8 +206,14 @@ async def start(
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
         LedgerServicer(queries, settings.trust_domain), server
     )
-    health = HealthServicer()
+    health = HealthReport((SERVICE_NAME, LEDGER_SERVICE_NAME))  # NOT_SERVING until checked
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    database_health = DatabaseHealth(
+        health,
+        store.ping,
+        interval=settings.health_interval_seconds,
+        timeout=settings.health_timeout_seconds,
+    )
     reflection.enable_server_reflection(
         (
             SERVICE_NAME,
@@ -226,8 +234,8 @@ async def start(
     telemetry.watch_database({"transition": store.pool}, settings.metrics_interval_seconds)
     if checkpointer is not None:
         checkpointer.start()
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await database_health.check()  # SERVING from the first answer (migrations ran above)
+    database_health.start()
     log.info(
         "transition service listening on port %d, policies %s, key %s",
         port,
@@ -243,6 +251,7 @@ async def start(
         listener,
         outbox,
         checkpointer,
+        database_health,
         embedded,
         telemetry=telemetry,
         watcher=watcher,

@@ -463,5 +463,10 @@ STORAGE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
     asyncpg.OperatorInterventionError,  # the server is shutting down or restarting
+    # A pooled connection the server terminated while it sat idle (a restart, a
+    # failover) can be handed out between the server's notice and the socket's
+    # end: asyncpg then refuses to use it with this error, having sent nothing.
+    # The connection closes a moment later and the pool replaces it.
+    asyncpg.InternalClientError,
 )
 """Failures that mean the database could not be reached, not that a request was bad."""

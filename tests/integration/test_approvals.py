@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -239,6 +240,17 @@ class World:
             with pytest.raises(AwaitingApproval) as parked:
                 await worker.propose(thread_id, 0, patch or {"target_user_id": OTHER_USER})
         return parked.value
+
+    async def submitted_at(self, digest: str) -> datetime | None:
+        """When the outbox handed ``digest`` to the approval service (None: not yet)."""
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            at: datetime | None = await conn.fetchval(
+                "SELECT submitted_at FROM ztate.pending_transitions WHERE digest = $1", digest
+            )
+            return at
+        finally:
+            await conn.close()
 
     async def pending_status(self, digest: str) -> str:
         conn = await asyncpg.connect(self.dsn)
@@ -553,20 +565,41 @@ async def test_a_reviewer_cannot_write_state(world: World) -> None:
 
 
 async def test_parked_while_the_approval_service_is_down_is_reviewed_once_back(
-    world: World,
+    world: World, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="ztate.transition")
     await world.stop_approval()
     try:
         thread_id = await world.thread()
         parked = await world.park(thread_id)
         assert await world.pending_status(parked.digest) == "pending"
+
+        async def refused_submission() -> bool | None:
+            failed = f"submitting {parked.digest[:16]} to the approval service failed"
+            return any(failed in r.getMessage() for r in caplog.records) or None
+
+        await eventually(refused_submission)  # the outbox tried, and keeps it for later
+        assert await world.submitted_at(parked.digest) is None
+        # the parked transition survives a restart of the transition service too
+        await world.restart_transition()
+        async with world.worker("planner") as planner:
+            assert (await planner.wait_for_outcome(parked.digest, within=0.5)).status == "pending"
+        assert await world.submitted_at(parked.digest) is None
     finally:
         await world.start_approval()
     review = await world.review(parked.digest)
     assert review.thread_id == thread_id
+    assert await world.submitted_at(parked.digest) is not None
+    before = await world.ledger.snapshot(thread_id)
+    assert before.head_version == 0
     await world.decide("alice", parked.digest)
     async with world.worker("planner") as planner:
-        assert (await planner.wait_for_outcome(parked.digest, within=20)).status == "committed"
+        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+    assert outcome.status == "committed"
+    assert outcome.transition is not None
+    assert outcome.transition.record["patch"] == {"target_user_id": OTHER_USER}
+    assert await world.pending_status(parked.digest) == "committed"
+    assert await world.ledger.verify(thread_id) == 2
 
 
 async def test_restarting_the_transition_service_between_parking_and_approval(
