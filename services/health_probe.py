@@ -11,6 +11,11 @@ files the service serves with, read from the service's configuration
 Exit codes, as ``grpc_health_probe``'s: 0 SERVING; 1 the service answered but is
 not serving (starting, shutting down, unknown service name); 2 it could not be
 asked (unreachable, timed out, unreadable credentials, bad configuration).
+
+``--live`` is the liveness question instead: is the process answering at all?
+It exits 0 whatever status the server reports (NOT_SERVING while its database
+is down is a live process waiting for it, which a restart would not help) and
+2 when the server cannot be asked. Readiness keeps the serving check.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ def _local(listen: str) -> str:
     return f"localhost:{listen.rsplit(':', 1)[1]}"
 
 
+class MissingCredentials(ValueError):
+    """The service's configuration names no certificate, key or CA to probe with."""
+
+
 def probe_from_settings(args: argparse.Namespace) -> Probe:
     """The probe for the service configured in this environment (``--approval``: the
     approval service's settings), with the command line's overrides."""
@@ -78,9 +87,9 @@ def probe_from_settings(args: argparse.Namespace) -> Probe:
         settings = Settings()
         listen, service = settings.listen, TRANSITION_SERVICE
         cert, key, ca = settings.tls_cert, settings.tls_key, settings.tls_ca
-    assert cert is not None
-    assert key is not None
-    assert ca is not None
+    if cert is None or key is None or ca is None:
+        prefix = "ZTATE_APPROVAL_TLS" if args.approval else "ZTATE_TLS"
+        raise MissingCredentials(f"{prefix}_CERT, {prefix}_KEY and {prefix}_CA must all be set")
     return Probe(
         target=args.target or _local(listen),
         service=service if args.service is None else args.service,
@@ -98,19 +107,22 @@ def cmd_health(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"ztate health: invalid configuration: {describe(exc)}", file=sys.stderr)
         return CANNOT_ASK
+    except MissingCredentials as exc:
+        print(f"ztate health: invalid configuration: {exc}", file=sys.stderr)
+        return CANNOT_ASK
     try:
         status = asyncio.run(check(probe))
     except grpc.aio.AioRpcError as error:
         if error.code() is grpc.StatusCode.NOT_FOUND:  # the server knows no such service
             print(f"ztate health: {probe.service!r}: SERVICE_UNKNOWN", file=sys.stderr)
-            return NOT_SERVING
+            return SERVING if args.live else NOT_SERVING
         print(f"ztate health: {probe.target}: {error.code().name}", file=sys.stderr)
         return CANNOT_ASK
     except OSError as exc:
         print(f"ztate health: cannot read credentials: {exc.strerror}", file=sys.stderr)
         return CANNOT_ASK
     print(f"{probe.service or '(server)'}: {status}")
-    return SERVING if status == "SERVING" else NOT_SERVING
+    return SERVING if args.live or status == "SERVING" else NOT_SERVING
 
 
 def add_health_command(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
@@ -118,7 +130,13 @@ def add_health_command(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     health = subparsers.add_parser(
         "health",
         help="gRPC health check of a running service over mTLS (container probes)",
-        description="Exit 0: SERVING; 1: answered, not serving; 2: could not ask.",
+        description="Exit 0: SERVING; 1: answered, not serving; 2: could not ask. "
+        "With --live: 0 whenever the server answers (liveness), 2 when it cannot be asked.",
+    )
+    health.add_argument(
+        "--live",
+        action="store_true",
+        help="liveness: exit 0 if the server answers at all, SERVING or not",
     )
     health.add_argument(
         "--approval", action="store_true", help="probe the approval service (ZTATE_APPROVAL_*)"

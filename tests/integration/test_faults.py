@@ -243,6 +243,11 @@ async def test_postgres_restart_reports_not_serving_and_recovers_by_itself(
             await wait_for_status(health, NOT_SERVING)
             checked = await health.Check(health_pb2.HealthCheckRequest(service=TRANSITION_SERVICE))
             assert checked.status == NOT_SERVING
+            # the probes: not ready (out of the Service), but alive (not restarted)
+            ready, output = await run_ztate("health", env=service.env)
+            assert (ready, output.strip()) == (1, f"{TRANSITION_SERVICE}: NOT_SERVING")
+            alive, output = await run_ztate("health", "--live", env=service.env)
+            assert (alive, output.strip()) == (0, f"{TRANSITION_SERVICE}: NOT_SERVING")
 
             # a call that needs the database fails at once, and as UNAVAILABLE
             outage_key = uuid.uuid4().hex

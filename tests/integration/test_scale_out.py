@@ -378,6 +378,13 @@ async def test_health_command_reports_each_replica(cluster: Cluster, pki: Pki) -
     _, stderr = await asyncio.wait_for(unknown.communicate(), 30)
     assert unknown.returncode == 1
     assert b"SERVICE_UNKNOWN" in stderr
+    # ... which is alive all the same: liveness asks only whether the server answers
+    code, _, stderr_text = await run_ztate(
+        "health", "--live", "--target", cluster.replicas[0].target,
+        "--service", "ztate.v1.NoSuchService", env=cluster.env,
+    )  # fmt: skip
+    assert code == 0, stderr_text
+    assert "SERVICE_UNKNOWN" in stderr_text
 
     # nothing listening: could not ask
     closed = await asyncio.create_subprocess_exec(
@@ -394,6 +401,13 @@ async def test_health_command_reports_each_replica(cluster: Cluster, pki: Pki) -
     _, stderr = await asyncio.wait_for(closed.communicate(), 30)
     assert closed.returncode == 2
     assert b"UNAVAILABLE" in stderr or b"DEADLINE_EXCEEDED" in stderr
+    # ... and not alive either
+    code, _, stderr_text = await run_ztate(
+        "health", "--live", "--target", f"localhost:{free_port()}", "--timeout", "1",
+        env=cluster.env,
+    )  # fmt: skip
+    assert code == 2
+    assert "UNAVAILABLE" in stderr_text or "DEADLINE_EXCEEDED" in stderr_text
 
 
 async def run_ztate(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:

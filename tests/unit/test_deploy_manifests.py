@@ -124,6 +124,9 @@ def test_probes_ask_grpc_health_over_mtls_with_the_service_name() -> None:
             assert args.server_name == name
             assert args.approval == ("ZTATE_APPROVAL_LISTEN" in env)
             assert probe["timeoutSeconds"] > args.timeout
+            # liveness must not follow the database (a restart cures no outage);
+            # startup and readiness do (take the replica out while it cannot serve)
+            assert args.live == (kind == "livenessProbe"), f"{name} {kind}"
 
 
 def test_transition_service_runs_three_replicas_that_survive_a_drain() -> None:
