@@ -16,7 +16,7 @@ import grpc
 
 from services import errors, rpc_errors
 from services.identity import Identity, identity_from_context
-from services.store.transitions import STORAGE_ERRORS
+from services.store.transitions import STORAGE_ERRORS, settled
 from services.telemetry import note_caller, note_refusal
 
 log = logging.getLogger("ztate.rpc")
@@ -38,7 +38,7 @@ async def guarded(
     try:
         caller = identity_from_context(context, trust_domain)
         note_caller(caller.spiffe_id)
-        return await handler(caller)
+        return await settled(handler(caller))  # an idle connection's loss is storage's
     except errors.ZtateError as refusal:
         log.info("refused %s: %s", method, refusal.reason)
         note_refusal(refusal.reason)
