@@ -28,7 +28,7 @@ from approval_service.service import ApprovalService
 from approval_service.store import ReviewStore
 from services import tls
 from services.config import ApprovalSettings
-from services.health import DatabaseHealth, HealthReport
+from services.health import DatabaseHealth, HealthReport, pool_ping
 from services.receipts import load_signing_key
 from services.store.embedded import start_embedded_postgres
 from services.store.migrate import MigrationSet, apply_migrations
@@ -174,7 +174,7 @@ async def _serve_on(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     database_health = DatabaseHealth(
         health,
-        store.ping,
+        pool_ping(store.pool, "ztate_approval.reviews", timeout=settings.health_timeout_seconds),
         interval=settings.health_interval_seconds,
         timeout=settings.health_timeout_seconds,
     )

@@ -237,6 +237,10 @@ class ReviewStore:
         )
         return cls(pool)
 
+    @property
+    def pool(self) -> asyncpg.Pool:
+        return self._pool
+
     async def close(self) -> None:
         await self._pool.close()
 

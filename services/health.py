@@ -3,11 +3,15 @@
 Both services can serve only while their database answers. ``DatabaseHealth``
 pings the database through the service's own pool every ``interval`` seconds,
 with a short timeout, and reports the result for the whole server (``""``) and
-for each of the service's names: NOT_SERVING while the ping fails, SERVING again
-as soon as it succeeds. Nothing else changes during an outage: calls that need
-the database fail fast with UNAVAILABLE (``services.rpc_guard``), the pool opens
-fresh connections once the database is back, and a load balancer or an
-orchestrator watching health takes the replica out and back in by itself.
+for each of the service's names: NOT_SERVING once two pings in a row failed (or
+found a standby, which cannot commit), SERVING again as soon as one succeeds; a
+pool too busy to lend a connection for the ping changes nothing. Nothing else
+changes during an outage: calls that need the database fail fast with
+UNAVAILABLE (``services.rpc_guard``), the pool opens fresh connections once the
+database is back, and a load balancer or an orchestrator watching health takes
+the replica out and back in by itself. A pool whose every connection hangs on
+a database that stopped answering reads as busy: those calls are bounded by
+their callers' deadlines.
 
 A server starts NOT_SERVING and reports SERVING only after ``check`` first
 succeeds, which ``start`` of each service calls once migrations have run.
@@ -29,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeAlias
 
+import asyncpg
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -95,34 +100,101 @@ class HealthReport(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # unt
             self._changed.notify_all()
 
 
+class PoolBusy(Exception):
+    """No connection of the pool came free within the ping's timeout: the service is
+    busy with its own calls, which says nothing against the database."""
+
+
+Ping: TypeAlias = Callable[[], Awaitable[bool]]
+"""Ask the database once: True if it is a writable primary whose tables the service
+can read, False if it answered as a standby (in recovery: it cannot take a commit);
+raises if it did not answer, ``PoolBusy`` if the pool had no connection to ask with."""
+
+PING = "SELECT NOT pg_is_in_recovery(), EXISTS (SELECT 1 FROM {table} LIMIT 1)"
+
+
+def pool_ping(pool: asyncpg.Pool, table: str, *, timeout: float) -> Ping:
+    """The ``Ping`` of a service's own pool: one cheap query that proves the server is
+    a primary (``pg_is_in_recovery()`` is false) and that ``table`` is readable with
+    the service's role. ``timeout`` bounds the wait for a connection and the query
+    each; a wait for a connection is ``PoolBusy`` when every connection is in use."""
+    query = PING.format(table=table)
+
+    async def ping() -> bool:
+        try:
+            conn = await pool.acquire(timeout=timeout)
+        except TimeoutError:
+            if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
+                raise PoolBusy from None
+            raise  # no connection could be opened in time: the database does not answer
+        try:
+            async with asyncio.timeout(timeout):
+                row = await conn.fetchrow(query)
+        finally:
+            await pool.release(conn)
+        assert row is not None
+        primary: bool = row[0]
+        return primary
+
+    return ping
+
+
 class DatabaseHealth:
-    """Keeps a ``HealthReport`` in step with the database: a watchdog task that pings."""
+    """Keeps a ``HealthReport`` in step with the database: a watchdog task that pings.
+
+    NOT_SERVING after ``failures`` consecutive failed pings (unanswered, too slow,
+    or answered by a standby), SERVING again after one good ping: a single slow
+    answer under load does not take a replica out. A ping that finds the pool busy
+    changes nothing. Before the first good ping the report is NOT_SERVING.
+    """
 
     def __init__(
         self,
         report: HealthReport,
-        ping: Callable[[], Awaitable[None]],
+        ping: Ping,
         *,
         interval: float,
         timeout: float,
+        failures: int = 2,
     ) -> None:
         self._report = report
         self._ping = ping
         self._interval = interval
         self._timeout = timeout
+        self._failures_to_fail = failures
+        self._failures = 0
         self._serving: bool | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def serving(self) -> bool | None:
+        """What is reported now (None before the first check)."""
+        return self._serving
+
     async def check(self) -> bool:
-        """Ping the database once and report the result; True if it answered."""
+        """Ping the database once and report the result; True if it answered as a
+        writable primary (or the pool was busy and the status was SERVING)."""
         try:
-            async with asyncio.timeout(self._timeout):
-                await self._ping()
-        except Exception as failure:  # unreachable, too slow, or refusing us: not serving
-            await self._update(False, type(failure).__name__)
-            return False
+            async with asyncio.timeout(2 * self._timeout):  # acquire, then the query
+                primary = await self._ping()
+        except PoolBusy:
+            log.info("the pool is busy: the database health stays as it was")
+            return self._serving is True
+        except Exception as failure:  # unreachable, too slow, or refusing us
+            return await self._failed(type(failure).__name__)
+        if not primary:
+            return await self._failed("in recovery: a standby cannot commit")
+        self._failures = 0
         await self._update(True, None)
         return True
+
+    async def _failed(self, why: str) -> bool:
+        self._failures += 1
+        if self._failures >= self._failures_to_fail or self._serving is None:
+            await self._update(False, why)
+        else:
+            log.info("the database did not answer (%s): once, still reporting SERVING", why)
+        return False
 
     async def _update(self, serving: bool, why: str | None) -> None:
         if serving == self._serving:
@@ -135,6 +207,9 @@ class DatabaseHealth:
         await self._report.set_serving(serving)
 
     def start(self) -> None:
+        """Start the watchdog (once: a second call while it runs does nothing)."""
+        if self._task is not None and not self._task.done():
+            return
         self._task = asyncio.create_task(self._run(), name="ztate-database-health")
 
     async def stop(self) -> None:

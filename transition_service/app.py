@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services import tls
 from services.config import Settings
-from services.health import DatabaseHealth, HealthReport
+from services.health import DatabaseHealth, HealthReport, pool_ping
 from services.keyring import Keyring
 from services.policy import PolicySet
 from services.receipts import KeyFileError, load_public_keys, load_signing_key
@@ -210,7 +210,7 @@ async def start(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     database_health = DatabaseHealth(
         health,
-        store.ping,
+        pool_ping(store.pool, "ztate.threads", timeout=settings.health_timeout_seconds),
         interval=settings.health_interval_seconds,
         timeout=settings.health_timeout_seconds,
     )

@@ -13,7 +13,7 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import tls
-from services.health import NOT_SERVING, SERVING, HealthReport
+from services.health import NOT_SERVING, SERVICE_UNKNOWN, SERVING, HealthReport
 from tests.faults import secure_channel
 from tests.harness import Pki
 
@@ -79,3 +79,17 @@ async def test_watchers_see_each_change_and_the_shutdown_ends_their_streams(
     assert [await asyncio.wait_for(w.read(), 5) for w in watches] == [grpc.aio.EOF] * 3
     await report.set_serving(True)  # ignored: a stopping server never serves again
     assert await statuses(stub) == [NOT_SERVING] * 3
+
+
+async def test_watching_an_unknown_service_answers_service_unknown(
+    served_report: tuple[HealthReport, health_pb2_grpc.HealthStub],
+) -> None:
+    """Check refuses an unknown name (NOT_FOUND); Watch, as the protocol says, answers
+    SERVICE_UNKNOWN and keeps the stream open (the name may be registered later)."""
+    report, stub = served_report
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service="ztate.v1.Nothing"))
+    assert (await asyncio.wait_for(watch.read(), 5)).status == SERVICE_UNKNOWN
+    await report.set_serving(True)  # the known names change; the unknown one does not
+    assert await statuses(stub) == [SERVING] * 3
+    await report.enter_graceful_shutdown()  # ... and its stream ends with the server's
+    assert await asyncio.wait_for(watch.read(), 5) is grpc.aio.EOF
