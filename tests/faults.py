@@ -85,13 +85,15 @@ class ServedProcess:
         self.process: asyncio.subprocess.Process | None = None
         self.log: list[bytes] = []
         self._drain: asyncio.Task[None] | None = None
+        self.abandoned: list[asyncio.subprocess.Process] = []  # killed by a failed start
 
     @property
     def target(self) -> str:
         return f"localhost:{self.port}"
 
-    async def start(self) -> None:
-        """Launch the service and return once it listens (it reports SERVING by then)."""
+    async def start(self, within: float = START_TIMEOUT_SECONDS) -> None:
+        """Launch the service and return once it listens (it reports SERVING by then);
+        if it does not within ``within`` s, or exits, it is killed before this raises."""
         self.process = await asyncio.create_subprocess_exec(
             str(ZTATE),
             "serve",
@@ -107,8 +109,20 @@ class ServedProcess:
                 assert line, b"".join(self.log).decode(errors="replace")
                 self.log.append(line)
 
-        await asyncio.wait_for(listening(), START_TIMEOUT_SECONDS)
+        try:
+            await asyncio.wait_for(listening(), within)
+        except BaseException:  # timed out, exited, cancelled: never leave it running
+            await self._abandon()
+            raise
         self._drain = asyncio.get_running_loop().create_task(self._keep_reading(stderr))
+
+    async def _abandon(self) -> None:
+        """Kill a process that did not start, and wait until it is gone."""
+        process, self.process = self.process, None
+        if process is not None and process.returncode is None:
+            self.abandoned.append(process)
+            process.kill()
+            await asyncio.wait_for(process.wait(), 10)
 
     async def _keep_reading(self, stderr: asyncio.StreamReader) -> None:
         """Read the log to its end, so that logging never blocks on a full pipe."""
@@ -147,6 +161,8 @@ class ServedProcess:
     async def ensure_stopped(self) -> None:
         if self.process is not None and self.process.returncode is None:
             await self.kill()
+        elif self.process is not None:  # it ended by itself: finish reading its log
+            await self._finish()
 
     @asynccontextmanager
     async def health(self) -> AsyncIterator[health_pb2_grpc.HealthStub]:

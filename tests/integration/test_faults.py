@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -76,9 +77,46 @@ async def served(
         health_interval_seconds="0.2",
         health_timeout_seconds="1",
     )
-    await service.start()
-    yield service
-    await service.ensure_stopped()
+    try:
+        await service.start()
+        yield service
+    finally:
+        await service.ensure_stopped()
+
+
+# --- the machinery itself -------------------------------------------------------------------
+
+
+async def test_a_service_that_does_not_start_in_time_is_killed(
+    pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path
+) -> None:
+    """ServedProcess.start() never leaves an orphaned ``ztate serve`` behind."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # a "database" that takes the connection and says nothing
+
+    silent = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=f"postgresql://ztate@127.0.0.1:{port}/ztate",
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring_file,
+    )
+    try:
+        with pytest.raises(TimeoutError):
+            await service.start(within=5.0)  # it waits for the database's greeting
+        [process] = service.abandoned
+        assert process.returncode == -signal.SIGKILL  # killed, and reaped
+        assert service.process is None
+        await service.ensure_stopped()  # nothing left to stop
+    finally:
+        for writer in accepted:
+            writer.close()
+        silent.close()
+        await silent.wait_closed()
 
 
 # --- kill -9 under load -----------------------------------------------------------------------
@@ -231,8 +269,8 @@ async def test_postgres_restart_reports_not_serving_and_recovers_by_itself(
         health_timeout_seconds="1",
         db_pool_size="4",
     )
-    await service.start()
     try:
+        await service.start()
         threads = await create_threads(service.target, pki, THREADS)
         load = Load(service.target, pki, threads, retries=2)
         proposers = load.run(keep_retrying=True)
@@ -313,9 +351,11 @@ async def small_pool_service(
         keyring=keyring_file,
         db_pool_size="2",
     )
-    await service.start()
-    yield service, dsn
-    await service.ensure_stopped()
+    try:
+        await service.start()
+        yield service, dsn
+    finally:
+        await service.ensure_stopped()
 
 
 async def parked_digest(target: str, pki: Pki, thread_id: str) -> str:

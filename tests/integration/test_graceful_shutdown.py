@@ -40,9 +40,11 @@ async def served(
     service = ServedProcess(
         home=tmp_path / "home", dsn=fresh_dsn, pki=pki, policy=policy_dir, keyring=keyring_file
     )
-    await service.start()
-    yield service
-    await service.ensure_stopped()
+    try:
+        await service.start()
+        yield service
+    finally:
+        await service.ensure_stopped()
 
 
 async def test_sigterm_finishes_in_flight_commits_and_exits_0(
