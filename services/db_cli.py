@@ -6,8 +6,9 @@ them as a one-off job before the services start. ``ztate db citus`` applies the
 optional Citus layout (``services/store/optional/citus.sql``), which is never
 part of the numbered set: see docs/scale-out.md.
 
-The DSN is ``DATABASE_URL``; it is never printed. Exit codes: 0 done, 2 could not
-run (no DSN, unreachable database, a migration refused).
+The DSN is ``DATABASE_URL``; it is never printed, nor its password. Exit codes: 0
+done, 2 could not run (no DSN, a malformed one, an unreachable database, a
+migration refused), with one line that says why and no traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from urllib.parse import urlsplit
 
 import asyncpg
 from pydantic import ValidationError
@@ -24,6 +26,17 @@ from services.store.migrate import MigrationError, migrate
 from services.store.optional import CitusError, apply_citus_layout
 
 OK, CANNOT_RUN = 0, 2
+CONNECT_TIMEOUT_SECONDS = 30.0
+FAILURES = (
+    MigrationError,
+    CitusError,
+    OSError,  # unreachable: refused, no route, unknown host
+    TimeoutError,  # the server did not answer in time
+    ValueError,  # a malformed DSN (asyncpg's ClientConfigurationError is one too)
+    asyncpg.InterfaceError,
+    asyncpg.PostgresError,
+)
+"""Why ``ztate db`` may be unable to run: reported in one line, exit 2."""
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
@@ -35,13 +48,28 @@ def _dsn_and_settings() -> tuple[str, Settings, ApprovalSettings]:
     return settings.database_url.get_secret_value(), settings, approval
 
 
+def _explain(failure: BaseException, dsn: str | None) -> str:
+    """``failure`` in one line, with the DSN and its password (if it has one) masked."""
+    text = str(failure) or "no answer in time"
+    secrets = [dsn] if dsn else []
+    if dsn:
+        try:
+            password = urlsplit(dsn).password
+        except ValueError:
+            password = None
+        secrets += [password] if password else []
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return f"{type(failure).__name__}: {text}"
+
+
 async def _migrate(
     dsn: str, settings: Settings, approval: ApprovalSettings
 ) -> dict[str, list[str]]:
     """The migrations applied now, by service."""
     from approval_service.app import migrate_approvals
 
-    conn = await asyncpg.connect(dsn)
+    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         transition = await migrate(conn, settings.db_role, settings.db_reader_role)
     finally:
@@ -53,7 +81,7 @@ async def _migrate(
 
 
 async def _citus(dsn: str) -> list[str]:
-    conn = await asyncpg.connect(dsn)
+    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         return await apply_citus_layout(conn)
     finally:
@@ -61,14 +89,15 @@ async def _citus(dsn: str) -> list[str]:
 
 
 def cmd_db_migrate(_: argparse.Namespace) -> int:
+    dsn = None
     try:
         dsn, settings, approval = _dsn_and_settings()
         applied = asyncio.run(_migrate(dsn, settings, approval))
     except ValidationError as exc:
         print(f"ztate db migrate: invalid configuration: {describe(exc)}", file=sys.stderr)
         return CANNOT_RUN
-    except (MigrationError, OSError, asyncpg.PostgresError) as exc:
-        print(f"ztate db migrate: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except FAILURES as exc:
+        print(f"ztate db migrate: {_explain(exc, dsn)}", file=sys.stderr)
         return CANNOT_RUN
     for service, names in applied.items():
         print(f"{service}: {', '.join(names) if names else 'up to date'}")
@@ -76,14 +105,15 @@ def cmd_db_migrate(_: argparse.Namespace) -> int:
 
 
 def cmd_db_citus(_: argparse.Namespace) -> int:
+    dsn = None
     try:
         dsn, _settings, _approval = _dsn_and_settings()
         done = asyncio.run(_citus(dsn))
     except ValidationError as exc:
         print(f"ztate db citus: invalid configuration: {describe(exc)}", file=sys.stderr)
         return CANNOT_RUN
-    except (CitusError, MigrationError, OSError, asyncpg.PostgresError) as exc:
-        print(f"ztate db citus: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except FAILURES as exc:
+        print(f"ztate db citus: {_explain(exc, dsn)}", file=sys.stderr)
         return CANNOT_RUN
     print("\n".join(done))
     return OK
