@@ -31,7 +31,7 @@ from services.config import ApprovalSettings
 from services.health import DatabaseHealth, HealthReport, pool_ping
 from services.receipts import load_signing_key
 from services.store.embedded import start_embedded_postgres
-from services.store.migrate import MigrationSet, apply_migrations
+from services.store.migrate import MigrationSet, apply_migrations, verify_migrations
 from services.telemetry import Telemetry
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
@@ -105,6 +105,16 @@ async def migrate_approvals(dsn: str, role: str) -> list[str]:
         await conn.close()
 
 
+async def verify_approvals(dsn: str) -> list[str]:
+    """Check, read-only, that the approval service's migrations were applied (none now)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await verify_migrations(conn, APPROVAL_MIGRATIONS)
+    finally:
+        await conn.close()
+    return []
+
+
 async def start(
     settings: ApprovalSettings, *, dsn: str | None = None, telemetry: Telemetry | None = None
 ) -> RunningApproval:
@@ -120,7 +130,10 @@ async def start(
     if dsn is None:
         dsn, embedded = resolve_dsn(settings)
 
-    applied = await migrate_approvals(dsn, settings.db_role)
+    if settings.migrate_on_start:
+        applied = await migrate_approvals(dsn, settings.db_role)
+    else:  # a migration job ran: only check (read-only)
+        applied = await verify_approvals(dsn)
     if applied:
         log.info("applied approval migrations: %s", ", ".join(applied))
     telemetry = telemetry or Telemetry.from_settings(settings)

@@ -113,6 +113,11 @@ class Settings(TelemetrySettings):
     health_timeout_seconds: float = Field(
         default=2.0, gt=0, le=30, description="a ping slower than this reports NOT_SERVING"
     )
+    migrate_on_start: bool = Field(
+        default=True,
+        description="apply pending migrations at start-up (needs CREATE on schema public); "
+        "false: only check the schema is at this version (a migration job ran)",
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
@@ -177,6 +182,7 @@ class ApprovalSettings(TelemetrySettings):
     outbox_interval_seconds: float = Field(default=2.0, gt=0)
     health_interval_seconds: float = Field(default=2.0, gt=0, le=60)
     health_timeout_seconds: float = Field(default=2.0, gt=0, le=30)
+    migrate_on_start: bool = True  # false: only check the schema (see Settings)
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     service_name: str = Field(

@@ -24,7 +24,7 @@ from services.receipts import KeyFileError, load_public_keys, load_signing_key
 from services.store.approvals import ApprovalStore
 from services.store.embedded import start_embedded_postgres
 from services.store.ledger import LedgerQueries
-from services.store.migrate import migrate
+from services.store.migrate import TRANSITION_MIGRATIONS, migrate, verify_migrations
 from services.store.transitions import TransitionStore
 from services.telemetry import Telemetry
 from transition_service.checkpointer import Checkpointer
@@ -138,7 +138,11 @@ async def start(
 
     conn = await asyncpg.connect(dsn)
     try:
-        applied = await migrate(conn, settings.db_role, settings.db_reader_role)
+        if settings.migrate_on_start:
+            applied = await migrate(conn, settings.db_role, settings.db_reader_role)
+        else:  # a migration job ran: only check (read-only)
+            await verify_migrations(conn, TRANSITION_MIGRATIONS)
+            applied = []
     finally:
         await conn.close()
     if applied:

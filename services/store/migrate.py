@@ -1,4 +1,4 @@
-"""Numbered SQL migrations, applied at start-up.
+"""Numbered SQL migrations, applied at start-up (or by ``ztate db migrate``).
 
 Each service owns a set of files ``NNNN_name.sql`` in a package folder. Each file
 runs once, in order, inside one transaction, under an advisory lock so replicas
@@ -7,6 +7,10 @@ service's own table. Placeholders such as ``:service_role`` are replaced by the
 quoted name of a database role, created (NOLOGIN) when missing. A file changed
 after it was applied stops start-up: the history of the schema is as
 append-only as the ledger.
+
+With ``ZTATE_MIGRATE_ON_START=false`` a service only verifies, with one SELECT on
+its migrations table, that every migration it ships was applied unchanged, and
+refuses to start otherwise: its login then needs no CREATE on schema public.
 """
 
 from __future__ import annotations
@@ -118,6 +122,37 @@ async def apply_migrations(
             )
             applied_now.append(f"{migration.number:04d}_{migration.name}")
     return applied_now
+
+
+async def verify_migrations(conn: asyncpg.Connection, migrations: MigrationSet) -> None:
+    """Raise ``MigrationError`` unless every migration this version ships is applied,
+    unchanged. Read-only: one SELECT on the migrations table. Migrations beyond
+    this version's (a newer release migrated first, in a rolling upgrade) are
+    accepted, as migrations only ever add to the schema."""
+    if not IDENTIFIER.match(migrations.table):
+        raise MigrationError(f"bad migration table name {migrations.table!r}")
+    table = f"public.{migrations.table}"
+    if await conn.fetchval("SELECT to_regclass($1)", table) is None:
+        raise MigrationError(
+            f"the database has no schema yet ({table} is missing): run `ztate db migrate` "
+            "as the owner first, or set MIGRATE_ON_START=true"
+        )
+    done = {
+        row["number"]: row["checksum"]
+        for row in await conn.fetch(f"SELECT number, checksum FROM {table}")  # noqa: S608
+    }
+    for migration in migrations.bundled():
+        name = f"{migration.number:04d}_{migration.name}"
+        if migration.number not in done:
+            raise MigrationError(
+                f"the database schema is behind this version: {name} is not applied; "
+                "run `ztate db migrate` as the owner first"
+            )
+        if done[migration.number] != migration.checksum:
+            raise MigrationError(
+                f"migration {name} in the database differs from this version's; "
+                "add a new migration instead"
+            )
 
 
 PRUNER_ROLE = "ztate_pruner"

@@ -516,13 +516,11 @@ async def test_health_command_probes_the_approval_service_by_its_certificate_nam
 
 SERVICE_LOGIN_GRANTS = """
 CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ztate_transition, ztate_reader;
--- the service checks the schema at start-up: it may look, and create nothing that exists
-GRANT CREATE ON SCHEMA public TO {login};
+-- with ZTATE_MIGRATE_ON_START=false the service only reads which migrations ran
 GRANT SELECT ON public.ztate_schema_migrations TO {login};
 """
 APPROVAL_LOGIN_GRANTS = """
 CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ztate_approver;
-GRANT CREATE ON SCHEMA public TO {login};
 GRANT SELECT ON public.ztate_approval_schema_migrations TO {login};
 """
 
@@ -548,6 +546,22 @@ async def test_a_replica_runs_with_a_login_that_owns_nothing(
         await admin.close()
     owner_dsn = with_database(postgres_server_dsn, name)
     base = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    # a replica that must not migrate refuses a database the job has not migrated yet ...
+    unmigrated = dict(
+        replica_env(owner_dsn, pki, keyring_file, policy_dir, tmp_path),
+        ZTATE_MIGRATE_ON_START="false",
+        ZTATE_LISTEN=f"127.0.0.1:{free_port()}",
+    )
+    code, _, stderr = await run_ztate("serve", env=unmigrated)
+    assert code != 0
+    assert "public.ztate_schema_migrations is missing): run `ztate db migrate`" in stderr
+    owner = await asyncpg.connect(owner_dsn)
+    try:  # ... and changes nothing
+        assert await owner.fetchval("SELECT to_regclass('public.ztate_schema_migrations')") is None
+        assert await owner.fetchval("SELECT to_regnamespace('ztate')") is None
+    finally:
+        await owner.close()
+
     code, _, stderr = await run_ztate("db", "migrate", env=dict(base, DATABASE_URL=owner_dsn))
     assert code == 0, stderr
 
@@ -558,7 +572,10 @@ async def test_a_replica_runs_with_a_login_that_owns_nothing(
     finally:
         await owner.close()
     service_dsn = as_login(owner_dsn, login, password)
-    env = replica_env(service_dsn, pki, keyring_file, policy_dir, tmp_path)
+    env = dict(
+        replica_env(service_dsn, pki, keyring_file, policy_dir, tmp_path),
+        ZTATE_MIGRATE_ON_START="false",  # the job migrated; the login may create nothing
+    )
     replica = await start_replica(env)
     try:
         await wait_serving(replica, pki)
@@ -576,6 +593,7 @@ async def test_a_replica_runs_with_a_login_that_owns_nothing(
             "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'ztate'"
         )
         assert login not in {r["tableowner"] for r in owners}
+        assert not await conn.fetchval("SELECT has_schema_privilege('public', 'CREATE')")
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             await conn.execute("DELETE FROM ztate.threads WHERE thread_id = $1", thread_id)
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
@@ -610,6 +628,7 @@ async def test_a_replica_runs_with_a_login_that_owns_nothing(
             tls_ca=issued.ca_cert,
             signing_key_file=tmp_path / "signing.pem",
             db_pool_size=2,
+            migrate_on_start=False,
         ),
         dsn=as_login(owner_dsn, approver, approver_password),
     )

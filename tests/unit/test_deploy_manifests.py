@@ -400,6 +400,48 @@ def test_compose_runs_the_stack_with_secrets_as_files_only() -> None:
     assert set(otel["service"]["pipelines"]) == {"traces", "metrics", "logs"}
 
 
+def test_compose_publishes_ports_on_loopback_only() -> None:
+    """The services' ports and the collector's unauthenticated OTLP port are reachable
+    from this machine only; publishing them wider is a deliberate edit."""
+    published = {name: service.get("ports", []) for name, service in compose()["services"].items()}
+    assert {name for name, ports in published.items() if ports} == {
+        "transition",
+        "approval",
+        "otel-collector",
+    }
+    for name, ports in published.items():
+        for port in ports:
+            assert str(port).startswith("127.0.0.1:"), f"{name}: {port}"
+
+
+def test_services_that_a_migration_job_precedes_do_not_migrate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a Job (or compose service) migrates as the owner, the services only verify
+    the schema, so their logins need no CREATE on schema public."""
+    services = compose()["services"]
+    assert services["transition"]["environment"]["ZTATE_MIGRATE_ON_START"] == "false"
+    assert services["approval"]["environment"]["ZTATE_APPROVAL_MIGRATE_ON_START"] == "false"
+    for name, variable in (
+        ("ztate-transition", "ZTATE_MIGRATE_ON_START"),
+        ("ztate-approval", "ZTATE_APPROVAL_MIGRATE_ON_START"),
+    ):
+        (container,) = named("Deployment", name)["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[variable] == "false", name
+    # ... and the services read them by these names
+    monkeypatch.setenv("ZTATE_MIGRATE_ON_START", "false")
+    monkeypatch.setenv("ZTATE_APPROVAL_MIGRATE_ON_START", "false")
+    assert Settings().migrate_on_start is False
+    assert ApprovalSettings().migrate_on_start is False
+
+
+def test_the_migration_job_has_a_deadline() -> None:
+    job = named("Job", "ztate-migrate")
+    assert 0 < job["spec"]["activeDeadlineSeconds"] <= 3600
+    assert job["spec"]["backoffLimit"] <= 3
+
+
 # --- images ------------------------------------------------------------------------------
 
 
