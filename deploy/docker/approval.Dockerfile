@@ -6,20 +6,26 @@
 # time (compose secrets, Kubernetes Secrets). Only the source folders the package
 # needs are copied, never the working tree (which may hold .ztate/).
 
+# Reproducible as far as a build can be offline: every Python dependency at the
+# exact version of deploy/requirements.lock (a pip constraints file). Pin the base
+# image by digest for a fully repeatable build, e.g.
+#   FROM python:3.11-slim@sha256:<digest>   (docker buildx imagetools inspect python:3.11-slim)
+# (not done here: no registry was reachable to read the digest; see deploy/README.md).
 FROM python:3.11-slim AS build
 WORKDIR /src
+COPY deploy/requirements.lock ./
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
 COPY transition_service ./transition_service
 COPY approval_service ./approval_service
 COPY worker_sdk ./worker_sdk
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels --constraint requirements.lock .
 
 FROM python:3.11-slim
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ztate
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+RUN pip install --no-cache-dir --no-index /wheels/*.whl && rm -rf /wheels
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     ZTATE_HOME=/var/lib/ztate \

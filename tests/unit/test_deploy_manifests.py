@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -22,6 +23,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from services.cli import build_parser
 from services.config import ApprovalSettings, Settings
@@ -486,3 +489,37 @@ def test_images_copy_only_sources_run_unprivileged_and_probe_health(
     assert env[listen].rsplit(":", 1) == ["0.0.0.0", exposed.value[0]]  # noqa: S104
     ignore = (DEPLOY / "docker" / f"{image}.Dockerfile.dockerignore").read_text().splitlines()
     assert ignore[[line.startswith("#") for line in ignore].index(False)] == "*"
+
+
+def locked() -> dict[str, str]:
+    lines = (DEPLOY / "requirements.lock").read_text(encoding="utf-8").splitlines()
+    pins = [line.split("==") for line in lines if line and not line.startswith("#")]
+    return {canonicalize_name(name): version for name, version in pins}
+
+
+def test_the_lock_pins_every_runtime_dependency_within_pyproject_ranges() -> None:
+    """deploy/requirements.lock: one exact version per package, each of pyproject's
+    runtime dependencies pinned inside its range, and nothing of dev or bench."""
+    pins = locked()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    for spec in project["dependencies"]:
+        requirement = Requirement(spec)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not locked"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (name, pins[name])
+    for tool in ("pytest", "ruff", "mypy", "hypothesis", "grpcio-tools", "langgraph"):
+        assert tool not in pins, f"{tool} is a development tool, not a runtime dependency"
+
+
+@pytest.mark.parametrize("image", ["transition", "approval"])
+def test_images_build_with_the_lock_and_install_nothing_else(image: str) -> None:
+    commands = dockerfile.parse_file(str(DEPLOY / "docker" / f"{image}.Dockerfile"))
+    copies = [c.value[0] for c in commands if c.cmd == "COPY" and not c.flags]
+    assert "deploy/requirements.lock" in copies
+    runs = [" ".join(c.value) for c in commands if c.cmd == "RUN" and "pip " in " ".join(c.value)]
+    wheel, install = runs
+    assert "pip wheel" in wheel
+    assert "--constraint requirements.lock" in wheel  # every wheel at its locked version
+    assert "--no-index" in install  # the final stage installs only those wheels
+    ignore = (DEPLOY / "docker" / f"{image}.Dockerfile.dockerignore").read_text()
+    assert "!deploy/requirements.lock" in ignore.splitlines()
