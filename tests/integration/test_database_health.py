@@ -151,8 +151,14 @@ async def test_a_standby_is_not_serving(pool: asyncpg.Pool) -> None:
 async def test_start_twice_runs_one_watchdog_and_stop_cancels_it(pool: asyncpg.Pool) -> None:
     _report, health = watched(pool)
 
-    def watchdogs() -> list[asyncio.Task[object]]:
-        return [t for t in asyncio.all_tasks() if t.get_name() == "ztate-database-health"]
+    others = {t for t in asyncio.all_tasks() if t.get_name() == "ztate-database-health"}
+
+    def watchdogs() -> list[asyncio.Task[object]]:  # this one's (a session's service has its own)
+        return [
+            t
+            for t in asyncio.all_tasks()
+            if t.get_name() == "ztate-database-health" and t not in others
+        ]
 
     health.start()
     health.start()
