@@ -598,6 +598,56 @@ async def test_a_failed_start_undoes_its_telemetry(
     assert not hasattr(asyncpg.connection.Connection.fetchval, "__wrapped__")
 
 
+async def test_verify_on_worker_processes_exports_every_failure_it_prints(
+    postgres_server_dsn: str,
+    pki: Pki,
+    keyring_file: Path,
+    policy_dir: Path,
+    tmp_path: Path,
+    receiver: Receiver,
+) -> None:
+    """Forked workers find, the leader prints: the leader counts, and flushes."""
+    from tests.integration.test_verify import REPO, open_world, update
+
+    own = await open_world(postgres_server_dsn, pki, keyring_file, policy_dir, tmp_path)
+    try:
+        tampered = [await own.thread(), await own.thread()]
+    finally:
+        await own.service.stop(grace=1.0)
+    for thread_id in tampered:
+        await own.tamper(
+            thread_id, update("node_id", "spiffe://ztate.test/node/db-writer", thread_id, 3)
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZTATE_", "OTEL_"))}
+    env.update(
+        DATABASE_URL=own.dsn,
+        ZTATE_HOME=str(own.root / "cli-home"),
+        ZTATE_HMAC_KEYRING_FILE=str(own.settings.hmac_keyring_file),
+        ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(own.settings.approval_public_keys_file),
+        ZTATE_POLICY_PATH=str(own.settings.policy_path),
+        ZTATE_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.port}",
+        ZTATE_OTLP_INSECURE="true",
+    )
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("ztate")),
+        *("verify", "--jobs", "2", "--json"),
+        env=env,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 1, err.decode()
+    findings = [json.loads(line) for line in out.splitlines()][:-1]
+    assert [f["check"] for f in findings] == ["column.node_id", "column.node_id"]
+
+    # cumulative: the flush and the exit's shutdown may each export the same total
+    counted = {
+        (a["ztate.check"], p.as_int) for a, p in receiver.metric_points("ztate.verify.failures")
+    }
+    assert counted == {("column.node_id", 2)}
+
+
 async def test_telemetry_off_adds_no_interceptor_and_records_nothing(settings: Settings) -> None:
     from services.telemetry import NO_METRICS, Telemetry
 
