@@ -11,8 +11,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode, format_span_id, format_trace_id
+from pydantic import ValidationError
 
-from services.config import ApprovalSettings, Settings
+from services.config import ApprovalSettings, Settings, describe
 from services.telemetry import JsonFormatter, _Redacting
 from worker_sdk._tracing import client_interceptors
 
@@ -100,6 +101,28 @@ def test_telemetry_is_off_unless_an_endpoint_or_a_mode_is_set(
     monkeypatch.setenv("ZTATE_LOG_FORMAT", "json")
     assert ApprovalSettings().log_format == "json"
     assert ApprovalSettings().service_name == "ztate-approval"
+
+
+def test_otlp_without_an_endpoint_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("ZTATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ZTATE_TELEMETRY", "otlp")
+    for settings in (Settings, ApprovalSettings):
+        with pytest.raises(ValidationError) as invalid:
+            settings()
+        assert "ZTATE_TELEMETRY=otlp needs ZTATE_OTLP_ENDPOINT" in describe(invalid.value)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4317")
+    assert Settings().telemetry_mode == "otlp"
+
+
+def test_the_approval_service_takes_the_standard_service_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ZTATE_APPROVAL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "approval-eu-1")
+    assert ApprovalSettings().service_name == "approval-eu-1"
 
 
 def test_the_worker_channel_is_traced_only_when_a_tracer_provider_exists() -> None:
