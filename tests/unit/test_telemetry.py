@@ -84,6 +84,46 @@ def test_exported_spans_lose_status_descriptions_and_exception_messages() -> Non
     assert plain.status.status_code is StatusCode.UNSET
 
 
+def test_exported_spans_keep_only_allowlisted_attributes() -> None:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(_Redacting(memory)))
+    with provider.get_tracer("test").start_as_current_span("served") as span:
+        span.set_attributes(
+            {
+                "rpc.method": "ProposeTransition",
+                "rpc.grpc.status_code": 0,
+                "ztate.decision": "committed",
+                "rpc.user_agent": "caller-chosen text",
+                "db.statement.parameters": "('a state value',)",
+            }
+        )
+    (served,) = memory.get_finished_spans()
+    assert served.attributes == {
+        "rpc.method": "ProposeTransition",
+        "rpc.grpc.status_code": 0,
+        "ztate.decision": "committed",
+    }
+
+
+def test_server_spans_are_recorded_under_an_unsampled_remote_parent() -> None:
+    from opentelemetry import context, trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    from services.telemetry import SAMPLER
+
+    remote = SpanContext(0x4BF92F3577B34DA6, 0x5555, is_remote=True, trace_flags=TraceFlags(0))
+    parent = trace.set_span_in_context(NonRecordingSpan(remote))
+    tracer = TracerProvider(sampler=SAMPLER).get_tracer("test")
+    token = context.attach(parent)
+    try:
+        with tracer.start_as_current_span("served") as span:
+            assert span.is_recording()
+            assert span.get_span_context().trace_id == remote.trace_id  # kept, as a hint
+    finally:
+        context.detach(token)
+
+
 def test_telemetry_is_off_unless_an_endpoint_or_a_mode_is_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
