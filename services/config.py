@@ -48,6 +48,14 @@ class TelemetrySettings(BaseSettings):
         default=15.0, gt=0, validation_alias=AliasChoices("ZTATE_METRICS_INTERVAL_SECONDS")
     )
 
+    @model_validator(mode="after")
+    def _check_telemetry(self) -> TelemetrySettings:
+        if self.telemetry == "otlp" and not self.otlp_endpoint:
+            raise ValueError(
+                "ZTATE_TELEMETRY=otlp needs ZTATE_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT)"
+            )
+        return self
+
     @property
     def telemetry_mode(self) -> TelemetryMode:
         if self.telemetry is not None:
@@ -180,7 +188,9 @@ class ApprovalSettings(TelemetrySettings):
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     service_name: str = Field(
-        default="ztate-approval", validation_alias=AliasChoices("ZTATE_APPROVAL_SERVICE_NAME")
+        default="ztate-approval",
+        validation_alias=AliasChoices("ZTATE_APPROVAL_SERVICE_NAME", "OTEL_SERVICE_NAME"),
+        description="service.name of traces, metrics and logs",
     )
 
     @model_validator(mode="after")

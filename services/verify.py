@@ -102,6 +102,21 @@ FAILURES = metrics.get_meter("ztate.verify").create_counter(
 )
 
 
+def counted(report: Report) -> Report:
+    """``report``, counting each finding into ``ztate.verify.failures`` first.
+
+    The command counts where every finding ends up, the process that prints it:
+    forked workers hand their findings over and count nothing (their copy of the
+    meter provider is never exported).
+    """
+
+    def count_and_report(finding: Finding) -> None:
+        FAILURES.add(1, {"ztate.check": finding.check})
+        report(finding)
+
+    return count_and_report
+
+
 class VerifyError(Exception):
     """Verification could not run at all (exit code 2): no database, no ledger."""
 
@@ -252,7 +267,6 @@ class Verification:
 
     def finding(self, finding: Finding) -> None:
         self.summary.failures += 1
-        FAILURES.add(1, {"ztate.check": finding.check})
         self._report(finding)
 
     def thread(self, thread_id: str) -> ThreadVerifier:

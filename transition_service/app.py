@@ -72,6 +72,7 @@ class RunningService:
             await self.checkpointer.stop()
         await self.server.stop(grace)
         await self.listener.close()
+        await self.telemetry.stop_sampling()  # it queries through the store's pool
         await self.store.close()
         await self.queries.close()
         await self.telemetry.shutdown()
@@ -146,6 +147,25 @@ async def start(
 
     telemetry = telemetry or Telemetry.from_settings(settings)
     telemetry.instrument_asyncpg()
+    try:
+        return await _start_traced(
+            settings, dsn, embedded, policies, keyring, credentials, public_keys, telemetry
+        )
+    except BaseException:
+        await telemetry.shutdown()  # asyncpg un-instrumented, the providers closed
+        raise
+
+
+async def _start_traced(
+    settings: Settings,
+    dsn: str,
+    embedded: Any,
+    policies: PolicySet,
+    keyring: Keyring,
+    credentials: grpc.ServerCredentials,
+    public_keys: dict[str, Ed25519PublicKey],
+    telemetry: Telemetry,
+) -> RunningService:
     store = await TransitionStore.open(
         dsn, role=settings.db_role, pool_size=settings.db_pool_size, metrics=telemetry.metrics
     )

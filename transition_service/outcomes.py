@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 
 from services.store.approvals import OUTCOME_CHANNEL
+from services.telemetry import untraced
 
 COMMIT_CHANNEL = "ztate_commits"
 
@@ -39,11 +40,13 @@ class OutcomeListener:
         self._watchers: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
 
     async def start(self) -> None:
-        self._conn = await asyncpg.connect(
-            self._dsn, server_settings={"role": self._role, "application_name": "ztate-outcomes"}
-        )
-        await self._conn.add_listener(OUTCOME_CHANNEL, self._announced)
-        await self._conn.add_listener(COMMIT_CHANNEL, self._committed)
+        with untraced():  # the service's own set-up, not a request's work
+            self._conn = await asyncpg.connect(
+                self._dsn,
+                server_settings={"role": self._role, "application_name": "ztate-outcomes"},
+            )
+            await self._conn.add_listener(OUTCOME_CHANNEL, self._announced)
+            await self._conn.add_listener(COMMIT_CHANNEL, self._committed)
 
     async def close(self) -> None:
         if self._conn is not None:
