@@ -88,8 +88,8 @@ HEAD = "head"  # the threads row disagrees with the last record
 HEAD_STATE = "head.state"  # the head state does not hash to the last record's state_digest
 CHECKPOINT = "checkpoint"  # a signed head does not verify, or the chain misses it
 
-HEX_256 = re.compile(r"^[0-9a-f]{64}$")
-COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
+HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
+COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z\Z")
 SHOWN_MAX = 160
 
 

@@ -51,8 +51,8 @@ from services.telemetry import COMMITTED, NO_METRICS, PARKED, REFUSED, Metrics, 
 from transition_service.heads import CachedHead, HeadCache
 
 THREAD_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would take a "\n"
-KEY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
+KEY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}\Z")
 # Only operators administer threads and read whole states or the ledger; the
 # services talk to each other through their own calls (the approval service may
 # deliver decisions, nothing else).

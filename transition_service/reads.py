@@ -33,7 +33,7 @@ from transition_service.pipeline import (
     thread_not_found,
 )
 
-DIGEST = re.compile(r"^[0-9a-f]{64}$")
+DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,3 +33,23 @@ async def test_a_thread_id_with_a_trailing_newline_is_refused_and_nothing_is_wri
     assert refused.value.reason == "REQUEST_INVALID"
     assert THREAD_ID_ERROR in str(refused.value)
     assert (await ledger.snapshot(thread_id)).transitions == 0
+
+
+async def test_an_idempotency_key_with_a_trailing_newline_is_refused_and_nothing_is_written(
+    target: str, pki: Pki, ledger: Ledger
+) -> None:
+    thread_id = new_thread_id()
+    async with client(target, pki.operator()) as operator:
+        await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+    async with client(target, pki.node("input-parser")) as worker:
+        with pytest.raises(InvalidRequest) as refused:
+            await worker.propose(
+                thread_id,
+                0,
+                {"requested_action": {"action": "refund"}},
+                idempotency_key="retry-1\n",
+            )
+    assert refused.value.reason == "REQUEST_INVALID"
+    assert "idempotency_key must be 1-128 printable ASCII characters" in str(refused.value)
+    snapshot = await ledger.snapshot(thread_id)
+    assert (snapshot.head_version, snapshot.transitions) == (0, 1)
