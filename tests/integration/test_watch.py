@@ -18,6 +18,7 @@ from services.checkpoints import SignedCheckpoint, verify_checkpoint
 from services.config import Settings
 from services.store.retention import Limits, prune
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
+from transition_service import watch as watch_module
 from transition_service.app import RunningService, start
 from transition_service.checkpointer import Checkpointer
 from worker_sdk import (
@@ -29,6 +30,7 @@ from worker_sdk import (
     Unavailable,
     WatchEvent,
 )
+from ztate.v1 import transition_pb2
 
 BILLING_INITIAL = {"invoice_total_cents": 100, "invoice_note": "n"}
 
@@ -330,3 +332,42 @@ async def test_a_version_whose_state_was_pruned_says_so(
     assert events[2].state is not None
     assert events[2].state["requested_action"] == act("new")
     assert events[0].as_view() is None
+
+
+async def test_an_unexpected_failure_mid_stream_is_internal_and_discloses_nothing(
+    target: str, pki: Pki, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sentinel = "SENTINEL-state-value-7f3a"
+    thread_id = await new_thread(target, pki)
+    async with client(target, pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 0, {"requested_action": act("one")})
+    before = await ledger.snapshot(thread_id)
+    projected = watch_module.project
+
+    def project_then_fail(*args: Any) -> Any:
+        found = args[1]
+        if found.version >= 1:
+            raise RuntimeError(sentinel)
+        return projected(*args)
+
+    monkeypatch.setattr(watch_module, "project", project_then_fail)
+    async with client(target, pki.operator()) as operator:
+        call = operator._stub.WatchThread(
+            transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=-1)
+        )
+        received: list[int] = []
+
+        async def drain() -> None:
+            async for message in call:
+                received.append(message.version)
+
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await drain()
+    assert received == [0]  # the stream was open when it failed
+    assert failed.value.code() is grpc.StatusCode.INTERNAL
+    assert failed.value.details() == "internal error"
+    trailers = repr(failed.value.trailing_metadata())
+    assert sentinel not in (failed.value.details() or "")
+    assert sentinel not in trailers
+    assert "RuntimeError" not in trailers
+    assert await ledger.snapshot(thread_id) == before
