@@ -28,6 +28,7 @@ from worker_sdk import (
     ZtateClient,
     verify_head_before_acting,
 )
+from worker_sdk import client as client_module
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 THREAD = "order-42"
@@ -171,6 +172,43 @@ async def test_watch_resumes_after_the_last_version_when_the_stream_breaks(
             break
     assert seen == [0, 1, 2, 3, 4]  # nothing skipped, nothing repeated
     assert servicer.watch_from == [-1, 2]
+
+
+async def test_watch_resumes_after_a_normal_end_without_counting_it_as_a_failure(
+    scripted: tuple[Scripted, ZtateClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server ends each stream (OK) at its maximum lifetime: the SDK resumes from
+    the last version every time, however often, even with no reconnects allowed."""
+    servicer, worker = scripted
+    monkeypatch.setattr(client_module, "NORMAL_END_SECONDS", 0.0)  # every end "served"
+
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        if call % 2 == 1:
+            yield event(after + 1)  # one version per lifetime, then a lifetime with none
+
+    servicer.watch = watch
+    seen = []
+    async for change in worker.watch(THREAD, reconnects=0):
+        seen.append(change.version)
+        if change.version == 4:
+            break
+    assert seen == [0, 1, 2, 3, 4]
+    assert servicer.watch_from == [-1, 0, 0, 1, 1, 2, 2, 3, 3]
+
+
+async def test_a_stream_that_ends_at_once_with_nothing_counts_as_a_failure(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        return
+        yield event(0)  # pragma: no cover - makes this a generator
+
+    servicer.watch = watch
+    with pytest.raises(Unavailable):
+        await anext(worker.watch(THREAD, reconnects=2))
+    assert servicer.watch_from == [-1, -1, -1]
 
 
 async def test_watch_raises_a_refusal_at_once(scripted: tuple[Scripted, ZtateClient]) -> None:
