@@ -51,6 +51,7 @@ class OutcomeListener:
         self._conn: asyncpg.Connection | None = None
         self._backend: Backend | None = None
         self._lost = asyncio.Event()
+        self._sweeping = asyncio.Lock()  # one query at a time on the connection
         self._supervisor: asyncio.Task[None] | None = None
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
@@ -83,9 +84,10 @@ class OutcomeListener:
 
     async def sweep(self) -> int:
         """Remove watched threads of replicas whose LISTEN session is gone."""
-        if self._conn is None:
-            return 0
-        swept = await sweep_watched_threads(self._conn)
+        async with self._sweeping:
+            if self._conn is None:
+                return 0
+            swept = await sweep_watched_threads(self._conn)
         if swept:
             log.info("removed %d watched threads of replicas that are gone", swept)
         return swept

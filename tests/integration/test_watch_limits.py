@@ -149,6 +149,12 @@ async def test_rows_of_a_replica_whose_session_died_are_swept(
         alive.pid,
         datetime(2000, 1, 1, tzinfo=UTC),
     )
+    # why the sweep is a SECURITY DEFINER function: the service role alone does not
+    # see when other sessions started, so it could not tell a reused pid apart
+    hidden = await crashed.fetchval(
+        "SELECT backend_start FROM pg_stat_activity WHERE pid = $1", alive.pid
+    )
+    assert hidden is None
     crashed.terminate()
     async with client(target, pki.node("planner")) as planner:
         stream = planner.watch(thread_id)
