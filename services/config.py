@@ -115,6 +115,15 @@ class Settings(TelemetrySettings):
     watch_max_streams: int = Field(
         default=256, ge=0, le=100_000, description="WatchThread streams served at once"
     )
+    watch_max_streams_per_identity: int = Field(
+        default=32, ge=1, le=100_000, description="WatchThread streams one identity may hold"
+    )
+    watch_max_stream_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="a watch stream ends (OK) after this long; the client resumes, re-checked",
+    )
     health_interval_seconds: float = Field(
         default=2.0, gt=0, le=60, description="how often the database is pinged for gRPC health"
     )

@@ -58,7 +58,9 @@ class Keyring:
         keys: dict[str, bytes] = {}
         for key_id, encoded in raw_keys.items():
             if not KEY_ID.match(key_id):
-                raise KeyringError(f"{source}: key id {key_id!r} must be 1-64 characters of [A-Za-z0-9._-]")
+                raise KeyringError(
+                    f"{source}: key id {key_id!r} must be 1-64 characters of [A-Za-z0-9._-]"
+                )
             try:
                 material = base64.b64decode(str(encoded), validate=True)
             except (binascii.Error, ValueError):

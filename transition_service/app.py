@@ -184,7 +184,7 @@ async def _start_traced(
     await listener.start()
     approvals = ApprovalStore(store.pool)
     reads = ThreadReads(store, policies)
-    watcher = Watcher(store, reads, listener, settings.watch_max_streams)
+    watcher = Watcher.from_settings(store, reads, listener, settings)
     decisions = DecisionPipeline(
         store=store,
         approvals=approvals,

@@ -191,7 +191,9 @@ class DecisionPipeline:
         """The outcome of a parked transition, once it has one or ``patience`` seconds pass."""
         pending = await self._visible(caller, digest)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(patience or MAX_WAIT_SECONDS, MAX_WAIT_SECONDS)
+        # 0.0 is a real answer (the caller's deadline is near), not "no deadline"
+        wait = MAX_WAIT_SECONDS if patience is None else min(patience, MAX_WAIT_SECONDS)
+        deadline = loop.time() + wait
         async with self._listener.watching(digest) as announced:
             while True:
                 pending = await self._visible(caller, digest)

@@ -26,6 +26,7 @@ import services.verify
 import transition_service.ledger_server
 import transition_service.pipeline
 import transition_service.reads
+import worker_sdk._evidence
 from services.errors import IdentityInvalid
 
 DIGEST = "0" * 64
@@ -49,6 +50,9 @@ PATTERNS: dict[str, tuple[re.Pattern[str], str]] = {
     "key name": (transition_service.pipeline.KEY_NAME, "requested_action"),
     "idempotency key": (transition_service.pipeline.IDEMPOTENCY_KEY, "retry-1"),
     "reads digest": (transition_service.reads.DIGEST, DIGEST),
+    "sdk key id": (worker_sdk._evidence.KEY_ID, "approval-k1"),
+    "sdk hex": (worker_sdk._evidence.HEX_256, DIGEST),
+    "sdk time": (worker_sdk._evidence.TIME, "2026-11-21T10:00:00.000000Z"),
 }
 
 
