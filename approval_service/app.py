@@ -138,7 +138,11 @@ async def start(
         log.info("applied approval migrations: %s", ", ".join(applied))
     telemetry = telemetry or Telemetry.from_settings(settings)
     telemetry.instrument_asyncpg()
-    store = await ReviewStore.open(dsn, role=settings.db_role, pool_size=settings.db_pool_size)
+    try:
+        store = await ReviewStore.open(dsn, role=settings.db_role, pool_size=settings.db_pool_size)
+    except BaseException:
+        await telemetry.shutdown()
+        raise
     try:
         running = await _serve_on(
             settings, store, signing_key, credentials, notifier, embedded, telemetry

@@ -27,7 +27,7 @@ from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:7444"
 DEFAULT_REVIEWER = "alice"
-DIGEST = re.compile(r"^[0-9a-f]{64}$")
+DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
 PAGE_SIZE = 100
 CALL_TIMEOUT_SECONDS = 30.0
 OK, REFUSED, USAGE = 0, 1, 2

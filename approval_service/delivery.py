@@ -35,6 +35,7 @@ from services.config import ApprovalSettings
 from services.receipts import now_utc
 from services.rpc_errors import ERROR_DOMAIN
 from services.store.transitions import STORAGE_ERRORS
+from services.telemetry import untraced
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.approval")
@@ -141,7 +142,8 @@ class ReceiptDelivery:
     async def _run(self) -> None:
         while True:
             try:
-                await self.run_once()
+                with untraced():  # a round every few seconds: not a trace each
+                    await self.run_once()
             except STORAGE_ERRORS as failure:
                 self._failed()
                 log.warning("receipt delivery round failed: %s", type(failure).__name__)

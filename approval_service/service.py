@@ -50,8 +50,8 @@ TRANSITION_SERVICE_NAME = "transition"
 MAX_APPROVALS = 16  # the policy's own bound on a risk rule's approvals
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
-DIGEST = re.compile(r"^[0-9a-f]{64}$")
-PAGE_TOKEN = re.compile(r"^(\d{1,18})\.([0-9a-f]{64})$")
+DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
+PAGE_TOKEN = re.compile(r"^(\d{1,18})\.([0-9a-f]{64})\Z")
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,7 @@ BUNDLE_LINE = "bundle.line"  # a line that is not a ledger row
 BUNDLE_ORDER = "bundle.order"  # a thread's lines are not together
 BUNDLE_CHECKPOINT = "bundle.checkpoint"  # a checkpoint line that is not one, or of no thread
 
-HEX_256 = re.compile(r"^[0-9a-f]{64}$")
+HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
 LINE_MEMBERS = (
     "thread_id",
     "version",

@@ -112,7 +112,7 @@ RECORD_MEMBERS = frozenset(
         committed_at=datetime.now(UTC),
     )
 )
-HEX_256 = re.compile(r"^[0-9a-f]{64}$")
+HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def verify_record(

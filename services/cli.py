@@ -148,7 +148,7 @@ def cmd_ca_init(args: argparse.Namespace) -> int:
 
 
 def cmd_ca_issue(args: argparse.Namespace) -> int:
-    if not NAME.match(args.name):
+    if not NAME.fullmatch(args.name):
         print(f"ztate: name must match {NAME.pattern}", file=sys.stderr)
         return 1
     identity = Identity(args.trust_domain, Role(args.role), args.name)

@@ -48,6 +48,14 @@ class TelemetrySettings(BaseSettings):
         default=15.0, gt=0, validation_alias=AliasChoices("ZTATE_METRICS_INTERVAL_SECONDS")
     )
 
+    @model_validator(mode="after")
+    def _check_telemetry(self) -> TelemetrySettings:
+        if self.telemetry == "otlp" and not self.otlp_endpoint:
+            raise ValueError(
+                "ZTATE_TELEMETRY=otlp needs ZTATE_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT)"
+            )
+        return self
+
     @property
     def telemetry_mode(self) -> TelemetryMode:
         if self.telemetry is not None:
@@ -106,6 +114,15 @@ class Settings(TelemetrySettings):
     )
     watch_max_streams: int = Field(
         default=256, ge=0, le=100_000, description="WatchThread streams served at once"
+    )
+    watch_max_streams_per_identity: int = Field(
+        default=32, ge=1, le=100_000, description="WatchThread streams one identity may hold"
+    )
+    watch_max_stream_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="a watch stream ends (OK) after this long; the client resumes, re-checked",
     )
     health_interval_seconds: float = Field(
         default=2.0, gt=0, le=60, description="how often the database is pinged for gRPC health"
@@ -186,7 +203,9 @@ class ApprovalSettings(TelemetrySettings):
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     service_name: str = Field(
-        default="ztate-approval", validation_alias=AliasChoices("ZTATE_APPROVAL_SERVICE_NAME")
+        default="ztate-approval",
+        validation_alias=AliasChoices("ZTATE_APPROVAL_SERVICE_NAME", "OTEL_SERVICE_NAME"),
+        description="service.name of traces, metrics and logs",
     )
 
     @model_validator(mode="after")

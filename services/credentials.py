@@ -490,7 +490,7 @@ def find_credential(value: object, *, high_entropy: bool = True) -> CredentialFi
     return _walk(value, high_entropy)
 
 
-_PLAIN_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_PLAIN_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 
 
 def shown_name(name: str) -> str:

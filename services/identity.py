@@ -18,8 +18,10 @@ import grpc
 
 from services.errors import IdentityInvalid
 
+# also a pydantic pattern (policy node names), whose engine has no \Z: Python code
+# must use NAME.fullmatch, since "$" alone would also match before a final "\n"
 NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$")
-TRUST_DOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,253}[a-z0-9])?$")
+TRUST_DOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,253}[a-z0-9])?\Z")
 
 
 class Role(enum.StrEnum):
@@ -64,7 +66,7 @@ def parse_spiffe_id(uri: str, trust_domain: str) -> Identity:
         role = Role(role_text)
     except ValueError:
         raise IdentityInvalid(f"unknown role {role_text!r} in SPIFFE ID") from None
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         raise IdentityInvalid(f"identity name must match {NAME.pattern}")
     return Identity(trust_domain=trust_domain, role=role, name=name)
 

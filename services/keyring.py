@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 MIN_KEY_BYTES = 32
 
 
@@ -58,7 +58,9 @@ class Keyring:
         keys: dict[str, bytes] = {}
         for key_id, encoded in raw_keys.items():
             if not KEY_ID.match(key_id):
-                raise KeyringError(f"{source}: key id {key_id!r} must match {KEY_ID.pattern}")
+                raise KeyringError(
+                    f"{source}: key id {key_id!r} must be 1-64 characters of [A-Za-z0-9._-]"
+                )
             try:
                 material = base64.b64decode(str(encoded), validate=True)
             except (binascii.Error, ValueError):
@@ -119,7 +121,7 @@ def rotate_keyring_file(path: Path, key_id: str | None = None) -> str:
     keyring = Keyring.from_json(text, source=str(path))
     chosen = key_id if key_id is not None else new_key_id(keyring.key_ids)
     if not KEY_ID.match(chosen):
-        raise KeyringError(f"key id {chosen!r} must match {KEY_ID.pattern}")
+        raise KeyringError(f"key id {chosen!r} must be 1-64 characters of [A-Za-z0-9._-]")
     if chosen in keyring.key_ids:
         raise KeyringError(f"{path}: key id {chosen!r} already exists; key ids are never reused")
     keys = {kid: base64.b64encode(keyring.key(kid)).decode() for kid in keyring.key_ids}

@@ -144,6 +144,10 @@ class NodeSpec(_Strict):
     read: list[KeyName] = Field(default_factory=list)
     write: list[KeyName] = Field(default_factory=list)
     max_patch_bytes: int | None = Field(default=None, gt=0, le=4 * 1024 * 1024)
+    # Whole ledger records (GetTransition, GetCheckpoint) reveal the digest of the
+    # whole state, an oracle for guessing values the node may not read: only
+    # nodes marked here (the privileged workers that verify before acting) get them.
+    read_records: bool = False
 
 
 class InvariantSpec(_Strict):
@@ -308,6 +312,10 @@ class Policy:
 
     def writable(self, node: str) -> frozenset[str]:
         return self._writable[node]
+
+    def reads_records(self, node: str) -> bool:
+        """Whether ``node`` may read whole ledger records and checkpoints."""
+        return self.document.nodes[node].read_records
 
     def node_layer(self, node: str) -> Layer:
         return self.document.nodes[node].layer

@@ -34,8 +34,8 @@ from services.chain import format_time
 RECEIPT_FORMAT = 1
 KIND_RECEIPT = "approval_receipt"
 APPROVE, REJECT = "approve", "reject"
-KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-HEX_256 = re.compile(r"^[0-9a-f]{64}$")
+KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
+HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
 RECEIPT_MEMBERS = frozenset(
     {
         "format",
@@ -166,7 +166,7 @@ def write_private(path: Path, data: bytes) -> None:
 def generate_signing_key(private_path: Path, public_path: Path, key_id: str) -> None:
     """A new Ed25519 signing key (PEM, mode 0600) and the public keyring that verifies it."""
     if not KEY_ID.match(key_id):
-        raise KeyFileError(f"key id must match {KEY_ID.pattern}")
+        raise KeyFileError("key id must be 1-64 characters of [A-Za-z0-9._-]")
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -202,7 +202,9 @@ def load_public_keys(path: Path) -> dict[str, Ed25519PublicKey]:
     keys: dict[str, Ed25519PublicKey] = {}
     for key_id, encoded in doc.items():
         if not KEY_ID.match(key_id):
-            raise KeyFileError(f"{path}: key id {key_id!r} must match {KEY_ID.pattern}")
+            raise KeyFileError(
+                f"{path}: key id {key_id!r} must be 1-64 characters of [A-Za-z0-9._-]"
+            )
         try:
             keys[key_id] = Ed25519PublicKey.from_public_bytes(
                 base64.b64decode(str(encoded), validate=True)

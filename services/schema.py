@@ -30,7 +30,7 @@ from services.credentials import shown_name
 
 UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 RFC3339 = re.compile(
-    r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|[+-]\d{2}:\d{2})$", re.ASCII
+    r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|[+-]\d{2}:\d{2})\Z", re.ASCII
 )
 MEMBER_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
 DEFAULT_MAX_LENGTH = 4096

@@ -13,18 +13,25 @@ pays for a few no-op calls only.
 What is recorded is decided in this module and nowhere else: identifiers (thread
 id, SPIFFE id of the caller, version), the decision and the reason code. Never a
 state value, a patch, a refusal message (it may name keys an attacker chose), a
-key or a DSN: exported spans lose their status descriptions and exception
-messages (``_Redacting``).
+key or a DSN: exported spans keep only the attributes of ``SPAN_ATTRIBUTES`` and
+lose their status descriptions and exception messages (``_Redacting``); exported
+log records lose their exception text and keep its type (``_RedactingLogHandler``),
+and only the ``ztate`` loggers' records are exported.
+
+Every server span is recorded, whatever the caller's trace context says
+(``SAMPLER``): a worker cannot switch off the record of its own calls. The trace
+id a worker sends is kept, as an untrusted correlation hint only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -38,6 +45,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, NoOpMeterProvider, Obs
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Status
 
 from services.config import ApprovalSettings, LogFormat, Settings
@@ -56,8 +64,45 @@ COMMITTED = "committed"
 PARKED = "parked"
 REFUSED = "refused"
 
-_THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_THREAD_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _EXCEPTION_KEPT = frozenset({"exception.type", "exception.escaped"})
+
+SPAN_ATTRIBUTES = frozenset(
+    {
+        # ours (the note_* functions below)
+        THREAD_ID,
+        NODE_ID,
+        VERSION,
+        DECISION,
+        REASON,
+        # the gRPC server instrumentation's, minus rpc.user_agent (the caller's text)
+        "rpc.system",
+        "rpc.service",
+        "rpc.method",
+        "rpc.grpc.status_code",
+        "net.peer.ip",
+        "net.peer.port",
+        "net.peer.name",
+        # asyncpg's: the database, the role, the statement text (our constant SQL;
+        # parameters are never captured, and dropped here should that change)
+        "db.system",
+        "db.system.name",
+        "db.name",
+        "db.namespace",
+        "db.user",
+        "db.statement",
+        "db.query.text",
+        "server.address",
+        "server.port",
+        "net.transport",
+        "network.transport",
+        "error.type",
+    }
+)
+"""Every attribute an exported span may carry; anything else is dropped on export."""
+
+# A server span is recorded whatever the caller's traceparent flags say.
+SAMPLER = ParentBased(root=ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON)
 
 
 def note_caller(spiffe_id: str) -> None:
@@ -82,7 +127,7 @@ def note_transition(thread_id: str, version: int, decision: str | None = None) -
     span = trace.get_current_span()
     if not span.is_recording():
         return
-    if _THREAD_ID.match(thread_id):
+    if _THREAD_ID.fullmatch(thread_id):
         span.set_attribute(THREAD_ID, thread_id)
     span.set_attribute(VERSION, version)
     if decision is not None:
@@ -153,8 +198,12 @@ class PendingApprovals:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception as failure:  # logged, never raised: shutdown must flush
+                log.warning("pending-approvals sampler ended with %s", type(failure).__name__)
             self._task = None
 
     async def sample(self) -> None:
@@ -169,7 +218,7 @@ class PendingApprovals:
         while True:
             try:
                 await self.sample()
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as failure:
+            except Exception as failure:  # sampling must never end the service's flush
                 log.warning("cannot sample pending approvals: %s", type(failure).__name__)
             await asyncio.sleep(self._interval)
 
@@ -211,12 +260,13 @@ def _pool_limits(
 
 
 class _Redacting(SpanExporter):
-    """Exports spans without status descriptions or exception messages.
+    """Exports spans with the attributes of ``SPAN_ATTRIBUTES`` only, and without
+    status descriptions or exception messages.
 
     The gRPC instrumentation puts a refused call's details (shown to the caller, and
-    naming keys the caller chose) into the span status, and a recorded exception's
-    text into an event; a span keeps the status code, the exception type, and the
-    reason code ``note_refusal`` set.
+    naming keys the caller chose) into the span status, the caller's user-agent into
+    an attribute, and a recorded exception's text into an event; a span keeps the
+    status code, the exception type, and the reason code ``note_refusal`` set.
     """
 
     def __init__(self, inner: SpanExporter) -> None:
@@ -233,8 +283,13 @@ class _Redacting(SpanExporter):
 
 
 def _redacted(span: ReadableSpan) -> ReadableSpan:
+    attributes = span.attributes or {}
     exceptional = any(event.name == "exception" for event in span.events)
-    if span.status.description is None and not exceptional:
+    if (
+        span.status.description is None
+        and not exceptional
+        and SPAN_ATTRIBUTES.issuperset(attributes)
+    ):
         return span
     events = [
         Event(
@@ -251,7 +306,7 @@ def _redacted(span: ReadableSpan) -> ReadableSpan:
         context=span.context,
         parent=span.parent,
         resource=span.resource,
-        attributes=span.attributes,
+        attributes={k: v for k, v in attributes.items() if k in SPAN_ATTRIBUTES},
         events=events,
         links=span.links,
         kind=span.kind,
@@ -260,6 +315,44 @@ def _redacted(span: ReadableSpan) -> ReadableSpan:
         end_time=span.end_time,
         instrumentation_scope=span.instrumentation_scope,
     )
+
+
+EXPORTED_LOGGER = "ztate"
+"""The logger hierarchy whose records are exported (``Telemetry.install_globals``)."""
+
+
+def _redacting_log_handler(logger_provider: Any) -> logging.Handler:
+    from opentelemetry.instrumentation.logging.handler import LoggingHandler
+
+    class _RedactingLogHandler(LoggingHandler):
+        """Exports a record without its exception's message and stack trace.
+
+        OpenTelemetry's handler turns ``exc_info`` into ``exception.message`` and
+        ``exception.stacktrace``; an unexpected failure's text may hold state values
+        or key names a caller chose. The record exported keeps the exception's type
+        name; the record itself (which stderr's handler formats too) is untouched.
+        """
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info or record.exc_text or record.stack_info:
+                failure = record.exc_info[0] if record.exc_info else None
+                record = copy.copy(record)
+                record.exc_info, record.exc_text, record.stack_info = None, None, None
+                if failure is not None:
+                    record.__dict__["exception.type"] = failure.__name__
+            super().emit(record)
+
+    return _RedactingLogHandler(logger_provider=logger_provider)
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """No spans for the database work inside (background loops: only work a request
+    drove is traced, not a root trace every few seconds per loop)."""
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    with suppress_instrumentation():
+        yield
 
 
 def _version() -> str:
@@ -286,6 +379,7 @@ class Telemetry:
     metrics: Metrics = field(default=NO_METRICS)
     _asyncpg: Any = field(default=None, repr=False)
     pending: PendingApprovals | None = field(default=None, repr=False)
+    _handler: logging.Handler | None = field(default=None, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -325,7 +419,7 @@ class Telemetry:
         resource = Resource.create(
             {"service.name": settings.service_name, "service.version": _version()}
         )
-        tracer_provider = TracerProvider(resource=resource)
+        tracer_provider = TracerProvider(resource=resource, sampler=SAMPLER)
         tracer_provider.add_span_processor(BatchSpanProcessor(_Redacting(spans)))
         reader = PeriodicExportingMetricReader(
             points, export_interval_millis=settings.metrics_interval_seconds * 1000
@@ -401,17 +495,19 @@ class Telemetry:
         self.pending = pending
 
     def log_handler(self) -> logging.Handler | None:
-        """A handler that sends log records to the logs exporter, with trace ids."""
+        """A handler that sends log records to the logs exporter, with trace ids, and
+        without exception text (``_RedactingLogHandler``)."""
         if self.logger_provider is None:
             return None
-        from opentelemetry.instrumentation.logging.handler import LoggingHandler
-
-        handler: logging.Handler = LoggingHandler(logger_provider=self.logger_provider)
-        return handler
+        return _redacting_log_handler(self.logger_provider)
 
     def install_globals(self) -> None:
-        """Make these the process's providers, and send the root logger's records to
-        the logs exporter too (the service commands do this, once per process)."""
+        """Make these the process's providers, and send the ``ztate`` loggers' records
+        to the logs exporter too (the service commands do this, once per process).
+
+        Only the ``ztate`` hierarchy: other libraries' records may carry anything
+        (a driver's error text, a peer's address), so they stay on stderr.
+        """
         if not self.enabled:
             return
         from opentelemetry import _logs, metrics
@@ -419,26 +515,48 @@ class Telemetry:
         trace.set_tracer_provider(self.tracer_provider)  # type: ignore[arg-type]
         metrics.set_meter_provider(self.meter_provider)
         _logs.set_logger_provider(self.logger_provider)
-        handler = self.log_handler()
-        if handler is not None:
-            logging.getLogger().addHandler(handler)
+        self.attach_logs()
 
-    def force_flush(self) -> None:
-        """Export everything recorded so far (blocking: call it off the event loop)."""
+    def attach_logs(self) -> None:
+        """Export the ``ztate`` loggers' records (``shutdown`` detaches the handler)."""
+        handler = self.log_handler()
+        if handler is not None and self._handler is None:
+            logging.getLogger(EXPORTED_LOGGER).addHandler(handler)
+            self._handler = handler
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        """Export everything recorded so far, giving up after ``timeout_millis`` for
+        each signal (blocking: call it off the event loop). False if one timed out."""
+        flushed = True
         for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
             if provider is not None:
-                provider.force_flush()
+                flushed = bool(provider.force_flush(timeout_millis)) and flushed
+        return flushed
+
+    async def stop_sampling(self) -> None:
+        """Stop querying the database (before the service closes its pool)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            await pending.stop()
 
     async def shutdown(self) -> None:
-        """Stop sampling, undo the instrumentation, flush and close the exporters."""
-        if self.pending is not None:
-            await self.pending.stop()
-        if self._asyncpg is not None:
-            self._asyncpg.uninstrument()
-            self._asyncpg = None
-        for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
-            if provider is not None:
-                await asyncio.to_thread(provider.shutdown)
+        """Stop sampling, undo the instrumentation, flush and close the exporters.
+
+        Each step runs whatever the one before it did, so what was recorded is
+        flushed even if sampling ended in an error.
+        """
+        try:
+            await self.stop_sampling()
+        finally:
+            if self._handler is not None:
+                logging.getLogger(EXPORTED_LOGGER).removeHandler(self._handler)
+                self._handler = None
+            if self._asyncpg is not None:
+                self._asyncpg.uninstrument()
+                self._asyncpg = None
+            for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
+                if provider is not None:
+                    await asyncio.to_thread(provider.shutdown)
 
 
 # --- logs ------------------------------------------------------------------------------

@@ -88,8 +88,8 @@ HEAD = "head"  # the threads row disagrees with the last record
 HEAD_STATE = "head.state"  # the head state does not hash to the last record's state_digest
 CHECKPOINT = "checkpoint"  # a signed head does not verify, or the chain misses it
 
-HEX_256 = re.compile(r"^[0-9a-f]{64}$")
-COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
+HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
+COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z\Z")
 SHOWN_MAX = 160
 
 
@@ -100,6 +100,21 @@ FAILURES = metrics.get_meter("ztate.verify").create_counter(
     unit="{failure}",
     description="failed verification checks, by check",
 )
+
+
+def counted(report: Report) -> Report:
+    """``report``, counting each finding into ``ztate.verify.failures`` first.
+
+    The command counts where every finding ends up, the process that prints it:
+    forked workers hand their findings over and count nothing (their copy of the
+    meter provider is never exported).
+    """
+
+    def count_and_report(finding: Finding) -> None:
+        FAILURES.add(1, {"ztate.check": finding.check})
+        report(finding)
+
+    return count_and_report
 
 
 class VerifyError(Exception):
@@ -252,7 +267,6 @@ class Verification:
 
     def finding(self, finding: Finding) -> None:
         self.summary.failures += 1
-        FAILURES.add(1, {"ztate.check": finding.check})
         self._report(finding)
 
     def thread(self, thread_id: str) -> ThreadVerifier:

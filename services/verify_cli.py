@@ -38,11 +38,13 @@ from services.verify import (
     Summary,
     Trust,
     VerifyError,
+    counted,
     verify_database,
 )
 from services.verify_parallel import jobs_wanted, verify_bundle_parallel, verify_database_parallel
 
 MAX_JOBS = 256
+FLUSH_TIMEOUT_MILLIS = 5_000  # per signal, at exit
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
 
@@ -120,19 +122,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
         telemetry.install_globals()
         trust = _trust(args, settings)
         printer = _Printer(json_lines=args.json)
+        report = counted(printer.finding)  # here, in the leader, whatever --jobs says
         if args.bundle is not None and args.jobs > 1:
             summary = verify_bundle_parallel(
-                args.bundle, trust, printer.finding, jobs=args.jobs, thread_id=args.thread
+                args.bundle, trust, report, jobs=args.jobs, thread_id=args.thread
             )
         elif args.bundle is not None:
-            summary = verify_bundle(args.bundle, trust, printer.finding, thread_id=args.thread)
+            summary = verify_bundle(args.bundle, trust, report, thread_id=args.thread)
         else:
-            summary = _verify_database(settings, trust, printer.finding, args.thread, args.jobs)
+            summary = _verify_database(settings, trust, report, args.thread, args.jobs)
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     finally:
-        telemetry.force_flush()
+        # bounded: a collector that is down must not hang the verdict
+        if not telemetry.force_flush(FLUSH_TIMEOUT_MILLIS):
+            print("ztate verify: telemetry not exported (collector unreachable)", file=sys.stderr)
     printer.summary(summary)
     return summary.exit_code
 

@@ -72,6 +72,7 @@ class RunningService:
             await self.checkpointer.stop()
         await self.server.stop(grace)
         await self.listener.close()
+        await self.telemetry.stop_sampling()  # it queries through the store's pool
         await self.store.close()
         await self.queries.close()
         await self.telemetry.shutdown()
@@ -150,6 +151,25 @@ async def start(
 
     telemetry = telemetry or Telemetry.from_settings(settings)
     telemetry.instrument_asyncpg()
+    try:
+        return await _start_traced(
+            settings, dsn, embedded, policies, keyring, credentials, public_keys, telemetry
+        )
+    except BaseException:
+        await telemetry.shutdown()  # asyncpg un-instrumented, the providers closed
+        raise
+
+
+async def _start_traced(
+    settings: Settings,
+    dsn: str,
+    embedded: Any,
+    policies: PolicySet,
+    keyring: Keyring,
+    credentials: grpc.ServerCredentials,
+    public_keys: dict[str, Ed25519PublicKey],
+    telemetry: Telemetry,
+) -> RunningService:
     store = await TransitionStore.open(
         dsn, role=settings.db_role, pool_size=settings.db_pool_size, metrics=telemetry.metrics
     )
@@ -168,7 +188,7 @@ async def start(
     await listener.start()
     approvals = ApprovalStore(store.pool)
     reads = ThreadReads(store, policies)
-    watcher = Watcher(store, reads, listener, settings.watch_max_streams)
+    watcher = Watcher.from_settings(store, reads, listener, settings)
     decisions = DecisionPipeline(
         store=store,
         approvals=approvals,

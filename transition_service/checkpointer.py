@@ -16,6 +16,7 @@ import asyncpg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from services.checkpoints import sign_checkpoint
+from services.telemetry import untraced
 
 log = logging.getLogger("ztate.transition")
 BATCH = 1000
@@ -61,7 +62,8 @@ class Checkpointer:
         while True:
             await asyncio.sleep(self._interval)
             try:
-                await self.run_once()
+                with untraced():  # background work: no root trace each round
+                    await self.run_once()
             except Exception as failure:  # checkpointing must outlive any one failure
                 log.warning("checkpointing failed: %s; next round retries", type(failure).__name__)
 

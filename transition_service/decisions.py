@@ -142,6 +142,7 @@ class DecisionPipeline:
             ),
             self._keyring,
         )
+        key_taken = False
         try:
             result = await self._approvals.commit_approved(
                 sealed, state_bytes, pending, signed, nonce, now
@@ -150,10 +151,11 @@ class DecisionPipeline:
             if violation.constraint_name == NONCE_CONSTRAINT:
                 raise errors.ReceiptReplayed("the receipt's nonce was used before") from None
             # The request's idempotency key was taken by a committed transition
-            # meanwhile: this parked transition can never commit.
-            result = "stale"
+            # meanwhile: this parked transition can never commit (not a CAS conflict).
+            result, key_taken = "stale", True
         if result == "stale":
-            self._metrics.cas_conflicts.add(1)
+            if not key_taken:
+                self._metrics.cas_conflicts.add(1)  # the head moved since it was parked
             await self._approvals.close_without_decision([pending.digest], "stale", now)
             raise errors.ApprovalStale(
                 "the thread moved on since the transition was parked; propose again"
@@ -189,7 +191,9 @@ class DecisionPipeline:
         """The outcome of a parked transition, once it has one or ``patience`` seconds pass."""
         pending = await self._visible(caller, digest)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(patience or MAX_WAIT_SECONDS, MAX_WAIT_SECONDS)
+        # 0.0 is a real answer (the caller's deadline is near), not "no deadline"
+        wait = MAX_WAIT_SECONDS if patience is None else min(patience, MAX_WAIT_SECONDS)
+        deadline = loop.time() + wait
         async with self._listener.watching(digest) as announced:
             while True:
                 pending = await self._visible(caller, digest)

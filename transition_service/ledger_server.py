@@ -90,7 +90,7 @@ def rejection_message(row: StoredRejection) -> ledger_pb2.Rejection:
     )
 
 
-DIGEST = re.compile(r"^[0-9a-f]{64}$")
+DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 

@@ -18,6 +18,7 @@ import grpc
 
 from services.store.approvals import ApprovalStore
 from services.store.transitions import PendingTransition
+from services.telemetry import untraced
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 log = logging.getLogger("ztate.transition")
@@ -77,7 +78,8 @@ class ApprovalOutbox:
                 await asyncio.wait_for(self._wake.wait(), delay)
             self._wake.clear()
             try:
-                await self.run_once()
+                with untraced():  # a round every few seconds: not a trace each
+                    await self.run_once()
             except Exception as failure:  # the outbox must outlive any one failure
                 log.warning(
                     "approval outbox round failed (%s); the next round retries",

@@ -40,6 +40,7 @@ from services.keyring import Keyring
 from services.policy import Policy, PolicySet
 from services.schema import TypeMismatch
 from services.store.transitions import (
+    STORAGE_ERRORS,
     Head,
     PendingTransition,
     Rejection,
@@ -49,9 +50,9 @@ from services.store.transitions import (
 from services.telemetry import COMMITTED, NO_METRICS, PARKED, REFUSED, Metrics, note_transition
 from transition_service.heads import CachedHead, HeadCache
 
-THREAD_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-KEY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}$")
+THREAD_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would take a "\n"
+KEY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}\Z")
 # Only operators administer threads and read whole states or the ledger; the
 # services talk to each other through their own calls (the approval service may
 # deliver decisions, nothing else).
@@ -102,7 +103,7 @@ class View:
 
 
 def check_thread_id(thread_id: str) -> None:
-    if not THREAD_ID.match(thread_id):
+    if not THREAD_ID.fullmatch(thread_id):
         raise errors.RequestInvalid("thread_id must be 1-128 characters of [A-Za-z0-9._:-]")
 
 
@@ -387,6 +388,12 @@ class TransitionPipeline:
         """Run every check; commit, park, replay, or refuse (and record the refusal)."""
         try:
             outcome = await self._propose(caller, proposal)
+        except STORAGE_ERRORS:
+            # not a ZtateError: services.rpc_guard answers it as STORAGE_UNAVAILABLE
+            if self._metrics.enabled:
+                self._metrics.proposal(REFUSED, errors.StorageUnavailable.reason)
+                note_transition(proposal.thread_id, proposal.expected_version)
+            raise
         except errors.ZtateError as refusal:
             if self._metrics.enabled:
                 self._metrics.proposal(REFUSED, refusal.reason)
@@ -548,6 +555,9 @@ class TransitionPipeline:
         version = await self._store.head_version(proposal.thread_id)
         if version is None:
             raise thread_not_found(proposal.thread_id)
+        if version != proposal.expected_version:
+            # the compare-and-swap lost to another commit (not an idempotency key taken)
+            self._metrics.cas_conflicts.add(1)
         return await self._replay_or_stale(caller, proposal, version)
 
     async def _replay_or_stale(
@@ -658,6 +668,7 @@ class TransitionPipeline:
         if replayed is not None:
             return replayed
         version = await self._store.head_version(revert.thread_id)
+        self._metrics.cas_conflicts.add(1)  # the key was not taken: the head moved
         raise errors.StaleVersion(
             "the thread moved while reverting; nothing was written, retry",
             current_version=version,

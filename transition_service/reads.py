@@ -33,7 +33,8 @@ from transition_service.pipeline import (
     thread_not_found,
 )
 
-DIGEST = re.compile(r"^[0-9a-f]{64}$")
+DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
+RECORDS_FORBIDDEN = "this node may not read ledger records or checkpoints"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +92,18 @@ class ThreadReads:
             except errors.ThreadNotFound:
                 raise errors.TransitionNotFound("no transition matches") from None
             assert readable is not None
+            self._check_reads_records(caller)
             patch = orjson.loads(found.record)["patch"]
             if not patch.keys() <= readable:
                 raise errors.RoleForbidden("this record changes keys this node may not read")
         else:
             check_privileged(caller, "read the ledger")
         return RecordWithEvidence(found, await self._store.evidence(found.digest))
+
+    def _check_reads_records(self, caller: Identity) -> None:
+        policy = self._policies.of_node(caller.name)
+        if policy is None or not policy.reads_records(caller.name):
+            raise errors.RoleForbidden(RECORDS_FORBIDDEN)
 
     async def _find(self, caller: Identity, lookup: Lookup) -> StoredTransition:
         if caller.role not in (Role.NODE, Role.OPERATOR):
@@ -125,4 +132,6 @@ class ThreadReads:
     async def checkpoint(self, caller: Identity, thread_id: str) -> CheckpointRow | None:
         """The newest signed checkpoint of a thread the caller may read."""
         await self.readable(caller, thread_id)
+        if caller.role is Role.NODE:
+            self._check_reads_records(caller)
         return await self._store.latest_checkpoint(thread_id)

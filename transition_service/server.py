@@ -7,6 +7,7 @@ refusals to gRPC statuses.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -178,6 +179,17 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             status = rpc_errors.to_status(
                 errors.StorageUnavailable("the ledger database is unavailable; resume the watch")
             )
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        except Exception as failure:
+            # Anything else would reach grpc's default handler, which sends the
+            # exception's text (possibly state) to the node as UNKNOWN. The log gets
+            # the type and the frames, never the message.
+            log.error(
+                "WatchThread failed unexpectedly: %s\n%s",
+                type(failure).__name__,
+                "".join(traceback.format_tb(failure.__traceback__)),
+            )
+            status = rpc_errors.internal_status()
             await context.abort(status.code, status.details, status.trailing_metadata)
         finally:
             await subscription.close()

@@ -40,9 +40,9 @@ RECEIPT_MEMBERS = frozenset(
 CHECKPOINT_MEMBERS = frozenset(
     {"format", "kind", "thread_id", "version", "head_digest", "signed_at", "key_id"}
 )
-KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-HEX_256 = re.compile(r"^[0-9a-f]{64}$")
-TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
+KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
+HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
+TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z\Z")
 
 PublicKeys = dict[str, Ed25519PublicKey]
 
@@ -60,15 +60,35 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def canonical(value: Any) -> bytes:
-    """RFC 8785 bytes of a JSON value."""
-    return rfc8785.dumps(value)
+def canonical(value: Any, check: str = "form") -> bytes:
+    """RFC 8785 bytes of a JSON value; a value outside its domain (an integer
+    beyond I-JSON, NaN, a non-JSON type) is ``EvidenceError(check)``."""
+    try:
+        return rfc8785.dumps(value)
+    except (rfc8785.CanonicalizationError, TypeError, ValueError):
+        raise EvidenceError(check, "a value has no RFC 8785 form") from None
+
+
+def parse_json(data: bytes, check: str) -> dict[str, Any]:
+    """A JSON object in its own canonical (RFC 8785) form, or ``EvidenceError(check)``."""
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise EvidenceError(check, "not JSON") from None
+    if not isinstance(body, dict):
+        raise EvidenceError(check, "not a JSON object")
+    if canonical(body, check) != data:
+        raise EvidenceError(check, "not in canonical (RFC 8785) form")
+    return body
 
 
 def parse_time(text: Any, check: str) -> datetime:
     if not isinstance(text, str) or not TIME.match(text):
         raise EvidenceError(check, "times must be RFC 3339 UTC with microseconds and a Z")
-    return datetime.fromisoformat(text[:-1] + "+00:00")
+    try:
+        return datetime.fromisoformat(text[:-1] + "+00:00")
+    except ValueError:
+        raise EvidenceError(check, "not a valid time") from None
 
 
 def load_public_keys(path: str | Path) -> PublicKeys:
@@ -98,17 +118,10 @@ def _signed_json(
         raise EvidenceError(f"{what}.signature", f"no public key has id {key_id!r}")
     try:
         key.verify(bytes.fromhex(signature), data)
-    except (InvalidSignature, ValueError):
+    except (InvalidSignature, ValueError, TypeError):
         raise EvidenceError(f"{what}.signature", "the Ed25519 signature does not verify") from None
-    try:
-        body = json.loads(data)
-    except ValueError:
-        raise EvidenceError(f"{what}.form", "not JSON") from None
-    if not isinstance(body, dict):
-        raise EvidenceError(f"{what}.form", "not a JSON object")
-    if canonical(body) != data:
-        raise EvidenceError(f"{what}.form", "not in canonical (RFC 8785) form")
-    return body
+    # parsed only now: nothing unsigned is ever interpreted
+    return parse_json(data, f"{what}.form")
 
 
 def verify_receipt(
@@ -127,6 +140,42 @@ def verify_receipt(
     return receipt
 
 
+RECORD_MEMBERS = frozenset(
+    {
+        "format",
+        "kind",
+        "thread_id",
+        "version",
+        "parent_digest",
+        "node_id",
+        "patch",
+        "state_digest",
+        "policy_digest",
+        "receipt_digest",
+        "key_id",
+        "committed_at",
+    }
+)
+
+
+def parse_record(record_json: bytes) -> dict[str, Any]:
+    """A ledger record (docs/ledger-format.md): canonical JSON with the members of
+    format 1 and the types the checks below rely on."""
+    record = parse_json(record_json, "record.form")
+    if record.keys() != RECORD_MEMBERS:
+        raise EvidenceError("record.form", "the record does not have the members of format 1")
+    if not (
+        isinstance(record["thread_id"], str)
+        and type(record["version"]) is int
+        and record["version"] >= 0
+        and isinstance(record["patch"], dict)
+        and (record["receipt_digest"] is None or isinstance(record["receipt_digest"], str))
+    ):
+        raise EvidenceError("record.form", "a member of the record has the wrong type")
+    parse_time(record["committed_at"], "record.form")
+    return record
+
+
 def transition_digest(record: dict[str, Any], risk_rules: list[str]) -> str:
     """The digest a reviewer approved, rebuilt from the committed record and the
     rules its proposal matched (docs/policy.md, "the transition digest")."""
@@ -142,7 +191,7 @@ def transition_digest(record: dict[str, Any], risk_rules: list[str]) -> str:
         "policy_digest": record["policy_digest"],
         "risk_rules": sorted(risk_rules),
     }
-    return sha256_hex(canonical(proposal))
+    return sha256_hex(canonical(proposal, "record.form"))
 
 
 def check_receipt_binds(
@@ -161,7 +210,7 @@ def check_receipt_binds(
     }
     for name, value in expected.items():
         if receipt[name] != value:
-            raise EvidenceError("receipt.binding", f"{name} is {receipt[name]!r}, not {value!r}")
+            raise EvidenceError("receipt.binding", f"the receipt binds another {name}")
     committed = parse_time(record["committed_at"], "record.form")
     issued = parse_time(receipt["issued_at"], "receipt.form")
     expires = parse_time(receipt["expires_at"], "receipt.form")
@@ -184,6 +233,12 @@ def verify_checkpoint(
         )
     if (body["format"], body["kind"], body["key_id"]) != (1, "checkpoint", key_id):
         raise EvidenceError("checkpoint.form", "unsupported checkpoint format, kind or key id")
+    if not (
+        isinstance(body["thread_id"], str)
+        and type(body["version"]) is int
+        and isinstance(body["head_digest"], str)
+    ):
+        raise EvidenceError("checkpoint.form", "a member of the checkpoint has the wrong type")
     return body
 
 

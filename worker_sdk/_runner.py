@@ -43,8 +43,14 @@ class NodeRunner:
     a proposal parked for approval is waited for (``approval_wait`` seconds) and
     its outcome recorded; a refused proposal is recorded as "refused" and the
     node carries on with the next version (transport failures, ``Unavailable``,
-    are raised). Versions the node already acted past are skipped, so a
-    handler never sees an older view than the last one it saw. ``steps`` records
+    are raised). Versions at or below the last one the node saw or committed are
+    skipped, so a handler never sees an older view than the last one it saw:
+    the node's own commits do not reach its handler, nor do versions that were
+    buffered while it waited for an approval and that the outcome superseded (a
+    parked proposal whose base moved comes back "stale" and is re-run on a fresh
+    ``get_view``, so the handler then sees the latest state). A backlog of
+    versions is handled one by one, each with its own view; a proposal on one
+    that is no longer the head is stale and re-run on the latest. ``steps`` records
     every proposal and what became of it; ``on_step`` is called with each, and
     ``on_parked`` when a proposal is parked, before waiting for its outcome.
     """

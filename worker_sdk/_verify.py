@@ -3,27 +3,37 @@
 from __future__ import annotations
 
 import asyncio
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from worker_sdk._evidence import (
     EvidenceError,
     PublicKeys,
+    canonical,
     check_receipt_binds,
+    parse_record,
     sha256_hex,
     verify_checkpoint,
     verify_receipt,
 )
-from worker_sdk.client import Checkpoint, ZtateClient
+from worker_sdk.client import ZtateClient
+
+# The server signs checkpoints every ZTATE_CHECKPOINT_INTERVAL_SECONDS (60 by
+# default), not on each commit: waiting a little longer than one interval finds
+# the checkpoint of a head that was just committed.
+DEFAULT_CHECKPOINT_WAIT_SECONDS = 75.0
+FIRST_POLL_SECONDS = 0.25
+LONGEST_POLL_SECONDS = 5.0
 
 
 class HeadNotVerified(Exception):
     """The head may not be acted on: ``check`` names what failed (``head.moved``,
-    ``record.digest``, ``receipt.missing``, ``receipt.signature``, ``receipt.form``,
+    ``record.digest``, ``record.form``, ``patch.missing``, ``patch.value``,
+    ``receipt.missing``, ``receipt.signature``, ``receipt.form``,
     ``receipt.digest``, ``receipt.binding``, ``receipt.expired``,
     ``checkpoint.missing``, ``checkpoint.signature``, ``checkpoint.form``,
-    ``checkpoint.head``), ``message`` says how."""
+    ``checkpoint.head``), ``message`` says how (never with a state value)."""
 
     def __init__(self, check: str, message: str) -> None:
         super().__init__(f"{check}: {message}")
@@ -33,7 +43,8 @@ class HeadNotVerified(Exception):
 
 @dataclass(frozen=True, slots=True)
 class VerifiedHead:
-    """A head whose approval and checkpoint verified with public keys.
+    """A head whose approval and checkpoint verified with public keys, and whose
+    approved patch set exactly the values the worker acts on.
 
     ``record`` is the parsed ledger record, ``receipt`` the parsed approval receipt
     (its reviewers, validity and nonce), ``checkpoint`` the parsed signed checkpoint.
@@ -51,47 +62,65 @@ async def verify_head_before_acting(
     client: ZtateClient,
     thread_id: str,
     *,
+    expected_version: int,
+    acting_on: Mapping[str, Any],
     approval_keys: PublicKeys,
     checkpoint_keys: PublicKeys,
-    expected_version: int | None = None,
-    checkpoint_wait: float = 10.0,
+    expected_digest: str | None = None,
+    checkpoint_wait: float = DEFAULT_CHECKPOINT_WAIT_SECONDS,
 ) -> VerifiedHead:
-    """Fetch the head of ``thread_id`` now and prove, with public keys only, that it
-    was approved; raise ``HeadNotVerified`` otherwise.
+    """Fetch the head of ``thread_id`` now and prove, with public keys only, that a
+    reviewer approved the very values the worker is about to act on; raise
+    ``HeadNotVerified`` otherwise.
 
-    Checked: the record hashes to its digest and is the thread's head (at
-    ``expected_version``, when given: the version the worker decided on); it
-    names an approval receipt, which is the one stored with it; the receipt's
-    Ed25519 signature under ``approval_keys``, its canonical form, and its binding
-    to this record (thread, base version, the transition digest rebuilt from the
-    record and its matched risk rules, an approval, valid when committed); and a
-    checkpoint of this very head signed under ``checkpoint_keys``. Checkpoints are
-    signed periodically, so this waits up to ``checkpoint_wait`` seconds for one
-    that covers the head.
+    ``expected_version`` (and ``expected_digest``, the view's ``head_digest``) name
+    the view the worker decided on; ``acting_on`` maps each key it acts on to the
+    value it read in that view. Checked: the head is that version (and digest);
+    the record hashes to its digest, is in canonical form and is that thread's
+    head; its patch set each key of ``acting_on`` to exactly that value (compared
+    in RFC 8785 form); it names an approval receipt, which is the one stored with
+    it; the receipt's Ed25519 signature under ``approval_keys``, its canonical form
+    and its binding to this record (thread, base version, the transition digest
+    rebuilt from the record and its matched risk rules, an approval, valid when
+    committed); and a checkpoint of this very head signed under
+    ``checkpoint_keys``. Any malformed answer is ``HeadNotVerified`` too.
+
+    Checkpoints are signed on a timer (every ``ZTATE_CHECKPOINT_INTERVAL_SECONDS``,
+    60 by default), so this waits up to ``checkpoint_wait`` seconds (75 by default:
+    one interval and some) for one that covers the head, polling with backoff
+    from 0.25 s up to 5 s. Pass a ``checkpoint_wait`` coherent with the server's
+    interval.
+
+    Time of check, time of use: the proof holds for the head at the moment it was
+    fetched. The head may move right after; the values proven are those of the
+    approved version the worker read, so act on exactly ``acting_on`` (not a later
+    read) and make the action itself idempotent or conditional on that version.
     """
+    if not acting_on:
+        raise ValueError("acting_on must name at least one key the worker acts on")
     found = await client.get_record(thread_id)
     transition = found.transition
-    if expected_version is not None and transition.version != expected_version:
+    if transition.version != expected_version:
         raise HeadNotVerified(
             "head.moved", f"the head is at {transition.version}, not {expected_version}"
         )
-    if sha256_hex(transition.record_json) != transition.digest:
-        raise HeadNotVerified("record.digest", "the record does not hash to its digest")
-    record = json.loads(transition.record_json)
-    if (record.get("thread_id"), record.get("version")) != (thread_id, transition.version):
-        raise HeadNotVerified("record.digest", "the record is not this thread's head")
-    if record.get("receipt_digest") is None or found.receipt is None:
-        raise HeadNotVerified("receipt.missing", "the head was committed without an approval")
+    if expected_digest is not None and transition.digest != expected_digest:
+        raise HeadNotVerified("head.moved", "the head is not the version the worker read")
     try:
+        if sha256_hex(transition.record_json) != transition.digest:
+            raise EvidenceError("record.digest", "the record does not hash to its digest")
+        record = parse_record(transition.record_json)
+        if (record["thread_id"], record["version"]) != (thread_id, transition.version):
+            raise EvidenceError("record.digest", "the record is not this thread's head")
+        if record["receipt_digest"] is None or found.receipt is None:
+            raise EvidenceError("receipt.missing", "the head was committed without an approval")
         receipt = verify_receipt(
             found.receipt.receipt_json, found.receipt.signature, found.receipt.key_id, approval_keys
         )
         check_receipt_binds(receipt, found.receipt.receipt_json, record, list(found.risk_rules))
-        checkpoint = await _checkpoint_of_head(
-            client, thread_id, transition.version, checkpoint_wait
-        )
-        body = verify_checkpoint(
-            checkpoint.checkpoint_json, checkpoint.signature, checkpoint.key_id, checkpoint_keys
+        _check_approved_values(record["patch"], acting_on)
+        body = await _checkpoint_of_head(
+            client, thread_id, transition.version, checkpoint_keys, checkpoint_wait
         )
     except EvidenceError as failed:
         raise HeadNotVerified(failed.check, failed.message) from None
@@ -104,18 +133,34 @@ async def verify_head_before_acting(
     return VerifiedHead(thread_id, transition.version, transition.digest, record, receipt, body)
 
 
+def _check_approved_values(patch: dict[str, Any], acting_on: Mapping[str, Any]) -> None:
+    """The approved patch set every key the worker acts on to the value it holds."""
+    for key, value in acting_on.items():
+        if key not in patch:
+            raise EvidenceError("patch.missing", f"the approved change did not set {key!r}")
+        if canonical(patch[key], "record.form") != canonical(value, "patch.value"):
+            raise EvidenceError("patch.value", f"the approved change set {key!r} to another value")
+
+
 async def _checkpoint_of_head(
-    client: ZtateClient, thread_id: str, version: int, wait: float
-) -> Checkpoint:
-    """The newest checkpoint, once it reaches ``version`` (or the last one seen)."""
+    client: ZtateClient, thread_id: str, version: int, keys: PublicKeys, wait: float
+) -> dict[str, Any]:
+    """The newest signed checkpoint, verified, once it reaches ``version`` (or the
+    last one seen when ``wait`` runs out)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
+    pause = FIRST_POLL_SECONDS
     while True:
         checkpoint = await client.get_checkpoint(thread_id)
         if checkpoint is not None:
-            signed = json.loads(checkpoint.checkpoint_json).get("version")
-            if signed == version or loop.time() >= deadline:
-                return checkpoint
+            # the signature is checked before anything in it is read
+            body = verify_checkpoint(
+                checkpoint.checkpoint_json, checkpoint.signature, checkpoint.key_id, keys
+            )
+            if body["version"] >= version or loop.time() >= deadline:
+                return body
         elif loop.time() >= deadline:
             raise EvidenceError("checkpoint.missing", "no checkpoint of this thread is signed")
-        await asyncio.sleep(0.1)  # checkpoints are signed on a timer, not announced
+        # checkpoints are signed on a timer, not announced: poll, backing off
+        await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))
+        pause = min(pause * 2, LONGEST_POLL_SECONDS)

@@ -25,6 +25,8 @@ DEFAULT_RETRIES = 3
 # Transport failures whose outcome is unknown or that never reached the service.
 # Retried only for calls that are safe to repeat (a proposal keeps its
 # idempotency key, so a retry returns the original outcome).
+# A watch stream that ends normally after at least this long served its purpose.
+NORMAL_END_SECONDS = 1.0
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 Reply = TypeVar("Reply")
 
@@ -374,22 +376,30 @@ class ZtateClient:
         """Each version of ``thread_id`` newer than ``from_version``, in order, forever.
 
         Versions already committed come first, then each one as it commits. When
-        the stream breaks in transport (UNAVAILABLE, DEADLINE_EXCEEDED, or the
-        server closing it), it is re-opened from the last version received, so no
-        version is skipped or repeated; after ``reconnects`` failures in a row
-        without a message, the typed error is raised. Refusals (a thread of
-        another workflow, the server's stream limit: ``TooManyStreams``) are
-        raised at once. Break out of the loop to stop watching.
+        the stream breaks in transport (UNAVAILABLE, DEADLINE_EXCEEDED), it is
+        re-opened from the last version received, so no version is skipped or
+        repeated; after ``reconnects`` failures in a row without a message, the
+        typed error is raised. The server also ends streams normally (after its
+        maximum stream lifetime, so that access is checked again, or when it
+        stops): the watch then resumes at once from the last version; only a
+        normal end that came quickly and brought nothing counts as a failure.
+        Refusals (a thread of another workflow, a stream limit:
+        ``TooManyStreams``) are raised at once. Break out of the loop to stop
+        watching.
         """
+        loop = asyncio.get_running_loop()
         last = from_version
         failures = 0
         while True:
+            opened = loop.time()
+            received = False
             call = self._stub.WatchThread(
                 transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=last)
             )
             try:
                 async for message in call:
                     failures = 0
+                    received = True
                     last = message.version
                     yield WatchEvent(
                         thread_id=message.thread_id,
@@ -400,9 +410,12 @@ class ZtateClient:
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RETRYABLE or failures >= reconnects:
                     raise from_rpc_error(error) from None
+            else:
+                if received or loop.time() - opened >= NORMAL_END_SECONDS:
+                    continue  # a normal end of a stream that served: resume now
             finally:
                 call.cancel()
-            # the stream ended or broke in transport: resume after the last version
+            # the stream broke, or ended at once: resume after the last version
             failures += 1
             if failures > reconnects:
                 raise Unavailable(

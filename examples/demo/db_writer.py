@@ -1,10 +1,13 @@
 """The database writer: the privileged node that performs the approved action.
 
 Immediately before a write it fetches the head and proves, with public keys only,
-that a human approved exactly this change: the approval receipt's Ed25519
-signature and its binding to the head record (thread, base version, transition
-digest, validity when committed), and a signed checkpoint of that head. Without
-that proof it refuses to act. Read-only lookups need no approval.
+that a human approved exactly the action it is about to perform: the head is the
+version it read, the approved patch set ``approved_action`` to exactly the value
+it acts on, the approval receipt's Ed25519 signature and its binding to the head
+record (thread, base version, transition digest, validity when committed), and a
+signed checkpoint of that head. Without that proof it refuses to act. Read-only
+lookups need no approval. The policy marks it ``read_records: true``, which is
+what lets it read the record and checkpoint.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def make_handler(client: ZtateClient, thread_id: str, report: Callable[..., None
                 approval_keys=approval_keys,
                 checkpoint_keys=checkpoint_keys,
                 expected_version=view.version,
+                expected_digest=view.head_digest,
+                acting_on={"approved_action": action},
             )
         except HeadNotVerified as refused:
             report("refused-to-act", check=refused.check, message=refused.message)

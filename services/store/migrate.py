@@ -22,8 +22,8 @@ from importlib import resources
 
 import asyncpg
 
-MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+MIGRATION_FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql\Z")
+IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}\Z")
 
 
 class MigrationError(RuntimeError):

@@ -176,6 +176,27 @@ class Rejection:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """A Postgres session: its backend pid and when it started (unique together)."""
+
+    pid: int
+    started: datetime
+
+
+async def session_backend(conn: asyncpg.Connection) -> Backend:
+    """The identity of ``conn``'s own session (migration 0009)."""
+    row = await conn.fetchrow("SELECT pid, backend_start FROM ztate.session_backend()")
+    assert row is not None
+    return Backend(row["pid"], row["backend_start"])
+
+
+async def sweep_watched_threads(conn: asyncpg.Connection) -> int:
+    """Remove the watched threads of replicas whose LISTEN session is gone."""
+    swept: int = await conn.fetchval("SELECT ztate.sweep_watched_threads()")
+    return swept
+
+
 async def keep_session(_conn: asyncpg.Connection) -> None:
     """Pool release hook: our statements leave no session state to reset.
 
@@ -283,11 +304,10 @@ class TransitionStore:
             # The idempotency key was taken by a different request: the whole
             # statement, head update included, rolled back.
             version = None
+        # ztate.cas.conflicts is counted by the caller, which tells a moved head from
+        # an idempotency key already taken (both end here as no row)
         self._metrics.commit_duration.record(time.perf_counter() - started)
-        if version is None:
-            self._metrics.cas_conflicts.add(1)
-            return False
-        return True
+        return version is not None
 
     async def find_by_idempotency_key(
         self, thread_id: str, node_id: str, idempotency_key: str
@@ -354,20 +374,24 @@ class TransitionStore:
         )
         return [VersionState(r["version"], r["digest"], r["state"]) for r in rows]
 
-    async def watch_thread(self, thread_id: str, replica: str) -> None:
-        """Have commits of ``thread_id`` announced (migration 0008): ``replica`` watches it."""
+    async def watch_thread(self, thread_id: str, backend: Backend) -> None:
+        """Have commits of ``thread_id`` announced (migration 0008): the replica whose
+        LISTEN connection is ``backend`` watches it (migration 0009)."""
         await self._pool.execute(
-            "INSERT INTO ztate.watched_threads (thread_id, replica) VALUES ($1, $2) "
-            "ON CONFLICT DO NOTHING",
+            "INSERT INTO ztate.watched_threads (thread_id, backend_pid, backend_start) "
+            "VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
             thread_id,
-            replica,
+            backend.pid,
+            backend.started,
         )
 
-    async def unwatch_thread(self, thread_id: str, replica: str) -> None:
+    async def unwatch_thread(self, thread_id: str, backend: Backend) -> None:
         await self._pool.execute(
-            "DELETE FROM ztate.watched_threads WHERE thread_id = $1 AND replica = $2",
+            "DELETE FROM ztate.watched_threads "
+            "WHERE thread_id = $1 AND backend_pid = $2 AND backend_start = $3",
             thread_id,
-            replica,
+            backend.pid,
+            backend.started,
         )
 
     async def latest_checkpoint(self, thread_id: str) -> CheckpointRow | None:

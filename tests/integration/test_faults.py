@@ -610,8 +610,7 @@ async def test_a_client_deadline_bounds_waiting_for_an_outcome(
         started = time.monotonic()
         outcome = await planner.wait_for_outcome(digest, within=2.0)
         waited = time.monotonic() - started
-    # the server answers "still pending" just before the caller's deadline, not after it
-    # (after it, the call would fail with DEADLINE_EXCEEDED)
+    # the server answers "still pending" just before the caller's deadline, not after it:
     # "pending" is an answer: one after the deadline would have been DEADLINE_EXCEEDED.
     # It came late in the window (a slow machine only makes the wait longer)
     assert outcome.status == "pending"
@@ -619,9 +618,18 @@ async def test_a_client_deadline_bounds_waiting_for_an_outcome(
     async with secure_channel(service.target, pki.node("planner")) as channel:
         stub = transition_pb2_grpc.TransitionServiceStub(channel)
         started = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as late:
-            await stub.WaitForOutcome(
+        # a deadline shorter than the server's 0.2 s margin leaves it no patience: it
+        # answers "pending" at once (or, on a slow machine, the deadline wins); it
+        # never waits its maximum past the caller's deadline
+        answer: transition_pb2.WaitForOutcomeResponse | grpc.StatusCode
+        try:
+            answer = await stub.WaitForOutcome(
                 transition_pb2.WaitForOutcomeRequest(digest=digest), timeout=0.1
             )
+        except grpc.aio.AioRpcError as late:
+            answer = late.code()
         assert time.monotonic() - started < 5.0  # the client's deadline, not a server wait
-    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert answer in (
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        transition_pb2.WaitForOutcomeResponse(outcome=transition_pb2.OUTCOME_PENDING),
+    )

@@ -18,6 +18,7 @@ from services.checkpoints import SignedCheckpoint, verify_checkpoint
 from services.config import Settings
 from services.store.retention import Limits, prune
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
+from transition_service import watch as watch_module
 from transition_service.app import RunningService, start
 from transition_service.checkpointer import Checkpointer
 from worker_sdk import (
@@ -29,6 +30,7 @@ from worker_sdk import (
     Unavailable,
     WatchEvent,
 )
+from ztate.v1 import transition_pb2
 
 BILLING_INITIAL = {"invoice_total_cents": 100, "invoice_note": "n"}
 
@@ -169,23 +171,57 @@ async def test_streams_beyond_the_limit_are_refused_and_slots_come_back(
 # --- what a node may read of records and checkpoints -----------------------------------
 
 
-async def test_a_node_reads_the_head_record_only_when_it_may_read_every_changed_key(
+async def test_only_a_node_marked_read_records_reads_records_and_checkpoints(
+    target: str, pki: Pki, service: RunningService, ledger: Ledger
+) -> None:
+    thread_id = await new_thread(target, pki)
+    async with (
+        client(target, pki.node("approval-gate")) as gate,
+        client(target, pki.node("planner")) as planner,
+        client(target, pki.node("db-writer")) as writer,
+    ):
+        committed = await gate.propose(thread_id, 0, {"approval_receipt": "r-1"})
+        signed = await Checkpointer(
+            service.store.pool, Ed25519PrivateKey.generate(), "ck-test", 60
+        ).run_once()
+        assert signed >= 1
+        before = await ledger.snapshot(thread_id)
+        # db-writer is marked read_records: true and may read approval_receipt
+        found = await writer.get_record(thread_id)
+        assert found.transition.digest == committed.digest
+        assert found.transition.record_json == committed.record_json
+        assert found.receipt is None
+        assert await writer.get_checkpoint(thread_id) is not None
+        # the approval gate reads every key of that patch, but is not marked: the
+        # record's state_digest would let it confirm guesses of raw_text
+        for refused_call in (
+            gate.get_record(thread_id),
+            gate.get_record(thread_id, version=1),
+            gate.get_transition(digest=committed.digest),
+            gate.get_checkpoint(thread_id),
+            planner.get_record(thread_id),
+            planner.get_checkpoint(thread_id),
+        ):
+            with pytest.raises(PermissionDenied) as refused:
+                await refused_call
+            assert refused.value.reason == "ROLE_FORBIDDEN"
+            assert refused.value.message == ("this node may not read ledger records or checkpoints")
+            assert refused.value.keys == ()
+            assert committed.digest not in str(refused.value)
+    assert await ledger.snapshot(thread_id) == before
+
+
+async def test_a_marked_node_reads_no_record_changing_keys_it_may_not_read(
     target: str, pki: Pki
 ) -> None:
     thread_id = await new_thread(target, pki)
     async with (
         client(target, pki.node("input-parser")) as parser,
-        client(target, pki.node("planner")) as planner,
+        client(target, pki.node("db-writer")) as writer,
     ):
-        committed = await parser.propose(thread_id, 0, {"requested_action": act("r")})
-        # the planner reads requested_action: it may read this record
-        found = await planner.get_record(thread_id)
-        assert found.transition.digest == committed.digest
-        assert found.transition.record_json == committed.record_json
-        assert found.receipt is None
-        # the parser may not read requested_action: refused, no key named
+        await parser.propose(thread_id, 0, {"requested_action": act("r")})
         with pytest.raises(PermissionDenied) as refused:
-            await parser.get_record(thread_id)
+            await writer.get_record(thread_id)
         assert refused.value.reason == "ROLE_FORBIDDEN"
         assert refused.value.keys == ()
         assert "requested_action" not in refused.value.message
@@ -195,12 +231,12 @@ async def test_a_node_reads_no_record_of_another_workflow(target: str, pki: Pki)
     billing = await new_thread(target, pki, "billing", BILLING_INITIAL)
     async with client(target, pki.operator()) as operator:
         genesis = await operator.get_record(billing, version=0)
-    async with client(target, pki.node("planner")) as planner:
+    async with client(target, pki.node("db-writer")) as writer:
         with pytest.raises(NotFound) as by_thread:
-            await planner.get_record(billing)
+            await writer.get_record(billing)
         assert by_thread.value.reason == "THREAD_NOT_FOUND"
         with pytest.raises(NotFound) as by_digest:
-            await planner.get_transition(digest=genesis.transition.digest)
+            await writer.get_transition(digest=genesis.transition.digest)
         assert by_digest.value.reason == "TRANSITION_NOT_FOUND"
 
 
@@ -330,3 +366,42 @@ async def test_a_version_whose_state_was_pruned_says_so(
     assert events[2].state is not None
     assert events[2].state["requested_action"] == act("new")
     assert events[0].as_view() is None
+
+
+async def test_an_unexpected_failure_mid_stream_is_internal_and_discloses_nothing(
+    target: str, pki: Pki, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sentinel = "SENTINEL-state-value-7f3a"
+    thread_id = await new_thread(target, pki)
+    async with client(target, pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 0, {"requested_action": act("one")})
+    before = await ledger.snapshot(thread_id)
+    projected = watch_module.project
+
+    def project_then_fail(*args: Any) -> Any:
+        found = args[1]
+        if found.version >= 1:
+            raise RuntimeError(sentinel)
+        return projected(*args)
+
+    monkeypatch.setattr(watch_module, "project", project_then_fail)
+    async with client(target, pki.operator()) as operator:
+        call = operator._stub.WatchThread(
+            transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=-1)
+        )
+        received: list[int] = []
+
+        async def drain() -> None:
+            async for message in call:
+                received.append(message.version)
+
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await drain()
+    assert received == [0]  # the stream was open when it failed
+    assert failed.value.code() is grpc.StatusCode.INTERNAL
+    assert failed.value.details() == "internal error"
+    trailers = repr(failed.value.trailing_metadata())
+    assert sentinel not in (failed.value.details() or "")
+    assert sentinel not in trailers
+    assert "RuntimeError" not in trailers
+    assert await ledger.snapshot(thread_id) == before

@@ -46,3 +46,5 @@ def test_show_prints_the_effective_policy_with_defaults_filled_in() -> None:
     assert shown["keys"]["raw_text"]["max_length"] == 8000
     assert shown["keys"]["result_ref"]["min_length"] == 0  # a default, filled in
     assert shown["nodes"]["input-parser"]["max_patch_bytes"] == 4096
+    assert shown["nodes"]["input-parser"]["read_records"] is False  # a default, filled in
+    assert shown["nodes"]["db-writer"]["read_records"] is True

@@ -34,7 +34,7 @@ def test_loads_and_hides_material() -> None:
         (doc(keys={}), "non-empty"),
         (doc(keys={"k1": "%%%"}), "not valid base64"),
         (doc(keys={"k1": base64.b64encode(b"short").decode()}), "shorter than 32 bytes"),
-        (doc(keys={"bad id!": KEY}, current="bad id!"), "must match"),
+        (doc(keys={"bad id!": KEY}, current="bad id!"), "must be 1-64 characters"),
     ],
 )
 def test_refuses_bad_documents_without_echoing_keys(text: str, fragment: str) -> None:

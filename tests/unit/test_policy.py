@@ -46,6 +46,14 @@ def test_default_policy_loads_with_a_stable_digest() -> None:
     ]
 
 
+def test_only_nodes_marked_read_records_read_records() -> None:
+    assert not Policy.from_mapping(GOOD, source="p").reads_records("n")  # the default
+    marked = changed(nodes={"n": {"layer": "working", "read_records": True}})
+    assert Policy.from_mapping(marked, source="p").reads_records("n")
+    default = Policy.load(DEFAULT)
+    assert [n for n in default.document.nodes if default.reads_records(n)] == ["db-writer"]
+
+
 def test_digest_ignores_formatting_but_not_content(tmp_path: Path) -> None:
     compact = tmp_path / "a.json"
     compact.write_text(
@@ -106,6 +114,14 @@ def test_digest_ignores_formatting_but_not_content(tmp_path: Path) -> None:
         (changed(nodes={"n": {"layer": "core"}}), "nodes act at shared or below, not core"),
         (changed(nodes={"n": {"layer": "working", "read": ["zz"]}}), "undeclared key 'zz'"),
         (changed(nodes={"n": {"layer": "working", "admin": True}}), "nodes.n.admin"),
+        (
+            changed(nodes={"n": {"layer": "working", "read_records": "yes"}}),
+            "nodes.n.read_records: Input should be a valid boolean",
+        ),
+        (
+            changed(nodes={"n": {"layer": "working", "read_records": 1}}),
+            "nodes.n.read_records: Input should be a valid boolean",
+        ),
         (
             changed(invariants=[{"name": "x", "expression": "state.a >"}]),
             "invariants.0.expression: not valid CEL",

@@ -28,6 +28,7 @@ from worker_sdk import (
     ZtateClient,
     verify_head_before_acting,
 )
+from worker_sdk import client as client_module
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 THREAD = "order-42"
@@ -171,6 +172,43 @@ async def test_watch_resumes_after_the_last_version_when_the_stream_breaks(
             break
     assert seen == [0, 1, 2, 3, 4]  # nothing skipped, nothing repeated
     assert servicer.watch_from == [-1, 2]
+
+
+async def test_watch_resumes_after_a_normal_end_without_counting_it_as_a_failure(
+    scripted: tuple[Scripted, ZtateClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server ends each stream (OK) at its maximum lifetime: the SDK resumes from
+    the last version every time, however often, even with no reconnects allowed."""
+    servicer, worker = scripted
+    monkeypatch.setattr(client_module, "NORMAL_END_SECONDS", 0.0)  # every end "served"
+
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        if call % 2 == 1:
+            yield event(after + 1)  # one version per lifetime, then a lifetime with none
+
+    servicer.watch = watch
+    seen = []
+    async for change in worker.watch(THREAD, reconnects=0):
+        seen.append(change.version)
+        if change.version == 4:
+            break
+    assert seen == [0, 1, 2, 3, 4]
+    assert servicer.watch_from == [-1, 0, 0, 1, 1, 2, 2, 3, 3]
+
+
+async def test_a_stream_that_ends_at_once_with_nothing_counts_as_a_failure(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        return
+        yield event(0)  # pragma: no cover - makes this a generator
+
+    servicer.watch = watch
+    with pytest.raises(Unavailable):
+        await anext(worker.watch(THREAD, reconnects=2))
+    assert servicer.watch_from == [-1, -1, -1]
 
 
 async def test_watch_raises_a_refusal_at_once(scripted: tuple[Scripted, ZtateClient]) -> None:
@@ -338,6 +376,8 @@ async def test_an_approved_and_checkpointed_head_verifies(
         approval_keys=approval_keys,
         checkpoint_keys=checkpoint_keys,
         expected_version=4,
+        expected_digest=servicer.record.transition.digest,
+        acting_on=PATCH,
     )
     assert (head.version, head.digest) == (4, servicer.record.transition.digest)
     assert head.receipt["reviewers"] == ["spiffe://ztate.test/reviewer/alice"]
@@ -348,6 +388,9 @@ async def test_an_approved_and_checkpointed_head_verifies(
     [
         ("no receipt", "receipt.missing"),
         ("moved", "head.moved"),
+        ("another digest", "head.moved"),
+        ("a key the approval did not set", "patch.missing"),
+        ("another value", "patch.value"),
         ("other approval key", "receipt.signature"),
         ("checkpoint of another head", "checkpoint.head"),
         ("other checkpoint key", "checkpoint.signature"),
@@ -376,6 +419,109 @@ async def test_a_head_that_does_not_prove_its_approval_is_refused(
             approval_keys=approval_keys,
             checkpoint_keys=checkpoint_keys,
             expected_version=3 if case == "moved" else 4,
+            expected_digest="e" * 64 if case == "another digest" else digest,
+            acting_on=ACTING_ON.get(case, PATCH),
             checkpoint_wait=0.3,
         )
     assert refused.value.check == check
+    assert "75000" not in str(refused.value)  # never a value
+    assert "99" not in str(refused.value)
+
+
+ACTING_ON: dict[str, dict[str, Any]] = {
+    "a key the approval did not set": {**PATCH, "target_user_id": "u"},
+    "another value": {
+        "approved_action": {"action": "refund", "order_id": "A-42", "amount_cents": 99}
+    },
+}
+
+
+def with_record(record_json: bytes) -> transition_pb2.GetTransitionResponse:
+    """The approved head's receipt, but another record body (whose digest matches)."""
+    response, _ = head_with_receipt()
+    response.transition.record_json = record_json
+    response.transition.digest = sha256_hex(record_json)
+    return response
+
+
+def record_with(**changes: Any) -> bytes:
+    _, record, _ = approved(PATCH)
+    record.update(changes)
+    return canonical_bytes({k: v for k, v in record.items() if v is not ...})
+
+
+@pytest.mark.parametrize(
+    ("case", "record_json"),
+    [
+        ("not JSON", b"{not json"),
+        ("not an object", b"[1,2]"),
+        ("not UTF-8", b'{"a":"\xff"}'),
+        ("not canonical", b'{ "format": 1 }'),
+        ("a member missing", record_with(committed_at=...)),
+        ("a member too many", record_with(extra=1)),
+        ("version not an integer", record_with(version="4")),
+        ("patch not an object", record_with(patch=[1])),
+        ("a bad timestamp", record_with(committed_at="2026-13-45T99:00:00.000000Z")),
+        ("a timestamp of another form", record_with(committed_at="2026-01-02")),
+        ("an integer beyond I-JSON", b'{"format":1,"n":9007199254740993}'),
+        ("a fraction written as exponent", b'{"n":1E400}'),
+    ],
+)
+async def test_a_malformed_record_is_head_not_verified_never_a_crash(
+    scripted: tuple[Scripted, ZtateClient], case: str, record_json: bytes
+) -> None:
+    servicer, worker = scripted
+    _, approval_keys = head_with_receipt()
+    servicer.record = with_record(record_json)
+    servicer.checkpoint, checkpoint_keys = signed_head(servicer.record.transition.digest)
+    with pytest.raises(HeadNotVerified) as refused:
+        await verify_head_before_acting(
+            worker,
+            THREAD,
+            approval_keys=approval_keys,
+            checkpoint_keys=checkpoint_keys,
+            expected_version=4,
+            acting_on=PATCH,
+            checkpoint_wait=0.3,
+        )
+    assert refused.value.check == "record.form", case
+
+
+async def test_a_checkpoint_is_not_parsed_before_its_signature_verifies(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.record, approval_keys = head_with_receipt()
+    _, checkpoint_keys = signed_head(servicer.record.transition.digest)
+    # garbage that is not even JSON, under a signature of nothing: refused for the
+    # signature, not a parse error and not a wait for a "version" it cannot hold
+    servicer.checkpoint = transition_pb2.SignedCheckpoint(
+        checkpoint_json=b"\xff{", signature="ab" * 64, key_id="ck1"
+    )
+    with pytest.raises(HeadNotVerified) as refused:
+        await verify_head_before_acting(
+            worker,
+            THREAD,
+            approval_keys=approval_keys,
+            checkpoint_keys=checkpoint_keys,
+            expected_version=4,
+            acting_on=PATCH,
+            checkpoint_wait=30,
+        )
+    assert refused.value.check == "checkpoint.signature"
+
+
+async def test_the_worker_must_name_what_it_acts_on(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.record, approval_keys = head_with_receipt()
+    with pytest.raises(ValueError, match="acting_on"):
+        await verify_head_before_acting(
+            worker,
+            THREAD,
+            approval_keys=approval_keys,
+            checkpoint_keys={},
+            expected_version=4,
+            acting_on={},
+        )

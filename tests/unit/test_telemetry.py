@@ -11,8 +11,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode, format_span_id, format_trace_id
+from pydantic import ValidationError
 
-from services.config import ApprovalSettings, Settings
+from services.config import ApprovalSettings, Settings, describe
 from services.telemetry import JsonFormatter, _Redacting
 from worker_sdk._tracing import client_interceptors
 
@@ -83,6 +84,46 @@ def test_exported_spans_lose_status_descriptions_and_exception_messages() -> Non
     assert plain.status.status_code is StatusCode.UNSET
 
 
+def test_exported_spans_keep_only_allowlisted_attributes() -> None:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(_Redacting(memory)))
+    with provider.get_tracer("test").start_as_current_span("served") as span:
+        span.set_attributes(
+            {
+                "rpc.method": "ProposeTransition",
+                "rpc.grpc.status_code": 0,
+                "ztate.decision": "committed",
+                "rpc.user_agent": "caller-chosen text",
+                "db.statement.parameters": "('a state value',)",
+            }
+        )
+    (served,) = memory.get_finished_spans()
+    assert served.attributes == {
+        "rpc.method": "ProposeTransition",
+        "rpc.grpc.status_code": 0,
+        "ztate.decision": "committed",
+    }
+
+
+def test_server_spans_are_recorded_under_an_unsampled_remote_parent() -> None:
+    from opentelemetry import context, trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    from services.telemetry import SAMPLER
+
+    remote = SpanContext(0x4BF92F3577B34DA6, 0x5555, is_remote=True, trace_flags=TraceFlags(0))
+    parent = trace.set_span_in_context(NonRecordingSpan(remote))
+    tracer = TracerProvider(sampler=SAMPLER).get_tracer("test")
+    token = context.attach(parent)
+    try:
+        with tracer.start_as_current_span("served") as span:
+            assert span.is_recording()
+            assert span.get_span_context().trace_id == remote.trace_id  # kept, as a hint
+    finally:
+        context.detach(token)
+
+
 def test_telemetry_is_off_unless_an_endpoint_or_a_mode_is_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -100,6 +141,28 @@ def test_telemetry_is_off_unless_an_endpoint_or_a_mode_is_set(
     monkeypatch.setenv("ZTATE_LOG_FORMAT", "json")
     assert ApprovalSettings().log_format == "json"
     assert ApprovalSettings().service_name == "ztate-approval"
+
+
+def test_otlp_without_an_endpoint_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("ZTATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ZTATE_TELEMETRY", "otlp")
+    for settings in (Settings, ApprovalSettings):
+        with pytest.raises(ValidationError) as invalid:
+            settings()
+        assert "ZTATE_TELEMETRY=otlp needs ZTATE_OTLP_ENDPOINT" in describe(invalid.value)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4317")
+    assert Settings().telemetry_mode == "otlp"
+
+
+def test_the_approval_service_takes_the_standard_service_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ZTATE_APPROVAL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "approval-eu-1")
+    assert ApprovalSettings().service_name == "approval-eu-1"
 
 
 def test_the_worker_channel_is_traced_only_when_a_tracer_provider_exists() -> None:

@@ -113,11 +113,14 @@ class TransitionServiceServicer:
     def GetTransition(self, request, context):
         """GetTransition returns one ledger record, by digest, by (thread, version) or
         the thread's head, with the approval receipt it was committed under (if
-        any). Operators may read any record. A node may read a record of a thread
-        bound to its policy whose patch changes only keys the node may read (so it
-        can check, before acting, that the head was approved); any other record is
-        refused as if it did not exist (NOT_FOUND) or, when it changes keys the node
-        may not read, with PERMISSION_DENIED (ROLE_FORBIDDEN), naming no key.
+        any). Operators may read any record. A node its policy marks
+        read_records: true may read a record of a thread bound to its policy whose
+        patch changes only keys the node may read (so it can check, before acting,
+        that the head was approved; the record's state_digest covers the whole
+        state, so this is for privileged workers only). Records of other threads are
+        refused as if they did not exist (NOT_FOUND); unmarked nodes, and records
+        that change keys the node may not read, get PERMISSION_DENIED
+        (ROLE_FORBIDDEN), naming no key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,8 +128,9 @@ class TransitionServiceServicer:
 
     def GetCheckpoint(self, request, context):
         """GetCheckpoint returns the newest signed checkpoint (Ed25519) of a thread, or
-        none yet. Operators, and nodes for threads bound to their policy (others:
-        NOT_FOUND, as GetView).
+        none yet. Operators, and nodes marked read_records: true for threads bound
+        to their policy (other threads: NOT_FOUND, as GetView; unmarked nodes:
+        PERMISSION_DENIED, ROLE_FORBIDDEN).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,10 +142,12 @@ class TransitionServiceServicer:
         one as it commits. Every message is filtered exactly as GetView: only the
         keys the caller may read. Access is that of GetView (a thread of another
         workflow, or an unknown one: NOT_FOUND). Each server serves at most
-        ZTATE_WATCH_MAX_STREAMS streams at once; beyond that the call fails with
-        RESOURCE_EXHAUSTED (TOO_MANY_STREAMS). The stream ends only when the caller
-        cancels it, its deadline passes, or the server shuts down: resume from the
-        last version received.
+        ZTATE_WATCH_MAX_STREAMS streams at once, and one identity at most
+        ZTATE_WATCH_MAX_STREAMS_PER_IDENTITY; beyond that the call fails with
+        RESOURCE_EXHAUSTED (TOO_MANY_STREAMS). The stream ends (OK) after
+        ZTATE_WATCH_MAX_STREAM_SECONDS, so that access is checked again, and when the
+        caller cancels it, its deadline passes, or the server shuts down: resume from
+        the last version received.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
