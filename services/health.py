@@ -37,6 +37,8 @@ import asyncpg
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.telemetry import untraced
+
 log = logging.getLogger("ztate.health")
 Status: TypeAlias = health_pb2.HealthCheckResponse.ServingStatus
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -175,8 +177,10 @@ class DatabaseHealth:
         """Ping the database once and report the result; True if it answered as a
         writable primary (or the pool was busy and the status was SERVING)."""
         try:
+            # upkeep, not a request's work: a ping every few seconds leaves no root trace
             async with asyncio.timeout(2 * self._timeout):  # acquire, then the query
-                primary = await self._ping()
+                with untraced():
+                    primary = await self._ping()
         except PoolBusy:
             log.info("the pool is busy: the database health stays as it was")
             return self._serving is True
