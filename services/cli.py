@@ -27,7 +27,7 @@ from services.identity import NAME, Identity, Role
 from services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
 from services.operator_client import add_connection_flags, operator_channel
 from services.policy import PolicyError, PolicySet
-from services.receipts import KeyFileError
+from services.receipts import KeyFileError, add_signing_key
 from services.store.migrate import MigrationError
 from services.verify_cli import add_export_command, add_verify_commands
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
@@ -188,6 +188,18 @@ def cmd_keys_rotate(args: argparse.Namespace) -> int:
         return 1
     print(f"added key {key_id!r} to {args.file} and made it current (mode 0600)")
     print("restart the transition service to sign new records under it")
+    return 0
+
+
+def cmd_keys_signing_key(args: argparse.Namespace) -> int:
+    """A new Ed25519 key for the approval service's receipts or the checkpoints."""
+    try:
+        add_signing_key(args.private, args.public, args.key_id)
+    except KeyFileError as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    print(f"Ed25519 signing key {args.key_id!r} written to {args.private} (mode 0600)")
+    print(f"its public half added to {args.public}: give that file to the verifiers")
     return 0
 
 
@@ -509,6 +521,17 @@ def build_parser() -> argparse.ArgumentParser:
     keys_rotate.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
     keys_rotate.add_argument("--key-id", help="default: the next free kN")
     keys_rotate.set_defaults(func=cmd_keys_rotate)
+    signing = keys_sub.add_parser(
+        "signing-key",
+        help="a new Ed25519 signing key (approval receipts or checkpoints) and its public half",
+        description="Writes the private key (PEM, mode 0600; never overwritten) and adds its "
+        "public half to the public keyring file under --key-id (created if missing; old keys "
+        "stay, so rotating keeps old signatures verifiable).",
+    )
+    signing.add_argument("--private", required=True, type=Path, help="the new private key file")
+    signing.add_argument("--public", required=True, type=Path, help="the public keyring file")
+    signing.add_argument("--key-id", required=True, help="1-64 characters of [A-Za-z0-9._-]")
+    signing.set_defaults(func=cmd_keys_signing_key)
 
     policy = sub.add_parser("policy", help="policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)

@@ -177,6 +177,32 @@ def generate_signing_key(private_path: Path, public_path: Path, key_id: str) -> 
     public_path.write_text(json.dumps({key_id: base64.b64encode(raw).decode()}, indent=2))
 
 
+def add_signing_key(private_path: Path, public_path: Path, key_id: str) -> None:
+    """A new Ed25519 signing key (PEM, mode 0600), its public half added to the public
+    keyring at ``public_path`` (created if missing) under ``key_id``, which must be
+    new there: rotating keeps the old public keys, so old signatures still verify.
+    Nothing is written if the private file exists or the key id is taken."""
+    if not KEY_ID.match(key_id):
+        raise KeyFileError("key id must be 1-64 characters of [A-Za-z0-9._-]")
+    if private_path.exists():
+        raise KeyFileError(f"{private_path}: exists; a signing key is never overwritten")
+    keyring: dict[str, str] = {}
+    if public_path.exists():
+        load_public_keys(public_path)  # refuses a malformed keyring before anything changes
+        keyring = json.loads(public_path.read_text())
+        if key_id in keyring:
+            raise KeyFileError(f"{public_path}: already holds key id {key_id!r}")
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    keyring[key_id] = base64.b64encode(raw).decode()
+    write_private(private_path, pem)
+    public_path.parent.mkdir(parents=True, exist_ok=True)
+    public_path.write_text(json.dumps(keyring, indent=2))
+
+
 def load_signing_key(path: Path) -> Ed25519PrivateKey:
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
