@@ -65,16 +65,19 @@ from services.verify import (
 )
 
 BATCH = 256  # items per message to a worker
+# bundle lines travel as one bytes object per run of consecutive lines of a thread:
+# pickling one large bytes is a copy, pickling a tuple per line is not
+LINES_BYTES = 256 * 1024
 RESULT_POLL_SECONDS = 0.5
 # what the exporter writes first on every line (ids are [A-Za-z0-9._:-], 1-128)
 _LINE_START = re.compile(rb'\{"thread_id":"([A-Za-z0-9._:-]{1,128})","version":(-?[0-9]{1,19}),')
 
 # messages to a worker: lists of these items
 #   (_START, thread_id, checkpoints or None)   a thread's group begins
-#   (_LINE, line number, bytes)                a bundle line of it
+#   (_LINES, first line number, bytes)         consecutive bundle lines of it
 #   (_ROW, LedgerRow)                          a database row of it
 #   (_END, Head or None)                       the group ends: the source's head
-_START, _LINE, _ROW, _END = 0, 1, 2, 3
+_START, _LINES, _ROW, _END = 0, 1, 2, 3
 Item = tuple[Any, ...]
 
 
@@ -90,14 +93,18 @@ def _work(inbox: Connection, results: Any, trust: Trust) -> None:
     while (batch := inbox.recv()) is not None:
         for item in batch:
             kind = item[0]
-            if kind == _LINE:
+            if kind == _LINES:
                 assert current is not None
-                try:
-                    row = row_from_line(item[2])
-                except LineProblem as problem:
-                    run.finding(line_finding(item[1], problem))
-                    continue
-                current.add(row)
+                lines = item[2].split(b"\n")
+                if lines[-1] == b"":
+                    lines.pop()  # after the last line's newline
+                for number, line in enumerate(lines, item[1]):
+                    try:
+                        row = row_from_line(line)
+                    except LineProblem as problem:
+                        run.finding(line_finding(number, problem))
+                        continue
+                    current.add(row)
             elif kind == _ROW:
                 assert current is not None
                 current.add(item[1])
@@ -145,10 +152,11 @@ class _Workers:
         """The worker for the next thread group."""
         return next(self._next)
 
-    def send(self, worker: int, item: Item) -> None:
+    def send(self, worker: int, item: Item, *, now: bool = False) -> None:
+        """Queue ``item`` for ``worker``; send the queue when it is long, or ``now``."""
         batch = self.batches[worker]
         batch.append(item)
-        if len(batch) >= BATCH:
+        if now or len(batch) >= BATCH:
             self._flush(worker)
 
     def _flush(self, worker: int) -> None:
@@ -267,18 +275,30 @@ def _dispatch(
     seen: set[str] = set()
     current: str | None = None
     worker = 0
+    run: list[bytes] = []  # consecutive lines of the current thread, not yet sent
+    run_first = run_bytes = 0
+
+    def send_run() -> None:
+        nonlocal run, run_bytes
+        if run:
+            workers.send(worker, (_LINES, run_first, b"".join(run)), now=True)
+            run, run_bytes = [], 0
+
     with open_records(directory) as handle:
         for number, line in enumerate(handle, 1):
             hasher.update(line)
             lines += 1
             start = _start_of(line, number, leader.finding)
             if start is None:
+                send_run()  # line numbers in a run are consecutive
                 continue
             owner, version = start
             threads.add(owner)
             if thread_id is not None and owner != thread_id:
+                send_run()
                 continue
             if owner != current:
+                send_run()
                 if current is not None:
                     workers.send(worker, (_END, head_of(manifest, current)))
                 if owner in seen:
@@ -297,7 +317,13 @@ def _dispatch(
                     checkpoints.take(owner) if checkpoints is not None else None
                 )
                 workers.send(worker, (_START, owner, taken))
-            workers.send(worker, (_LINE, number, line))
+            if not run:
+                run_first = number
+            run.append(line)
+            run_bytes += len(line)
+            if run_bytes >= LINES_BYTES:
+                send_run()
+    send_run()
     if current is not None:
         workers.send(worker, (_END, head_of(manifest, current)))
     check_records_file(manifest, hasher.hexdigest(), lines, len(threads), leader.finding)

@@ -48,6 +48,7 @@ from services.keyring import Keyring
 from services.policy import PolicySet
 from services.receipts import build_receipt, sign_receipt
 from services.verify import Finding, LedgerRow, Summary, Trust, Verification
+from services.verify_parallel import verify_bundle_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = PolicySet.load(REPO / "services" / "defaults" / "policy.yaml")
@@ -302,9 +303,19 @@ def write(folder: Path, rows: Sequence[LedgerRow]) -> Path:
     return folder
 
 
-def check(folder: Path) -> tuple[list[Finding], Summary]:
+@pytest.fixture(params=[1, 2], ids=["one-process", "two-workers"])
+def jobs(request: pytest.FixtureRequest) -> int:
+    """Every bundle test runs in one process and on worker processes (--jobs 2)."""
+    jobs: int = request.param
+    return jobs
+
+
+def check(folder: Path, jobs: int = 1) -> tuple[list[Finding], Summary]:
     findings: list[Finding] = []
-    summary = verify_bundle(folder, TRUST, findings.append)
+    if jobs == 1:
+        summary = verify_bundle(folder, TRUST, findings.append)
+    else:
+        summary = verify_bundle_parallel(folder, TRUST, findings.append, jobs=jobs)
     return findings, summary
 
 
@@ -318,8 +329,8 @@ def rewrite(folder: Path, lines: list[bytes], *, fix_manifest: bool) -> None:
         (folder / MANIFEST).write_text(json.dumps(manifest))
 
 
-def test_a_bundle_round_trip_verifies(tmp_path: Path) -> None:
-    findings, summary = check(write(tmp_path, honest_chain().rows))
+def test_a_bundle_round_trip_verifies(tmp_path: Path, jobs: int) -> None:
+    findings, summary = check(write(tmp_path, honest_chain().rows), jobs)
     assert findings == []
     assert (summary.threads, summary.records) == (1, 4)
 
@@ -330,17 +341,17 @@ def test_an_existing_bundle_is_never_overwritten(tmp_path: Path) -> None:
         BundleWriter(tmp_path)
 
 
-def test_lines_swapped_in_a_bundle_are_pinpointed(tmp_path: Path) -> None:
+def test_lines_swapped_in_a_bundle_are_pinpointed(tmp_path: Path, jobs: int) -> None:
     folder = write(tmp_path, honest_chain().rows)
     lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
     lines[1], lines[2] = lines[2], lines[1]
     rewrite(folder, lines, fix_manifest=True)
-    findings = check(folder)[0]
+    findings = check(folder, jobs)[0]
     assert where(findings) == {(1, "version")}
     assert len(findings) == 2  # version 1 missing where 2 stands, then version 1 out of place
 
 
-def test_a_blank_line_and_a_split_thread_are_reported(tmp_path: Path) -> None:
+def test_a_blank_line_and_a_split_thread_are_reported(tmp_path: Path, jobs: int) -> None:
     chain = honest_chain()
     other = [dataclasses.replace(row, thread_id="zz-other") for row in chain.rows[:1]]
     folder = tmp_path / "b"
@@ -350,18 +361,20 @@ def test_a_blank_line_and_a_split_thread_are_reported(tmp_path: Path) -> None:
         writer.finish({THREAD: (3, chain.rows[3].digest), "zz-other": (0, other[0].digest)})
     lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
     rewrite(folder, [*lines, b"\n"], fix_manifest=True)
-    findings = check(folder)[0]
+    findings = check(folder, jobs)[0]
     checks = {(f.thread_id, f.check) for f in findings}
     assert (None, BUNDLE_LINE) in checks
     assert (THREAD, BUNDLE_ORDER) in checks
     assert ("zz-other", "thread_id") in checks  # its record names another thread
 
 
-def test_a_bundle_edited_without_its_manifest_fails_the_file_hash(tmp_path: Path) -> None:
+def test_a_bundle_edited_without_its_manifest_fails_the_file_hash(
+    tmp_path: Path, jobs: int
+) -> None:
     folder = write(tmp_path, honest_chain().rows)
     lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
     rewrite(folder, lines[:-1], fix_manifest=False)  # the head record removed
-    findings = check(folder)[0]
+    findings = check(folder, jobs)[0]
     assert {(f.version, f.check) for f in findings} == {
         (None, BUNDLE_HASH),
         (None, BUNDLE_COUNT),
@@ -376,3 +389,17 @@ def test_an_unusable_manifest_means_verification_cannot_run(tmp_path: Path) -> N
         check(folder)
     with pytest.raises(BundleError):
         check(tmp_path / "missing")
+
+
+def test_a_broken_line_inside_a_thread_is_reported_with_its_line_number(
+    tmp_path: Path, jobs: int
+) -> None:
+    """The line starts like a row (so workers get it with its neighbours) but is not
+    JSON: its number must be the file's, in one process and on workers alike."""
+    folder = write(tmp_path, honest_chain().rows)
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    lines[2] = lines[2][: lines[2].index(b',"digest"')] + b",broken\n"
+    rewrite(folder, lines, fix_manifest=True)
+    findings = check(folder, jobs)[0]
+    assert [f.found for f in findings if f.check == BUNDLE_LINE] == ["line 3: not JSON"]
+    assert where(findings) == {(None, BUNDLE_LINE), (2, "version")}  # 2 missing, 3 found
