@@ -181,6 +181,7 @@ async def _serve_on(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.so_reuseport", 0),  # a second process on the address fails, not shares
         ],
         interceptors=telemetry.server_interceptors(),
     )

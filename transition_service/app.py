@@ -219,6 +219,8 @@ async def _start_traced(
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_concurrent_streams", 256),
+        # a second process on the same address must fail, not silently share it
+        ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
@@ -247,12 +249,16 @@ async def _start_traced(
         ),
         server,
     )
-    port = server.add_secure_port(settings.listen, credentials)
-    if port == 0:
+    try:
+        # grpc raises on an address it cannot bind (older versions returned 0)
+        port = server.add_secure_port(settings.listen, credentials)
+        if port == 0:
+            raise OSError(f"cannot listen on {settings.listen}")
+    except BaseException:
         await listener.close()
         await store.close()
         await queries.close()
-        raise OSError(f"cannot listen on {settings.listen}")
+        raise
     await server.start()
     outbox.start()
     telemetry.watch_database({"transition": store.pool}, settings.metrics_interval_seconds)
