@@ -216,6 +216,7 @@ async def _serve_on(
         interval=settings.outbox_interval_seconds,
     )
     delivery.start()
+    telemetry.watch_pools({"approval": store.pool})
     await database_health.check()  # SERVING from the first answer (migrations ran before)
     database_health.start()
     log.info(

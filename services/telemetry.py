@@ -461,8 +461,8 @@ class Telemetry:
         instrumentor.instrument(tracer_provider=self.tracer_provider)
         self._asyncpg = instrumentor
 
-    def watch_database(self, pools: Mapping[str, asyncpg.Pool], interval: float) -> None:
-        """Pool saturation and pending approvals, as observable gauges."""
+    def watch_pools(self, pools: Mapping[str, asyncpg.Pool]) -> None:
+        """Pool saturation, as observable gauges (read from the pools, no query)."""
         if not self.enabled:
             return
         meter: Meter = self.meter_provider.get_meter("ztate", _version())
@@ -478,7 +478,16 @@ class Telemetry:
             unit="{connection}",
             description="the most connections each pool opens",
         )
-        pending = PendingApprovals(next(iter(pools.values())), interval)
+
+    def watch_database(
+        self, pools: Mapping[str, asyncpg.Pool], interval: float, *, pending_from: asyncpg.Pool
+    ) -> None:
+        """Pool saturation and, sampled through ``pending_from``, pending approvals."""
+        if not self.enabled:
+            return
+        self.watch_pools(pools)
+        meter: Meter = self.meter_provider.get_meter("ztate", _version())
+        pending = PendingApprovals(pending_from, interval)
         meter.create_observable_gauge(
             "ztate.approvals.pending",
             [pending.observe_count],

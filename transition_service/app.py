@@ -261,7 +261,11 @@ async def _start_traced(
         raise
     await server.start()
     outbox.start()
-    telemetry.watch_database({"transition": store.pool}, settings.metrics_interval_seconds)
+    telemetry.watch_database(
+        {"transition": store.pool, "ledger-reader": queries.pool},
+        settings.metrics_interval_seconds,
+        pending_from=store.pool,
+    )
     if checkpointer is not None:
         checkpointer.start()
     await database_health.check()  # SERVING from the first answer (migrations ran above)

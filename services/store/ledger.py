@@ -219,6 +219,11 @@ class LedgerQueries:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
+    @property
+    def pool(self) -> asyncpg.Pool:
+        """The read-only role's pool (for the pool-saturation gauges)."""
+        return self._pool
+
     @classmethod
     async def open(cls, dsn: str, *, role: str, pool_size: int = 4) -> LedgerQueries:
         pool = await asyncpg.create_pool(

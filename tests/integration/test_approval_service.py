@@ -26,6 +26,9 @@ import grpc
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
 
 from approval_service.app import SERVICE_NAME, RunningApproval, start
 from approval_service.cli import add_approval_commands
@@ -35,6 +38,7 @@ from services.canonical import canonical_bytes, sha256_hex
 from services.config import ApprovalSettings
 from services.identity import Identity, Role
 from services.receipts import SignedReceipt, generate_signing_key, load_public_keys, verify_receipt
+from services.telemetry import Metrics, Telemetry
 from tests.harness import TRUST_DOMAIN, Credentials, Pki, new_thread_id
 from transition_service.app import RunningService
 from ztate.v1 import approval_pb2, approval_pb2_grpc
@@ -737,3 +741,33 @@ async def test_the_cli_lists_shows_and_decides(
     bad = await asyncio.to_thread(cli, "show", "not-a-digest")
     assert bad.code == 2
     assert "DIGEST" in bad.err
+
+
+async def test_the_approval_service_exports_its_pool_saturation(
+    approval_settings: ApprovalSettings, database_dsn: str, service: RunningService
+) -> None:
+    """``ztate.db.pool.*`` for the approval service's own pool (read from the pool,
+    through the metrics SDK's in-memory reader)."""
+    reader = InMemoryMetricReader()
+    meters = MeterProvider(metric_readers=[reader])
+    telemetry = Telemetry(TracerProvider(), meters, None, Metrics(meters.get_meter("ztate")))
+    running = await start(approval_settings, dsn=database_dsn, telemetry=telemetry)
+    try:
+        data = reader.get_metrics_data()
+        assert data is not None
+        points = {
+            (metric.name, point.attributes.get("ztate.pool"), point.attributes.get("state")): (
+                point.value
+            )
+            for resource in data.resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            for point in metric.data.data_points
+            if point.attributes is not None
+        }
+    finally:
+        await running.stop(grace=1.0)
+    assert points[("ztate.db.pool.max", "approval", None)] == approval_settings.db_pool_size
+    used = points[("ztate.db.pool.connections", "approval", "used")]
+    idle = points[("ztate.db.pool.connections", "approval", "idle")]
+    assert 1 <= used + idle <= approval_settings.db_pool_size

@@ -482,8 +482,8 @@ async def test_traces_metrics_and_logs_reach_an_otlp_receiver_without_secrets(
     }
     assert set(pool) == {"used", "idle"}
     assert pool["used"] + pool["idle"] >= 1
-    ((_, limit),) = receiver.metric_points("ztate.db.pool.max")
-    assert limit.as_int == 8
+    limits = {a["ztate.pool"]: p.as_int for a, p in receiver.metric_points("ztate.db.pool.max")}
+    assert limits == {"transition": 8, "ledger-reader": 4}  # the write pool and the reader's
     ((_, waiting),) = receiver.metric_points("ztate.approvals.pending")
     assert waiting.as_int >= 1
     ((_, age),) = receiver.metric_points("ztate.approvals.pending.age")
