@@ -39,18 +39,30 @@ async def guarded(
         caller = identity_from_context(context, trust_domain)
         note_caller(caller.spiffe_id)
         return await settled(handler(caller))  # an idle connection's loss is storage's
-    except errors.ZtateError as refusal:
-        log.info("refused %s: %s", method, refusal.reason)
-        note_refusal(refusal.reason)
-        status = rpc_errors.to_status(refusal)
-    except STORAGE_ERRORS as failure:
+    except Exception as failure:
+        status = failure_status(method, failure)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def failure_status(method: str, failure: Exception) -> grpc.Status:
+    """What a failed call is answered with, logged here for every handler and stream.
+
+    A refusal keeps its reason and message (they are the caller's to see); a
+    database that does not answer is UNAVAILABLE; anything else is a bare INTERNAL
+    whose text (which may hold state values) never reaches the caller.
+    """
+    if isinstance(failure, errors.ZtateError):
+        log.info("refused %s: %s", method, failure.reason)
+        note_refusal(failure.reason)
+        return rpc_errors.to_status(failure)
+    if isinstance(failure, STORAGE_ERRORS):
         log.warning("%s: database unavailable: %s", method, type(failure).__name__)
         unavailable = errors.StorageUnavailable("the ledger database is unavailable; retry")
         note_refusal(unavailable.reason)
-        status = rpc_errors.to_status(unavailable)
-    except Exception as failure:
-        log.exception("%s failed unexpectedly: %s", method, type(failure).__name__)
-        note_refusal("UNSPECIFIED")
-        status = rpc_errors.internal_status()
-    await context.abort(status.code, status.details, status.trailing_metadata)
-    raise AssertionError("unreachable: context.abort raises")
+        return rpc_errors.to_status(unavailable)
+    # the traceback goes to the service's own stderr; exported log records keep
+    # only the exception's type (services.telemetry redacts them)
+    log.error("%s failed unexpectedly: %s", method, type(failure).__name__, exc_info=failure)
+    note_refusal("UNSPECIFIED")
+    return rpc_errors.internal_status()

@@ -7,17 +7,15 @@ refusals to gRPC statuses.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import AsyncIterator
 from typing import Any
 
 from google.protobuf import timestamp_pb2
 
-from services import errors, rpc_errors
 from services.identity import Identity
 from services.receipts import SignedReceipt
-from services.rpc_guard import Context, guarded
-from services.store.transitions import STORAGE_ERRORS, PendingTransition, StoredTransition
+from services.rpc_guard import Context, failure_status, guarded
+from services.store.transitions import PendingTransition, StoredTransition
 from transition_service.decisions import DecisionPipeline, Resolution
 from transition_service.pipeline import Parked, Proposal, Revert, TransitionPipeline
 from transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
@@ -174,22 +172,10 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                     state_json=version.state_json,
                     state_pruned=version.state_pruned,
                 )
-        except STORAGE_ERRORS as failure:
-            log.warning("WatchThread: database unavailable: %s", type(failure).__name__)
-            status = rpc_errors.to_status(
-                errors.StorageUnavailable("the ledger database is unavailable; resume the watch")
-            )
-            await context.abort(status.code, status.details, status.trailing_metadata)
         except Exception as failure:
-            # Anything else would reach grpc's default handler, which sends the
-            # exception's text (possibly state) to the node as UNKNOWN. The log gets
-            # the type and the frames, never the message.
-            log.error(
-                "WatchThread failed unexpectedly: %s\n%s",
-                type(failure).__name__,
-                "".join(traceback.format_tb(failure.__traceback__)),
-            )
-            status = rpc_errors.internal_status()
+            # mid-stream, grpc's default handler would send the exception's text
+            # (possibly state) to the node as UNKNOWN: answer as every handler does
+            status = failure_status("WatchThread", failure)
             await context.abort(status.code, status.details, status.trailing_metadata)
         finally:
             await subscription.close()
