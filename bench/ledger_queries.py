@@ -37,6 +37,7 @@ from typing import Any
 
 import asyncpg
 
+from bench.workload import TRANSITION_COLUMNS
 from services.store.ledger import (
     LedgerQueries,
     PageKey,
@@ -283,18 +284,7 @@ async def _copy_transitions(
         await conn.copy_records_to_table(
             "transitions",
             schema_name="ztate",
-            columns=[
-                "thread_id",
-                "version",
-                "digest",
-                "parent_digest",
-                "node_id",
-                "key_id",
-                "signature",
-                "record",
-                "state",
-                "committed_at",
-            ],
+            columns=TRANSITION_COLUMNS,
             records=rows,
         )
 

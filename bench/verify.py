@@ -39,6 +39,7 @@ from bench.workload import (
     DEFAULT_POLICY,
     INITIAL_STATE,
     OPERATOR_NAME,
+    TRANSITION_COLUMNS,
     TRUST_DOMAIN,
     receipt_patch,
 )
@@ -63,18 +64,6 @@ VERSIONS = 100
 ROUNDS = 3
 TARGET = 0.5  # verification >= half the floor
 
-TRANSITION_COLUMNS = (
-    "thread_id",
-    "version",
-    "digest",
-    "parent_digest",
-    "node_id",
-    "key_id",
-    "signature",
-    "record",
-    "state",
-    "committed_at",
-)
 THREAD_COLUMNS = ("thread_id", "version", "head_digest", "state", "policy_name", "policy_digest")
 NODES = ("input-parser", "planner", "approval-gate", "db-writer")
 EPOCH = datetime(2026, 11, 1, tzinfo=UTC)

@@ -25,6 +25,19 @@ TRUST_DOMAIN = "ztate.bench"
 WRITER_NODE = "approval-gate"
 WRITTEN_KEY = "approval_receipt"
 OPERATOR_NAME = "bench"
+# the columns of ztate.transitions a benchmark ledger is loaded with (COPY)
+TRANSITION_COLUMNS = (
+    "thread_id",
+    "version",
+    "digest",
+    "parent_digest",
+    "node_id",
+    "key_id",
+    "signature",
+    "record",
+    "state",
+    "committed_at",
+)
 
 INITIAL_STATE: dict[str, Any] = {
     "raw_text": "refund order 42 and send the receipt to my usual address",

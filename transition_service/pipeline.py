@@ -681,23 +681,6 @@ class TransitionPipeline:
         )
         return state
 
-    async def transition(
-        self, caller: Identity, *, digest: str | None, thread_id: str | None, version: int | None
-    ) -> StoredTransition:
-        check_privileged(caller, "read the ledger")
-        if digest is not None:
-            if not re.fullmatch(r"[0-9a-f]{64}", digest):
-                raise errors.RequestInvalid("digest must be 64 lower-case hex characters")
-            found = await self._store.transition_by_digest(digest)
-        elif thread_id is not None and version is not None:
-            check_thread_id(thread_id)
-            found = await self._store.transition_at(thread_id, version)
-        else:
-            raise errors.RequestInvalid("give a digest or a (thread_id, version)")
-        if found is None:
-            raise errors.TransitionNotFound("no transition matches")
-        return found
-
 
 def as_stored(
     sealed: SealedRecord, now: datetime, idempotency_key: str | None, digest: str | None
