@@ -5,12 +5,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/ztate/v1/*.proto)
 
-.PHONY: run test proto proto-check lint deploy-check bench clean demo
+.PHONY: run test proto proto-check lint typecheck-tree deploy-check bench clean demo
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml worker_sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e ./worker_sdk -e '.[dev]'
 	touch $(STAMP)
 
 ## run: start the control plane (dev certificates, keys and an embedded Postgres on first run)
@@ -35,12 +35,19 @@ proto-check: $(STAMP)
 		|| { echo "generated code is stale: run 'make proto' and commit"; rm -rf $$tmp; exit 1; }; \
 	rm -rf $$tmp
 
-## lint: ruff, mypy and buf lint
-lint: $(STAMP)
+## lint: ruff, mypy, import-linter (the layering of docs/architecture.md) and buf lint
+lint: $(STAMP) typecheck-tree
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	cd proto && ../$(VENV)/bin/buf lint
+
+# The folders as they install (ztate.services is services/, ...), for mypy, which cannot follow
+# the build's package-dir mapping.
+typecheck-tree:
+	@mkdir -p .typecheck/ztate
+	@for p in services transition_service approval_service worker_sdk; do \
+		ln -sfn ../../$$p .typecheck/ztate/$$p; done
 
 ## deploy-check: lint the Dockerfiles, validate compose and the Kubernetes manifests (offline;
 ## images are not built here). secrets.yaml holds templates and is validated too.
@@ -57,8 +64,8 @@ demo: $(STAMP)
 
 ## bench: the benchmarks (not part of the test suite; installs the LangGraph comparison)
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -e ./worker_sdk -e '.[dev,bench]'
 	$(PY) -m bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .typecheck

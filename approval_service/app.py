@@ -21,24 +21,24 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from approval_service.delivery import ReceiptDelivery, transition_channel
-from approval_service.notifier import Notifier, NullNotifier, WebhookNotifier
-from approval_service.server import ApprovalServicer
-from approval_service.service import ApprovalService
-from approval_service.store import ReviewStore
-from services import tls
-from services.config import ApprovalSettings
-from services.health import DatabaseHealth, HealthReport, pool_ping
-from services.receipts import load_signing_key
-from services.store.embedded import start_embedded_postgres
-from services.store.migrate import MigrationSet, apply_migrations, verify_migrations
-from services.telemetry import Telemetry
+from ztate.approval_service.delivery import ReceiptDelivery, transition_channel
+from ztate.approval_service.notifier import Notifier, NullNotifier, WebhookNotifier
+from ztate.approval_service.server import ApprovalServicer
+from ztate.approval_service.service import ApprovalService
+from ztate.approval_service.store import ReviewStore
+from ztate.services.receipts import load_signing_key
+from ztate.services.runtime import tls
+from ztate.services.runtime.config import ApprovalSettings
+from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
+from ztate.services.runtime.telemetry import Telemetry
+from ztate.services.store.embedded import start_embedded_postgres
+from ztate.services.store.migrate import MigrationSet, apply_migrations, verify_migrations
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 log = logging.getLogger("ztate.approval")
 SERVICE_NAME = approval_pb2.DESCRIPTOR.services_by_name["ApprovalService"].full_name
 APPROVAL_MIGRATIONS = MigrationSet(
-    "approval_service",
+    "ztate.approval_service",
     "ztate_approval_schema_migrations",
     0x7A7461746532,  # "ztate2"
 )

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
-from services.config import ApprovalSettings
+from ztate.services.runtime.config import ApprovalSettings
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:7444"
@@ -52,10 +52,10 @@ class UsageError(Exception):
 
 def cmd_approval_serve(_: argparse.Namespace) -> int:
     """Run the approval service from configuration (``ZTATE_APPROVAL_*``) until signalled."""
-    from approval_service.app import serve
-    from services.receipts import KeyFileError
-    from services.store.migrate import MigrationError
-    from services.telemetry import configure_logging
+    from ztate.approval_service.app import serve
+    from ztate.services.receipts import KeyFileError
+    from ztate.services.runtime.telemetry import configure_logging
+    from ztate.services.store.migrate import MigrationError
 
     try:
         settings = ApprovalSettings()
@@ -84,7 +84,7 @@ def _home() -> Path:
 
 def reviewer_channel(args: argparse.Namespace) -> grpc.aio.Channel:
     """An mTLS channel to the approval service with the reviewer's certificate."""
-    from approval_service.app import MAX_MESSAGE_BYTES
+    from ztate.approval_service.app import MAX_MESSAGE_BYTES
 
     certs = _home() / "certs"
     stem = f"reviewer-{args.reviewer}"
@@ -114,7 +114,7 @@ Call = Callable[[approval_pb2_grpc.ApprovalServiceStub], Awaitable[int]]
 
 def _run(args: argparse.Namespace, call: Call) -> int:
     """Connect, make the call, and turn failures into exit codes."""
-    from approval_service.delivery import refusal_reason
+    from ztate.approval_service.delivery import refusal_reason
 
     async def connected() -> int:
         async with reviewer_channel(args) as channel:

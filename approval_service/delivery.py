@@ -28,14 +28,14 @@ from datetime import datetime
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from approval_service.service import ApprovalService
-from approval_service.store import OutboxEntry, ReviewStore
-from services import tls
-from services.config import ApprovalSettings
-from services.receipts import now_utc
-from services.rpc_errors import ERROR_DOMAIN
-from services.store.transitions import STORAGE_ERRORS
-from services.telemetry import untraced
+from ztate.approval_service.service import ApprovalService
+from ztate.approval_service.store import OutboxEntry, ReviewStore
+from ztate.services.receipts import now_utc
+from ztate.services.runtime import tls
+from ztate.services.runtime.config import ApprovalSettings
+from ztate.services.runtime.rpc_errors import ERROR_DOMAIN
+from ztate.services.runtime.telemetry import untraced
+from ztate.services.store.transitions import STORAGE_ERRORS
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.approval")

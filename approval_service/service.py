@@ -24,8 +24,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from approval_service.notifier import Notifier, ReviewEvent
-from approval_service.store import (
+from ztate.approval_service.notifier import Notifier, ReviewEvent
+from ztate.approval_service.store import (
     APPROVED,
     EXPIRED,
     OPEN,
@@ -38,11 +38,11 @@ from approval_service.store import (
     ReviewStore,
     StoredReview,
 )
-from services import errors
-from services.canonical import sha256_hex
-from services.chain import KIND_PROPOSAL
-from services.identity import Identity, Role, parse_spiffe_id
-from services.receipts import APPROVE, REJECT, build_receipt, now_utc, sign_receipt
+from ztate.services.canonical import sha256_hex
+from ztate.services.chain import KIND_PROPOSAL
+from ztate.services.receipts import APPROVE, REJECT, build_receipt, now_utc, sign_receipt
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity, Role, parse_spiffe_id
 
 log = logging.getLogger("ztate.approval")
 

@@ -20,8 +20,8 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from services.receipts import SignedReceipt
-from services.store.transitions import keep_session
+from ztate.services.receipts import SignedReceipt
+from ztate.services.store.transitions import keep_session
 
 OPEN, APPROVED, REJECTED, EXPIRED = "open", "approved", "rejected", "expired"
 STATUSES = (OPEN, APPROVED, REJECTED, EXPIRED)

@@ -1,7 +1,7 @@
 """The ceiling's server: a unary echo behind the transition service's mTLS set-up.
 
 Run as ``python -m bench.echo_server PORT CERT KEY CA``. It is what
-``transition_service.app`` builds (grpc.aio, uvloop, the same server options and
+``ztate.transition_service.app`` builds (grpc.aio, uvloop, the same server options and
 ``ssl_server_credentials(require_client_auth=True)``) with a handler that returns
 its request bytes and does nothing else, so no service on this stack can beat it.
 It stops on SIGTERM or SIGINT.
@@ -23,7 +23,7 @@ SERVICE = "ztate.bench.v1.Echo"
 METHOD = "Echo"
 FULL_METHOD = f"/{SERVICE}/{METHOD}"
 SERVER_OPTIONS = [
-    # as transition_service.app configures its server
+    # as ztate.transition_service.app configures its server
     ("grpc.max_concurrent_streams", 256),
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

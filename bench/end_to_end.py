@@ -28,7 +28,7 @@ from bench.environment import (
 )
 from bench.loadgen import Operation, Sample, closed_loop
 from bench.workload import DEFAULT_POLICY, INITIAL_STATE, TRUST_DOMAIN
-from worker_sdk import ZtateClient
+from ztate.worker_sdk import ZtateClient
 
 
 def service_environment(
@@ -61,7 +61,7 @@ def ztate_service(
     port = free_port()
     env = service_environment(dsn=dsn, port=port, home=home, pki=pki, keyring_file=keyring_file)
     with child_server(
-        "ztate serve", ["-m", "services.cli", "serve"], port=port, log=log, env=env
+        "ztate serve", ["-m", "ztate.services.cli.main", "serve"], port=port, log=log, env=env
     ) as child:
         yield child
 

@@ -28,11 +28,11 @@ import asyncpg
 import grpc
 
 from bench.workload import OPERATOR_NAME, TRUST_DOMAIN, WRITER_NODE
-from services import ca
-from services.identity import Identity, Role
-from services.keyring import generate_keyring_file
-from services.store.embedded import start_embedded_postgres
-from services.store.migrate import migrate
+from ztate.services.cli import ca
+from ztate.services.keyring import generate_keyring_file
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.embedded import start_embedded_postgres
+from ztate.services.store.migrate import migrate
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_SECONDS = 15.0

@@ -1,6 +1,6 @@
 """(a) The floor: the transition store's one-statement commit, straight through asyncpg.
 
-Each worker owns one thread row and runs ``services.store.transitions.COMMIT``
+Each worker owns one thread row and runs ``ztate.services.store.transitions.COMMIT``
 (compare-and-swap on the head by version and digest, plus the ledger insert, as
 one statement) from the version it last committed, with the byte sizes of a real
 1 KB transition. The pool is configured as ``TransitionStore`` configures its own
@@ -21,12 +21,12 @@ import asyncpg
 from bench import cpu
 from bench.loadgen import Operation, Sample, closed_loop
 from bench.workload import INITIAL_STATE, TRUST_DOMAIN, WRITER_NODE
-from services.canonical import canonical_bytes, sha256_hex
-from services.chain import GENESIS_PARENT, KIND_TRANSITION, build_record, seal
-from services.changes import apply_patch
-from services.identity import Identity, Role
-from services.keyring import Keyring
-from services.store.transitions import COMMIT
+from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.services.chain import GENESIS_PARENT, KIND_TRANSITION, build_record, seal
+from ztate.services.keyring import Keyring
+from ztate.services.policy.changes import apply_patch
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.transitions import COMMIT
 
 INSERT_HEAD = """
 INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, policy_digest)

@@ -14,7 +14,7 @@ proposals in every status. Triggers are off while loading (a superuser's
 rows the insert trigger would; the 0007 indexes on ``ztate.transitions`` are
 built after the load, which is how a bulk load is done anyway.
 
-Then every query shape of ``services.store.ledger.LedgerQueries`` runs on the
+Then every query shape of ``ztate.services.store.ledger.LedgerQueries`` runs on the
 read-only role, ``SAMPLES`` times each with varying arguments after a warm-up,
 and the report gives p50 and p99 in milliseconds. Last, the commit cost:
 sequential single-statement commits (the transition store's own ``COMMIT``) on
@@ -38,12 +38,12 @@ from typing import Any
 import asyncpg
 
 from bench.workload import TRANSITION_COLUMNS
-from services.store.ledger import (
+from ztate.services.store.ledger import (
     LedgerQueries,
     PageKey,
     TransitionFilter,
 )
-from services.store.transitions import COMMIT
+from ztate.services.store.transitions import COMMIT
 
 THREADS = 10_000
 VERSIONS = 100  # THREADS x VERSIONS = 1,000,000 transitions
@@ -260,7 +260,7 @@ def _create_indexes() -> str:
     from importlib import resources
 
     text = (
-        resources.files("services.store")
+        resources.files("ztate.services.store")
         .joinpath("migrations", "0007_ledger_indexes.sql")
         .read_text(encoding="utf-8")
     )

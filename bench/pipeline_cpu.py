@@ -37,15 +37,15 @@ from bench.workload import (
     WRITTEN_KEY,
     receipt_patch,
 )
-from services import errors
-from services.canonical import canonical_bytes, parse_object, sha256_hex
-from services.chain import KIND_TRANSITION, build_record, seal
-from services.changes import Change, apply_patch, check_invariants, matched_risk_rules
-from services.identity import Identity, Role
-from services.keyring import Keyring
-from services.policy import Policy, PolicySet
-from services.store.transitions import Rejection
-from transition_service.pipeline import (
+from ztate.services.canonical import canonical_bytes, parse_object, sha256_hex
+from ztate.services.chain import KIND_TRANSITION, build_record, seal
+from ztate.services.keyring import Keyring
+from ztate.services.policy.changes import Change, apply_patch, check_invariants, matched_risk_rules
+from ztate.services.policy.model import Policy, PolicySet
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.transitions import Rejection
+from ztate.transition_service.pipeline import (
     Committed,
     Proposal,
     TransitionPipeline,
@@ -54,7 +54,7 @@ from transition_service.pipeline import (
     check_schema,
     check_writable,
 )
-from worker_sdk import encode_json
+from ztate.worker_sdk import encode_json
 
 BATCH_SECONDS = 0.03
 BATCHES = 7

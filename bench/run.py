@@ -44,10 +44,10 @@ from bench.pipeline_cpu import CpuTable, measure_pipeline_cpu
 from bench.report import CEILING, FLOOR, LANGGRAPH, ZTATE, Measured, Report, render
 from bench.verify import measure_verification
 from bench.workload import DEFAULT_POLICY, INITIAL_STATE, WRITTEN_KEY, receipt_patch
-from services.config import Settings
-from services.keyring import Keyring
-from services.policy import Policy
-from worker_sdk import encode_json
+from ztate.services.keyring import Keyring
+from ztate.services.policy.model import Policy
+from ztate.services.runtime.config import Settings
+from ztate.worker_sdk import encode_json
 
 DB_ROLE: str = Settings.model_fields["db_role"].default
 DB_READER_ROLE: str = Settings.model_fields["db_reader_role"].default

@@ -3,7 +3,7 @@
 The issue's target: verify 100,000 stored transitions at no less than half the
 rate at which the same run can merely recompute what every record needs at
 least, its SHA-256 and its HMAC. The ledger is built without the transition
-service, with the service's own pieces: ``services.chain.seal`` under the run's
+service, with the service's own pieces: ``ztate.services.chain.seal`` under the run's
 keyring, the default policy's digest, patches by the policy's four nodes in
 turn (``THREADS`` threads of ``VERSIONS`` records, each keeping its state body),
 and loaded with ``COPY`` into the run's own database. Then, in interleaved
@@ -11,12 +11,12 @@ rounds, the best of each counting:
 
 * **floor**: ``sha256`` of every stored record's bytes and the HMAC of that
   digest under its key, in a tight loop over bytes already in memory;
-* **database**: ``services.verify.verify_database`` over the whole ledger (one
+* **database**: ``ztate.services.verify.checks.verify_database`` over the whole ledger (one
   snapshot, streamed from Postgres), every check on;
-* **bundle**: ``services.bundle.verify_bundle`` over the ledger exported once
-  with ``services.bundle.export_bundle`` (no database);
+* **bundle**: ``ztate.services.verify.bundle.verify_bundle`` over the ledger exported once
+  with ``ztate.services.verify.bundle.export_bundle`` (no database);
 * both again on one worker process per core (``ztate verify --jobs 0``,
-  ``services.verify_parallel``), the floor staying one core's.
+  ``ztate.services.verify.parallel``), the floor staying one core's.
 
 Every verification must find nothing: a finding aborts the run, since a
 verifier that is fast because it stopped checking is no result.
@@ -43,21 +43,25 @@ from bench.workload import (
     TRUST_DOMAIN,
     receipt_patch,
 )
-from services.bundle import export_bundle, verify_bundle
-from services.canonical import JsonObject, canonical_bytes, sha256_hex
-from services.chain import (
+from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.services.chain import (
     GENESIS_PARENT,
     KIND_GENESIS,
     KIND_TRANSITION,
     build_record,
     seal,
 )
-from services.changes import apply_patch
-from services.identity import Identity, Role
-from services.keyring import Keyring
-from services.policy import Policy, PolicySet
-from services.verify import Finding, Trust, verify_database
-from services.verify_parallel import jobs_wanted, verify_bundle_parallel, verify_database_parallel
+from ztate.services.keyring import Keyring
+from ztate.services.policy.changes import apply_patch
+from ztate.services.policy.model import Policy, PolicySet
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.verify.bundle import export_bundle, verify_bundle
+from ztate.services.verify.checks import Finding, Trust, verify_database
+from ztate.services.verify.parallel import (
+    jobs_wanted,
+    verify_bundle_parallel,
+    verify_database_parallel,
+)
 
 THREADS = 1_000
 VERSIONS = 100

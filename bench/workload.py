@@ -16,10 +16,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import services
-from worker_sdk import encode_json
+import ztate.services
+from ztate.worker_sdk import encode_json
 
-DEFAULT_POLICY = Path(services.__file__).resolve().parent / "defaults" / "policy.yaml"
+DEFAULT_POLICY = Path(ztate.services.__file__).resolve().parent / "defaults" / "policy.yaml"
 
 TRUST_DOMAIN = "ztate.bench"
 WRITER_NODE = "approval-gate"

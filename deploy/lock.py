@@ -21,8 +21,13 @@ HEADER = """\
 """
 
 
+# Built from this repository beside ztate (worker_sdk/pyproject.toml), never from an index.
+FIRST_PARTY = frozenset({"ztate-worker"})
+
+
 def runtime_closure(root: str = "ztate") -> dict[str, str]:
-    """Installed versions of ``root``'s dependencies whose markers hold here, no extras."""
+    """Installed versions of ``root``'s dependencies whose markers hold here, no extras;
+    first-party distributions are followed but not pinned."""
     environment = {"extra": ""}
     found: dict[str, str] = {}
     todo = [Requirement(r) for r in metadata.requires(root) or []]
@@ -36,7 +41,7 @@ def runtime_closure(root: str = "ztate") -> dict[str, str]:
         distribution = metadata.distribution(requirement.name)
         found[name] = distribution.version
         todo += [Requirement(r) for r in distribution.requires or []]
-    return dict(sorted(found.items()))
+    return dict(sorted((n, v) for n, v in found.items() if n not in FIRST_PARTY))
 
 
 if __name__ == "__main__":

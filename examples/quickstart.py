@@ -13,7 +13,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
-from worker_sdk import PermissionDenied, StaleVersion, ZtateClient
+from ztate.worker_sdk import PermissionDenied, StaleVersion, ZtateClient
 
 
 def connect(target: str, certs: Path, identity: str) -> ZtateClient:

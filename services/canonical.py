@@ -26,8 +26,8 @@ from typing import Any
 import orjson
 import rfc8785
 
-from services.credentials import shown_name
-from services.errors import PatchMalformed, ValueOutOfRange
+from ztate.services.policy.credentials import shown_name
+from ztate.services.runtime.errors import PatchMalformed, ValueOutOfRange
 
 MAX_SAFE_INTEGER = 2**53 - 1
 DEFAULT_MAX_DEPTH = 32

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from services.canonical import JsonObject, canonical_bytes, sha256_hex
-from services.keyring import Keyring
+from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.services.keyring import Keyring
 
 RECORD_FORMAT = 1
 GENESIS_PARENT = "0" * 64

@@ -21,8 +21,8 @@ from datetime import datetime
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from services.canonical import JsonObject, canonical_bytes
-from services.chain import format_time
+from ztate.services.canonical import JsonObject, canonical_bytes
+from ztate.services.chain import format_time
 
 CHECKPOINT_FORMAT = 1
 KIND_CHECKPOINT = "checkpoint"

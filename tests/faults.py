@@ -35,7 +35,7 @@ from tests.harness import (
     new_thread_id,
     with_database,
 )
-from worker_sdk import Transition, ZtateClient, ZtateError
+from ztate.worker_sdk import Transition, ZtateClient, ZtateError
 
 ZTATE = Path(sys.executable).with_name("ztate")
 LISTENING = b"transition service listening on port"

@@ -16,11 +16,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from services import ca
-from services.chain import StoredLink, verify_chain
-from services.identity import Identity, Role
-from services.keyring import Keyring
-from worker_sdk import ZtateClient
+from ztate.services.chain import StoredLink, verify_chain
+from ztate.services.cli import ca
+from ztate.services.keyring import Keyring
+from ztate.services.runtime.identity import Identity, Role
+from ztate.worker_sdk import ZtateClient
 
 TRUST_DOMAIN = "ztate.test"
 NODES = ("input-parser", "planner", "approval-gate", "db-writer")

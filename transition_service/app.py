@@ -15,27 +15,27 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services import tls
-from services.config import Settings
-from services.health import DatabaseHealth, HealthReport, pool_ping
-from services.keyring import Keyring
-from services.policy import PolicySet
-from services.receipts import KeyFileError, load_public_keys, load_signing_key
-from services.store.approvals import ApprovalStore
-from services.store.embedded import start_embedded_postgres
-from services.store.ledger import LedgerQueries
-from services.store.migrate import TRANSITION_MIGRATIONS, migrate, verify_migrations
-from services.store.transitions import TransitionStore
-from services.telemetry import Telemetry
-from transition_service.checkpointer import Checkpointer
-from transition_service.decisions import DecisionPipeline
-from transition_service.ledger_server import LedgerServicer
-from transition_service.outbox import ApprovalOutbox
-from transition_service.outcomes import OutcomeListener
-from transition_service.pipeline import TransitionPipeline
-from transition_service.reads import ThreadReads
-from transition_service.server import TransitionServicer
-from transition_service.watch import Watcher
+from ztate.services.keyring import Keyring
+from ztate.services.policy.model import PolicySet
+from ztate.services.receipts import KeyFileError, load_public_keys, load_signing_key
+from ztate.services.runtime import tls
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
+from ztate.services.runtime.telemetry import Telemetry
+from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.embedded import start_embedded_postgres
+from ztate.services.store.ledger import LedgerQueries
+from ztate.services.store.migrate import TRANSITION_MIGRATIONS, migrate, verify_migrations
+from ztate.services.store.transitions import TransitionStore
+from ztate.transition_service.checkpointer import Checkpointer
+from ztate.transition_service.decisions import DecisionPipeline
+from ztate.transition_service.ledger_server import LedgerServicer
+from ztate.transition_service.outbox import ApprovalOutbox
+from ztate.transition_service.outcomes import OutcomeListener
+from ztate.transition_service.pipeline import TransitionPipeline
+from ztate.transition_service.reads import ThreadReads
+from ztate.transition_service.server import TransitionServicer
+from ztate.transition_service.watch import Watcher
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.transition")

@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 import asyncpg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from services.checkpoints import sign_checkpoint
-from services.telemetry import untraced
+from ztate.services.checkpoints import sign_checkpoint
+from ztate.services.runtime.telemetry import untraced
 
 log = logging.getLogger("ztate.transition")
 BATCH = 1000

@@ -21,17 +21,17 @@ from datetime import UTC, datetime
 import asyncpg
 import orjson
 
-from services import errors
-from services.chain import KIND_TRANSITION, build_record, seal
-from services.identity import Identity, Role
-from services.keyring import Keyring
-from services.receipts import APPROVE, SignedReceipt, verify_receipt
-from services.store.approvals import ApprovalStore
-from services.store.transitions import PendingTransition, StoredTransition, TransitionStore
-from services.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
-from transition_service.heads import CachedHead, HeadCache
-from transition_service.outcomes import OutcomeListener
-from transition_service.pipeline import as_stored, check_privileged
+from ztate.services.chain import KIND_TRANSITION, build_record, seal
+from ztate.services.keyring import Keyring
+from ztate.services.receipts import APPROVE, SignedReceipt, verify_receipt
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
+from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.transitions import PendingTransition, StoredTransition, TransitionStore
+from ztate.transition_service.heads import CachedHead, HeadCache
+from ztate.transition_service.outcomes import OutcomeListener
+from ztate.transition_service.pipeline import as_stored, check_privileged
 
 APPROVAL_SERVICE_NAME = "approval"
 NONCE_CONSTRAINT = "receipts_nonce_key"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from services.canonical import JsonObject
+from ztate.services.canonical import JsonObject
 
 
 @dataclass(frozen=True, slots=True)

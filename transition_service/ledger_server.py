@@ -17,11 +17,11 @@ from typing import Any, Protocol
 
 from google.protobuf import timestamp_pb2
 
-from services import errors
-from services.canonical import canonical_bytes
-from services.identity import Identity
-from services.rpc_guard import Context, guarded
-from services.store.ledger import (
+from ztate.services.canonical import canonical_bytes
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.rpc_guard import Context, guarded
+from ztate.services.store.ledger import (
     COMMITTED,
     PARKED_STATUSES,
     LedgerQueries,
@@ -33,7 +33,7 @@ from services.store.ledger import (
     StoredRejection,
     TransitionFilter,
 )
-from transition_service.pipeline import check_privileged
+from ztate.transition_service.pipeline import check_privileged
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
 DEFAULT_PAGE_SIZE = 100

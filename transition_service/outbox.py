@@ -16,9 +16,9 @@ from datetime import UTC, datetime, timedelta
 
 import grpc
 
-from services.store.approvals import ApprovalStore
-from services.store.transitions import PendingTransition
-from services.telemetry import untraced
+from ztate.services.runtime.telemetry import untraced
+from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.transitions import PendingTransition
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 log = logging.getLogger("ztate.transition")

@@ -28,9 +28,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 
-from services.store.approvals import OUTCOME_CHANNEL
-from services.store.transitions import Backend, session_backend, sweep_watched_threads
-from services.telemetry import untraced
+from ztate.services.runtime.telemetry import untraced
+from ztate.services.store.approvals import OUTCOME_CHANNEL
+from ztate.services.store.transitions import Backend, session_backend, sweep_watched_threads
 
 COMMIT_CHANNEL = "ztate_commits"
 SWEEP_INTERVAL_SECONDS = 60.0

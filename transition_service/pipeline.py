@@ -7,7 +7,7 @@ credentials, authority layers; then, on the head it builds on, the policy the
 thread is bound to, the CEL invariants of the candidate state and the risk
 rules. A risky proposal is parked; any other passing proposal is sealed into the
 chain and committed with compare-and-swap. The pipeline knows nothing of gRPC;
-``transition_service.server`` adapts it.
+``ztate.transition_service.server`` adapts it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from typing import Any
 
 import orjson
 
-from services import errors
-from services.canonical import JsonObject, canonical_bytes, parse_object, sha256_hex
-from services.chain import (
+from ztate.services.canonical import JsonObject, canonical_bytes, parse_object, sha256_hex
+from ztate.services.chain import (
     GENESIS_PARENT,
     KIND_GENESIS,
     KIND_REVERT,
@@ -33,13 +32,22 @@ from services.chain import (
     build_record,
     seal,
 )
-from services.changes import Change, apply_patch, check_invariants, matched_risk_rules
-from services.credentials import find_credential, shown_name
-from services.identity import Identity, Role
-from services.keyring import Keyring
-from services.policy import Policy, PolicySet
-from services.schema import TypeMismatch
-from services.store.transitions import (
+from ztate.services.keyring import Keyring
+from ztate.services.policy.changes import Change, apply_patch, check_invariants, matched_risk_rules
+from ztate.services.policy.credentials import find_credential, shown_name
+from ztate.services.policy.model import Policy, PolicySet
+from ztate.services.policy.schema import TypeMismatch
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.telemetry import (
+    COMMITTED,
+    NO_METRICS,
+    PARKED,
+    REFUSED,
+    Metrics,
+    note_transition,
+)
+from ztate.services.store.transitions import (
     STORAGE_ERRORS,
     Head,
     PendingTransition,
@@ -47,8 +55,7 @@ from services.store.transitions import (
     StoredTransition,
     TransitionStore,
 )
-from services.telemetry import COMMITTED, NO_METRICS, PARKED, REFUSED, Metrics, note_transition
-from transition_service.heads import CachedHead, HeadCache
+from ztate.transition_service.heads import CachedHead, HeadCache
 
 THREAD_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would take a "\n"
 KEY_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
@@ -389,7 +396,7 @@ class TransitionPipeline:
         try:
             outcome = await self._propose(caller, proposal)
         except STORAGE_ERRORS:
-            # not a ZtateError: services.rpc_guard answers it as STORAGE_UNAVAILABLE
+            # not a ZtateError: ztate.services.runtime.rpc_guard answers it as STORAGE_UNAVAILABLE
             if self._metrics.enabled:
                 self._metrics.proposal(REFUSED, errors.StorageUnavailable.reason)
                 note_transition(proposal.thread_id, proposal.expected_version)

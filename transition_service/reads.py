@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 import orjson
 
-from services import errors
-from services.identity import Identity, Role
-from services.policy import PolicySet
-from services.store.transitions import (
+from ztate.services.policy.model import PolicySet
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.transitions import (
     CheckpointRow,
     Evidence,
     StoredTransition,
     TransitionStore,
 )
-from transition_service.pipeline import (
+from ztate.transition_service.pipeline import (
     check_bound_policy,
     check_privileged,
     check_registered,

@@ -12,14 +12,14 @@ from typing import Any
 
 from google.protobuf import timestamp_pb2
 
-from services.identity import Identity
-from services.receipts import SignedReceipt
-from services.rpc_guard import Context, failure_status, guarded
-from services.store.transitions import PendingTransition, StoredTransition
-from transition_service.decisions import DecisionPipeline, Resolution
-from transition_service.pipeline import Parked, Proposal, Revert, TransitionPipeline
-from transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
-from transition_service.watch import Subscription, Watcher
+from ztate.services.receipts import SignedReceipt
+from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.rpc_guard import Context, failure_status, guarded
+from ztate.services.store.transitions import PendingTransition, StoredTransition
+from ztate.transition_service.decisions import DecisionPipeline, Resolution
+from ztate.transition_service.pipeline import Parked, Proposal, Revert, TransitionPipeline
+from ztate.transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
+from ztate.transition_service.watch import Subscription, Watcher
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.rpc")

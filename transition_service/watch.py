@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from services import errors
-from services.canonical import canonical_bytes
-from services.identity import Identity
-from services.store.transitions import TransitionStore, VersionState
-from transition_service.outcomes import OutcomeListener
-from transition_service.reads import ThreadReads
+from ztate.services.canonical import canonical_bytes
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity
+from ztate.services.store.transitions import TransitionStore, VersionState
+from ztate.transition_service.outcomes import OutcomeListener
+from ztate.transition_service.reads import ThreadReads
 
 if TYPE_CHECKING:
-    from services.config import Settings
+    from ztate.services.runtime.config import Settings
 
 log = logging.getLogger("ztate.transition")
 BATCH = 16

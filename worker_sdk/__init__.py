@@ -13,10 +13,10 @@ thread, propose patches, and check with public keys that a head was approved.
 * One exception type per refusal (``StaleVersion``, ``PermissionDenied``, ...).
 """
 
-from worker_sdk._evidence import load_public_keys
-from worker_sdk._runner import Handler, NodeRunner, Step, run_node
-from worker_sdk._verify import HeadNotVerified, VerifiedHead, verify_head_before_acting
-from worker_sdk.client import (
+from ztate.worker_sdk._evidence import load_public_keys
+from ztate.worker_sdk._runner import Handler, NodeRunner, Step, run_node
+from ztate.worker_sdk._verify import HeadNotVerified, VerifiedHead, verify_head_before_acting
+from ztate.worker_sdk.client import (
     Checkpoint,
     HeadRecord,
     Outcome,
@@ -27,7 +27,7 @@ from worker_sdk.client import (
     ZtateClient,
     encode_json,
 )
-from worker_sdk.errors import (
+from ztate.worker_sdk.errors import (
     AlreadyExists,
     AwaitingApproval,
     FailedPrecondition,
@@ -42,7 +42,7 @@ from worker_sdk.errors import (
     Unavailable,
     ZtateError,
 )
-from worker_sdk.sync import SyncZtateClient
+from ztate.worker_sdk.sync import SyncZtateClient
 
 __all__ = [
     "AlreadyExists",

@@ -2,7 +2,7 @@
 
 The byte formats are those of docs/approvals.md (receipts), docs/policy.md (the
 transition digest) and docs/verification.md (checkpoints); the server's own code
-(``services.receipts``, ``services.checkpoints``) is not imported, so a worker
+(``ztate.services.receipts``, ``ztate.services.checkpoints``) is not imported, so a worker
 holds no server module. ``tests/unit/test_sdk_evidence.py`` checks both sides
 agree, on the fixed vectors too.
 """

@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker_sdk.client import Outcome, Transition, View, ZtateClient
-from worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, ZtateError
+from ztate.worker_sdk.client import Outcome, Transition, View, ZtateClient
+from ztate.worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, ZtateError
 
-log = logging.getLogger("worker_sdk.runner")
+log = logging.getLogger("ztate.worker_sdk.runner")
 
 Patch = dict[str, Any]
 Handler = Callable[[View], Patch | Awaitable[Patch | None] | None]

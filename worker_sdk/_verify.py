@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker_sdk._evidence import (
+from ztate.worker_sdk._evidence import (
     EvidenceError,
     PublicKeys,
     canonical,
@@ -17,7 +17,7 @@ from worker_sdk._evidence import (
     verify_checkpoint,
     verify_receipt,
 )
-from worker_sdk.client import ZtateClient
+from ztate.worker_sdk.client import ZtateClient
 
 # The server signs checkpoints every ZTATE_CHECKPOINT_INTERVAL_SECONDS (60 by
 # default), not on each commit: waiting a little longer than one interval finds

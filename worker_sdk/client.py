@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from worker_sdk._tracing import client_interceptors
-from worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, from_rpc_error
 from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk._tracing import client_interceptors
+from ztate.worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, from_rpc_error
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
 DEFAULT_RETRIES = 3

@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
-from worker_sdk.client import (
+from ztate.worker_sdk.client import (
     Checkpoint,
     HeadRecord,
     Outcome,

@@ -20,7 +20,7 @@ COPY services ./services
 COPY transition_service ./transition_service
 COPY approval_service ./approval_service
 COPY worker_sdk ./worker_sdk
-RUN pip wheel --no-cache-dir --wheel-dir /wheels --constraint requirements.lock .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels --constraint requirements.lock ./worker_sdk .
 
 FROM python:3.11-slim
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ztate
@@ -32,7 +32,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     ZTATE_APPROVAL_LISTEN=0.0.0.0:7444
 USER 10001:10001
 EXPOSE 7444
-# mTLS health check with the service's own certificate (see services/health_probe.py);
+# mTLS health check with the service's own certificate (see services/cli/health_probe.py);
 # the certificate must name localhost, or override with --server-name.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["ztate", "health", "--approval"]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker_sdk import Handler, NodeRunner, Step, ZtateClient
+from ztate.worker_sdk import Handler, NodeRunner, Step, ZtateClient
 
 HandlerFactory = Callable[[ZtateClient, str, Callable[..., None]], Handler]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from _node import main
 
-from worker_sdk import Handler, View, ZtateClient
+from ztate.worker_sdk import Handler, View, ZtateClient
 
 PERMISSION = {
     "refund": "refund",

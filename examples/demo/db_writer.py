@@ -20,7 +20,7 @@ from typing import Any
 
 from _node import main
 
-from worker_sdk import (
+from ztate.worker_sdk import (
     Handler,
     HeadNotVerified,
     View,

@@ -14,7 +14,7 @@ from typing import Any
 
 from _node import main
 
-from worker_sdk import Handler, View, ZtateClient
+from ztate.worker_sdk import Handler, View, ZtateClient
 
 ATTACKER = "6f1c2b3a-9d8e-4f7a-8b6c-5d4e3f2a1b0c"
 REQUEST = re.compile(

@@ -7,7 +7,7 @@ from typing import Any
 
 from _node import main
 
-from worker_sdk import Handler, View, ZtateClient
+from ztate.worker_sdk import Handler, View, ZtateClient
 
 
 def make_handler(_client: ZtateClient, _thread_id: str, _report: Callable[..., None]) -> Handler:

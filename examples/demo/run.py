@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker_sdk import ZtateClient
+from ztate.worker_sdk import ZtateClient
 
 # the embedded Postgres package asks platformdirs for a runtime folder: not our concern
 warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
@@ -148,7 +148,7 @@ class Demo:
         return env
 
     async def start(self) -> None:
-        from services.store.embedded import start_embedded_postgres
+        from ztate.services.store.embedded import start_embedded_postgres
 
         self.dsn, self._postgres = start_embedded_postgres(self.home / "pg")
         log = (self.home / "control-plane.log").open("ab")

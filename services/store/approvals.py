@@ -14,9 +14,9 @@ from datetime import datetime, timedelta
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from services.chain import SealedRecord
-from services.receipts import SignedReceipt
-from services.store.transitions import PENDING_COLUMNS, PendingTransition
+from ztate.services.chain import SealedRecord
+from ztate.services.receipts import SignedReceipt
+from ztate.services.store.transitions import PENDING_COLUMNS, PendingTransition
 
 OUTCOME_CHANNEL = "ztate_outcomes"
 

@@ -12,7 +12,7 @@ from datetime import datetime
 
 import asyncpg
 
-from services.store.transitions import keep_session
+from ztate.services.store.transitions import keep_session
 
 
 @dataclass(frozen=True, slots=True)

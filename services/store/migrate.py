@@ -63,7 +63,9 @@ class MigrationSet:
         return found
 
 
-TRANSITION_MIGRATIONS = MigrationSet("services.store", "ztate_schema_migrations", 0x7A7461746531)
+TRANSITION_MIGRATIONS = MigrationSet(
+    "ztate.services.store", "ztate_schema_migrations", 0x7A7461746531
+)
 
 
 def bundled_migrations() -> list[Migration]:

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
-from services.store.migrate import PRUNER_ROLE
+from ztate.services.store.migrate import PRUNER_ROLE
 
 PRUNE = """
 UPDATE ztate.transitions t

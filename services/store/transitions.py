@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from services.chain import SealedRecord
-from services.telemetry import NO_METRICS, Metrics
+from ztate.services.chain import SealedRecord
+from ztate.services.runtime.telemetry import NO_METRICS, Metrics
 
 COMMIT = """
 WITH head AS (

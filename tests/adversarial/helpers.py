@@ -21,9 +21,9 @@ import asyncpg
 import grpc
 import pytest
 
-from services.identity import Role
 from tests.harness import TRUST_DOMAIN, Ledger, LedgerSnapshot, Pki, client, new_thread_id
-from worker_sdk import AwaitingApproval, ZtateClient, ZtateError, encode_json
+from ztate.services.runtime.identity import Role
+from ztate.worker_sdk import AwaitingApproval, ZtateClient, ZtateError, encode_json
 
 
 @dataclass(frozen=True)

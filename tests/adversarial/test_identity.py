@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from tests.harness import INITIAL, Credentials, Ledger, Pki, act, client, new_thread_id
-from worker_sdk import PermissionDenied, Unauthenticated, ZtateError
 from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import PermissionDenied, Unauthenticated, ZtateError
 
 
 async def make_thread(target: str, pki: Pki) -> str:
@@ -161,7 +161,7 @@ async def test_nodes_may_not_use_privileged_calls(
 
 @pytest.mark.parametrize("role", ["operator", "reviewer", "service"])
 async def test_only_nodes_propose(target: str, pki: Pki, ledger: Ledger, role: str) -> None:
-    from services.identity import Role
+    from ztate.services.runtime.identity import Role
 
     thread_id = await make_thread(target, pki)
     before = await ledger.snapshot(thread_id)
@@ -173,7 +173,7 @@ async def test_only_nodes_propose(target: str, pki: Pki, ledger: Ledger, role: s
 
 
 async def test_reviewer_may_not_read_views(target: str, pki: Pki) -> None:
-    from services.identity import Role
+    from ztate.services.runtime.identity import Role
 
     thread_id = await make_thread(target, pki)
     async with client(target, pki.identity(Role.REVIEWER, "alice")) as reviewer:

@@ -23,8 +23,6 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.config import Settings
-from services.identity import Role
 from tests.adversarial.helpers import (
     Actor,
     Env,
@@ -36,8 +34,11 @@ from tests.adversarial.helpers import (
     wire,
 )
 from tests.harness import INITIAL, NODES, USER, Ledger, Pki, act, new_thread_id
-from transition_service.app import start
-from worker_sdk import (
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Role
+from ztate.transition_service.app import start
+from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import (
     AwaitingApproval,
     InvalidRequest,
     InvariantViolated,
@@ -45,8 +46,7 @@ from worker_sdk import (
     PermissionDenied,
     StaleVersion,
 )
-from worker_sdk.errors import from_rpc_error
-from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk.errors import from_rpc_error
 
 PARSER, PLANNER, GATE, WRITER = NODES
 

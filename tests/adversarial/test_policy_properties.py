@@ -30,11 +30,11 @@ import pytest_asyncio
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from services.identity import Role
 from tests.adversarial.helpers import Actor, connected, create_thread
 from tests.conftest import TEST_MAX_PATCH_BYTES
 from tests.harness import INITIAL, NODES, USER, Ledger, Pki
-from worker_sdk import AwaitingApproval, Transition, ZtateError, encode_json
+from ztate.services.runtime.identity import Role
+from ztate.worker_sdk import AwaitingApproval, Transition, ZtateError, encode_json
 
 PARSER, PLANNER, GATE, WRITER = NODES
 OTHER_USER = "9f1c2b3a-4d5e-4f60-8a7b-0c1d2e3f4a5b"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id
-from worker_sdk import AwaitingApproval
+from ztate.worker_sdk import AwaitingApproval
 
 PLAN = {"action": "refund", "order_id": "A-42", "amount_cents": 1200}
 

@@ -10,15 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from services.chain import KIND_TRANSITION, build_record, seal
-from services.credentials import shown_name
-from services.receipts import build_receipt, generate_signing_key, load_signing_key, sign_receipt
-from services.store.approvals import ApprovalStore
-from services.store.transitions import TransitionStore
 from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id
-from transition_service.app import RunningService
-from transition_service.outbox import ApprovalOutbox
-from worker_sdk import (
+from ztate.services.chain import KIND_TRANSITION, build_record, seal
+from ztate.services.policy.credentials import shown_name
+from ztate.services.receipts import (
+    build_receipt,
+    generate_signing_key,
+    load_signing_key,
+    sign_receipt,
+)
+from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.transitions import TransitionStore
+from ztate.transition_service.app import RunningService
+from ztate.transition_service.outbox import ApprovalOutbox
+from ztate.worker_sdk import (
     AwaitingApproval,
     FailedPrecondition,
     InvalidRequest,
@@ -124,7 +129,7 @@ async def test_service_identities_neither_create_nor_read_threads(
     target: str, pki: Pki, service_name: str
 ) -> None:
     """Review finding 3: the approval service could create threads and read state."""
-    from services.identity import Role
+    from ztate.services.runtime.identity import Role
 
     thread_id = new_thread_id()
     async with client(target, pki.operator()) as operator:

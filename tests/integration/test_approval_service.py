@@ -30,17 +30,22 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
-from approval_service.app import SERVICE_NAME, RunningApproval, start
-from approval_service.cli import add_approval_commands
-from approval_service.delivery import refusal_reason
-from services import ca
-from services.canonical import canonical_bytes, sha256_hex
-from services.config import ApprovalSettings
-from services.identity import Identity, Role
-from services.receipts import SignedReceipt, generate_signing_key, load_public_keys, verify_receipt
-from services.telemetry import Metrics, Telemetry
 from tests.harness import TRUST_DOMAIN, Credentials, Pki, new_thread_id
-from transition_service.app import RunningService
+from ztate.approval_service.app import SERVICE_NAME, RunningApproval, start
+from ztate.approval_service.cli import add_approval_commands
+from ztate.approval_service.delivery import refusal_reason
+from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.services.cli import ca
+from ztate.services.receipts import (
+    SignedReceipt,
+    generate_signing_key,
+    load_public_keys,
+    verify_receipt,
+)
+from ztate.services.runtime.config import ApprovalSettings
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.telemetry import Metrics, Telemetry
+from ztate.transition_service.app import RunningService
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 KEY_ID = "approval-test-k1"

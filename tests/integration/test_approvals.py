@@ -30,18 +30,6 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services import ca
-from services.config import Settings
-from services.identity import Identity, Role
-from services.receipts import SignedReceipt as Receipt
-from services.receipts import (
-    build_receipt,
-    generate_signing_key,
-    load_public_keys,
-    load_signing_key,
-    sign_receipt,
-    verify_receipt,
-)
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
@@ -53,8 +41,19 @@ from tests.harness import (
     new_thread_id,
     with_database,
 )
-from transition_service.app import RunningService, start
-from worker_sdk import AwaitingApproval, PermissionDenied, ZtateClient
+from ztate.services.cli import ca
+from ztate.services.receipts import SignedReceipt as Receipt
+from ztate.services.receipts import (
+    build_receipt,
+    generate_signing_key,
+    load_public_keys,
+    load_signing_key,
+    sign_receipt,
+    verify_receipt,
+)
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Identity, Role
+from ztate.transition_service.app import RunningService, start
 from ztate.v1 import (
     approval_pb2,
     approval_pb2_grpc,
@@ -63,6 +62,7 @@ from ztate.v1 import (
     transition_pb2,
     transition_pb2_grpc,
 )
+from ztate.worker_sdk import AwaitingApproval, PermissionDenied, ZtateClient
 
 REPO = Path(__file__).resolve().parents[2]
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
@@ -302,7 +302,7 @@ async def world(
         db_pool_size=4,
     )
     transition = await start(settings, dsn=dsn)
-    from services.keyring import Keyring
+    from ztate.services.keyring import Keyring
 
     world = World(
         root,
@@ -420,7 +420,7 @@ async def refused_apply(world: World, receipt: Receipt, code: grpc.StatusCode, r
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await world.apply(receipt)
     assert caught.value.code() == code
-    from worker_sdk.errors import from_rpc_error
+    from ztate.worker_sdk.errors import from_rpc_error
 
     assert from_rpc_error(caught.value).reason == reason
 
@@ -520,7 +520,7 @@ async def test_a_reviewer_cannot_approve_their_own_proposal(world: World) -> Non
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await world.decide("planner", parked.digest)  # reviewer "planner": the same name
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    from worker_sdk.errors import from_rpc_error
+    from ztate.worker_sdk.errors import from_rpc_error
 
     assert from_rpc_error(caught.value).reason == "SELF_APPROVAL"
     assert await world.pending_status(parked.digest) == "pending"

@@ -20,7 +20,12 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from services.bundle import (
+from tests.harness import INITIAL, Pki, act, client, new_thread_id
+from ztate.services.canonical import JsonObject, canonical_bytes
+from ztate.services.policy.changes import apply_patch
+from ztate.services.policy.model import PolicySet
+from ztate.services.receipts import generate_signing_key, load_public_keys, load_signing_key
+from ztate.services.verify.bundle import (
     CHECKPOINTS,
     MANIFEST,
     RECORDS,
@@ -29,14 +34,9 @@ from services.bundle import (
     read_manifest,
     verify_bundle,
 )
-from services.canonical import JsonObject, canonical_bytes
-from services.changes import apply_patch
-from services.policy import PolicySet
-from services.receipts import generate_signing_key, load_public_keys, load_signing_key
-from services.verify import Finding, Trust, verify_database
-from tests.harness import INITIAL, Pki, act, client, new_thread_id
-from transition_service.app import RunningService
-from transition_service.checkpointer import Checkpointer
+from ztate.services.verify.checks import Finding, Trust, verify_database
+from ztate.transition_service.app import RunningService
+from ztate.transition_service.checkpointer import Checkpointer
 
 REPO = Path(__file__).resolve().parents[2]
 

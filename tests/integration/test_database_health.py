@@ -16,8 +16,14 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from services.health import NOT_SERVING, SERVING, DatabaseHealth, HealthReport, pool_ping
 from tests.faults import free_port, fresh_database
+from ztate.services.runtime.health import (
+    NOT_SERVING,
+    SERVING,
+    DatabaseHealth,
+    HealthReport,
+    pool_ping,
+)
 
 TABLE = "probe.things"
 TIMEOUT = 0.5

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from services.db_cli import _explain
 from tests.faults import free_port, run_ztate
+from ztate.services.cli.db import _explain
 
 PASSWORD = "s3cret-Pa55word"
 

@@ -28,7 +28,6 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
-from services.keyring import Keyring
 from tests.faults import (
     NOT_SERVING,
     SERVING,
@@ -44,8 +43,9 @@ from tests.faults import (
     wait_for_status,
 )
 from tests.harness import Ledger, Pki, act, client
-from worker_sdk import AwaitingApproval, ZtateClient, ZtateError
+from ztate.services.keyring import Keyring
 from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import AwaitingApproval, ZtateClient, ZtateError
 
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
 OUTAGE_CALL_DEADLINE = 20.0

@@ -25,7 +25,7 @@ from tests.faults import (
     fresh_database,
 )
 from tests.harness import Pki
-from transition_service.app import SHUTDOWN_GRACE_SECONDS
+from ztate.transition_service.app import SHUTDOWN_GRACE_SECONDS
 
 
 @pytest_asyncio.fixture

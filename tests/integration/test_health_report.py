@@ -12,10 +12,10 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import tls
-from services.health import NOT_SERVING, SERVICE_UNKNOWN, SERVING, HealthReport
 from tests.faults import secure_channel
 from tests.harness import Pki
+from ztate.services.runtime import tls
+from ztate.services.runtime.health import NOT_SERVING, SERVICE_UNKNOWN, SERVING, HealthReport
 
 NAMES = ("ztate.v1.TransitionService", "ztate.v1.LedgerService")
 

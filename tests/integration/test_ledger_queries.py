@@ -17,8 +17,8 @@ import pytest_asyncio
 from google.protobuf import timestamp_pb2
 
 from tests.harness import INITIAL, Credentials, Pki, act, client, new_thread_id
-from worker_sdk import PermissionDenied, StaleVersion
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
+from ztate.worker_sdk import PermissionDenied, StaleVersion
 
 PARSER = "spiffe://ztate.test/node/input-parser"
 PLANNER = "spiffe://ztate.test/node/planner"

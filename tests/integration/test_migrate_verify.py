@@ -9,14 +9,14 @@ from contextlib import asynccontextmanager
 import asyncpg
 import pytest
 
-from services.store.migrate import (
+from tests.faults import fresh_database
+from ztate.services.store.migrate import (
     TRANSITION_MIGRATIONS,
     MigrationError,
     bundled_migrations,
     migrate,
     verify_migrations,
 )
-from tests.faults import fresh_database
 
 
 @asynccontextmanager

@@ -38,12 +38,13 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from services.config import Settings
-from services.identity import Identity, Role
-from services.telemetry import SPAN_ATTRIBUTES
 from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, Pki, act, client, new_thread_id
-from transition_service.app import RunningService, start
-from worker_sdk import (
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.telemetry import SPAN_ATTRIBUTES
+from ztate.transition_service.app import RunningService, start
+from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import (
     AwaitingApproval,
     PermissionDenied,
     StaleVersion,
@@ -51,7 +52,6 @@ from worker_sdk import (
     ZtateClient,
     ZtateError,
 )
-from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 # State values and a key name only the test knows: none may leave the service.
 SENTINEL_TEXT = "sentinel-raw-text-5b1e0c9d"
@@ -549,8 +549,8 @@ async def test_a_proposal_refused_by_a_storage_outage_is_counted(
 
 INSTALL_SCRIPT = """
 import asyncio, logging
-from services.config import Settings
-from services.telemetry import Telemetry, configure_logging
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.telemetry import Telemetry, configure_logging
 
 configure_logging("text")
 telemetry = Telemetry.from_settings(Settings())
@@ -662,7 +662,7 @@ async def test_verify_on_worker_processes_exports_every_failure_it_prints(
 
 
 async def test_telemetry_off_adds_no_interceptor_and_records_nothing(settings: Settings) -> None:
-    from services.telemetry import NO_METRICS, Telemetry
+    from ztate.services.runtime.telemetry import NO_METRICS, Telemetry
 
     off = Telemetry.from_settings(settings)
     assert settings.telemetry_mode == "off"

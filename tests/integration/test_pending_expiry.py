@@ -9,11 +9,11 @@ from datetime import timedelta
 import asyncpg
 import pytest
 
-from services.store.approvals import ApprovalStore
 from tests.harness import INITIAL, Pki, client, new_thread_id
-from transition_service.app import RunningService
-from transition_service.outbox import ApprovalOutbox
-from worker_sdk import AwaitingApproval
+from ztate.services.store.approvals import ApprovalStore
+from ztate.transition_service.app import RunningService
+from ztate.transition_service.outbox import ApprovalOutbox
+from ztate.worker_sdk import AwaitingApproval
 
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
 

@@ -17,9 +17,9 @@ from typing import Any
 import asyncpg
 import pytest
 
-from services.receipts import SignedReceipt, load_public_keys, verify_receipt
-from services.store.embedded import start_embedded_postgres
 from tests.harness import USER
+from ztate.services.receipts import SignedReceipt, load_public_keys, verify_receipt
+from ztate.services.store.embedded import start_embedded_postgres
 
 REPO = Path(__file__).resolve().parents[2]
 ATTACKER = "6f1c2b3a-9d8e-4f7a-8b6c-5d4e3f2a1b0c"

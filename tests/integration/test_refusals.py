@@ -14,10 +14,10 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.policy import Policy
 from tests.conftest import POLICY, TEST_MAX_PATCH_BYTES
 from tests.harness import INITIAL, Ledger, Pki, act, client, new_thread_id
-from worker_sdk import (
+from ztate.services.policy.model import Policy
+from ztate.worker_sdk import (
     InvalidRequest,
     NotFound,
     PatchTooLarge,

@@ -27,12 +27,6 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2, status_pb2
 
-from services.chain import ChainError
-from services.config import Settings
-from services.keyring import Keyring, rotate_keyring_file
-from services.policy import PolicySet
-from services.store.retention import Limits, RetentionError, prune
-from services.verify import Trust, verify_database
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
@@ -44,7 +38,13 @@ from tests.harness import (
     new_thread_id,
     with_database,
 )
-from transition_service.app import RunningService, start
+from ztate.services.chain import ChainError
+from ztate.services.keyring import Keyring, rotate_keyring_file
+from ztate.services.policy.model import PolicySet
+from ztate.services.runtime.config import Settings
+from ztate.services.store.retention import Limits, RetentionError, prune
+from ztate.services.verify.checks import Trust, verify_database
+from ztate.transition_service.app import RunningService, start
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 OPERATOR = f"spiffe://{TRUST_DOMAIN}/operator/admin"
@@ -278,7 +278,7 @@ async def test_revert_of_an_unknown_thread_is_not_found(world: World) -> None:
 
 @pytest.mark.parametrize("who", ["node", "service"])
 async def test_only_operators_may_revert(world: World, who: str) -> None:
-    from services.identity import Role
+    from ztate.services.runtime.identity import Role
 
     thread_id = await world.thread(2)
     before = await world.ledger.rows(thread_id)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import USER
-from worker_sdk import AwaitingApproval, ZtateClient
+from ztate.worker_sdk import AwaitingApproval, ZtateClient
 
 LISTENING = re.compile(rb"transition service listening on port (\d+)")
 START_TIMEOUT_SECONDS = 90

@@ -33,16 +33,16 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from approval_service.app import start as start_approval
-from services import ca
-from services.config import ApprovalSettings
-from services.health_probe import APPROVAL_SERVICE, TRANSITION_SERVICE, Probe, check
-from services.identity import Identity, Role
-from services.receipts import generate_signing_key
-from services.store.migrate import bundled_migrations
 from tests.harness import INITIAL, TRUST_DOMAIN, Pki, act, client, new_thread_id, with_database
 from tests.integration.test_run_command import free_port
-from worker_sdk import StaleVersion, Transition, ZtateClient
+from ztate.approval_service.app import start as start_approval
+from ztate.services.cli import ca
+from ztate.services.cli.health_probe import APPROVAL_SERVICE, TRANSITION_SERVICE, Probe, check
+from ztate.services.receipts import generate_signing_key
+from ztate.services.runtime.config import ApprovalSettings
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.migrate import bundled_migrations
+from ztate.worker_sdk import StaleVersion, Transition, ZtateClient
 
 REPLICAS = 3
 THREADS = 3

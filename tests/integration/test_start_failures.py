@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from services.config import Settings
-from transition_service.app import RunningService, start
+from ztate.services.runtime.config import Settings
+from ztate.transition_service.app import RunningService, start
 
 
 async def _connections(dsn: str, role: str) -> int:

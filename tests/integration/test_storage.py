@@ -10,9 +10,9 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from services.store import migrate as migrations
 from tests.harness import Ledger, Pki, act, client, new_thread_id, with_database
-from worker_sdk import StaleVersion
+from ztate.services.store import migrate as migrations
+from ztate.worker_sdk import StaleVersion
 
 SERVICE_ROLE = "ztate_transition"
 

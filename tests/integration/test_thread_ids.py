@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id
-from worker_sdk import InvalidRequest
+from ztate.worker_sdk import InvalidRequest
 
 THREAD_ID_ERROR = "thread_id must be 1-128 characters of [A-Za-z0-9._:-]"
 

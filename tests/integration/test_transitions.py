@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from services.canonical import canonical_bytes
-from services.chain import GENESIS_PARENT, verify_record
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
-from transition_service.app import RunningService
-from worker_sdk import StaleVersion, ZtateClient
+from ztate.services.canonical import canonical_bytes
+from ztate.services.chain import GENESIS_PARENT, verify_record
+from ztate.transition_service.app import RunningService
+from ztate.worker_sdk import StaleVersion, ZtateClient
 
 
 async def create(target: str, pki: Pki, state: dict[str, object] | None = None) -> str:

@@ -30,22 +30,6 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.bundle import BUNDLE_HASH, MANIFEST, RECORDS, export_bundle, verify_bundle
-from services.canonical import canonical_bytes, sha256_hex
-from services.chain import build_record, seal
-from services.config import Settings
-from services.identity import Role
-from services.keyring import Keyring
-from services.policy import PolicySet
-from services.receipts import (
-    build_receipt,
-    generate_signing_key,
-    load_public_keys,
-    load_signing_key,
-    sign_receipt,
-)
-from services.verify import Finding, Summary, Trust, verify_database
-from services.verify_parallel import verify_bundle_parallel, verify_database_parallel
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
@@ -56,9 +40,31 @@ from tests.harness import (
     new_thread_id,
     with_database,
 )
-from transition_service.app import RunningService, start
-from worker_sdk import AwaitingApproval
+from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.services.chain import build_record, seal
+from ztate.services.keyring import Keyring
+from ztate.services.policy.model import PolicySet
+from ztate.services.receipts import (
+    build_receipt,
+    generate_signing_key,
+    load_public_keys,
+    load_signing_key,
+    sign_receipt,
+)
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Role
+from ztate.services.verify.bundle import (
+    BUNDLE_HASH,
+    MANIFEST,
+    RECORDS,
+    export_bundle,
+    verify_bundle,
+)
+from ztate.services.verify.checks import Finding, Summary, Trust, verify_database
+from ztate.services.verify.parallel import verify_bundle_parallel, verify_database_parallel
+from ztate.transition_service.app import RunningService, start
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import AwaitingApproval
 
 REPO = Path(__file__).resolve().parents[2]
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.harness import INITIAL, USER, Ledger, Pki, client, new_thread_id
-from worker_sdk import AwaitingApproval
+from ztate.worker_sdk import AwaitingApproval
 
 
 async def test_a_deadline_under_the_margin_answers_pending_at_once(

@@ -14,14 +14,15 @@ import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from services.checkpoints import SignedCheckpoint, verify_checkpoint
-from services.config import Settings
-from services.store.retention import Limits, prune
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
-from transition_service import watch as watch_module
-from transition_service.app import RunningService, start
-from transition_service.checkpointer import Checkpointer
-from worker_sdk import (
+from ztate.services.checkpoints import SignedCheckpoint, verify_checkpoint
+from ztate.services.runtime.config import Settings
+from ztate.services.store.retention import Limits, prune
+from ztate.transition_service import watch as watch_module
+from ztate.transition_service.app import RunningService, start
+from ztate.transition_service.checkpointer import Checkpointer
+from ztate.v1 import transition_pb2
+from ztate.worker_sdk import (
     AwaitingApproval,
     NotFound,
     PermissionDenied,
@@ -30,7 +31,6 @@ from worker_sdk import (
     Unavailable,
     WatchEvent,
 )
-from ztate.v1 import transition_pb2
 
 BILLING_INITIAL = {"invoice_total_cents": 100, "invoice_note": "n"}
 

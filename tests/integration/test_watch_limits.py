@@ -13,14 +13,14 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.config import Settings
-from services.identity import Identity, Role
-from services.store.transitions import session_backend
 from tests.harness import TRUST_DOMAIN, Ledger, Pki, act, client
 from tests.integration.test_watch import new_thread, take
-from transition_service.app import RunningService, start
-from worker_sdk import TooManyStreams
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.transitions import session_backend
+from ztate.transition_service.app import RunningService, start
 from ztate.v1 import transition_pb2
+from ztate.worker_sdk import TooManyStreams
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within: float = 15.0) -> None:

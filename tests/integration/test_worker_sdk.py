@@ -12,10 +12,10 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services import tls
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
-from worker_sdk import StaleVersion, SyncZtateClient, Unavailable, View, ZtateClient
+from ztate.services.runtime import tls
 from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import StaleVersion, SyncZtateClient, Unavailable, View, ZtateClient
 
 
 async def new_thread(target: str, pki: Pki) -> str:

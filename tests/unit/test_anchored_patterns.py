@@ -12,47 +12,47 @@ import re
 
 import pytest
 
-import approval_service.cli
-import approval_service.service
-import services.bundle
-import services.chain
-import services.credentials
-import services.identity
-import services.keyring
-import services.receipts
-import services.schema
-import services.store.migrate
-import services.verify
-import transition_service.ledger_server
-import transition_service.pipeline
-import transition_service.reads
-import worker_sdk._evidence
-from services.errors import IdentityInvalid
+import ztate.approval_service.cli
+import ztate.approval_service.service
+import ztate.services.chain
+import ztate.services.keyring
+import ztate.services.policy.credentials
+import ztate.services.policy.schema
+import ztate.services.receipts
+import ztate.services.runtime.identity
+import ztate.services.store.migrate
+import ztate.services.verify.bundle
+import ztate.services.verify.checks
+import ztate.transition_service.ledger_server
+import ztate.transition_service.pipeline
+import ztate.transition_service.reads
+import ztate.worker_sdk._evidence
+from ztate.services.runtime.errors import IdentityInvalid
 
 DIGEST = "0" * 64
 PATTERNS: dict[str, tuple[re.Pattern[str], str]] = {
-    "approval cli digest": (approval_service.cli.DIGEST, DIGEST),
-    "approval service digest": (approval_service.service.DIGEST, DIGEST),
-    "approval page token": (approval_service.service.PAGE_TOKEN, f"12.{DIGEST}"),
-    "bundle hex": (services.bundle.HEX_256, DIGEST),
-    "chain hex": (services.chain.HEX_256, DIGEST),
-    "credential member name": (services.credentials._PLAIN_NAME, "api_key"),
-    "trust domain": (services.identity.TRUST_DOMAIN, "ztate.test"),
-    "keyring key id": (services.keyring.KEY_ID, "k1"),
-    "receipt key id": (services.receipts.KEY_ID, "approval-k1"),
-    "receipt hex": (services.receipts.HEX_256, DIGEST),
-    "date-time": (services.schema.RFC3339, "2026-11-21T10:00:00Z"),
-    "migration file": (services.store.migrate.MIGRATION_FILE, "0001_ledger.sql"),
-    "sql identifier": (services.store.migrate.IDENTIFIER, "ztate_transition"),
-    "verify hex": (services.verify.HEX_256, DIGEST),
-    "committed_at": (services.verify.COMMITTED_AT, "2026-11-21T10:00:00.000000Z"),
-    "ledger digest": (transition_service.ledger_server.DIGEST, DIGEST),
-    "key name": (transition_service.pipeline.KEY_NAME, "requested_action"),
-    "idempotency key": (transition_service.pipeline.IDEMPOTENCY_KEY, "retry-1"),
-    "reads digest": (transition_service.reads.DIGEST, DIGEST),
-    "sdk key id": (worker_sdk._evidence.KEY_ID, "approval-k1"),
-    "sdk hex": (worker_sdk._evidence.HEX_256, DIGEST),
-    "sdk time": (worker_sdk._evidence.TIME, "2026-11-21T10:00:00.000000Z"),
+    "approval cli digest": (ztate.approval_service.cli.DIGEST, DIGEST),
+    "approval service digest": (ztate.approval_service.service.DIGEST, DIGEST),
+    "approval page token": (ztate.approval_service.service.PAGE_TOKEN, f"12.{DIGEST}"),
+    "bundle hex": (ztate.services.verify.bundle.HEX_256, DIGEST),
+    "chain hex": (ztate.services.chain.HEX_256, DIGEST),
+    "credential member name": (ztate.services.policy.credentials._PLAIN_NAME, "api_key"),
+    "trust domain": (ztate.services.runtime.identity.TRUST_DOMAIN, "ztate.test"),
+    "keyring key id": (ztate.services.keyring.KEY_ID, "k1"),
+    "receipt key id": (ztate.services.receipts.KEY_ID, "approval-k1"),
+    "receipt hex": (ztate.services.receipts.HEX_256, DIGEST),
+    "date-time": (ztate.services.policy.schema.RFC3339, "2026-11-21T10:00:00Z"),
+    "migration file": (ztate.services.store.migrate.MIGRATION_FILE, "0001_ledger.sql"),
+    "sql identifier": (ztate.services.store.migrate.IDENTIFIER, "ztate_transition"),
+    "verify hex": (ztate.services.verify.checks.HEX_256, DIGEST),
+    "committed_at": (ztate.services.verify.checks.COMMITTED_AT, "2026-11-21T10:00:00.000000Z"),
+    "ledger digest": (ztate.transition_service.ledger_server.DIGEST, DIGEST),
+    "key name": (ztate.transition_service.pipeline.KEY_NAME, "requested_action"),
+    "idempotency key": (ztate.transition_service.pipeline.IDEMPOTENCY_KEY, "retry-1"),
+    "reads digest": (ztate.transition_service.reads.DIGEST, DIGEST),
+    "sdk key id": (ztate.worker_sdk._evidence.KEY_ID, "approval-k1"),
+    "sdk hex": (ztate.worker_sdk._evidence.HEX_256, DIGEST),
+    "sdk time": (ztate.worker_sdk._evidence.TIME, "2026-11-21T10:00:00.000000Z"),
 }
 
 
@@ -65,7 +65,7 @@ def test_a_pattern_refuses_its_value_with_a_trailing_newline(name: str) -> None:
 
 def test_an_identity_name_is_checked_whole() -> None:
     """NAME is also a pydantic pattern (no \\Z there): Python checks it with fullmatch."""
-    parse = services.identity.parse_spiffe_id
+    parse = ztate.services.runtime.identity.parse_spiffe_id
     assert parse("spiffe://ztate.test/node/alice", "ztate.test").name == "alice"
     with pytest.raises(IdentityInvalid, match="identity name must match"):
         parse("spiffe://ztate.test/node/alice\n", "ztate.test")

@@ -1,4 +1,4 @@
-"""services.canonical: JCS bytes identical to the reference, and the strict parser's refusals.
+"""ztate.services.canonical: JCS bytes identical to the reference, and the strict parser's refusals.
 
 ``canonical_bytes`` takes a faster path than ``rfc8785`` for some values; the
 properties here check that the two agree byte for byte over the I-JSON domain.
@@ -20,14 +20,14 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.canonical import (
+from ztate.services.canonical import (
     MAX_SAFE_INTEGER,
     canonical_bytes,
     orjson_canonical,
     parse_object,
     sha256_hex,
 )
-from services.errors import PatchMalformed, ValueOutOfRange
+from ztate.services.runtime.errors import PatchMalformed, ValueOutOfRange
 
 PROPERTY = settings(max_examples=300, deadline=None)
 

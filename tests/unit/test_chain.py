@@ -1,4 +1,4 @@
-"""services.chain against the fixed vectors in tests/vectors/ledger-v1.json.
+"""ztate.services.chain against the fixed vectors in tests/vectors/ledger-v1.json.
 
 The expected bytes, digests and signatures are read from the committed file and
 never recomputed here: a change to canonicalisation, hashing or signing that moves
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.canonical import canonical_bytes, parse_object, sha256_hex
-from services.chain import (
+from ztate.services.canonical import canonical_bytes, parse_object, sha256_hex
+from ztate.services.chain import (
     GENESIS_PARENT,
     RECORD_FORMAT,
     ChainError,
@@ -33,8 +33,8 @@ from services.chain import (
     verify_chain,
     verify_record,
 )
-from services.changes import apply_patch
-from services.keyring import Keyring
+from ztate.services.keyring import Keyring
+from ztate.services.policy.changes import apply_patch
 
 VECTORS: dict[str, Any] = json.loads(
     (Path(__file__).resolve().parents[1] / "vectors" / "ledger-v1.json").read_text("ascii")

@@ -20,9 +20,10 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from services.config import Settings
-from services.store.migrate import migrate
-from services.store.optional import (
+from tests.harness import INITIAL, Pki, act, client, new_thread_id, with_database
+from ztate.services.runtime.config import Settings
+from ztate.services.store.migrate import migrate
+from ztate.services.store.optional import (
     COORDINATOR_LOCAL,
     DISTRIBUTED,
     REFERENCE,
@@ -30,10 +31,9 @@ from services.store.optional import (
     apply_citus_layout,
     prepare_for_citus,
 )
-from services.store.transitions import COMMIT
-from tests.harness import INITIAL, Pki, act, client, new_thread_id, with_database
-from transition_service.app import start
-from worker_sdk import AwaitingApproval
+from ztate.services.store.transitions import COMMIT
+from ztate.transition_service.app import start
+from ztate.worker_sdk import AwaitingApproval
 
 
 async def fresh_database(server_dsn: str) -> str:

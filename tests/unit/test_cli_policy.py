@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.policy import Policy
+from ztate.services.policy.model import Policy
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "services" / "defaults" / "policy.yaml"

@@ -1,4 +1,4 @@
-"""services.credentials: every kind found where it sits, benign text left alone, and fast.
+"""ztate.services.policy.credentials: every kind found where it sits, benign text left alone, fast.
 
 Fake credentials are assembled at run time from pieces (``_join``) so that no secret
 scanner flags this file; the entropy cases use fresh ``secrets`` output every run.
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services import credentials
-from services.credentials import CredentialFinding, find_credential
+from ztate.services.policy import credentials
+from ztate.services.policy.credentials import CredentialFinding, find_credential
 
 # Fixed-seed stand-ins for the secrets module: random-looking keys, the same every
 # run, so a rare entropy miss can never make the suite flaky.
@@ -160,7 +160,7 @@ BENIGN = [
     "2024-05-01T12:34:56.789Z",
     "2024-05-01T12:34:56+02:00",
     "Wed, 21 Oct 2015 07:28:00 GMT",
-    "2024-05-01 12:34:56,789 INFO transition_service.pipeline accepted patch version=12",
+    "2024-05-01 12:34:56,789 INFO ztate.transition_service.pipeline accepted patch version=12",
     "https://example.com/",
     "https://docs.python.org/3/library/secrets.html#module-secrets",
     "https://stackoverflow.com/questions/375427/non-blocking-read-on-a-subprocess-pipe-in-python",

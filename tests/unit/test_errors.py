@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from services import errors, rpc_errors
+from ztate.services.runtime import errors, rpc_errors
 from ztate.v1 import errors_pb2
 
 

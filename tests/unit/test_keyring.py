@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.keyring import Keyring, KeyringError, generate_keyring_file
+from ztate.services.keyring import Keyring, KeyringError, generate_keyring_file
 
 KEY = base64.b64encode(b"k" * 32).decode()
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from services.checkpoints import sign_checkpoint, verify_checkpoint
-from services.cli import main
-from services.receipts import load_public_keys, load_signing_key
+from ztate.services.checkpoints import sign_checkpoint, verify_checkpoint
+from ztate.services.cli.main import main
+from ztate.services.receipts import load_public_keys, load_signing_key
 
 
 def _sign_and_verify(private: Path, public: Path, key_id: str) -> None:

@@ -24,15 +24,15 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 import pytest_asyncio
 
-from approval_service.notifier import (
+from tests.harness import Pki
+from ztate.approval_service.notifier import (
     Notifier,
     NullNotifier,
     ReviewEvent,
     WebhookNotifier,
     verify_signature,
 )
-from services.identity import Role
-from tests.harness import Pki
+from ztate.services.runtime.identity import Role
 
 SECRET = b"webhook-secret-for-the-tests-0123456789"
 DIGEST = "ab" * 32

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services import errors
-from services.identity import Identity, Role, parse_spiffe_id
-from services.policy import Policy, PolicyDocument
-from transition_service.heads import CachedHead, HeadCache
-from transition_service.pipeline import (
+from ztate.services.policy.model import Policy, PolicyDocument
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity, Role, parse_spiffe_id
+from ztate.transition_service.heads import CachedHead, HeadCache
+from ztate.transition_service.pipeline import (
     Proposal,
     apply_patch,
     check_layers,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.policy import Layer, Policy, PolicyError, PolicySet
+from ztate.services.policy.model import Layer, Policy, PolicyError, PolicySet
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "services" / "defaults" / "policy.yaml"

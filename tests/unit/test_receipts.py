@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from services import errors
-from services.canonical import canonical_bytes
-from services.receipts import (
+from ztate.services.canonical import canonical_bytes
+from ztate.services.receipts import (
     SignedReceipt,
     build_receipt,
     generate_signing_key,
@@ -27,6 +26,7 @@ from services.receipts import (
     sign_receipt,
     verify_receipt,
 )
+from ztate.services.runtime import errors
 
 VECTORS = json.loads(
     (Path(__file__).resolve().parents[1] / "vectors" / "receipt-v1.json").read_text()

@@ -3,9 +3,9 @@ earlier state, whatever was added, changed or removed in between."""
 
 from __future__ import annotations
 
-from services.canonical import JsonObject
-from services.changes import apply_patch
-from transition_service.pipeline import Revert, restoring_patch, revert_digest
+from ztate.services.canonical import JsonObject
+from ztate.services.policy.changes import apply_patch
+from ztate.transition_service.pipeline import Revert, restoring_patch, revert_digest
 
 
 def test_restoring_patch_sets_every_earlier_key_and_removes_later_ones() -> None:

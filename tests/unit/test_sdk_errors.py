@@ -1,13 +1,13 @@
 """Each server refusal becomes the SDK's typed exception, with the server's details,
-through the one mapping the server uses (services.rpc_errors)."""
+through the one mapping the server uses (ztate.services.runtime.rpc_errors)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from services import errors, rpc_errors
-from worker_sdk import (
+from ztate.services.runtime import errors, rpc_errors
+from ztate.worker_sdk import (
     FailedPrecondition,
     InvalidRequest,
     InvariantViolated,
@@ -20,7 +20,7 @@ from worker_sdk import (
     Unavailable,
     ZtateError,
 )
-from worker_sdk.errors import from_rpc_error
+from ztate.worker_sdk.errors import from_rpc_error
 
 
 def as_rpc_error(error: errors.ZtateError) -> grpc.aio.AioRpcError:

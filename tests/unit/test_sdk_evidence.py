@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from services.canonical import canonical_bytes, sha256_hex
-from services.chain import KIND_TRANSITION, build_proposal, build_record
-from services.checkpoints import sign_checkpoint
-from services.receipts import build_receipt, generate_signing_key, sign_receipt
-from worker_sdk import load_public_keys
-from worker_sdk._evidence import (
+from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.services.chain import KIND_TRANSITION, build_proposal, build_record
+from ztate.services.checkpoints import sign_checkpoint
+from ztate.services.receipts import build_receipt, generate_signing_key, sign_receipt
+from ztate.worker_sdk import load_public_keys
+from ztate.worker_sdk._evidence import (
     EvidenceError,
     check_receipt_binds,
     transition_digest,

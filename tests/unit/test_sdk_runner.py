@@ -14,12 +14,13 @@ import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf import timestamp_pb2
 
-from services import errors, rpc_errors, tls
-from services.canonical import canonical_bytes, sha256_hex
-from services.checkpoints import sign_checkpoint
 from tests.harness import Pki
 from tests.unit.test_sdk_evidence import PATCH, RULES, T0, approved
-from worker_sdk import (
+from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.services.checkpoints import sign_checkpoint
+from ztate.services.runtime import errors, rpc_errors, tls
+from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import (
     HeadNotVerified,
     NodeRunner,
     NotFound,
@@ -28,8 +29,7 @@ from worker_sdk import (
     ZtateClient,
     verify_head_before_acting,
 )
-from worker_sdk import client as client_module
-from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import client as client_module
 
 THREAD = "order-42"
 

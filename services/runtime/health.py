@@ -7,7 +7,7 @@ for each of the service's names: NOT_SERVING once two pings in a row failed (or
 found a standby, which cannot commit), SERVING again as soon as one succeeds; a
 pool too busy to lend a connection for the ping changes nothing. Nothing else
 changes during an outage: calls that need the database fail fast with
-UNAVAILABLE (``services.rpc_guard``), the pool opens fresh connections once the
+UNAVAILABLE (``ztate.services.runtime.rpc_guard``), the pool opens fresh connections once the
 database is back, and a load balancer or an orchestrator watching health takes
 the replica out and back in by itself. A pool whose every connection hangs on
 a database that stopped answering reads as busy: those calls are bounded by
@@ -37,7 +37,7 @@ import asyncpg
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.telemetry import untraced
+from ztate.services.runtime.telemetry import untraced
 
 log = logging.getLogger("ztate.health")
 Status: TypeAlias = health_pb2.HealthCheckResponse.ServingStatus

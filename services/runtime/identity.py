@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from services.errors import IdentityInvalid
+from ztate.services.runtime.errors import IdentityInvalid
 
 # also a pydantic pattern (policy node names), whose engine has no \Z: Python code
 # must use NAME.fullmatch, since "$" alone would also match before a final "\n"

@@ -21,10 +21,9 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from services.canonical import canonical_bytes, sha256_hex
-from services.identity import NAME
-from services.rules import Expression, ExpressionError, merge_reads
-from services.schema import (
+from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.services.policy.rules import Expression, ExpressionError, merge_reads
+from ztate.services.policy.schema import (
     MAX_TYPE_DEPTH,
     BooleanType,
     EnumType,
@@ -38,6 +37,7 @@ from services.schema import (
     UuidType,
     type_depth,
 )
+from ztate.services.runtime.identity import NAME
 
 POLICY_FORMAT = 1
 KeyName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]

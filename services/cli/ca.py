@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.identity import Identity
+from ztate.services.runtime.identity import Identity
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from services import tls
+from ztate.services.runtime import tls
 
 DEFAULT_TARGET = "127.0.0.1:7443"
 

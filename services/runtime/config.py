@@ -18,7 +18,7 @@ LogFormat = Literal["text", "json"]
 
 
 class TelemetrySettings(BaseSettings):
-    """Traces, metrics and logs (``services.telemetry``), read under the same
+    """Traces, metrics and logs (``ztate.services.runtime.telemetry``), read under the same
     variables by both services: ``ZTATE_TELEMETRY``, ``ZTATE_OTLP_*``,
     ``ZTATE_LOG_FORMAT``; the endpoint also from the standard
     ``OTEL_EXPORTER_OTLP_ENDPOINT``."""

@@ -5,7 +5,7 @@ One leader reads the source once, in order, and does what needs the whole
 source: the bundle file's hash and counts, the order of thread groups, the
 merge with the checkpoints, headless threads. It hands each thread's group of
 rows, whole and in order, to one of ``N`` worker processes, which run exactly
-the checks of ``services.verify`` (``ThreadVerifier``) on it. Findings are the
+the checks of ``ztate.services.verify.checks`` (``ThreadVerifier``) on it. Findings are the
 same as a single process finds; only the order in which threads' findings are
 printed may differ.
 
@@ -32,7 +32,8 @@ from typing import Any
 
 import asyncpg
 
-from services.bundle import (
+from ztate.services.checkpoints import SignedCheckpoint
+from ztate.services.verify.bundle import (
     BUNDLE_ORDER,
     CheckpointReader,
     LineProblem,
@@ -44,8 +45,7 @@ from services.bundle import (
     row_from_line,
     usable_manifest,
 )
-from services.checkpoints import SignedCheckpoint
-from services.verify import (
+from ztate.services.verify.checks import (
     ALL_ROWS,
     HEADLESS,
     PREFETCH,
@@ -234,7 +234,7 @@ def _start_of(line: bytes, number: int, report: Report) -> tuple[str, int] | Non
 def verify_bundle_parallel(
     directory: Path, trust: Trust, report: Report, *, jobs: int, thread_id: str | None = None
 ) -> Summary:
-    """``services.bundle.verify_bundle`` on ``jobs`` worker processes."""
+    """``ztate.services.verify.bundle.verify_bundle`` on ``jobs`` worker processes."""
     manifest = usable_manifest(directory, trust)
     leader = Verification(trust, report)  # the leader's own findings and headless threads
     checkpoints = (
@@ -333,7 +333,7 @@ def _dispatch(
 async def verify_database_parallel(
     dsn: str, trust: Trust, report: Report, *, jobs: int, thread_id: str | None = None
 ) -> Summary:
-    """``services.verify.verify_database`` on ``jobs`` worker processes: the leader
+    """``ztate.services.verify.checks.verify_database`` on ``jobs`` worker processes: the leader
     streams one snapshot and hands out thread groups as rows."""
     workers = _Workers(trust, report, jobs)  # forked before any connection exists
     leader = Verification(trust, report)

@@ -2,7 +2,7 @@
 
 ``guarded`` takes the caller's identity from the verified client certificate,
 runs the handler, and turns domain errors into rich gRPC statuses through
-``services.rpc_errors``, the one mapping. Failures nobody foresaw become a bare
+``ztate.services.runtime.rpc_errors``, the one mapping. Failures nobody foresaw become a bare
 INTERNAL status: the caller never sees internals, the log does.
 """
 
@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from services import errors, rpc_errors
-from services.identity import Identity, identity_from_context
-from services.store.transitions import STORAGE_ERRORS, settled
-from services.telemetry import note_caller, note_refusal
+from ztate.services.runtime import errors, rpc_errors
+from ztate.services.runtime.identity import Identity, identity_from_context
+from ztate.services.runtime.telemetry import note_caller, note_refusal
+from ztate.services.store.transitions import STORAGE_ERRORS, settled
 
 log = logging.getLogger("ztate.rpc")
 Response = TypeVar("Response")
@@ -62,7 +62,7 @@ def failure_status(method: str, failure: Exception) -> grpc.Status:
         note_refusal(unavailable.reason)
         return rpc_errors.to_status(unavailable)
     # the traceback goes to the service's own stderr; exported log records keep
-    # only the exception's type (services.telemetry redacts them)
+    # only the exception's type (ztate.services.runtime.telemetry redacts them)
     log.error("%s failed unexpectedly: %s", method, type(failure).__name__, exc_info=failure)
     note_refusal("UNSPECIFIED")
     return rpc_errors.internal_status()

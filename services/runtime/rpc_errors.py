@@ -12,7 +12,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services import errors
+from ztate.services.runtime import errors
 from ztate.v1 import errors_pb2
 
 ERROR_DOMAIN = "ztate.dev"

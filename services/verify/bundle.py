@@ -15,7 +15,7 @@ the end of a thread, which no chain can show by itself.
 
 ``export_bundle`` writes one from Postgres in a single consistent snapshot;
 ``verify_bundle`` streams it through the same checks as ``ztate verify`` against
-a database (``services.verify``), holding one thread's previous record at a time.
+a database (``ztate.services.verify.checks``), holding one thread's previous record at a time.
 
 Each line has exactly these members::
 
@@ -48,9 +48,9 @@ from typing import Any, BinaryIO
 import asyncpg
 import orjson
 
-from services.chain import format_time
-from services.checkpoints import SignedCheckpoint
-from services.verify import (
+from ztate.services.chain import format_time
+from ztate.services.checkpoints import SignedCheckpoint
+from ztate.services.verify.checks import (
     CHECKPOINT,
     Finding,
     Head,

@@ -26,12 +26,12 @@ import orjson
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
-from services.bundle import export_bundle, verify_bundle
-from services.config import Settings, describe
-from services.keyring import Keyring, KeyringError
-from services.policy import PolicyError, PolicySet
-from services.receipts import KeyFileError, load_public_keys
-from services.verify import (
+from ztate.services.keyring import Keyring, KeyringError
+from ztate.services.policy.model import PolicyError, PolicySet
+from ztate.services.receipts import KeyFileError, load_public_keys
+from ztate.services.runtime.config import Settings, describe
+from ztate.services.verify.bundle import export_bundle, verify_bundle
+from ztate.services.verify.checks import (
     EXIT_CANNOT_RUN,
     Finding,
     Report,
@@ -41,7 +41,11 @@ from services.verify import (
     counted,
     verify_database,
 )
-from services.verify_parallel import jobs_wanted, verify_bundle_parallel, verify_database_parallel
+from ztate.services.verify.parallel import (
+    jobs_wanted,
+    verify_bundle_parallel,
+    verify_database_parallel,
+)
 
 MAX_JOBS = 256
 FLUSH_TIMEOUT_MILLIS = 5_000  # per signal, at exit
@@ -113,7 +117,7 @@ def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from services.telemetry import Telemetry
+    from ztate.services.runtime.telemetry import Telemetry
 
     telemetry = Telemetry()
     try:
@@ -248,7 +252,7 @@ def _database(settings: Settings) -> tuple[str, Any]:
     data = settings.home / "pg"
     if not data.exists():
         raise VerifyError(f"DATABASE_URL is unset and there is no embedded database at {data}")
-    from services.store.embedded import start_embedded_postgres
+    from ztate.services.store.embedded import start_embedded_postgres
 
     return start_embedded_postgres(data)
 
@@ -271,7 +275,7 @@ def cmd_ledger_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The two commands on their own (``python -m services.verify_cli``), for
+    """The two commands on their own (``python -m ztate.services.cli.verify``), for
     hosts where only the verifier is installed."""
     parser = argparse.ArgumentParser(prog="ztate", description="verify and export the ledger")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -48,7 +48,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Status
 
-from services.config import ApprovalSettings, LogFormat, Settings
+from ztate.services.runtime.config import ApprovalSettings, LogFormat, Settings
 
 log = logging.getLogger("ztate.telemetry")
 
@@ -106,14 +106,14 @@ SAMPLER = ParentBased(root=ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON)
 
 
 def note_caller(spiffe_id: str) -> None:
-    """The authenticated caller of the current RPC (``services.rpc_guard``)."""
+    """The authenticated caller of the current RPC (``ztate.services.runtime.rpc_guard``)."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attribute(NODE_ID, spiffe_id)
 
 
 def note_refusal(reason: str) -> None:
-    """The current RPC was refused, for ``reason`` (``services.rpc_guard``)."""
+    """The current RPC was refused, for ``reason`` (``ztate.services.runtime.rpc_guard``)."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attributes({DECISION: REFUSED, REASON: reason})

@@ -21,9 +21,9 @@ from urllib.parse import urlsplit
 import asyncpg
 from pydantic import ValidationError
 
-from services.config import ApprovalSettings, Settings, describe
-from services.store.migrate import MigrationError, migrate
-from services.store.optional import CitusError, apply_citus_layout
+from ztate.services.runtime.config import ApprovalSettings, Settings, describe
+from ztate.services.store.migrate import MigrationError, migrate
+from ztate.services.store.optional import CitusError, apply_citus_layout
 
 OK, CANNOT_RUN = 0, 2
 CONNECT_TIMEOUT_SECONDS = 30.0
@@ -67,7 +67,7 @@ async def _migrate(
     dsn: str, settings: Settings, approval: ApprovalSettings
 ) -> dict[str, list[str]]:
     """The migrations applied now, by service."""
-    from approval_service.app import migrate_approvals
+    from ztate.approval_service.app import migrate_approvals
 
     conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_SECONDS)
     try:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from services import ca
-from services.config import ApprovalSettings, Settings
-from services.identity import Identity, Role
-from services.keyring import generate_keyring_file
-from services.policy import PolicySet
-from services.receipts import generate_signing_key
+from ztate.services.cli import ca
+from ztate.services.keyring import generate_keyring_file
+from ztate.services.policy.model import PolicySet
+from ztate.services.receipts import generate_signing_key
+from ztate.services.runtime.config import ApprovalSettings, Settings
+from ztate.services.runtime.identity import Identity, Role
 
 OPERATOR_NAME = "admin"
 REVIEWERS = ("alice", "bob")
@@ -37,7 +37,7 @@ def ensure_dev_layout(settings: Settings) -> DevLayout:
     assert settings.hmac_keyring_file is not None
     if not settings.policy_path.exists():
         settings.policy_path.parent.mkdir(parents=True, exist_ok=True)
-        source = resources.files("services").joinpath("defaults/policy.yaml")
+        source = resources.files("ztate.services.defaults").joinpath("policy.yaml")
         with resources.as_file(source) as path:
             shutil.copyfile(path, settings.policy_path)
     policies = PolicySet.load(settings.policy_path)

@@ -30,8 +30,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
-from services import tls
-from services.config import ApprovalSettings, Settings, describe
+from ztate.services.runtime import tls
+from ztate.services.runtime.config import ApprovalSettings, Settings, describe
 
 SERVING, NOT_SERVING, CANNOT_ASK = 0, 1, 2
 TRANSITION_SERVICE = "ztate.v1.TransitionService"

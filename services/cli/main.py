@@ -18,18 +18,18 @@ import grpc
 from google.protobuf import json_format, timestamp_pb2
 from pydantic import SecretStr, ValidationError
 
-from approval_service.cli import add_approval_commands
-from services import ca
-from services.config import ApprovalSettings, Settings, describe
-from services.db_cli import add_db_commands
-from services.health_probe import add_health_command
-from services.identity import NAME, Identity, Role
-from services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
-from services.operator_client import add_connection_flags, operator_channel
-from services.policy import PolicyError, PolicySet
-from services.receipts import KeyFileError, add_signing_key
-from services.store.migrate import MigrationError
-from services.verify_cli import add_export_command, add_verify_commands
+from ztate.approval_service.cli import add_approval_commands
+from ztate.services.cli import ca
+from ztate.services.cli.db import add_db_commands
+from ztate.services.cli.health_probe import add_health_command
+from ztate.services.cli.operator_client import add_connection_flags, operator_channel
+from ztate.services.cli.verify import add_export_command, add_verify_commands
+from ztate.services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
+from ztate.services.policy.model import PolicyError, PolicySet
+from ztate.services.receipts import KeyFileError, add_signing_key
+from ztate.services.runtime.config import ApprovalSettings, Settings, describe
+from ztate.services.runtime.identity import NAME, Identity, Role
+from ztate.services.store.migrate import MigrationError
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 
@@ -41,13 +41,13 @@ def _settings() -> Settings:
 
 
 def _configure_logging(settings: Settings) -> None:
-    from services.telemetry import configure_logging
+    from ztate.services.runtime.telemetry import configure_logging
 
     configure_logging(settings.log_format)
 
 
 def _serve(settings: Settings) -> int:
-    from transition_service.app import serve
+    from ztate.transition_service.app import serve
 
     try:
         import uvloop
@@ -73,8 +73,8 @@ def _start_approval_process(settings: Settings, dsn: str) -> subprocess.Popen[by
 
 def cmd_run(_: argparse.Namespace) -> int:
     """Development: create what is missing under .ztate/, then run both services."""
-    from services.devsetup import OPERATOR_NAME, REVIEWERS, ensure_dev_layout
-    from services.store.embedded import start_embedded_postgres
+    from ztate.services.cli.devsetup import OPERATOR_NAME, REVIEWERS, ensure_dev_layout
+    from ztate.services.store.embedded import start_embedded_postgres
 
     settings = _settings()
     _configure_logging(settings)
@@ -112,7 +112,7 @@ def cmd_run(_: argparse.Namespace) -> int:
   CA key        {layout.ca_dir.resolve()}/ca.key (never give it to a service or a worker)
 
 Connect a worker:
-  from worker_sdk import ZtateClient
+  from ztate.worker_sdk import ZtateClient
   client = ZtateClient.from_files("{settings.listen}", cert="{certs}/node-input-parser.crt",
                                   key="{certs}/node-input-parser.key", ca="{certs}/ca.crt")
 """,
@@ -433,9 +433,9 @@ def cmd_ledger_prune(args: argparse.Namespace) -> int:
     """Prune old state bodies; every record, digest and signature stays."""
     from datetime import timedelta
 
-    from services.store.retention import Limits, RetentionError, prune
-    from services.verify import VerifyError
-    from services.verify_cli import database_dsn
+    from ztate.services.cli.verify import database_dsn
+    from ztate.services.store.retention import Limits, RetentionError, prune
+    from ztate.services.verify.checks import VerifyError
 
     try:
         limits = Limits(

@@ -1,7 +1,7 @@
 """The offline verifier: check a stored ledger without trusting the service that wrote it.
 
 A security team runs this against a copy of the database or an exported bundle
-(``services.bundle``) with nothing but key material and the policies: the HMAC
+(``ztate.services.verify.bundle``) with nothing but key material and the policies: the HMAC
 keyring, the approval service's Ed25519 public keys and the policy files. The
 transition service need not run, and nothing the database says about itself is
 taken on trust: every record is re-hashed from its stored bytes, every unsigned
@@ -39,9 +39,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from opentelemetry import metrics
 
-from services import errors
-from services.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
-from services.chain import (
+from ztate.services.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
+from ztate.services.chain import (
     GENESIS_PARENT,
     RECORD_FORMAT,
     RECORD_MEMBERS,
@@ -50,15 +49,16 @@ from services.chain import (
     kind_fits,
     sign_digest,
 )
+from ztate.services.checkpoints import CheckpointError, SignedCheckpoint, verify_checkpoint
+from ztate.services.keyring import Keyring
 
 # The risk semantics must be exactly the transition service's, so they are reused
 # rather than re-implemented: a verifier that disagreed would cry wolf or miss.
-from services.changes import Change, apply_patch, matched_risk_rules
-from services.checkpoints import CheckpointError, SignedCheckpoint, verify_checkpoint
-from services.keyring import Keyring
-from services.policy import Policy, PolicySet
-from services.receipts import APPROVE, SignedReceipt, verify_receipt
-from services.rules import Reads, bind, merge_reads
+from ztate.services.policy.changes import Change, apply_patch, matched_risk_rules
+from ztate.services.policy.model import Policy, PolicySet
+from ztate.services.policy.rules import Reads, bind, merge_reads
+from ztate.services.receipts import APPROVE, SignedReceipt, verify_receipt
+from ztate.services.runtime import errors
 
 EXIT_VERIFIED, EXIT_FAILURES, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -577,7 +577,7 @@ class ThreadVerifier:
         if key is not None and key in memo:
             return list(memo[key])
         try:
-            # bound as the transition service binds them (services.changes.Change.of),
+            # bound as the transition service binds them (ztate.services.policy.changes.Change.of),
             # but only what the risk rules read: the invariants are not re-checked here
             reads = self._trust.risk_reads[policy.digest]
             bound = bind(reads, values) if reads else None

@@ -2,7 +2,7 @@
 
 The reason names are those of ``ztate.v1.ErrorReason`` without its prefix; a unit
 test keeps the two in step. How each maps to a gRPC status lives in
-``services.rpc_errors`` and nowhere else.
+``ztate.services.runtime.rpc_errors`` and nowhere else.
 """
 
 from __future__ import annotations

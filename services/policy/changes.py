@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services import errors
-from services.canonical import JsonObject
-from services.policy import Policy
-from services.rules import bind
+from ztate.services.canonical import JsonObject
+from ztate.services.policy.model import Policy
+from ztate.services.policy.rules import bind
+from ztate.services.runtime import errors
 
 
 def apply_patch(state: JsonObject, patch: JsonObject) -> JsonObject:

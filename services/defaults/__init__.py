@@ -1,0 +1,1 @@
+"""The default policy, shipped as package data (read with importlib.resources)."""
