@@ -287,7 +287,7 @@ def add_reviewer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-name", help="expected server name, if not the target host")
 
 
-def add_approval_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
+def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``approval-serve`` and ``approvals`` to the ``ztate`` command."""
     subparsers.add_parser(
         "approval-serve", help="run the approval service from configuration"

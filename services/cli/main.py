@@ -5,20 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import datetime
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format, timestamp_pb2
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
-from ztate.approval_service.cli import add_approval_commands
 from ztate.services.cli import ca
 from ztate.services.cli.db import add_db_commands
 from ztate.services.cli.health_probe import add_health_command
@@ -27,9 +25,8 @@ from ztate.services.cli.verify import add_export_command, add_verify_commands
 from ztate.services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
 from ztate.services.policy.model import PolicyError, PolicySet
 from ztate.services.receipts import KeyFileError, add_signing_key
-from ztate.services.runtime.config import ApprovalSettings, Settings, describe
+from ztate.services.runtime.config import Settings, describe
 from ztate.services.runtime.identity import NAME, Identity, Role
-from ztate.services.store.migrate import MigrationError
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 
@@ -44,97 +41,6 @@ def _configure_logging(settings: Settings) -> None:
     from ztate.services.runtime.telemetry import configure_logging
 
     configure_logging(settings.log_format)
-
-
-def _serve(settings: Settings) -> int:
-    from ztate.transition_service.app import serve
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(serve(settings))
-    except (PolicyError, KeyringError, KeyFileError, MigrationError, FileNotFoundError) as exc:
-        print(f"ztate: cannot start: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _start_approval_process(settings: Settings, dsn: str) -> subprocess.Popen[bytes]:
-    """The approval service, as its own process, on the same (embedded) database."""
-    env = dict(os.environ, DATABASE_URL=dsn, ZTATE_HOME=str(settings.home))
-    env.setdefault("ZTATE_APPROVAL_TRANSITION_TARGET", settings.listen)
-    ztate = Path(sys.executable).with_name("ztate")
-    return subprocess.Popen([str(ztate), "approval-serve"], env=env)
-
-
-def cmd_run(_: argparse.Namespace) -> int:
-    """Development: create what is missing under .ztate/, then run both services."""
-    from ztate.services.cli.devsetup import OPERATOR_NAME, REVIEWERS, ensure_dev_layout
-    from ztate.services.store.embedded import start_embedded_postgres
-
-    settings = _settings()
-    _configure_logging(settings)
-    layout = ensure_dev_layout(settings)
-    approval = ApprovalSettings(home=settings.home, trust_domain=settings.trust_domain)
-    database = (
-        "DATABASE_URL" if settings.database_url else f"embedded Postgres in {settings.home / 'pg'}"
-    )
-    if settings.database_url is None:
-        dsn, _embedded = start_embedded_postgres(settings.home / "pg")
-    else:
-        dsn = settings.database_url.get_secret_value()
-    settings = settings.model_copy(
-        update={
-            "database_url": SecretStr(dsn),
-            "approval_target": settings.approval_target or f"localhost:{_port(approval.listen)}",
-        }
-    )
-    certs = layout.certs.resolve()
-
-    nodes = ", ".join(
-        sorted(n for p in layout.policies.policies.values() for n in p.document.nodes)
-    )
-    policies = ", ".join(
-        f"{p.name} (digest {p.digest[:16]}...)" for p in layout.policies.policies.values()
-    )
-    print(
-        f"""ztate control plane
-  transition    {settings.listen} (mTLS, trust domain {settings.trust_domain})
-  approval      {approval.listen} (its own process; reviewers: {", ".join(REVIEWERS)})
-  database      {database}
-  policy        {settings.policy_path}: {policies}
-  certificates  {certs}/  (ca.crt, operator-{OPERATOR_NAME}.*, reviewer-<name>.*,
-                node-<name>.* for: {nodes})
-  CA key        {layout.ca_dir.resolve()}/ca.key (never give it to a service or a worker)
-
-Connect a worker:
-  from ztate.worker_sdk import ZtateClient
-  client = ZtateClient.from_files("{settings.listen}", cert="{certs}/node-input-parser.crt",
-                                  key="{certs}/node-input-parser.key", ca="{certs}/ca.crt")
-""",
-        flush=True,
-    )
-    approval_process = _start_approval_process(settings, dsn)
-    try:
-        return _serve(settings)
-    finally:
-        approval_process.terminate()
-        approval_process.wait(timeout=30)
-
-
-def _port(listen: str) -> str:
-    return listen.rsplit(":", 1)[1]
-
-
-def cmd_serve(_: argparse.Namespace) -> int:
-    """Production: serve from configuration only; create nothing."""
-    settings = _settings()
-    _configure_logging(settings)
-    return _serve(settings)
 
 
 def cmd_ca_init(args: argparse.Namespace) -> int:
@@ -482,16 +388,33 @@ def cmd_threads_revert(args: argparse.Namespace) -> int:
     return 0
 
 
+Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
+COMMAND_GROUP = "ztate.cli"
+
+
+def _server_commands() -> list[Callable[[Subparsers[argparse.ArgumentParser]], None]]:
+    """The commands the installed services add (``run``, ``serve``, ``approval-serve``, ...).
+
+    The core never imports a server: each service registers its commands under the
+    ``ztate.cli`` entry-point group of its distribution (pyproject.toml), found here.
+    """
+    found = sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)
+    return [entry.load() for entry in found]
+
+
+def settings_or_exit() -> Settings:
+    """The transition service's settings, or exit 2 with what is wrong in them."""
+    return _settings()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ztate", description="zero-trust control plane for shared agent state"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("run", help="development: set up .ztate/ on first run, then serve").set_defaults(
-        func=cmd_run
-    )
-    sub.add_parser("serve", help="serve from configuration only").set_defaults(func=cmd_serve)
+    for register in _server_commands():
+        register(sub)
 
     ca_parser = sub.add_parser("ca", help="a development certificate authority")
     ca_sub = ca_parser.add_subparsers(dest="ca_command", required=True)
@@ -541,7 +464,6 @@ def build_parser() -> argparse.ArgumentParser:
     show = policy_sub.add_parser("show", help="print the effective policy and its digest")
     show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")
     show.set_defaults(func=cmd_policy_show)
-    add_approval_commands(sub)
     add_verify_commands(sub)
     add_health_command(sub)
     add_db_commands(sub)

@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from tests.harness import TRUST_DOMAIN, Credentials, Pki, new_thread_id
 from ztate.approval_service.app import SERVICE_NAME, RunningApproval, start
-from ztate.approval_service.cli import add_approval_commands
+from ztate.approval_service.cli import register as add_approval_commands
 from ztate.approval_service.delivery import refusal_reason
 from ztate.services.canonical import canonical_bytes, sha256_hex
 from ztate.services.cli import ca
