@@ -40,6 +40,7 @@ lint: $(STAMP) typecheck-tree
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	cd proto && ../$(VENV)/bin/buf lint
 
 # The folders as they install (ztate.services is services/, ...), for mypy, which cannot follow

@@ -105,6 +105,11 @@ async def migrate_approvals(dsn: str, role: str) -> list[str]:
         await conn.close()
 
 
+async def migrate_for_db_command(dsn: str, settings: ApprovalSettings) -> list[str]:
+    """``ztate db migrate``'s part for this service (its ``ztate.migrations`` entry point)."""
+    return await migrate_approvals(dsn, settings.db_role)
+
+
 async def verify_approvals(dsn: str) -> list[str]:
     """Check, read-only, that the approval service's migrations were applied (none now)."""
     conn = await asyncpg.connect(dsn)

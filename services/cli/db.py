@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
+from importlib.metadata import entry_points
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -63,21 +65,29 @@ def _explain(failure: BaseException, dsn: str | None) -> str:
     return f"{type(failure).__name__}: {text}"
 
 
+MIGRATION_GROUP = "ztate.migrations"
+ServiceMigration = Callable[[str, ApprovalSettings], Awaitable[list[str]]]
+
+
+def _service_migrations() -> dict[str, ServiceMigration]:
+    """Each installed service's own migrations, by the name it registers them under in
+    the ``ztate.migrations`` entry-point group (the core imports no server)."""
+    return {e.name: e.load() for e in sorted(entry_points(group=MIGRATION_GROUP), key=str)}
+
+
 async def _migrate(
     dsn: str, settings: Settings, approval: ApprovalSettings
 ) -> dict[str, list[str]]:
     """The migrations applied now, by service."""
-    from ztate.approval_service.app import migrate_approvals
-
     conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         transition = await migrate(conn, settings.db_role, settings.db_reader_role)
     finally:
         await conn.close()
-    return {
-        "transition service": transition,
-        "approval service": await migrate_approvals(dsn, approval.db_role),
-    }
+    applied = {"transition service": transition}
+    for name, service_migrate in _service_migrations().items():
+        applied[f"{name} service"] = await service_migrate(dsn, approval)
+    return applied
 
 
 async def _citus(dsn: str) -> list[str]:
