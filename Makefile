@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/ztate/v1/*.proto)
 
-.PHONY: run test proto proto-check lint typecheck-tree deploy-check bench clean demo
+.PHONY: run test test-unit dist proto proto-check lint typecheck-tree deploy-check bench clean demo
 
 $(STAMP): pyproject.toml worker_sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,14 @@ run: $(STAMP)
 ## test: the whole test suite on real Postgres, real gRPC and real certificates
 test: $(STAMP)
 	$(PY) -m pytest
+
+## test-unit: the lane that needs no database (seconds): pure functions, vectors, configs
+test-unit: $(STAMP)
+	$(PY) -m pytest -m unit -q
+
+## dist: the wheels: ztate (the control plane) and ztate-worker (what a worker installs)
+dist: $(STAMP)
+	$(PY) -m pip wheel --quiet --no-deps -w dist ./worker_sdk .
 
 ## proto: regenerate the Python code from proto/ (never edit *_pb2*.py by hand)
 proto: $(STAMP)

@@ -22,6 +22,17 @@ POLICY = REPO / "services" / "defaults" / "policy.yaml"
 TEST_MAX_PATCH_BYTES = 16 * 1024
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Lanes: tests/unit/ is ``unit`` unless a test reaches Postgres through a fixture;
+    everything else (real Postgres, services, processes) is ``integration``.
+    ``make test-unit`` runs the unit lane alone, with no database and no server."""
+    for item in items:
+        in_unit = Path(str(item.path)).is_relative_to(REPO / "tests" / "unit")
+        needs_database = "postgres_server_dsn" in getattr(item, "fixturenames", ())
+        unit = in_unit and not needs_database
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def postgres_server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A superuser DSN of a real Postgres server."""
