@@ -7,11 +7,13 @@ the service listens on a loopback port with mutual TLS.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -20,7 +22,7 @@ from ztate.services.chain import StoredLink, verify_chain
 from ztate.services.cli import ca
 from ztate.services.keyring import Keyring
 from ztate.services.runtime.identity import Identity, Role
-from ztate.worker_sdk import ZtateClient
+from ztate.worker_sdk import AwaitingApproval, ZtateClient
 
 TRUST_DOMAIN = "ztate.test"
 NODES = ("input-parser", "planner", "approval-gate", "db-writer")
@@ -172,6 +174,22 @@ class Ledger:
         finally:
             await conn.close()
 
+    async def record(self, thread_id: str, version: int) -> dict[str, Any]:
+        """The ledger record at ``version``, as an operator reads it (nodes not marked
+        ``read_records`` are told versions only)."""
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            body = await conn.fetchval(
+                "SELECT record FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
+                thread_id,
+                version,
+            )
+        finally:
+            await conn.close()
+        assert body is not None, f"no record {thread_id}@{version}"
+        parsed: dict[str, Any] = json.loads(bytes(body))
+        return parsed
+
     async def verify(self, thread_id: str) -> int:
         """Verify the thread's whole chain from genesis; returns its length."""
         rows = await self.rows(thread_id)
@@ -180,3 +198,27 @@ class Ledger:
             for r in rows
         )
         return verify_chain(links, self.keyring, thread_id=thread_id)
+
+
+async def as_operator_sees_it(dsn: str, parked: AwaitingApproval) -> AwaitingApproval:
+    """A parked proposal with the digest and risk rules an operator or reviewer sees.
+
+    A node not marked ``read_records`` gets neither (docs/api.md, "What a node
+    receives"); tests that go on to review or decide the proposal read them from the
+    database, as the approval service would receive them.
+    """
+    thread_id, key = parked.handle.split("/", 1)
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(
+            "SELECT digest, risk_rules FROM ztate.pending_transitions "
+            "WHERE thread_id = $1 AND idempotency_key = $2",
+            thread_id,
+            key,
+        )
+    finally:
+        await conn.close()
+    assert row is not None, f"no parked proposal {parked.handle!r}"
+    return AwaitingApproval(
+        row["digest"], thread_id, parked.base_version, tuple(row["risk_rules"]), parked.handle
+    )

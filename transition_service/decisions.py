@@ -31,7 +31,12 @@ from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.transitions import PendingTransition, StoredTransition, TransitionStore
 from ztate.transition_service.heads import CachedHead, HeadCache
 from ztate.transition_service.outcomes import OutcomeListener
-from ztate.transition_service.pipeline import as_stored, check_privileged
+from ztate.transition_service.pipeline import (
+    IDEMPOTENCY_KEY,
+    THREAD_ID,
+    as_stored,
+    check_privileged,
+)
 
 APPROVAL_SERVICE_NAME = "approval"
 NONCE_CONSTRAINT = "receipts_nonce_key"
@@ -51,6 +56,31 @@ class Outcome(enum.Enum):
 class Resolution:
     outcome: Outcome
     transition: StoredTransition | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WaitFor:
+    """The parked transition WaitForOutcome names: exactly one of its digest or the
+    proposer's handle (``pending_handle``)."""
+
+    digest: str = ""
+    handle: str = ""
+
+
+def pending_handle(thread_id: str, idempotency_key: str) -> str:
+    """How a proposer names its own parked proposal: only what it sent, so, unlike the
+    transition digest, nothing that commits to state it may not read."""
+    return f"{thread_id}/{idempotency_key}"
+
+
+def parse_handle(handle: str) -> tuple[str, str]:
+    """``(thread_id, idempotency_key)`` of a handle; thread ids never hold a "/"."""
+    thread_id, slash, key = handle.partition("/")
+    if not slash or not THREAD_ID.fullmatch(thread_id) or not IDEMPOTENCY_KEY.match(key):
+        raise errors.RequestInvalid(
+            "handle must be <thread_id>/<idempotency_key>, as PendingTransition.handle gives it"
+        )
+    return thread_id, key
 
 
 class DecisionPipeline:
@@ -187,9 +217,10 @@ class DecisionPipeline:
         )
         return Resolution(outcome, transition)
 
-    async def wait(self, caller: Identity, digest: str, patience: float | None) -> Resolution:
+    async def wait(self, caller: Identity, wanted: WaitFor, patience: float | None) -> Resolution:
         """The outcome of a parked transition, once it has one or ``patience`` seconds pass."""
-        pending = await self._visible(caller, digest)
+        pending = await self._named(caller, wanted)
+        digest = pending.digest
         loop = asyncio.get_running_loop()
         # 0.0 is a real answer (the caller's deadline is near), not "no deadline"
         wait = MAX_WAIT_SECONDS if patience is None else min(patience, MAX_WAIT_SECONDS)
@@ -207,6 +238,20 @@ class DecisionPipeline:
                     await asyncio.wait_for(announced.wait(), min(remaining, RECHECK_SECONDS))
                 except TimeoutError:
                     continue
+
+    async def _named(self, caller: Identity, wanted: WaitFor) -> PendingTransition:
+        if bool(wanted.digest) == bool(wanted.handle):
+            raise errors.RequestInvalid(
+                "name the parked transition by exactly one of digest, handle"
+            )
+        if wanted.digest:
+            return await self._visible(caller, wanted.digest)
+        thread_id, key = parse_handle(wanted.handle)
+        # a handle names the caller's own proposal: the key is unique per (thread, node)
+        pending = await self._store.find_pending(thread_id, caller.spiffe_id, key)
+        if pending is None:
+            raise errors.ReviewNotFound("no parked transition of yours has this handle")
+        return pending
 
     async def _visible(self, caller: Identity, digest: str) -> PendingTransition:
         pending = await self._store.pending_by_digest(digest)

@@ -100,9 +100,20 @@ class ThreadReads:
             check_privileged(caller, "read the ledger")
         return RecordWithEvidence(found, await self._store.evidence(found.digest))
 
-    def _check_reads_records(self, caller: Identity) -> None:
+    def discloses_records(self, caller: Identity) -> bool:
+        """Whether answers to ``caller`` may carry records and digests.
+
+        A record's digest, a head digest and a record's ``state_digest`` all commit to
+        the whole state: whoever holds one can test guesses of keys it may not read.
+        Nodes the policy does not mark ``read_records`` get versions and outcomes only.
+        """
+        if caller.role is not Role.NODE:
+            return True
         policy = self._policies.of_node(caller.name)
-        if policy is None or not policy.reads_records(caller.name):
+        return policy is not None and policy.reads_records(caller.name)
+
+    def _check_reads_records(self, caller: Identity) -> None:
+        if not self.discloses_records(caller):
             raise errors.RoleForbidden(RECORDS_FORBIDDEN)
 
     async def _find(self, caller: Identity, lookup: Lookup) -> StoredTransition:

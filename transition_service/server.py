@@ -13,10 +13,16 @@ from typing import Any
 from google.protobuf import timestamp_pb2
 
 from ztate.services.receipts import SignedReceipt
+from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
 from ztate.services.runtime.rpc_guard import Context, failure_status, guarded
 from ztate.services.store.transitions import PendingTransition, StoredTransition
-from ztate.transition_service.decisions import DecisionPipeline, Resolution
+from ztate.transition_service.decisions import (
+    DecisionPipeline,
+    Resolution,
+    WaitFor,
+    pending_handle,
+)
 from ztate.transition_service.pipeline import Parked, Proposal, Revert, TransitionPipeline
 from ztate.transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
 from ztate.transition_service.watch import Subscription, Watcher
@@ -25,33 +31,44 @@ from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 log = logging.getLogger("ztate.rpc")
 
 
-def transition_message(stored: StoredTransition) -> transition_pb2.Transition:
+def transition_message(stored: StoredTransition, *, disclose: bool) -> transition_pb2.Transition:
+    """A committed record; without ``disclose``, its version and metadata only (no record
+    and no digest: each commits to the whole state, keys the caller may not read included)."""
     committed_at = timestamp_pb2.Timestamp()
     committed_at.FromDatetime(stored.committed_at)
-    return transition_pb2.Transition(
+    message = transition_pb2.Transition(
         thread_id=stored.thread_id,
         version=stored.version,
-        digest=stored.digest,
-        parent_digest=stored.parent_digest,
-        signature=stored.signature,
         key_id=stored.key_id,
-        record_json=stored.record,
         node_id=stored.node_id,
         committed_at=committed_at,
     )
+    if disclose:
+        message.digest = stored.digest
+        message.parent_digest = stored.parent_digest
+        message.signature = stored.signature
+        message.record_json = stored.record
+    return message
 
 
-def pending_message(pending: PendingTransition) -> transition_pb2.PendingTransition:
+def pending_message(
+    pending: PendingTransition, *, disclose: bool
+) -> transition_pb2.PendingTransition:
+    """A parked proposal; without ``disclose``, no digest, proposal or matched rules (a
+    rule may test keys the caller may not read), only what names it for WaitForOutcome."""
     parked_at = timestamp_pb2.Timestamp()
     parked_at.FromDatetime(pending.parked_at)
-    return transition_pb2.PendingTransition(
-        digest=pending.digest,
+    message = transition_pb2.PendingTransition(
         thread_id=pending.thread_id,
         base_version=pending.base_version,
-        risk_rules=pending.risk_rules,
-        proposal_json=pending.proposal,
         parked_at=parked_at,
+        handle=pending_handle(pending.thread_id, pending.idempotency_key),
     )
+    if disclose:
+        message.digest = pending.digest
+        message.risk_rules.extend(pending.risk_rules)
+        message.proposal_json = pending.proposal
+    return message
 
 
 class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
@@ -78,7 +95,9 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             genesis = await self._pipeline.create_thread(
                 caller, request.thread_id, request.policy, request.initial_state_json
             )
-            return transition_pb2.CreateThreadResponse(genesis=transition_message(genesis))
+            return transition_pb2.CreateThreadResponse(
+                genesis=transition_message(genesis, disclose=True)
+            )
 
         return await guarded(context, self._trust_domain, "CreateThread", handle)
 
@@ -91,7 +110,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 thread_id=view.thread_id,
                 version=view.version,
                 state_json=view.state_json,
-                head_digest=view.head_digest,
+                head_digest=view.head_digest if self._reads.discloses_records(caller) else "",
             )
 
         return await guarded(context, self._trust_domain, "GetView", handle)
@@ -109,12 +128,15 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                     idempotency_key=request.idempotency_key,
                 ),
             )
+            disclose = self._reads.discloses_records(caller)
             if isinstance(outcome, Parked):
                 return transition_pb2.ProposeTransitionResponse(
-                    pending=pending_message(outcome.pending), replayed=outcome.replayed
+                    pending=pending_message(outcome.pending, disclose=disclose),
+                    replayed=outcome.replayed,
                 )
             return transition_pb2.ProposeTransitionResponse(
-                transition=transition_message(outcome.transition), replayed=outcome.replayed
+                transition=transition_message(outcome.transition, disclose=disclose),
+                replayed=outcome.replayed,
             )
 
         return await guarded(context, self._trust_domain, "ProposeTransition", handle)
@@ -163,12 +185,13 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             return await self._watcher.open(caller, request.thread_id, request.from_version)
 
         subscription = await guarded(context, self._trust_domain, "WatchThread", handle)
+        disclose = self._reads.discloses_records(subscription.caller)
         try:
             async for version in subscription:
                 yield transition_pb2.WatchThreadResponse(
                     thread_id=version.thread_id,
                     version=version.version,
-                    digest=version.digest,
+                    digest=version.digest if disclose else "",
                     state_json=version.state_json,
                     state_pruned=version.state_pruned,
                 )
@@ -188,7 +211,9 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             resolution = await self._decisions.apply(
                 caller, SignedReceipt(receipt.receipt_json, receipt.signature, receipt.key_id)
             )
-            return transition_pb2.ApplyDecisionResponse(**resolution_fields(resolution))
+            return transition_pb2.ApplyDecisionResponse(
+                **resolution_fields(resolution, disclose=True)
+            )
 
         return await guarded(context, self._trust_domain, "ApplyDecision", handle)
 
@@ -199,8 +224,16 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             remaining = context.time_remaining()
             # Answer a little before the caller's deadline, so the answer arrives.
             patience = None if remaining is None else max(remaining - 0.2, 0.0)
-            resolution = await self._decisions.wait(caller, request.digest, patience)
-            return transition_pb2.WaitForOutcomeResponse(**resolution_fields(resolution))
+            disclose = self._reads.discloses_records(caller)
+            if request.digest and not disclose:
+                # probing digests would confirm guesses of keys it may not read
+                raise errors.RoleForbidden("this node names its parked proposals by handle")
+            resolution = await self._decisions.wait(
+                caller, WaitFor(digest=request.digest, handle=request.handle), patience
+            )
+            return transition_pb2.WaitForOutcomeResponse(
+                **resolution_fields(resolution, disclose=disclose)
+            )
 
         return await guarded(context, self._trust_domain, "WaitForOutcome", handle)
 
@@ -217,14 +250,18 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 ),
             )
             return transition_pb2.RevertThreadResponse(
-                transition=transition_message(outcome.transition), replayed=outcome.replayed
+                transition=transition_message(outcome.transition, disclose=True),
+                replayed=outcome.replayed,
             )
 
         return await guarded(context, self._trust_domain, "RevertThread", handle)
 
 
 def evidence_message(found: RecordWithEvidence) -> transition_pb2.GetTransitionResponse:
-    response = transition_pb2.GetTransitionResponse(transition=transition_message(found.transition))
+    # only operators and read_records nodes get this far (ThreadReads.transition)
+    response = transition_pb2.GetTransitionResponse(
+        transition=transition_message(found.transition, disclose=True)
+    )
     evidence = found.evidence
     if evidence.receipt is not None:
         response.receipt.CopyFrom(
@@ -238,10 +275,10 @@ def evidence_message(found: RecordWithEvidence) -> transition_pb2.GetTransitionR
     return response
 
 
-def resolution_fields(resolution: Resolution) -> dict[str, Any]:
+def resolution_fields(resolution: Resolution, *, disclose: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "outcome": transition_pb2.Outcome.Value(f"OUTCOME_{resolution.outcome.name}")
     }
     if resolution.transition is not None:
-        fields["transition"] = transition_message(resolution.transition)
+        fields["transition"] = transition_message(resolution.transition, disclose=disclose)
     return fields

@@ -262,6 +262,10 @@ class Subscription:
         self._versions = watcher.versions(thread_id, last, readable)
         self._open = True
 
+    @property
+    def caller(self) -> Identity:
+        return self._caller
+
     def __aiter__(self) -> AsyncIterator[WatchedVersion]:
         return self._versions
 

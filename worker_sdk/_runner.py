@@ -103,13 +103,11 @@ class NodeRunner:
                 log.info("%s: refused: %s", self.node_name, refused)
                 return self._refused(view, patch, refused)
             except AwaitingApproval as parked:
-                log.info("%s: parked %s (%s)", self.node_name, parked.digest, parked.risk_rules)
+                log.info("%s: parked %s", self.node_name, parked.handle or parked.digest)
                 if self.on_parked is not None:
                     self.on_parked(parked)
-                outcome = await self.client.wait_for_outcome(
-                    parked.digest, within=self.approval_wait
-                )
-                step = self._record(view, patch, outcome, parked.digest)
+                outcome = await self.client.wait_for_outcome(parked, within=self.approval_wait)
+                step = self._record(view, patch, outcome, parked.digest or None)
                 if outcome.status == "stale" and attempt < self.attempts - 1:
                     view = await self.client.get_view(self.thread_id)
                     continue

@@ -18,7 +18,13 @@ import grpc
 
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk._tracing import client_interceptors
-from ztate.worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, from_rpc_error
+from ztate.worker_sdk.errors import (
+    AwaitingApproval,
+    RecordWithheld,
+    StaleVersion,
+    Unavailable,
+    from_rpc_error,
+)
 
 DEFAULT_TIMEOUT_SECONDS = 10.0
 DEFAULT_RETRIES = 3
@@ -48,7 +54,16 @@ class Transition:
 
     @property
     def record(self) -> dict[str, Any]:
-        """The parsed ledger record (see docs/ledger-format.md)."""
+        """The parsed ledger record (see docs/ledger-format.md).
+
+        Raises ``RecordWithheld`` for a node whose policy does not mark it
+        ``read_records``: it receives versions and outcomes, no record and no digest.
+        """
+        if not self.record_json:
+            raise RecordWithheld(
+                "records and digests are disclosed only to operators and to nodes whose "
+                "policy marks them read_records"
+            )
         parsed: dict[str, Any] = json.loads(self.record_json)
         return parsed
 
@@ -311,7 +326,11 @@ class ZtateClient:
         if response.WhichOneof("outcome") == "pending":
             pending = response.pending
             raise AwaitingApproval(
-                pending.digest, pending.thread_id, pending.base_version, tuple(pending.risk_rules)
+                pending.digest,
+                pending.thread_id,
+                pending.base_version,
+                tuple(pending.risk_rules),
+                pending.handle,
             )
         return Transition.from_message(response.transition, replayed=response.replayed)
 
@@ -423,13 +442,17 @@ class ZtateClient:
                 )
             await asyncio.sleep(min(self._backoff * 2 ** (failures - 1), 5.0))
 
-    async def wait_for_outcome(self, digest: str, *, within: float = 60.0) -> Outcome:
-        """Wait until the parked transition ``digest`` is decided, or ``within`` seconds pass.
+    async def wait_for_outcome(
+        self, parked: AwaitingApproval | str, *, within: float = 60.0
+    ) -> Outcome:
+        """Wait until a parked transition is decided, or ``within`` seconds pass.
 
-        The server answers as soon as the outcome is known, without polling on this
-        side; a "pending" outcome means the time ran out first.
+        ``parked`` is the ``AwaitingApproval`` a proposal raised, its ``handle``, or (for
+        operators and ``read_records`` nodes) a transition digest. The server answers
+        as soon as the outcome is known, without polling on this side; a "pending"
+        outcome means the time ran out first.
         """
-        request = transition_pb2.WaitForOutcomeRequest(digest=digest)
+        request = wait_request(parked)
         try:
             response = await self._stub.WaitForOutcome(request, timeout=within)
         except grpc.aio.AioRpcError as error:
@@ -463,3 +486,12 @@ class ZtateClient:
                 if attempt == attempts - 1:
                     raise
         raise AssertionError("unreachable")
+
+
+def wait_request(parked: AwaitingApproval | str) -> transition_pb2.WaitForOutcomeRequest:
+    """A handle holds a "/" (``<thread_id>/<idempotency_key>``); a digest never does."""
+    if isinstance(parked, AwaitingApproval):
+        parked = parked.handle or parked.digest
+    if "/" in parked:
+        return transition_pb2.WaitForOutcomeRequest(handle=parked)
+    return transition_pb2.WaitForOutcomeRequest(digest=parked)

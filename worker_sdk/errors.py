@@ -129,19 +129,33 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
     )
 
 
+class RecordWithheld(LookupError):
+    """The service answered without the ledger record: this node's policy does not mark
+    it ``read_records``, and a record (or any digest) commits to state it may not read."""
+
+
 class AwaitingApproval(Exception):
     """The patch matched a risk rule: it was parked, not committed.
 
-    ``digest`` is the transition digest a reviewer's decision binds to;
-    ``risk_rules`` names the rules it matched.
+    ``handle`` names it for ``wait_for_outcome``. ``digest`` is the transition digest
+    a reviewer's decision binds to and ``risk_rules`` the rules it matched; both are
+    empty for a node whose policy does not mark it ``read_records`` (a digest commits
+    to state the node may not read, and a rule may test such state).
     """
 
-    def __init__(self, digest: str, thread_id: str, base_version: int, risk_rules: tuple[str, ...]):
-        super().__init__(
-            f"transition {digest} on {thread_id}@{base_version} awaits approval "
-            f"({', '.join(risk_rules)})"
-        )
+    def __init__(
+        self,
+        digest: str,
+        thread_id: str,
+        base_version: int,
+        risk_rules: tuple[str, ...],
+        handle: str = "",
+    ):
+        named = f"transition {digest}" if digest else f"proposal {handle}"
+        rules = f" ({', '.join(risk_rules)})" if risk_rules else ""
+        super().__init__(f"{named} on {thread_id}@{base_version} awaits approval{rules}")
         self.digest = digest
         self.thread_id = thread_id
         self.base_version = base_version
         self.risk_rules = risk_rules
+        self.handle = handle

@@ -22,6 +22,7 @@ from ztate.worker_sdk.client import (
     WatchEvent,
     ZtateClient,
 )
+from ztate.worker_sdk.errors import AwaitingApproval
 
 Result = TypeVar("Result")
 
@@ -86,9 +87,9 @@ class SyncZtateClient:
         """See ``ZtateClient.update``."""
         return self._run(self._client.update(thread_id, change, attempts=attempts))
 
-    def wait_for_outcome(self, digest: str, *, within: float = 60.0) -> Outcome:
+    def wait_for_outcome(self, parked: AwaitingApproval | str, *, within: float = 60.0) -> Outcome:
         """See ``ZtateClient.wait_for_outcome``."""
-        return self._run(self._client.wait_for_outcome(digest, within=within))
+        return self._run(self._client.wait_for_outcome(parked, within=within))
 
     def get_record(self, thread_id: str, *, version: int | None = None) -> HeadRecord:
         """See ``ZtateClient.get_record``."""

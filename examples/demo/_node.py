@@ -77,9 +77,7 @@ async def serve(name: str, make_handler: HandlerFactory) -> None:
                 node_name=name,
                 approval_wait=120.0,
                 on_step=lambda step: report("step", **step_fields(step)),
-                on_parked=lambda parked: report(
-                    "parked", transition_digest=parked.digest, risk_rules=list(parked.risk_rules)
-                ),
+                on_parked=lambda parked: report("parked", handle=parked.handle),
             )
             try:
                 await runner.run()

@@ -90,8 +90,8 @@ def describe(event: Event) -> str | None:
         return f"{where} wrote {keys}: {event['status']}"
     if kind == "parked":
         return (
-            f"{where} proposal {GREEN}parked{RESET} for a reviewer: rules "
-            f"{', '.join(event['risk_rules'])}; transition digest {event['transition_digest']}"
+            f"{where} proposal {GREEN}parked{RESET} for a reviewer ({event['handle']}); the "
+            "node is told neither its digest nor the rules it matched (docs/api.md)"
         )
     if kind == "injected":
         return f"{where} {RED}prompt-injected{RESET}: {event['said']}"
@@ -340,9 +340,8 @@ class Demo:
         banner("3. A risky change is parked, approved by a reviewer, then committed")
         thread_id = "request-3-refund"
         await self.new_request(thread_id, "Please refund order A-42 for 750.00, it arrived broken.")
-        parked = await self.expect(self.on("approval-gate", thread_id, "parked"))
-        digest = parked["transition_digest"]
-        await self.wait_for_review(thread_id)
+        await self.expect(self.on("approval-gate", thread_id, "parked"))
+        digest = await self.wait_for_review(thread_id)
         say("A reviewer looks at the redacted diff and approves it with the CLI:")
         await self.cli("approvals", "show", digest, "--target", f"localhost:{self.approval_port}")
         code, said = await self.cli(
@@ -370,8 +369,9 @@ class Demo:
             "written": written,
         }
 
-    async def wait_for_review(self, thread_id: str) -> None:
-        """The approval service has the review once the outbox delivered it."""
+    async def wait_for_review(self, thread_id: str) -> str:
+        """The digest of the thread's review, once the outbox delivered it to the approval
+        service: reviewers learn digests there (the proposing node is not told them)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STEP_TIMEOUT
         target = f"localhost:{self.approval_port}"
@@ -380,8 +380,10 @@ class Demo:
                 "approvals", "list", "--thread", thread_id, "--json", "--target", target,
                 show=False,
             )  # fmt: skip
-            if any(line.startswith("{") for line in listing.splitlines()):
-                return
+            reviews = [json.loads(line) for line in listing.splitlines() if line.startswith("{")]
+            if reviews:
+                digest: str = reviews[0]["digest"]
+                return digest
             if loop.time() > deadline:
                 raise TimeoutError("the review never reached the approval service")
             await asyncio.sleep(0.2)

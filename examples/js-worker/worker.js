@@ -61,13 +61,14 @@ async function main() {
     patch_json: Buffer.from(opts.patch, "utf8"),
     idempotency_key: `js-${Date.now()}-${process.pid}`,
   });
-  const record = JSON.parse(Buffer.from(reply.transition.record_json).toString("utf8"));
+  // A node whose policy does not mark it read_records is told the version, its own
+  // identity and the commit time; no record and no digest (docs/api.md).
   console.log(
     JSON.stringify({
       step: "committed",
       version: reply.transition.version,
       digest: reply.transition.digest,
-      node_id: record.node_id,
+      node_id: reply.transition.node_id,
     }),
   );
 

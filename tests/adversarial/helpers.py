@@ -21,7 +21,15 @@ import asyncpg
 import grpc
 import pytest
 
-from tests.harness import TRUST_DOMAIN, Ledger, LedgerSnapshot, Pki, client, new_thread_id
+from tests.harness import (
+    TRUST_DOMAIN,
+    Ledger,
+    LedgerSnapshot,
+    Pki,
+    as_operator_sees_it,
+    client,
+    new_thread_id,
+)
 from ztate.services.runtime.identity import Role
 from ztate.worker_sdk import AwaitingApproval, ZtateClient, ZtateError, encode_json
 
@@ -226,7 +234,13 @@ class Env:
             await actor.client.propose(
                 thread_id, version, wire(patch), idempotency_key=idempotency_key
             )
-        waiting = caught.value
+        told = caught.value
+        # the proposer learns that it was parked and how to wait, nothing that
+        # commits to state it may not read (unless its policy marks it read_records)
+        if not told.digest:
+            assert told.risk_rules == ()
+            assert told.handle.startswith(f"{thread_id}/")
+        waiting = await as_operator_sees_it(self.ledger.dsn, told)
         assert_digest(waiting.digest)
         assert waiting.risk_rules == rules
         assert (waiting.thread_id, waiting.base_version) == (thread_id, version)

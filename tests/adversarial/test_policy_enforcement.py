@@ -406,7 +406,7 @@ async def test_typed_values_that_fit_commit(typed_env: Env) -> None:
     thread_id = await typed_env.thread(TYPED_INITIAL, policy="typed")
     patch = {"flag": True, "count": 100, "ratio": 1, "stamp": "2026-01-02T03:04:05.5+01:00"}
     committed = await typed_env[TYPED_WRITER].client.propose(thread_id, 0, patch)
-    assert committed.record["patch"] == patch
+    assert (await typed_env.ledger.record(thread_id, committed.version))["patch"] == patch
     assert await typed_env.state(thread_id) == {**TYPED_INITIAL, **patch}
 
 
@@ -453,7 +453,7 @@ async def test_an_idempotency_key_naming_another_node_grants_nothing(
     committed = await env[PARSER].client.propose(
         thread, 0, {"requested_action": act("x")}, idempotency_key=key
     )
-    assert committed.node_id == committed.record["node_id"] == env[PARSER].spiffe_id
+    assert committed.node_id == env[PARSER].spiffe_id
     [_genesis, row] = await env.ledger.rows(thread)
     assert row["node_id"] == env[PARSER].spiffe_id
 
@@ -482,7 +482,8 @@ async def test_a_thread_id_naming_another_node_grants_nothing(env: Env) -> None:
         PARSER, thread_id, {"result_ref": "db://orders/42"}, not_writable("result_ref")
     )
     committed = await env[PARSER].client.propose(thread_id, 0, {"requested_action": act("x")})
-    assert committed.record["node_id"] == env[PARSER].spiffe_id
+    record = await env.ledger.record(thread_id, committed.version)
+    assert record["node_id"] == committed.node_id == env[PARSER].spiffe_id
 
 
 async def test_metadata_claiming_another_identity_is_ignored(
@@ -656,7 +657,8 @@ async def test_pipeline_node_cannot_touch_a_billing_thread(
 async def test_billing_node_works_on_its_own_thread(env: Env) -> None:
     thread_id = await env.thread(BILLING_INITIAL, policy="billing")
     committed = await env[INVOICER].client.propose(thread_id, 0, {"invoice_note": "paid"})
-    assert committed.record["node_id"] == env[INVOICER].spiffe_id
+    record = await env.ledger.record(thread_id, committed.version)
+    assert record["node_id"] == committed.node_id == env[INVOICER].spiffe_id
     view = await env[INVOICER].client.get_view(thread_id)
     assert view.state == {"invoice_total_cents": 1200, "invoice_note": "paid"}
 
@@ -768,7 +770,8 @@ async def test_credential_in_a_url_is_refused(env: Env, thread: str) -> None:
 
 async def test_random_token_in_an_opaque_key_is_accepted(env: Env, thread: str) -> None:
     committed = await env[GATE].client.propose(thread, 0, {"approval_receipt": RANDOM_TOKEN})
-    assert committed.record["patch"] == {"approval_receipt": RANDOM_TOKEN}
+    record = await env.ledger.record(thread, committed.version)
+    assert record["patch"] == {"approval_receipt": RANDOM_TOKEN}
     assert (await env[WRITER].client.get_view(thread)).state["approval_receipt"] == RANDOM_TOKEN
 
 
@@ -792,8 +795,7 @@ async def test_target_user_change_is_parked(env: Env, thread: str) -> None:
     # a retry is the same parked transition, not a second one
     with pytest.raises(AwaitingApproval) as again:
         await env[PLANNER].client.propose(thread, 0, patch, idempotency_key="switch-user")
-    assert again.value.digest == waiting.digest
-    assert again.value.risk_rules == waiting.risk_rules
+    assert again.value.handle == waiting.handle  # the same parked proposal, replayed
     assert [r["digest"] for r in await pending_rows(env.ledger.dsn, thread)] == [waiting.digest]
     # the same key for another request is refused, and parks nothing
     await env.refused(
@@ -815,7 +817,7 @@ async def test_retry_of_a_parked_request_after_the_head_moved(env: Env, thread: 
     await env[PARSER].client.propose(thread, 0, {"requested_action": act("x")})
     with pytest.raises(AwaitingApproval) as again:
         await env[PLANNER].client.propose(thread, 0, patch, idempotency_key="k1")
-    assert (again.value.digest, again.value.base_version) == (waiting.digest, 0)
+    assert (again.value.handle, again.value.base_version) == (waiting.handle, 0)
     assert len(await pending_rows(env.ledger.dsn, thread)) == 1
 
 
@@ -919,8 +921,11 @@ async def test_several_rules_match_at_once(env: Env, permitted: str) -> None:
     await env.parked(GATE, permitted, patch, ("large-refund", "permissions-widening"), version=1)
 
 
-async def test_parked_proposal_bytes_hash_to_its_digest_on_the_wire(env: Env, thread: str) -> None:
-    """The PendingTransition message carries the exact bytes a reviewer approves."""
+async def test_parked_proposal_on_the_wire_names_no_digest_to_an_unmarked_node(
+    env: Env, thread: str
+) -> None:
+    """The planner (not read_records) is told it was parked and how to wait, nothing
+    that commits to state it may not read; the stored proposal hashes to its digest."""
     stub = env[PLANNER].client._stub  # the SDK keeps proposal_json to itself
     request = transition_pb2.ProposeTransitionRequest(
         thread_id=thread,
@@ -931,6 +936,7 @@ async def test_parked_proposal_bytes_hash_to_its_digest_on_the_wire(env: Env, th
     response = await stub.ProposeTransition(request)
     assert response.WhichOneof("outcome") == "pending"
     pending = response.pending
-    assert hashlib.sha256(pending.proposal_json).hexdigest() == pending.digest
+    assert (pending.digest, pending.proposal_json, list(pending.risk_rules)) == ("", b"", [])
+    assert pending.handle == f"{thread}/wire-1"
     [row] = await pending_rows(env.ledger.dsn, thread)
-    assert bytes(row["proposal"]) == pending.proposal_json
+    assert hashlib.sha256(bytes(row["proposal"])).hexdigest() == row["digest"]

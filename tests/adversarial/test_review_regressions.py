@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id
+from tests.harness import INITIAL, Ledger, Pki, as_operator_sees_it, client, new_thread_id
 from ztate.services.chain import KIND_TRANSITION, build_record, seal
 from ztate.services.policy.credentials import shown_name
 from ztate.services.receipts import (
@@ -35,14 +35,14 @@ OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
 SECRET_NAME = "AKIAIOSFODNN7EXAMPLE"
 
 
-async def parked_thread(target: str, pki: Pki) -> tuple[str, AwaitingApproval]:
+async def parked_thread(target: str, pki: Pki, dsn: str) -> tuple[str, AwaitingApproval]:
     thread_id = new_thread_id()
     async with client(target, pki.operator()) as operator:
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")
     async with client(target, pki.node("planner")) as planner:
         with pytest.raises(AwaitingApproval) as parked:
             await planner.propose(thread_id, 0, {"target_user_id": OTHER_USER})
-    return thread_id, parked.value
+    return thread_id, await as_operator_sees_it(dsn, parked.value)
 
 
 async def expire_everything(service: RunningService) -> None:
@@ -57,11 +57,16 @@ async def expire_everything(service: RunningService) -> None:
 
 
 async def test_an_approval_commit_on_a_closed_transition_writes_nothing(
-    target: str, pki: Pki, service: RunningService, ledger: Ledger, tmp_path: Path
+    target: str,
+    pki: Pki,
+    service: RunningService,
+    ledger: Ledger,
+    tmp_path: Path,
+    database_dsn: str,
 ) -> None:
     """Review finding 1: the head moved without a ledger row when the parked row
     stopped being pending between reading it and committing."""
-    thread_id, parked = await parked_thread(target, pki)
+    thread_id, parked = await parked_thread(target, pki, database_dsn)
     store: TransitionStore = service.store
     pending = await store.pending_by_digest(parked.digest)
     assert pending is not None
@@ -143,10 +148,10 @@ async def test_service_identities_neither_create_nor_read_threads(
 
 
 async def test_an_expired_change_proposed_again_is_told_so(
-    target: str, pki: Pki, service: RunningService
+    target: str, pki: Pki, service: RunningService, database_dsn: str
 ) -> None:
     """Review finding 6: the same change again silently returned the expired row."""
-    thread_id, _ = await parked_thread(target, pki)
+    thread_id, _ = await parked_thread(target, pki, database_dsn)
     await expire_everything(service)
     async with client(target, pki.node("planner")) as planner:
         with pytest.raises(FailedPrecondition) as caught:

@@ -37,6 +37,7 @@ from tests.harness import (
     Credentials,
     Ledger,
     Pki,
+    as_operator_sees_it,
     client,
     new_thread_id,
     with_database,
@@ -236,10 +237,12 @@ class World:
         return thread_id
 
     async def park(self, thread_id: str, node: str = "planner", **patch: Any) -> AwaitingApproval:
+        """Park a proposal; returned with the digest and rules a reviewer sees (the
+        proposing node itself gets neither: see test_projection_confidentiality)."""
         async with self.worker(node) as worker:
             with pytest.raises(AwaitingApproval) as parked:
                 await worker.propose(thread_id, 0, patch or {"target_user_id": OTHER_USER})
-        return parked.value
+        return await as_operator_sees_it(self.dsn, parked.value)
 
     async def submitted_at(self, digest: str) -> datetime | None:
         """When the outbox handed ``digest`` to the approval service (None: not yet)."""
@@ -338,11 +341,12 @@ async def test_parked_then_approved_commits_with_a_verifiable_receipt(world: Wor
     decided = await world.decide("alice", parked.digest)
     assert decided.review.status == approval_pb2.REVIEW_STATUS_APPROVED
     async with world.worker("planner") as planner:
-        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+        outcome = await planner.wait_for_outcome(parked, within=20)
         view = await planner.get_view(thread_id)
     assert outcome.status == "committed"
     assert outcome.transition is not None
-    record = outcome.transition.record
+    assert outcome.transition.version == 1
+    record = await world.ledger.record(thread_id, 1)
     assert record["version"] == 1
     assert record["node_id"] == "spiffe://ztate.test/node/planner"
     assert record["patch"] == {"target_user_id": OTHER_USER}
@@ -383,7 +387,7 @@ async def test_a_rejection_closes_the_transition_and_commits_nothing(world: Worl
     before = await world.ledger.snapshot(thread_id)
     await world.decide("bob", parked.digest, approve=False)
     async with world.worker("planner") as planner:
-        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+        outcome = await planner.wait_for_outcome(parked, within=20)
     assert (outcome.status, outcome.transition) == ("rejected", None)
     assert await world.ledger.snapshot(thread_id) == before
 
@@ -399,12 +403,12 @@ async def test_two_person_rule_needs_two_distinct_reviewers(world: World) -> Non
         await world.decide("alice", parked.digest)
     assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS
     async with world.worker("treasurer") as treasurer:
-        waiting = await treasurer.wait_for_outcome(parked.digest, within=0.5)
+        waiting = await treasurer.wait_for_outcome(parked, within=0.5)
         assert waiting.status == "pending"  # one approval of two authorises nothing
         assert (await world.ledger.snapshot(thread_id)).head_version == 0
         second = await world.decide("bob", parked.digest)
         assert second.review.status == approval_pb2.REVIEW_STATUS_APPROVED
-        outcome = await treasurer.wait_for_outcome(parked.digest, within=20)
+        outcome = await treasurer.wait_for_outcome(parked, within=20)
     assert outcome.status == "committed"
     receipt = json.loads(second.review.receipt.receipt_json)
     assert receipt["reviewers"] == [
@@ -510,7 +514,7 @@ async def test_an_approval_after_the_head_moved_authorises_nothing(world: World)
     assert await world.ledger.snapshot(thread_id) == before
     assert await world.pending_status(parked.digest) == "stale"
     async with world.worker("planner") as planner:
-        assert (await planner.wait_for_outcome(parked.digest, within=5)).status == "stale"
+        assert (await planner.wait_for_outcome(parked, within=5)).status == "stale"
 
 
 async def test_a_reviewer_cannot_approve_their_own_proposal(world: World) -> None:
@@ -583,7 +587,7 @@ async def test_parked_while_the_approval_service_is_down_is_reviewed_once_back(
         # the parked transition survives a restart of the transition service too
         await world.restart_transition()
         async with world.worker("planner") as planner:
-            assert (await planner.wait_for_outcome(parked.digest, within=0.5)).status == "pending"
+            assert (await planner.wait_for_outcome(parked, within=0.5)).status == "pending"
         assert await world.submitted_at(parked.digest) is None
     finally:
         await world.start_approval()
@@ -594,10 +598,11 @@ async def test_parked_while_the_approval_service_is_down_is_reviewed_once_back(
     assert before.head_version == 0
     await world.decide("alice", parked.digest)
     async with world.worker("planner") as planner:
-        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+        outcome = await planner.wait_for_outcome(parked, within=20)
     assert outcome.status == "committed"
     assert outcome.transition is not None
-    assert outcome.transition.record["patch"] == {"target_user_id": OTHER_USER}
+    record = await world.ledger.record(thread_id, outcome.transition.version)
+    assert record["patch"] == {"target_user_id": OTHER_USER}
     assert await world.pending_status(parked.digest) == "committed"
     assert await world.ledger.verify(thread_id) == 2
 
@@ -611,6 +616,6 @@ async def test_restarting_the_transition_service_between_parking_and_approval(
     await world.restart_transition()
     await world.decide("alice", parked.digest)
     async with world.worker("planner") as planner:
-        outcome = await planner.wait_for_outcome(parked.digest, within=20)
+        outcome = await planner.wait_for_outcome(parked, within=20)
     assert outcome.status == "committed"
     assert await world.ledger.verify(thread_id) == 2

@@ -197,14 +197,14 @@ async def test_kill_9_under_load_loses_nothing_acknowledged_and_tears_nothing(
             )
             if request.acked is not None:  # ... the original outcome, byte for byte
                 assert again.replayed
-                assert (again.version, again.digest, again.signature) == (
+                assert (again.version, again.committed_at, again.node_id) == (
                     request.acked.version,
-                    request.acked.digest,
-                    request.acked.signature,
+                    request.acked.committed_at,
+                    request.acked.node_id,
                 )
             elif request.key in committed_before_restart:  # committed, unacknowledged
                 assert again.replayed
-                assert again.digest == by_key[request.key]["digest"]
+                assert again.version == by_key[request.key]["version"]
             else:  # never committed: it commits now, once
                 assert not again.replayed
                 assert again.version == request.expected_version + 1
@@ -404,11 +404,11 @@ async def small_pool_service(
         await service.ensure_stopped()
 
 
-async def parked_digest(target: str, pki: Pki, thread_id: str) -> str:
+async def parked_handle(target: str, pki: Pki, thread_id: str) -> str:
     async with client(target, pki.node("planner")) as planner:
         with pytest.raises(AwaitingApproval) as parked:
             await planner.propose(thread_id, 0, {"target_user_id": OTHER_USER})
-    return parked.value.digest
+    return parked.value.handle
 
 
 async def proposals_go_through(target: str, pki: Pki, thread_id: str, count: int) -> None:
@@ -428,8 +428,8 @@ async def test_more_waiting_calls_than_streams_and_pool_do_not_block_others(
 ) -> None:
     service, _dsn = small_pool_service
     [thread_id] = await create_threads(service.target, pki, 1)
-    digest = await parked_digest(service.target, pki, thread_id)
-    wait = transition_pb2.WaitForOutcomeRequest(digest=digest)
+    handle = await parked_handle(service.target, pki, thread_id)
+    wait = transition_pb2.WaitForOutcomeRequest(handle=handle)
     async with secure_channel(service.target, pki.node("planner")) as channel:
         stub = transition_pb2_grpc.TransitionServiceStub(channel)
         calls = [stub.WaitForOutcome(wait, timeout=30) for _ in range(250)]  # > 100x the pool
@@ -605,10 +605,10 @@ async def test_a_client_deadline_bounds_waiting_for_an_outcome(
 ) -> None:
     service, _dsn = small_pool_service
     [thread_id] = await create_threads(service.target, pki, 1)
-    digest = await parked_digest(service.target, pki, thread_id)
+    handle = await parked_handle(service.target, pki, thread_id)
     async with client(service.target, pki.node("planner")) as planner:
         started = time.monotonic()
-        outcome = await planner.wait_for_outcome(digest, within=2.0)
+        outcome = await planner.wait_for_outcome(handle, within=2.0)
         waited = time.monotonic() - started
     # the server answers "still pending" just before the caller's deadline, not after it:
     # "pending" is an answer: one after the deadline would have been DEADLINE_EXCEEDED.
@@ -624,7 +624,7 @@ async def test_a_client_deadline_bounds_waiting_for_an_outcome(
         answer: transition_pb2.WaitForOutcomeResponse | grpc.StatusCode
         try:
             answer = await stub.WaitForOutcome(
-                transition_pb2.WaitForOutcomeRequest(digest=digest), timeout=0.1
+                transition_pb2.WaitForOutcomeRequest(handle=handle), timeout=0.1
             )
         except grpc.aio.AioRpcError as late:
             answer = late.code()

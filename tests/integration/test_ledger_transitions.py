@@ -20,7 +20,16 @@ import pytest
 import pytest_asyncio
 from google.protobuf import timestamp_pb2
 
-from tests.harness import INITIAL, Credentials, Pki, act, client, new_thread_id
+from tests.harness import (
+    INITIAL,
+    Credentials,
+    Ledger,
+    Pki,
+    act,
+    as_operator_sees_it,
+    client,
+    new_thread_id,
+)
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 from ztate.worker_sdk import AwaitingApproval
 from ztate.worker_sdk.errors import from_rpc_error
@@ -46,7 +55,7 @@ def channel(target: str, creds: Credentials) -> grpc.aio.Channel:
 
 
 @pytest_asyncio.fixture(scope="module")
-async def history(target: str, pki: Pki) -> History:
+async def history(target: str, pki: Pki, ledger: Ledger) -> History:
     """Genesis, parser sets requested_action twice, planner plans, parser removes
     requested_action; then the planner's change of target_user_id is parked."""
     thread_id = new_thread_id()
@@ -65,7 +74,11 @@ async def history(target: str, pki: Pki) -> History:
             await planner.propose(
                 thread_id, 4, {"target_user_id": "00000000-0000-4000-8000-000000000001"}
             )
-    return History(thread_id, digests, parked.value.digest)
+    # the nodes were told versions only (digests commit to keys they may not read):
+    # the digests are the operator's, from the ledger
+    digests[1:] = [row["digest"] for row in await ledger.rows(thread_id)][1:]
+    told = await as_operator_sees_it(ledger.dsn, parked.value)
+    return History(thread_id, digests, told.digest)
 
 
 @pytest_asyncio.fixture

@@ -9,7 +9,7 @@ from datetime import timedelta
 import asyncpg
 import pytest
 
-from tests.harness import INITIAL, Pki, client, new_thread_id
+from tests.harness import INITIAL, Pki, as_operator_sees_it, client, new_thread_id
 from ztate.services.store.approvals import ApprovalStore
 from ztate.transition_service.app import RunningService
 from ztate.transition_service.outbox import ApprovalOutbox
@@ -27,7 +27,7 @@ async def test_an_overdue_parked_transition_expires_and_its_waiter_wakes(
     async with client(target, pki.node("planner")) as planner:
         with pytest.raises(AwaitingApproval) as parked:
             await planner.propose(thread_id, 0, {"target_user_id": OTHER_USER})
-        waiting = asyncio.create_task(planner.wait_for_outcome(parked.value.digest, within=30))
+        waiting = asyncio.create_task(planner.wait_for_outcome(parked.value, within=30))
         # An outbox whose time-to-live has passed for everything parked before now.
         outbox = ApprovalOutbox(
             approvals=ApprovalStore(service.store.pool),
@@ -43,7 +43,7 @@ async def test_an_overdue_parked_transition_expires_and_its_waiter_wakes(
     try:
         row = await conn.fetchrow(
             "SELECT status, decided_at FROM ztate.pending_transitions WHERE digest = $1",
-            parked.value.digest,
+            (await as_operator_sees_it(database_dsn, parked.value)).digest,
         )
         head = await conn.fetchval(
             "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id

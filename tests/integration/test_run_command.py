@@ -4,6 +4,7 @@ a second run reuses them and finds the data of the first."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -73,6 +74,31 @@ def connect(home: Path, port: int, identity: str) -> ZtateClient:
     )
 
 
+async def review_digest(home: Path, approval_port: int, thread_id: str) -> str:
+    """The digest of the thread's open review, as a reviewer finds it (``ztate approvals
+    list``) once the outbox has delivered it: the proposing node is not told digests."""
+    env = dict(os.environ, ZTATE_HOME=str(home))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).with_name("ztate")),
+            *("approvals", "list", "--json", "--thread", thread_id, "--reviewer", "alice"),
+            *("--target", f"localhost:{approval_port}"),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 0, stderr.decode()
+        reviews = [json.loads(line) for line in stdout.decode().splitlines()]
+        if reviews:
+            digest: str = reviews[0]["digest"]
+            return digest
+        assert loop.time() < deadline, "the review never reached the approval service"
+        await asyncio.sleep(0.1)  # polling a real condition, with a deadline
+
+
 async def approve_with_the_cli(home: Path, approval_port: int, digest: str) -> str:
     env = dict(os.environ, ZTATE_HOME=str(home))
     process = await asyncio.create_subprocess_exec(
@@ -110,9 +136,10 @@ async def test_run_sets_up_serves_and_keeps_data(tmp_path: Path) -> None:
         async with connect(home, port, "node-planner") as planner:
             with pytest.raises(AwaitingApproval) as parked:
                 await planner.propose("demo", 1, {"target_user_id": USER})
-            said = await approve_with_the_cli(home, approval_port, parked.value.digest)
+            digest = await review_digest(home, approval_port, "demo")
+            said = await approve_with_the_cli(home, approval_port, digest)
             assert "approved" in said
-            outcome = await planner.wait_for_outcome(parked.value.digest, within=30)
+            outcome = await planner.wait_for_outcome(parked.value, within=30)
         assert outcome.status == "committed"
     finally:
         assert await stop(process) == 0

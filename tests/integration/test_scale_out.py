@@ -171,7 +171,7 @@ async def ledger_rows(dsn: str, thread_id: str) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(dsn)
     try:
         return await conn.fetch(
-            "SELECT version, digest, parent_digest FROM ztate.transitions "
+            "SELECT version, digest, parent_digest, node_id FROM ztate.transitions "
             "WHERE thread_id = $1 ORDER BY version",
             thread_id,
         )
@@ -225,7 +225,7 @@ async def test_a_stale_cached_head_on_one_replica_cannot_fork(cluster: Cluster, 
     assert refused.value.reason == "STALE_VERSION"
     assert refused.value.current_version == 2
     assert await ledger_rows(cluster.dsn, thread_id) == before  # nothing written
-    assert await head(cluster.dsn, thread_id) == (2, second.digest)
+    assert await head(cluster.dsn, thread_id) == (2, before[-1]["digest"])
     assert_one_chain(before)
 
     # with the version the refusal named, A commits on the real head
@@ -308,8 +308,9 @@ async def test_concurrent_workers_across_replicas_keep_one_chain(
             # every commit was acknowledged once and every acknowledgement is in the ledger
             assert len(tally.acknowledged) == WORKERS_PER_THREAD * COMMITS_PER_WORKER
             assert len(rows) == 1 + len(tally.acknowledged)
-            at = {r["version"]: r["digest"] for r in rows}
-            assert all(at[t.version] == t.digest for t in tally.acknowledged)
+            at = {r["version"]: r["node_id"] for r in rows}
+            assert sorted(t.version for t in tally.acknowledged) == sorted(at)[1:]
+            assert all(at[t.version] == t.node_id for t in tally.acknowledged)
             assert await head(cluster.dsn, thread_id) == (rows[-1]["version"], rows[-1]["digest"])
             # all workers of a thread first proposed on one version: one won, the rest retried
             assert len(tally.stale) >= WORKERS_PER_THREAD - 1
@@ -330,9 +331,9 @@ async def test_concurrent_workers_across_replicas_keep_one_chain(
         async with client(cluster.replicas[2].target, pki.node("input-parser")) as again:
             replayed = await again.propose(thread_id, view.version, once, idempotency_key=retry_key)
         assert replayed.replayed
-        assert (replayed.digest, replayed.version) == (done.digest, done.version)
+        assert (replayed.committed_at, replayed.version) == (done.committed_at, done.version)
         assert len(await ledger_rows(cluster.dsn, thread_id)) == count
-        assert original.digest != done.digest
+        assert original.version != done.version
     finally:
         for per_worker in clients:
             for c in per_worker:

@@ -36,6 +36,7 @@ from tests.harness import (
     USER,
     Pki,
     act,
+    as_operator_sees_it,
     client,
     new_thread_id,
     with_database,
@@ -99,7 +100,7 @@ class World:
         async with client(self.target, self.pki.node("planner")) as planner:
             with pytest.raises(AwaitingApproval) as parked:
                 await planner.propose(thread_id, 1, {"target_user_id": OTHER_USER})
-            await self.approve(parked.value)
+            await self.approve(await as_operator_sees_it(self.dsn, parked.value))
             plan = {"action": "refund", "order_id": "A-42", "amount_cents": 1200}
             await planner.propose(thread_id, 2, {"pending_transition": plan})
         async with client(self.target, self.pki.node("approval-gate")) as gate:

@@ -23,7 +23,7 @@ async def test_a_deadline_under_the_margin_answers_pending_at_once(
         # "pending" now, not wait its 60-second maximum past the caller's deadline.
         loop = asyncio.get_running_loop()
         began = loop.time()
-        outcome = await planner.wait_for_outcome(parked.value.digest, within=0.15)
+        outcome = await planner.wait_for_outcome(parked.value, within=0.15)
         assert outcome.status == "pending"
         assert outcome.transition is None
         assert loop.time() - began < 0.15

@@ -42,7 +42,9 @@ async def test_update_rereads_and_reruns_when_another_writer_won(target: str, pk
         committed = await worker.update(thread_id, change)
     assert calls == [0, 1]
     assert committed.version == 2
-    assert committed.record["patch"] == {"requested_action": act("mine-after-1")}
+    async with client(target, pki.operator()) as operator:
+        record = (await operator.get_transition(thread_id=thread_id, version=2)).record
+    assert record["patch"] == {"requested_action": act("mine-after-1")}
 
 
 async def test_update_gives_up_after_its_attempts(target: str, pki: Pki) -> None:

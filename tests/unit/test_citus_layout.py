@@ -177,9 +177,13 @@ async def test_the_service_commits_parks_and_indexes_on_the_prepared_schema(
                     await planner.propose(thread_id, 1, {"target_user_id": str(uuid.uuid4())})
         finally:
             await running.stop(grace=1.0)
+        digest = await conn.fetchval(
+            "SELECT digest FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
+            thread_id,
+            committed.version,
+        )
         indexed = await conn.fetch(
-            "SELECT key, thread_id FROM ztate.transition_keys WHERE digest = $1",
-            committed.digest,
+            "SELECT key, thread_id FROM ztate.transition_keys WHERE digest = $1", digest
         )
         assert [(r["key"], r["thread_id"]) for r in indexed] == [("requested_action", thread_id)]
         assert (

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from ztate.v1 import approval_pb2 as ztate_dot_v1_dot_approval__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19ztate/v1/transition.proto\x12\x08ztate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17ztate/v1/approval.proto\"T\n\x13\x43reateThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x1a\n\x12initial_state_json\x18\x02 \x01(\x0c\x12\x0e\n\x06policy\x18\x03 \x01(\t\"=\n\x14\x43reateThreadResponse\x12%\n\x07genesis\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\"#\n\x0eGetViewRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\"^\n\x0fGetViewResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nstate_json\x18\x03 \x01(\x0c\x12\x13\n\x0bhead_digest\x18\x04 \x01(\t\"t\n\x18ProposeTransitionRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x03\x12\x12\n\npatch_json\x18\x03 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"\x94\x01\n\x19ProposeTransitionResponse\x12*\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.TransitionH\x00\x12.\n\x07pending\x18\x03 \x01(\x0b\x32\x1b.ztate.v1.PendingTransitionH\x00\x12\x10\n\x08replayed\x18\x02 \x01(\x08\x42\t\n\x07outcome\"\xa6\x01\n\x11PendingTransition\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\nrisk_rules\x18\x04 \x03(\t\x12\x15\n\rproposal_json\x18\x05 \x01(\x0c\x12-\n\tparked_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x7f\n\x14GetTransitionRequest\x12\x10\n\x06\x64igest\x18\x01 \x01(\tH\x00\x12\x31\n\x0ethread_version\x18\x02 \x01(\x0b\x32\x17.ztate.v1.ThreadVersionH\x00\x12\x18\n\x0ehead_of_thread\x18\x03 \x01(\tH\x00\x42\x08\n\x06lookup\"3\n\rThreadVersion\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x7f\n\x15GetTransitionResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12(\n\x07receipt\x18\x02 \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\x12\x12\n\nrisk_rules\x18\x03 \x03(\t\")\n\x14GetCheckpointRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\"G\n\x15GetCheckpointResponse\x12.\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1a.ztate.v1.SignedCheckpoint\"N\n\x10SignedCheckpoint\x12\x17\n\x0f\x63heckpoint_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"=\n\x12WatchThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x03\"s\n\x13WatchThreadResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\x0c\x12\x14\n\x0cstate_pruned\x18\x05 \x01(\x08\"@\n\x14\x41pplyDecisionRequest\x12(\n\x07receipt\x18\x01 \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\"e\n\x15\x41pplyDecisionResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\"\'\n\x15WaitForOutcomeRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"f\n\x16WaitForOutcomeResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\"U\n\x13RevertThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x12\n\nto_version\x18\x02 \x01(\x03\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\"R\n\x14RevertThreadResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\xd2\x01\n\nTransition\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\t\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x13\n\x0brecord_json\x18\x07 \x01(\x0c\x12\x0f\n\x07node_id\x18\x08 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\x8c\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_PENDING\x10\x01\x12\x15\n\x11OUTCOME_COMMITTED\x10\x02\x12\x14\n\x10OUTCOME_REJECTED\x10\x03\x12\x13\n\x0fOUTCOME_EXPIRED\x10\x04\x12\x11\n\rOUTCOME_STALE\x10\x05\x32\xe8\x05\n\x11TransitionService\x12M\n\x0c\x43reateThread\x12\x1d.ztate.v1.CreateThreadRequest\x1a\x1e.ztate.v1.CreateThreadResponse\x12>\n\x07GetView\x12\x18.ztate.v1.GetViewRequest\x1a\x19.ztate.v1.GetViewResponse\x12\\\n\x11ProposeTransition\x12\".ztate.v1.ProposeTransitionRequest\x1a#.ztate.v1.ProposeTransitionResponse\x12P\n\rGetTransition\x12\x1e.ztate.v1.GetTransitionRequest\x1a\x1f.ztate.v1.GetTransitionResponse\x12P\n\rGetCheckpoint\x12\x1e.ztate.v1.GetCheckpointRequest\x1a\x1f.ztate.v1.GetCheckpointResponse\x12L\n\x0bWatchThread\x12\x1c.ztate.v1.WatchThreadRequest\x1a\x1d.ztate.v1.WatchThreadResponse0\x01\x12P\n\rApplyDecision\x12\x1e.ztate.v1.ApplyDecisionRequest\x1a\x1f.ztate.v1.ApplyDecisionResponse\x12S\n\x0eWaitForOutcome\x12\x1f.ztate.v1.WaitForOutcomeRequest\x1a .ztate.v1.WaitForOutcomeResponse\x12M\n\x0cRevertThread\x12\x1d.ztate.v1.RevertThreadRequest\x1a\x1e.ztate.v1.RevertThreadResponseB0Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19ztate/v1/transition.proto\x12\x08ztate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17ztate/v1/approval.proto\"T\n\x13\x43reateThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x1a\n\x12initial_state_json\x18\x02 \x01(\x0c\x12\x0e\n\x06policy\x18\x03 \x01(\t\"=\n\x14\x43reateThreadResponse\x12%\n\x07genesis\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\"#\n\x0eGetViewRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\"^\n\x0fGetViewResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nstate_json\x18\x03 \x01(\x0c\x12\x13\n\x0bhead_digest\x18\x04 \x01(\t\"t\n\x18ProposeTransitionRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x03\x12\x12\n\npatch_json\x18\x03 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"\x94\x01\n\x19ProposeTransitionResponse\x12*\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.TransitionH\x00\x12.\n\x07pending\x18\x03 \x01(\x0b\x32\x1b.ztate.v1.PendingTransitionH\x00\x12\x10\n\x08replayed\x18\x02 \x01(\x08\x42\t\n\x07outcome\"\xb6\x01\n\x11PendingTransition\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\nrisk_rules\x18\x04 \x03(\t\x12\x15\n\rproposal_json\x18\x05 \x01(\x0c\x12-\n\tparked_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06handle\x18\x07 \x01(\t\"\x7f\n\x14GetTransitionRequest\x12\x10\n\x06\x64igest\x18\x01 \x01(\tH\x00\x12\x31\n\x0ethread_version\x18\x02 \x01(\x0b\x32\x17.ztate.v1.ThreadVersionH\x00\x12\x18\n\x0ehead_of_thread\x18\x03 \x01(\tH\x00\x42\x08\n\x06lookup\"3\n\rThreadVersion\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x7f\n\x15GetTransitionResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12(\n\x07receipt\x18\x02 \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\x12\x12\n\nrisk_rules\x18\x03 \x03(\t\")\n\x14GetCheckpointRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\"G\n\x15GetCheckpointResponse\x12.\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1a.ztate.v1.SignedCheckpoint\"N\n\x10SignedCheckpoint\x12\x17\n\x0f\x63heckpoint_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"=\n\x12WatchThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x03\"s\n\x13WatchThreadResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\x0c\x12\x14\n\x0cstate_pruned\x18\x05 \x01(\x08\"@\n\x14\x41pplyDecisionRequest\x12(\n\x07receipt\x18\x01 \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\"e\n\x15\x41pplyDecisionResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\"7\n\x15WaitForOutcomeRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\"f\n\x16WaitForOutcomeResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\"U\n\x13RevertThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x12\n\nto_version\x18\x02 \x01(\x03\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\"R\n\x14RevertThreadResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\xd2\x01\n\nTransition\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\t\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x13\n\x0brecord_json\x18\x07 \x01(\x0c\x12\x0f\n\x07node_id\x18\x08 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\x8c\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_PENDING\x10\x01\x12\x15\n\x11OUTCOME_COMMITTED\x10\x02\x12\x14\n\x10OUTCOME_REJECTED\x10\x03\x12\x13\n\x0fOUTCOME_EXPIRED\x10\x04\x12\x11\n\rOUTCOME_STALE\x10\x05\x32\xe8\x05\n\x11TransitionService\x12M\n\x0c\x43reateThread\x12\x1d.ztate.v1.CreateThreadRequest\x1a\x1e.ztate.v1.CreateThreadResponse\x12>\n\x07GetView\x12\x18.ztate.v1.GetViewRequest\x1a\x19.ztate.v1.GetViewResponse\x12\\\n\x11ProposeTransition\x12\".ztate.v1.ProposeTransitionRequest\x1a#.ztate.v1.ProposeTransitionResponse\x12P\n\rGetTransition\x12\x1e.ztate.v1.GetTransitionRequest\x1a\x1f.ztate.v1.GetTransitionResponse\x12P\n\rGetCheckpoint\x12\x1e.ztate.v1.GetCheckpointRequest\x1a\x1f.ztate.v1.GetCheckpointResponse\x12L\n\x0bWatchThread\x12\x1c.ztate.v1.WatchThreadRequest\x1a\x1d.ztate.v1.WatchThreadResponse0\x01\x12P\n\rApplyDecision\x12\x1e.ztate.v1.ApplyDecisionRequest\x1a\x1f.ztate.v1.ApplyDecisionResponse\x12S\n\x0eWaitForOutcome\x12\x1f.ztate.v1.WaitForOutcomeRequest\x1a .ztate.v1.WaitForOutcomeResponse\x12M\n\x0cRevertThread\x12\x1d.ztate.v1.RevertThreadRequest\x1a\x1e.ztate.v1.RevertThreadResponseB0Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ztate.v1.transition_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1'
-  _globals['_OUTCOME']._serialized_start=2203
-  _globals['_OUTCOME']._serialized_end=2343
+  _globals['_OUTCOME']._serialized_start=2235
+  _globals['_OUTCOME']._serialized_end=2375
   _globals['_CREATETHREADREQUEST']._serialized_start=97
   _globals['_CREATETHREADREQUEST']._serialized_end=181
   _globals['_CREATETHREADRESPONSE']._serialized_start=183
@@ -49,37 +49,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSETRANSITIONRESPONSE']._serialized_start=498
   _globals['_PROPOSETRANSITIONRESPONSE']._serialized_end=646
   _globals['_PENDINGTRANSITION']._serialized_start=649
-  _globals['_PENDINGTRANSITION']._serialized_end=815
-  _globals['_GETTRANSITIONREQUEST']._serialized_start=817
-  _globals['_GETTRANSITIONREQUEST']._serialized_end=944
-  _globals['_THREADVERSION']._serialized_start=946
-  _globals['_THREADVERSION']._serialized_end=997
-  _globals['_GETTRANSITIONRESPONSE']._serialized_start=999
-  _globals['_GETTRANSITIONRESPONSE']._serialized_end=1126
-  _globals['_GETCHECKPOINTREQUEST']._serialized_start=1128
-  _globals['_GETCHECKPOINTREQUEST']._serialized_end=1169
-  _globals['_GETCHECKPOINTRESPONSE']._serialized_start=1171
-  _globals['_GETCHECKPOINTRESPONSE']._serialized_end=1242
-  _globals['_SIGNEDCHECKPOINT']._serialized_start=1244
-  _globals['_SIGNEDCHECKPOINT']._serialized_end=1322
-  _globals['_WATCHTHREADREQUEST']._serialized_start=1324
-  _globals['_WATCHTHREADREQUEST']._serialized_end=1385
-  _globals['_WATCHTHREADRESPONSE']._serialized_start=1387
-  _globals['_WATCHTHREADRESPONSE']._serialized_end=1502
-  _globals['_APPLYDECISIONREQUEST']._serialized_start=1504
-  _globals['_APPLYDECISIONREQUEST']._serialized_end=1568
-  _globals['_APPLYDECISIONRESPONSE']._serialized_start=1570
-  _globals['_APPLYDECISIONRESPONSE']._serialized_end=1671
-  _globals['_WAITFOROUTCOMEREQUEST']._serialized_start=1673
-  _globals['_WAITFOROUTCOMEREQUEST']._serialized_end=1712
-  _globals['_WAITFOROUTCOMERESPONSE']._serialized_start=1714
-  _globals['_WAITFOROUTCOMERESPONSE']._serialized_end=1816
-  _globals['_REVERTTHREADREQUEST']._serialized_start=1818
-  _globals['_REVERTTHREADREQUEST']._serialized_end=1903
-  _globals['_REVERTTHREADRESPONSE']._serialized_start=1905
-  _globals['_REVERTTHREADRESPONSE']._serialized_end=1987
-  _globals['_TRANSITION']._serialized_start=1990
-  _globals['_TRANSITION']._serialized_end=2200
-  _globals['_TRANSITIONSERVICE']._serialized_start=2346
-  _globals['_TRANSITIONSERVICE']._serialized_end=3090
+  _globals['_PENDINGTRANSITION']._serialized_end=831
+  _globals['_GETTRANSITIONREQUEST']._serialized_start=833
+  _globals['_GETTRANSITIONREQUEST']._serialized_end=960
+  _globals['_THREADVERSION']._serialized_start=962
+  _globals['_THREADVERSION']._serialized_end=1013
+  _globals['_GETTRANSITIONRESPONSE']._serialized_start=1015
+  _globals['_GETTRANSITIONRESPONSE']._serialized_end=1142
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=1144
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=1185
+  _globals['_GETCHECKPOINTRESPONSE']._serialized_start=1187
+  _globals['_GETCHECKPOINTRESPONSE']._serialized_end=1258
+  _globals['_SIGNEDCHECKPOINT']._serialized_start=1260
+  _globals['_SIGNEDCHECKPOINT']._serialized_end=1338
+  _globals['_WATCHTHREADREQUEST']._serialized_start=1340
+  _globals['_WATCHTHREADREQUEST']._serialized_end=1401
+  _globals['_WATCHTHREADRESPONSE']._serialized_start=1403
+  _globals['_WATCHTHREADRESPONSE']._serialized_end=1518
+  _globals['_APPLYDECISIONREQUEST']._serialized_start=1520
+  _globals['_APPLYDECISIONREQUEST']._serialized_end=1584
+  _globals['_APPLYDECISIONRESPONSE']._serialized_start=1586
+  _globals['_APPLYDECISIONRESPONSE']._serialized_end=1687
+  _globals['_WAITFOROUTCOMEREQUEST']._serialized_start=1689
+  _globals['_WAITFOROUTCOMEREQUEST']._serialized_end=1744
+  _globals['_WAITFOROUTCOMERESPONSE']._serialized_start=1746
+  _globals['_WAITFOROUTCOMERESPONSE']._serialized_end=1848
+  _globals['_REVERTTHREADREQUEST']._serialized_start=1850
+  _globals['_REVERTTHREADREQUEST']._serialized_end=1935
+  _globals['_REVERTTHREADRESPONSE']._serialized_start=1937
+  _globals['_REVERTTHREADRESPONSE']._serialized_end=2019
+  _globals['_TRANSITION']._serialized_start=2022
+  _globals['_TRANSITION']._serialized_end=2232
+  _globals['_TRANSITIONSERVICE']._serialized_start=2378
+  _globals['_TRANSITIONSERVICE']._serialized_end=3122
 # @@protoc_insertion_point(module_scope)

@@ -83,20 +83,22 @@ class ProposeTransitionResponse(_message.Message):
     def __init__(self, transition: _Optional[_Union[Transition, _Mapping]] = ..., pending: _Optional[_Union[PendingTransition, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class PendingTransition(_message.Message):
-    __slots__ = ("digest", "thread_id", "base_version", "risk_rules", "proposal_json", "parked_at")
+    __slots__ = ("digest", "thread_id", "base_version", "risk_rules", "proposal_json", "parked_at", "handle")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RISK_RULES_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_JSON_FIELD_NUMBER: _ClassVar[int]
     PARKED_AT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     digest: str
     thread_id: str
     base_version: int
     risk_rules: _containers.RepeatedScalarFieldContainer[str]
     proposal_json: bytes
     parked_at: _timestamp_pb2.Timestamp
-    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., risk_rules: _Optional[_Iterable[str]] = ..., proposal_json: _Optional[bytes] = ..., parked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    handle: str
+    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., risk_rules: _Optional[_Iterable[str]] = ..., proposal_json: _Optional[bytes] = ..., parked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., handle: _Optional[str] = ...) -> None: ...
 
 class GetTransitionRequest(_message.Message):
     __slots__ = ("digest", "thread_version", "head_of_thread")
@@ -185,10 +187,12 @@ class ApplyDecisionResponse(_message.Message):
     def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
 
 class WaitForOutcomeRequest(_message.Message):
-    __slots__ = ("digest",)
+    __slots__ = ("digest", "handle")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     digest: str
-    def __init__(self, digest: _Optional[str] = ...) -> None: ...
+    handle: str
+    def __init__(self, digest: _Optional[str] = ..., handle: _Optional[str] = ...) -> None: ...
 
 class WaitForOutcomeResponse(_message.Message):
     __slots__ = ("outcome", "transition")
