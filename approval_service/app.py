@@ -29,6 +29,7 @@ from ztate.approval_service.store import ReviewStore
 from ztate.services.receipts import load_signing_key
 from ztate.services.runtime import tls
 from ztate.services.runtime.config import ApprovalSettings
+from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.embedded import start_embedded_postgres
@@ -188,7 +189,7 @@ async def _serve_on(
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.so_reuseport", 0),  # a second process on the address fails, not shares
         ],
-        interceptors=telemetry.server_interceptors(),
+        interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
     )
     approval_pb2_grpc.add_ApprovalServiceServicer_to_server(
         ApprovalServicer(service, settings.trust_domain), server

@@ -20,6 +20,7 @@ from ztate.services.policy.model import PolicySet
 from ztate.services.receipts import KeyFileError, load_public_keys, load_signing_key
 from ztate.services.runtime import tls
 from ztate.services.runtime.config import Settings
+from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.approvals import ApprovalStore
@@ -224,7 +225,10 @@ async def _start_traced(
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
-    server = grpc.aio.server(options=options, interceptors=telemetry.server_interceptors())
+    server = grpc.aio.server(
+        options=options,
+        interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
+    )
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
         TransitionServicer(pipeline, decisions, settings.trust_domain, reads, watcher),
         server,

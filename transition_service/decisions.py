@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -41,6 +42,7 @@ from ztate.transition_service.pipeline import (
 APPROVAL_SERVICE_NAME = "approval"
 NONCE_CONSTRAINT = "receipts_nonce_key"
 MAX_WAIT_SECONDS = 60.0
+DIGEST = re.compile(r"[0-9a-f]{64}")
 RECHECK_SECONDS = 1.0
 
 
@@ -245,6 +247,8 @@ class DecisionPipeline:
                 "name the parked transition by exactly one of digest, handle"
             )
         if wanted.digest:
+            if not DIGEST.fullmatch(wanted.digest):
+                raise errors.RequestInvalid("digest must be 64 lower-case hex characters")
             return await self._visible(caller, wanted.digest)
         thread_id, key = parse_handle(wanted.handle)
         # a handle names the caller's own proposal: the key is unique per (thread, node)

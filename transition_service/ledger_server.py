@@ -50,11 +50,32 @@ class _WithTimes(Protocol):
     def HasField(self, field_name: Any) -> bool: ...
 
 
+# what a datetime (and so the query) can hold: 0001-01-01 to 9999-12-31, UTC
+MIN_SECONDS, MAX_SECONDS = -62_135_596_800, 253_402_300_799
+MAX_FILTER_CHARACTERS = 1024
+INT64_MAX = 2**63 - 1
+
+
 def _moment(message: _WithTimes, field: str) -> datetime | None:
     if not message.HasField(field):
         return None
     stamp: timestamp_pb2.Timestamp = getattr(message, field)
+    if not MIN_SECONDS <= stamp.seconds <= MAX_SECONDS or not 0 <= stamp.nanos < 10**9:
+        raise errors.RequestInvalid(
+            f"{field} must be a timestamp between 0001-01-01 and 9999-12-31 UTC"
+        )
     return stamp.ToDatetime(tzinfo=UTC)
+
+
+def filter_text(value: str, field: str) -> str | None:
+    """A filter as given (None when empty); refuses what no stored row can hold."""
+    if not value:
+        return None
+    if "\x00" in value or len(value) > MAX_FILTER_CHARACTERS:
+        raise errors.RequestInvalid(
+            f"{field} must be at most {MAX_FILTER_CHARACTERS} characters, without U+0000"
+        )
+    return value
 
 
 def page_size(requested: int) -> int:
@@ -69,7 +90,7 @@ def page_after(token: str) -> int | None:
     """Page tokens are the last id seen, in decimal: keyset pagination."""
     if not token:
         return None
-    if not token.isdigit() or len(token) > 19:
+    if not PAGE_ID.fullmatch(token) or int(token) > INT64_MAX:
         raise errors.RequestInvalid("page_token is not one this service issued")
     return int(token)
 
@@ -91,6 +112,7 @@ def rejection_message(row: StoredRejection) -> ledger_pb2.Rejection:
 
 
 DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
+PAGE_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "²"
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -169,9 +191,9 @@ def transition_filter(request: ledger_pb2.ListTransitionsRequest) -> TransitionF
         allowed = ", ".join([COMMITTED, *sorted(PARKED_STATUSES)])
         raise errors.RequestInvalid(f"status must be one of {allowed}")
     return TransitionFilter(
-        thread_id=request.thread_id or None,
-        node_id=request.node_id or None,
-        changed_key=request.changed_key or None,
+        thread_id=filter_text(request.thread_id, "thread_id"),
+        node_id=filter_text(request.node_id, "node_id"),
+        changed_key=filter_text(request.changed_key, "changed_key"),
         status=status,
         since=_moment(request, "since"),
         until=_moment(request, "until"),
@@ -193,9 +215,9 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
             limit = page_size(request.page_size)
             rows = await self._queries.rejections(
                 RejectionFilter(
-                    thread_id=request.thread_id or None,
-                    node_id=request.node_id or None,
-                    reason=request.reason or None,
+                    thread_id=filter_text(request.thread_id, "thread_id"),
+                    node_id=filter_text(request.node_id, "node_id"),
+                    reason=filter_text(request.reason, "reason"),
                     since=_moment(request, "since"),
                     until=_moment(request, "until"),
                 ),
@@ -240,11 +262,10 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 row = await self._queries.detail(digest=request.digest)
                 wanted = f"transition {request.digest}"
             else:
-                if not request.thread_id or request.version < 0:
+                thread_id = filter_text(request.thread_id, "thread_id")
+                if thread_id is None or request.version < 0:
                     raise errors.RequestInvalid("give either digest or thread_id and version")
-                row = await self._queries.detail(
-                    thread_id=request.thread_id, version=request.version
-                )
+                row = await self._queries.detail(thread_id=thread_id, version=request.version)
                 wanted = f"version {request.version} of thread {request.thread_id}"
             if row is None:
                 raise errors.TransitionNotFound(f"no committed {wanted}")
@@ -257,7 +278,9 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     ) -> ledger_pb2.KeyHistoryResponse:
         async def handle(caller: Identity) -> ledger_pb2.KeyHistoryResponse:
             check_privileged(caller, "read the ledger")
-            if not request.thread_id or not request.key:
+            if not filter_text(request.thread_id, "thread_id") or not filter_text(
+                request.key, "key"
+            ):
                 raise errors.RequestInvalid("thread_id and key are required")
             limit = page_size(request.page_size)
             after = page_after(request.page_token)

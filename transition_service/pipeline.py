@@ -193,6 +193,26 @@ def check_proposal_fields(proposal: Proposal) -> None:
         raise errors.RequestInvalid("idempotency_key must be 1-128 printable ASCII characters")
 
 
+def check_storable(value: JsonObject, what: str) -> None:
+    """No U+0000 in any string or member name, at any depth.
+
+    It is valid JSON and I-JSON (RFC 8785's own test data holds it), but PostgreSQL's
+    jsonb and text cannot hold it: refused here, with its own reason, before any other
+    check could copy it into a rejection row or a commit could fail on it.
+    """
+    pending: list[object] = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if any("\x00" in key for key in item):
+                raise errors.UnsupportedCharacter(f"{what} has a member name holding U+0000")
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str) and "\x00" in item:
+            raise errors.UnsupportedCharacter(f"{what} has a string holding U+0000")
+
+
 def check_size(data: bytes, limit: int, what: str) -> None:
     if len(data) > limit:
         raise errors.PatchTooLarge(
@@ -328,6 +348,7 @@ class TransitionPipeline:
         policy = self._policy_named(policy_name)
         check_size(initial_state_json, self._max_patch_bytes, "initial state")
         initial = parse_object(initial_state_json, what="initial state", max_depth=self._max_depth)
+        check_storable(initial, "initial state")
         check_declared(initial, policy)
         check_schema(initial, policy)
         check_credentials(initial, policy)
@@ -422,6 +443,7 @@ class TransitionPipeline:
         limit = policy.max_patch_bytes(node) or self._max_patch_bytes
         check_size(proposal.patch_json, limit, "patch")
         patch = parse_object(proposal.patch_json, what="patch", max_depth=self._max_depth)
+        check_storable(patch, "patch")
         check_writable(patch, policy.writable(node))
         check_schema(patch, policy)
         check_credentials(patch, policy)

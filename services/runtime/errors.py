@@ -60,6 +60,12 @@ class PatchMalformed(ZtateError):
     reason = "PATCH_MALFORMED"
 
 
+class UnsupportedCharacter(ZtateError):
+    """Valid I-JSON that PostgreSQL cannot store: U+0000 in a string or member name."""
+
+    reason = "UNSUPPORTED_CHARACTER"
+
+
 class ValueOutOfRange(ZtateError):
     reason = "VALUE_OUT_OF_RANGE"
 

@@ -48,8 +48,7 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 class HealthReport(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # untyped base
     """``grpc.health.v1.Health`` for one server: the server (``""``) and its services
-    share one status, NOT_SERVING until the first ``set_serving(True)``. (Methods
-    of the protocol it does not define, such as List, answer UNIMPLEMENTED.)"""
+    share one status, NOT_SERVING until the first ``set_serving(True)``."""
 
     def __init__(self, services: Sequence[str]) -> None:
         self._status: dict[str, Status] = dict.fromkeys(("", *services), NOT_SERVING)
@@ -63,6 +62,16 @@ class HealthReport(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # unt
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
         return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthListResponse:
+        """Every name and its status (the base class would raise, which grpc answers as
+        UNKNOWN with the exception's name)."""
+        response = health_pb2.HealthListResponse()
+        for name, status in self._status.items():
+            response.statuses[name].status = status
+        return response
 
     async def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]

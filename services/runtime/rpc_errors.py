@@ -24,6 +24,7 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.KeyNotWritable: grpc.StatusCode.PERMISSION_DENIED,
     errors.PatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PatchMalformed: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.UnsupportedCharacter: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ValueOutOfRange: grpc.StatusCode.INVALID_ARGUMENT,
     errors.StaleVersion: grpc.StatusCode.ABORTED,
     errors.ThreadNotFound: grpc.StatusCode.NOT_FOUND,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -465,6 +465,10 @@ class TransitionStore:
         return PendingTransition.from_row(row) if row else None
 
     async def record_rejection(self, rejection: Rejection) -> None:
+        """Record a refusal. Every text is made storable first: the request that was
+        refused may carry what PostgreSQL's text refuses (U+0000), and a refusal must
+        always be recorded."""
+        rejection = storable_rejection(rejection)
         await self._pool.execute(
             "INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys, "
             "patch_digest, patch_bytes, message) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
@@ -478,6 +482,29 @@ class TransitionStore:
             rejection.patch_bytes,
             rejection.message,
         )
+
+
+MAX_REJECTION_TEXT = 1024
+
+
+def storable_text(text: str, limit: int = MAX_REJECTION_TEXT) -> str:
+    """``text`` as PostgreSQL's text can hold it: U+0000 written as the six characters
+    ``\\u0000`` (so it stays visible to an auditor), cut to ``limit`` characters."""
+    return text.replace("\x00", "\\u0000")[:limit]
+
+
+def storable_rejection(rejection: Rejection) -> Rejection:
+    return replace(
+        rejection,
+        method=storable_text(rejection.method),
+        node_id=storable_text(rejection.node_id),
+        thread_id=None if rejection.thread_id is None else storable_text(rejection.thread_id),
+        keys=[storable_text(key) for key in rejection.keys],
+        patch_digest=(
+            None if rejection.patch_digest is None else storable_text(rejection.patch_digest)
+        ),
+        message=storable_text(rejection.message),
+    )
 
 
 class ConnectionLost(Exception):

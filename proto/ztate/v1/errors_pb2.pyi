@@ -42,6 +42,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_ALREADY_DECIDED: _ClassVar[ErrorReason]
     ERROR_REASON_STATE_PRUNED: _ClassVar[ErrorReason]
     ERROR_REASON_TOO_MANY_STREAMS: _ClassVar[ErrorReason]
+    ERROR_REASON_UNSUPPORTED_CHARACTER: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_IDENTITY_INVALID: ErrorReason
 ERROR_REASON_ROLE_FORBIDDEN: ErrorReason
@@ -75,6 +76,7 @@ ERROR_REASON_SELF_APPROVAL: ErrorReason
 ERROR_REASON_ALREADY_DECIDED: ErrorReason
 ERROR_REASON_STATE_PRUNED: ErrorReason
 ERROR_REASON_TOO_MANY_STREAMS: ErrorReason
+ERROR_REASON_UNSUPPORTED_CHARACTER: ErrorReason
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "keys", "current_version", "limit", "rules")
