@@ -31,6 +31,7 @@ from ztate.services.runtime import tls
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
+from ztate.services.runtime.serving import raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.embedded import start_embedded_postgres
 from ztate.services.store.migrate import MigrationSet, apply_migrations, verify_migrations
@@ -181,14 +182,12 @@ async def _serve_on(
         receipt_ttl=timedelta(seconds=settings.receipt_ttl_seconds),
         decided=decided,
     )
+    raise_open_file_limit()
     server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ("grpc.so_reuseport", 0),  # a second process on the address fails, not shares
-        ],
+        options=server_options(
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            handshake_timeout_seconds=settings.handshake_timeout_seconds,
+        ),
         interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
     )
     approval_pb2_grpc.add_ApprovalServiceServicer_to_server(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import socket
 import sys
@@ -65,9 +66,18 @@ class ServedProcess:
     """``ztate serve`` on a loopback port, started and stopped by the test."""
 
     def __init__(
-        self, *, home: Path, dsn: str, pki: Pki, policy: Path, keyring: Path, **settings: str
+        self,
+        *,
+        home: Path,
+        dsn: str,
+        pki: Pki,
+        policy: Path,
+        keyring: Path,
+        open_files: int | None = None,
+        **settings: str,
     ) -> None:
         self.port = free_port()
+        self.open_files = open_files  # RLIMIT_NOFILE, soft and hard, when set
         self.pki = pki
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
         self.env.update(
@@ -94,12 +104,19 @@ class ServedProcess:
     async def start(self, within: float = START_TIMEOUT_SECONDS) -> None:
         """Launch the service and return once it listens (it reports SERVING by then);
         if it does not within ``within`` s, or exits, it is killed before this raises."""
+        limit = self.open_files
+
+        def limit_open_files() -> None:  # in the child, before exec
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.process = await asyncio.create_subprocess_exec(
             str(ZTATE),
             "serve",
             env=self.env,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
+            preexec_fn=limit_open_files if limit is not None else None,
         )
         stderr = self.process.stderr
         assert stderr is not None

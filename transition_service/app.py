@@ -22,6 +22,7 @@ from ztate.services.runtime import tls
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
+from ztate.services.runtime.serving import raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.embedded import start_embedded_postgres
@@ -216,14 +217,13 @@ async def _start_traced(
         interval=settings.outbox_interval_seconds,
         pending_ttl=timedelta(seconds=settings.pending_ttl_seconds),
     )
+    raise_open_file_limit()
     options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
+        *server_options(
+            max_message_bytes=settings.max_message_bytes,
+            handshake_timeout_seconds=settings.handshake_timeout_seconds,
+        ),
         ("grpc.max_concurrent_streams", 256),
-        # a second process on the same address must fail, not silently share it
-        ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", 60_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
     server = grpc.aio.server(
         options=options,

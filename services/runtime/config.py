@@ -89,6 +89,12 @@ class Settings(TelemetrySettings):
         default=None, description="keyring JSON (overrides file)"
     )
     max_patch_bytes: int = Field(default=64 * 1024, gt=0, le=4 * 1024 * 1024)
+    handshake_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=120,
+        description="close a connection that has not completed TLS within this (s)",
+    )
     max_depth: int = Field(default=32, gt=0, le=128)
     db_pool_size: int = Field(default=16, gt=0, le=512)
     db_role: str = Field(default="ztate_transition", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
@@ -194,6 +200,12 @@ class ApprovalSettings(TelemetrySettings):
     transition_server_name: str | None = None
     db_role: str = Field(default="ztate_approver", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     db_pool_size: int = Field(default=8, gt=0, le=256)
+    handshake_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=120,
+        description="close a connection that has not completed TLS within this (s)",
+    )
     review_ttl_seconds: int = Field(default=24 * 3600, gt=0)
     receipt_ttl_seconds: int = Field(default=600, gt=0)
     outbox_interval_seconds: float = Field(default=2.0, gt=0)

@@ -1,0 +1,46 @@
+"""What every ztate gRPC server sets, in one place: message limits, keepalive, an exclusive
+port, a short TLS handshake timeout, and as many open files as the process may have.
+
+A connection that never starts (or never finishes) its TLS handshake holds a file
+descriptor until the server gives up on it: gRPC's default is 120 s, long enough for
+a thousand idle sockets to exhaust a 1,024-file limit and block every legitimate
+worker. Both services close such connections after ``handshake_timeout_seconds``
+(default 5 s) and raise their soft open-file limit to the hard one at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+
+log = logging.getLogger("ztate.serving")
+
+
+def server_options(
+    *, max_message_bytes: int, handshake_timeout_seconds: float
+) -> list[tuple[str, int]]:
+    """gRPC server options shared by the transition and approval services."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # a second process on the same address must fail, not silently share it
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # a connection that has not completed TLS by then is closed, freeing its file
+        ("grpc.server_handshake_timeout_ms", int(handshake_timeout_seconds * 1000)),
+    ]
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as refused:
+            log.warning("could not raise the open-file limit above %d: %s", soft, refused)
+    log.info("open-file limit %d (each connection holds one)", soft)
+    return soft
