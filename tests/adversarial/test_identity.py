@@ -9,6 +9,8 @@ UNAUTHENTICATED with reason IDENTITY_INVALID.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 
@@ -82,8 +84,16 @@ async def test_expired_certificate(target: str, pki: Pki, ledger: Ledger) -> Non
     ],
 )
 async def test_unacceptable_spiffe_id_is_unauthenticated(
-    target: str, pki: Pki, ledger: Ledger, stem: str, uris: tuple[str, ...]
+    target: str,
+    pki: Pki,
+    ledger: Ledger,
+    stem: str,
+    uris: tuple[str, ...],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """No rejection row (the caller has no identity a row could name: docs/policy.md),
+    but the refusal is logged, naming nothing the certificate claims."""
+    caplog.set_level(logging.INFO, logger="ztate.rpc")
     thread_id = await make_thread(target, pki)
     before, rejections = await ledger.snapshot(thread_id), await ledger.rejection_count()
     async with client(target, pki.with_uris(stem, *uris)) as impostor:
@@ -95,6 +105,9 @@ async def test_unacceptable_spiffe_id_is_unauthenticated(
     assert caught.value.reason == "IDENTITY_INVALID"
     assert await ledger.snapshot(thread_id) == before
     assert await ledger.rejection_count() == rejections
+    logged = [r.getMessage() for r in caplog.records if r.name == "ztate.rpc"]
+    assert "refused ProposeTransition: IDENTITY_INVALID" in logged
+    assert not any(uri in line for uri in uris for line in logged)
 
 
 async def test_identity_claimed_in_metadata_is_ignored(
