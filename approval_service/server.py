@@ -91,7 +91,9 @@ class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
                     risk_rules=tuple(request.risk_rules),
                     required_approvals=request.required_approvals,
                     proposal_json=request.proposal_json,
-                    redacted_diff_json=request.redacted_diff_json,
+                    base_record_json=request.base_record_json,
+                    base_state_json=request.base_state_json,
+                    sensitive_keys=frozenset(request.sensitive_keys),
                 ),
             )
             return approval_pb2.SubmitReviewResponse(review=review_message(review))

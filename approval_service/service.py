@@ -25,6 +25,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ztate.approval_service.notifier import Notifier, ReviewEvent
+from ztate.approval_service.review import derived_diff, redaction_key
 from ztate.approval_service.store import (
     APPROVED,
     EXPIRED,
@@ -65,7 +66,9 @@ class Submission:
     risk_rules: tuple[str, ...]
     required_approvals: int
     proposal_json: bytes
-    redacted_diff_json: bytes
+    base_record_json: bytes
+    base_state_json: bytes
+    sensitive_keys: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +117,6 @@ def check_submission(submission: Submission, trust_domain: str) -> None:
         raise errors.RequestInvalid("base_version must not be negative")
     if not 1 <= submission.required_approvals <= MAX_APPROVALS:
         raise errors.RequestInvalid(f"required_approvals must be between 1 and {MAX_APPROVALS}")
-    _json_object(submission.redacted_diff_json, "redacted_diff_json")
 
 
 def check_bound_to_proposal(submission: Submission) -> None:
@@ -216,6 +218,7 @@ class ApprovalService:
         """``decided`` is set whenever a receipt is signed, to wake its delivery."""
         self._store = store
         self._key = signing_key
+        self._redaction_key = redaction_key(signing_key)
         self._key_id = key_id
         self._notifier = notifier
         self._trust_domain = trust_domain
@@ -228,6 +231,13 @@ class ApprovalService:
         """Open a review for a parked transition; the same digest again is the same review."""
         check_submitter(caller)
         check_submission(submission, self._trust_domain)
+        diff = derived_diff(
+            _json_object(submission.proposal_json, "proposal_json"),
+            submission.base_record_json,
+            submission.base_state_json,
+            submission.sensitive_keys,
+            self._redaction_key,
+        )
         now = self._clock()
         review, opened = await self._store.submit(
             NewReview(
@@ -238,7 +248,7 @@ class ApprovalService:
                 risk_rules=tuple(sorted(submission.risk_rules)),
                 required_approvals=submission.required_approvals,
                 proposal=submission.proposal_json,
-                redacted_diff=submission.redacted_diff_json,
+                redacted_diff=diff,
                 opened_at=now,
                 expires_at=now + self._review_ttl,
             )

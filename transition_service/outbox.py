@@ -26,7 +26,11 @@ BATCH = 100
 MAX_BACKOFF_SECONDS = 30.0
 
 
-def submission(pending: PendingTransition) -> approval_pb2.SubmitReviewRequest:
+def submission(
+    pending: PendingTransition, base_record: bytes, base_state: bytes | None
+) -> approval_pb2.SubmitReviewRequest:
+    """What the approval service needs to derive the review itself: the proposal and the
+    exact record and state it builds on (approval_service/review.py)."""
     return approval_pb2.SubmitReviewRequest(
         digest=pending.digest,
         thread_id=pending.thread_id,
@@ -35,7 +39,9 @@ def submission(pending: PendingTransition) -> approval_pb2.SubmitReviewRequest:
         risk_rules=pending.risk_rules,
         required_approvals=pending.required_approvals,
         proposal_json=pending.proposal,
-        redacted_diff_json=pending.redacted_diff,
+        base_record_json=base_record,
+        base_state_json=base_state or b"",
+        sensitive_keys=pending.sensitive_keys,
     )
 
 
@@ -97,7 +103,10 @@ class ApprovalOutbox:
             return
         for pending in await self._approvals.to_submit(BATCH):
             try:
-                await self._stub.SubmitReview(submission(pending), timeout=10)
+                base_record, base_state = await self._approvals.base_of(pending)
+                await self._stub.SubmitReview(
+                    submission(pending, base_record, base_state), timeout=10
+                )
             except grpc.aio.AioRpcError as error:
                 self._failures = min(self._failures + 1, 6)
                 log.warning(

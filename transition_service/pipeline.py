@@ -17,7 +17,6 @@ import hashlib
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 import orjson
 
@@ -277,27 +276,6 @@ def check_layers(patch: JsonObject, policy: Policy, node: str) -> None:
             )
 
 
-def redacted_diff(policy: Policy, old: JsonObject, patch: JsonObject) -> JsonObject:
-    """What a reviewer sees: each changed key with its old and new value, values of
-    keys the policy marks sensitive replaced by their digest. A missing ``old``
-    or ``new`` means the key was absent or is removed."""
-
-    def shown(key: str, value: Any) -> Any:
-        if policy.document.keys[key].sensitive:
-            return {"redacted_sha256": sha256_hex(canonical_bytes(value))}
-        return value
-
-    changes: JsonObject = {}
-    for key, new in sorted(patch.items()):
-        change: JsonObject = {}
-        if key in old:
-            change["old"] = shown(key, old[key])
-        if new is not None:
-            change["new"] = shown(key, new)
-        changes[key] = change
-    return {"changes": changes}
-
-
 def request_digest(proposal: Proposal) -> str:
     """What makes two requests with one idempotency key the same request."""
     hasher = hashlib.sha256(b"%d\n" % proposal.expected_version)
@@ -537,7 +515,7 @@ class TransitionPipeline:
                 request_digest=digest_of_request,
                 status="pending",
                 parked_at=datetime.now(UTC),
-                redacted_diff=canonical_bytes(redacted_diff(policy, base.state, patch)),
+                sensitive_keys=sorted(key for key in patch if policy.document.keys[key].sensitive),
                 required_approvals=max(
                     rule.approvals for rule in policy.risk_rules if rule.name in risky
                 ),

@@ -190,6 +190,18 @@ class ApprovalStore:
             at,
         )
 
+    async def base_of(self, pending: PendingTransition) -> tuple[bytes, bytes | None]:
+        """The ledger record and state body (None once pruned) a parked proposal builds
+        on: the approval service derives the review from them (docs/approvals.md)."""
+        row = await self._pool.fetchrow(
+            "SELECT record, state FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
+            pending.thread_id,
+            pending.base_version,
+        )
+        if row is None:
+            raise LookupError(f"no record at {pending.thread_id}@{pending.base_version}")
+        return bytes(row["record"]), None if row["state"] is None else bytes(row["state"])
+
     async def candidate_state(self, digest: str) -> bytes | None:
         state: bytes | None = await self._pool.fetchval(
             "SELECT state FROM ztate.pending_transitions WHERE digest = $1", digest

@@ -133,7 +133,7 @@ class PendingTransition:
     request_digest: str
     status: str
     parked_at: datetime
-    redacted_diff: bytes
+    sensitive_keys: list[str]
     required_approvals: int
 
     @classmethod
@@ -143,17 +143,17 @@ class PendingTransition:
 
 PENDING_COLUMNS = (
     "digest, thread_id, base_version, parent_digest, node_id, proposal, risk_rules, "
-    "idempotency_key, request_digest, status, parked_at, redacted_diff, required_approvals"
+    "idempotency_key, request_digest, status, parked_at, sensitive_keys, required_approvals"
 )
 
 
 PARK = f"""
 INSERT INTO ztate.pending_transitions (digest, thread_id, base_version, parent_digest, node_id,
                                        proposal, state, risk_rules, idempotency_key,
-                                       request_digest, parked_at, redacted_diff,
+                                       request_digest, parked_at, sensitive_keys,
                                        required_approvals)
 SELECT $1::text, $2::text, $3::bigint, $4::text, $5::text, $6::bytea, $7::bytea, $8::text[],
-       $9::text, $10::text, $11::timestamptz, $12::bytea, $13::integer
+       $9::text, $10::text, $11::timestamptz, $12::text[], $13::integer
  WHERE NOT EXISTS (SELECT 1 FROM ztate.transitions t  -- the key named a committed request
                     WHERE t.thread_id = $2 AND t.node_id = $5 AND t.idempotency_key = $9)
 ON CONFLICT DO NOTHING
@@ -435,7 +435,7 @@ class TransitionStore:
             pending.idempotency_key,
             pending.request_digest,
             pending.parked_at,
-            pending.redacted_diff,
+            pending.sensitive_keys,
             pending.required_approvals,
         )
         if row is not None:

@@ -131,6 +131,9 @@ async def stub_as(
         yield approval_pb2_grpc.ApprovalServiceStub(channel)
 
 
+BASE_STATE = {"is_admin": False, "owner": "acme"}
+
+
 @dataclass(frozen=True)
 class Parked:
     """A proposal as the transition service would submit it for review."""
@@ -152,26 +155,29 @@ def parked(
 ) -> Parked:
     thread = thread_id or new_thread_id()
     node_id = f"spiffe://{TRUST_DOMAIN}/node/{node}"
+    base_state = canonical_bytes(BASE_STATE)
+    base_record = canonical_bytes(
+        {
+            "format": 1,
+            "kind": "transition",
+            "thread_id": thread,
+            "version": base_version,
+            "state_digest": sha256_hex(base_state),
+        }
+    )
+    patch = {"is_admin": True, "api_token": "s3cret"}
     proposal = canonical_bytes(
         {
             "format": 1,
             "kind": "proposal",
             "thread_id": thread,
             "base_version": base_version,
-            "parent_digest": "ab" * 32,
+            "parent_digest": sha256_hex(base_record),
             "node_id": node_id,
-            "patch": {"is_admin": True, "api_token": "s3cret"},
-            "state_digest": "cd" * 32,
+            "patch": patch,
+            "state_digest": sha256_hex(canonical_bytes({**BASE_STATE, **patch})),
             "policy_digest": "ef" * 32,
             "risk_rules": sorted(rules),
-        }
-    )
-    diff = canonical_bytes(
-        {
-            "changes": {
-                "is_admin": {"old": False, "new": True},
-                "api_token": {"new": {"redacted_sha256": sha256_hex(b'"s3cret"')}},
-            }
         }
     )
     return Parked(
@@ -183,7 +189,9 @@ def parked(
             risk_rules=list(rules),
             required_approvals=approvals,
             proposal_json=proposal,
-            redacted_diff_json=diff,
+            base_record_json=base_record,
+            base_state_json=base_state,
+            sensitive_keys=["api_token"],
         )
     )
 
@@ -316,7 +324,11 @@ def _tampered(field: str, value: Any) -> approval_pb2.SubmitReviewRequest:
         ("risk_rules", ["harmless"]),
         ("required_approvals", 0),
         ("required_approvals", 17),
-        ("redacted_diff_json", b"not json"),
+        # a base that is not the one the proposal builds on: the review would show
+        # old values the ledger never held
+        ("base_record_json", b'{"thread_id": "x"}'),
+        ("base_state_json", b'{"is_admin": true, "owner": "acme"}'),
+        ("base_state_json", b""),
     ],
 )
 async def test_a_submission_that_does_not_match_its_proposal_is_refused(
@@ -372,10 +384,34 @@ async def test_reviewers_and_operators_see_the_redacted_diff(
         got = await stub.GetReview(approval_pb2.GetReviewRequest(digest=proposal.digest))
     assert [review.digest for review in listed.reviews] == [proposal.digest]
     assert listed.reviews[0] == got.review
-    assert got.review.redacted_diff_json == proposal.request.redacted_diff_json
     diff = json.loads(got.review.redacted_diff_json)
     assert diff["changes"]["is_admin"] == {"old": False, "new": True}
     assert b"s3cret" not in got.review.SerializeToString()
+    # the sensitive value is a keyed digest, not its plain SHA-256 (a guessing oracle)
+    shown = diff["changes"]["api_token"]["new"]["redacted_hmac_sha256"]
+    assert shown != sha256_hex(b'"s3cret"')
+    assert len(shown) == 64
+
+
+async def test_the_review_shows_the_change_that_commits_not_the_summary_it_was_given(
+    approval_target: str, pki: Pki
+) -> None:
+    """Issue 11 item 7: a submitter (even holding the transition service's certificate)
+    wrote a summary saying the key was unchanged; the reviewer approved; the hidden
+    change committed under a genuine receipt. The summary is now ignored: what is shown
+    is computed from the proposal bytes the receipt binds and their verified base."""
+    proposal = parked()
+    lying = approval_pb2.SubmitReviewRequest()
+    lying.CopyFrom(proposal.request)
+    lying.redacted_diff_json = canonical_bytes(
+        {"changes": {"is_admin": {"old": False, "new": False}}}  # "unchanged"
+    )
+    await submitted(approval_target, pki, Parked(lying))
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
+        got = await stub.GetReview(approval_pb2.GetReviewRequest(digest=proposal.digest))
+    diff = json.loads(got.review.redacted_diff_json)
+    assert diff["changes"]["is_admin"] == {"old": False, "new": True}
+    assert set(diff["changes"]) == {"is_admin", "api_token"}
 
 
 @pytest.mark.parametrize(

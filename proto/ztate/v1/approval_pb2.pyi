@@ -71,7 +71,7 @@ class Review(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., node_id: _Optional[str] = ..., risk_rules: _Optional[_Iterable[str]] = ..., required_approvals: _Optional[int] = ..., redacted_diff_json: _Optional[bytes] = ..., status: _Optional[_Union[ReviewStatus, str]] = ..., approvers: _Optional[_Iterable[str]] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., receipt: _Optional[_Union[SignedReceipt, _Mapping]] = ...) -> None: ...
 
 class SubmitReviewRequest(_message.Message):
-    __slots__ = ("digest", "thread_id", "base_version", "node_id", "risk_rules", "required_approvals", "proposal_json", "redacted_diff_json")
+    __slots__ = ("digest", "thread_id", "base_version", "node_id", "risk_rules", "required_approvals", "proposal_json", "redacted_diff_json", "base_record_json", "base_state_json", "sensitive_keys")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,9 @@ class SubmitReviewRequest(_message.Message):
     REQUIRED_APPROVALS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_JSON_FIELD_NUMBER: _ClassVar[int]
     REDACTED_DIFF_JSON_FIELD_NUMBER: _ClassVar[int]
+    BASE_RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
+    BASE_STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    SENSITIVE_KEYS_FIELD_NUMBER: _ClassVar[int]
     digest: str
     thread_id: str
     base_version: int
@@ -88,7 +91,10 @@ class SubmitReviewRequest(_message.Message):
     required_approvals: int
     proposal_json: bytes
     redacted_diff_json: bytes
-    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., node_id: _Optional[str] = ..., risk_rules: _Optional[_Iterable[str]] = ..., required_approvals: _Optional[int] = ..., proposal_json: _Optional[bytes] = ..., redacted_diff_json: _Optional[bytes] = ...) -> None: ...
+    base_record_json: bytes
+    base_state_json: bytes
+    sensitive_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., node_id: _Optional[str] = ..., risk_rules: _Optional[_Iterable[str]] = ..., required_approvals: _Optional[int] = ..., proposal_json: _Optional[bytes] = ..., redacted_diff_json: _Optional[bytes] = ..., base_record_json: _Optional[bytes] = ..., base_state_json: _Optional[bytes] = ..., sensitive_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitReviewResponse(_message.Message):
     __slots__ = ("review",)
