@@ -144,6 +144,7 @@ def review_dict(review: approval_pb2.Review) -> dict[str, Any]:
         "opened_at": review.opened_at.ToJsonString(),
         "expires_at": review.expires_at.ToJsonString(),
         "redacted_diff": json.loads(review.redacted_diff_json or b"{}"),
+        "outcome": review.outcome or None,
     }
     if review.HasField("receipt"):
         found["receipt"] = {
@@ -195,7 +196,10 @@ def print_review(review: dict[str, Any]) -> None:
             f"nonce {receipt['nonce']}, key {receipt['key_id']}, valid until "
             f"{receipt['expires_at']}"
         )
-    print("changes (values of sensitive keys are shown as their sha256):")
+    if review.get("outcome"):
+        print(f"outcome       {_outcome_text(review['outcome'])}")
+    print("changes (derived from the proposal and its base; sensitive values are keyed")
+    print("digests the approval service computes: equal values show equal digests):")
     for line in diff_lines(review["redacted_diff"]):
         print(line)
 
@@ -259,9 +263,40 @@ def _decide(args: argparse.Namespace, decision: int, verb: str) -> int:
         else:
             nonce = review.get("receipt", {}).get("receipt", {}).get("nonce", "-")
             print(f"{verb} {review['digest']}: review {review['status']}, receipt nonce {nonce}")
+            outcome = await _delivered(stub, review["digest"], args.wait)
+            print(f"  the transition service: {_outcome_text(outcome)}")
+            expected = "committed" if decision == approval_pb2.DECISION_APPROVE else "rejected"
+            if outcome not in (None, expected):
+                return REFUSED  # decided, but it did not take effect: say so by the exit code
         return OK
 
     return _run(args, call)
+
+
+async def _delivered(
+    stub: approval_pb2_grpc.ApprovalServiceStub, digest: str, within: float
+) -> str | None:
+    """What the transition service did with the decision, once delivered (None: not yet
+    within ``within`` seconds; it is delivered in the background and shown by ``show``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        got = await stub.GetReview(
+            approval_pb2.GetReviewRequest(digest=digest), timeout=CALL_TIMEOUT_SECONDS
+        )
+        if got.review.outcome or loop.time() >= deadline:
+            return got.review.outcome or None
+        await asyncio.sleep(0.2)  # polling the review's delivery, bounded by ``within``
+
+
+def _outcome_text(outcome: str | None) -> str:
+    if outcome is None:
+        return "not delivered yet (see `ztate approvals show`)"
+    if outcome == "stale":
+        return "stale: the thread moved on before the decision arrived; nothing was committed"
+    if outcome.startswith("refused"):
+        return f"{outcome}: the policy in force no longer allows this change; nothing committed"
+    return outcome
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
@@ -317,4 +352,11 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
         decide = commands.add_parser(name, help=text)
         add_reviewer_flags(decide)
         decide.add_argument("digest", metavar="DIGEST", help="the transition digest you reviewed")
+        decide.add_argument(
+            "--wait",
+            type=float,
+            default=10.0,
+            metavar="SECONDS",
+            help="how long to wait for what the transition service did (default %(default)s)",
+        )
         decide.set_defaults(func=func)

@@ -44,15 +44,13 @@ CALL_TIMEOUT_SECONDS = 10.0
 MAX_BACKOFF_SECONDS = 30.0
 DETAILS_KEY = "grpc-status-details-bin"
 
-# Answers that settle a receipt for good: the transition service will never apply it.
-SETTLED = frozenset(
-    {
-        (grpc.StatusCode.FAILED_PRECONDITION, "APPROVAL_STALE"),
-        (grpc.StatusCode.FAILED_PRECONDITION, "REVIEW_CLOSED"),
-        (grpc.StatusCode.FAILED_PRECONDITION, "RECEIPT_EXPIRED"),
-        (grpc.StatusCode.FAILED_PRECONDITION, "RECEIPT_MISMATCH"),
-        (grpc.StatusCode.ALREADY_EXISTS, "RECEIPT_REPLAYED"),
-    }
+# Answers that may go away on their own (a failure of the service, not a verdict on the
+# receipt): retried, and bounded all the same, since once the receipt expires the
+# answer is RECEIPT_EXPIRED, which settles it. Every other refusal is a verdict: the
+# transition service will never apply this receipt, so it settles at once, and the
+# review says why. An approved transition always reaches a definite outcome.
+TRANSIENT = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED}
 )
 # The transition service could not be reached: stop this round, back off.
 UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -186,9 +184,11 @@ class ReceiptDelivery:
             response = await self._stub.ApplyDecision(request, timeout=CALL_TIMEOUT_SECONDS)
         except grpc.aio.AioRpcError as error:
             return await self._refused(entry, error)
-        outcome = transition_pb2.Outcome.Name(response.outcome)
+        outcome = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()
+        if response.reason:
+            outcome = f"{outcome}: {response.reason}"
         log.info("delivered the receipt of review %s: %s", entry.digest[:16], outcome)
-        await self._store.mark_delivered(entry.digest, now_utc())
+        await self._store.mark_delivered(entry.digest, now_utc(), outcome)
         return Attempt.SETTLED
 
     async def _refused(self, entry: OutboxEntry, error: grpc.aio.AioRpcError) -> Attempt:
@@ -204,7 +204,7 @@ class ReceiptDelivery:
                 digest,
             )
             return Attempt.RETRY
-        if (code, reason) not in SETTLED:
+        if code in TRANSIENT:
             log.error(
                 "delivering review %s refused: %s %s (%s); will retry",
                 digest,
@@ -219,5 +219,6 @@ class ReceiptDelivery:
             reason,
             error.details(),
         )
-        await self._store.mark_delivered(entry.digest, now)
+        outcome = "stale" if reason == "APPROVAL_STALE" else f"not applied: {reason}"
+        await self._store.mark_delivered(entry.digest, now, outcome)
         return Attempt.SETTLED

@@ -47,6 +47,7 @@ def review_message(review: StoredReview) -> approval_pb2.Review:
         approvers=list(review.approvers),
         opened_at=_timestamp(review.opened_at),
         expires_at=_timestamp(review.expires_at),
+        outcome=review.outcome or "",
     )
     if review.receipt is not None:
         message.receipt.CopyFrom(

@@ -32,7 +32,8 @@ r.redacted_diff, r.status, r.opened_at, r.expires_at, r.closed_at,
 ARRAY(SELECT d.reviewer FROM ztate_approval.decisions d
        WHERE d.digest = r.digest AND d.decision = 'approve'
        ORDER BY d.reviewer) AS approvers,
-c.receipt, c.signature AS receipt_signature, c.key_id AS receipt_key_id, c.delivered_at
+c.receipt, c.signature AS receipt_signature, c.key_id AS receipt_key_id, c.delivered_at,
+c.outcome
 """
 
 REVIEWS = "ztate_approval.reviews r LEFT JOIN ztate_approval.receipts c ON c.digest = r.digest"
@@ -114,6 +115,7 @@ class StoredReview:
     approvers: tuple[str, ...]
     receipt: SignedReceipt | None
     delivered_at: datetime | None
+    outcome: str | None  # what the transition service did with the decision
 
     @classmethod
     def from_row(cls, row: asyncpg.Record) -> StoredReview:
@@ -137,6 +139,7 @@ class StoredReview:
             approvers=tuple(row["approvers"]),
             receipt=receipt,
             delivered_at=row["delivered_at"],
+            outcome=row["outcome"],
         )
 
 
@@ -317,10 +320,12 @@ class ReviewStore:
         rows = await self._pool.fetch(UNDELIVERED, limit)
         return [OutboxEntry.from_row(row) for row in rows]
 
-    async def mark_delivered(self, digest: str, at: datetime) -> None:
+    async def mark_delivered(self, digest: str, at: datetime, outcome: str) -> None:
+        """The decision reached the transition service, which answered ``outcome``."""
         await self._pool.execute(
-            "UPDATE ztate_approval.receipts SET delivered_at = $2 "
+            "UPDATE ztate_approval.receipts SET delivered_at = $2, outcome = $3 "
             "WHERE digest = $1 AND delivered_at IS NULL",
             digest,
             at,
+            outcome,
         )

@@ -198,6 +198,7 @@ async def _start_traced(
         public_keys=dict(public_keys),
         heads=pipeline.heads,
         listener=listener,
+        policies=policies,
         metrics=telemetry.metrics,
     )
     checkpointer = (

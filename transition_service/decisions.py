@@ -24,19 +24,30 @@ import orjson
 
 from ztate.services.chain import KIND_TRANSITION, build_record, seal
 from ztate.services.keyring import Keyring
+from ztate.services.policy.changes import Change, apply_patch, check_invariants
+from ztate.services.policy.model import PolicySet
 from ztate.services.receipts import APPROVE, SignedReceipt, verify_receipt
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
 from ztate.services.store.approvals import ApprovalStore
-from ztate.services.store.transitions import PendingTransition, StoredTransition, TransitionStore
+from ztate.services.store.transitions import (
+    PendingTransition,
+    Rejection,
+    StoredTransition,
+    TransitionStore,
+)
 from ztate.transition_service.heads import CachedHead, HeadCache
 from ztate.transition_service.outcomes import OutcomeListener
 from ztate.transition_service.pipeline import (
     IDEMPOTENCY_KEY,
     THREAD_ID,
     as_stored,
+    check_credentials,
+    check_layers,
     check_privileged,
+    check_schema,
+    check_writable,
 )
 
 APPROVAL_SERVICE_NAME = "approval"
@@ -52,12 +63,14 @@ class Outcome(enum.Enum):
     REJECTED = "rejected"
     EXPIRED = "expired"
     STALE = "stale"
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
     outcome: Outcome
     transition: StoredTransition | None = None
+    reason: str | None = None  # the refusal's reason code, when REFUSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +110,11 @@ class DecisionPipeline:
         public_keys: dict[str, object],
         heads: HeadCache,
         listener: OutcomeListener,
+        policies: PolicySet,
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self._store = store
+        self._policies = policies
         self._approvals = approvals
         self._keyring = keyring
         self._public_keys = public_keys
@@ -133,7 +148,59 @@ class DecisionPipeline:
                 raise errors.ReviewClosed("the transition was decided meanwhile")
             note_transition(pending.thread_id, pending.base_version, Outcome.REJECTED.value)
             return Resolution(Outcome.REJECTED)
+        refusal = await self._recheck(pending)
+        if refusal is not None:
+            return await self._refuse(pending, refusal, now)
         return await self._commit(pending, signed, receipt["nonce"], now)
+
+    async def _recheck(self, pending: PendingTransition) -> errors.ZtateError | None:
+        """The proposal against the policy in force now: a parked change must not outlive
+        a tightening (a fresh identical proposal would be refused). None: it passes, or
+        the head moved (the compare-and-swap then answers stale)."""
+        head = await self._store.read_head(pending.thread_id)
+        if head is None or head.version != pending.base_version:
+            return None
+        patch = orjson.loads(pending.proposal)["patch"]
+        node = pending.node_id.rsplit("/", 1)[-1]
+        try:
+            policy = self._policies.get(head.policy_name)
+            if policy is None:
+                raise errors.PolicyNotFound(f"the thread's policy {head.policy_name!r} is gone")
+            if self._policies.of_node(node) is not policy:
+                raise errors.NodeNotRegistered(f"node {node!r} is no longer in the policy")
+            check_writable(patch, policy.writable(node))
+            check_schema(patch, policy)
+            check_credentials(patch, policy)
+            check_layers(patch, policy, node)
+            old = orjson.loads(head.state_bytes)
+            check_invariants(policy, Change.of(policy, apply_patch(old, patch), old, patch, node))
+        except errors.ZtateError as refusal:
+            return refusal
+        return None
+
+    async def _refuse(
+        self, pending: PendingTransition, refusal: errors.ZtateError, now: datetime
+    ) -> Resolution:
+        """End an approved transition that may not commit: refused, with a rejection row
+        the proposer, the reviewer (through the approval service) and auditors see."""
+        closed = await self._approvals.close_without_decision([pending.digest], "refused", now)
+        if not closed:
+            raise errors.ReviewClosed("the transition was decided meanwhile")
+        await self._store.record_rejection(
+            Rejection(
+                method="ApplyDecision",
+                node_id=pending.node_id,
+                thread_id=pending.thread_id,
+                base_version=pending.base_version,
+                reason=refusal.reason,
+                keys=refusal.keys,
+                patch_digest=None,
+                patch_bytes=None,
+                message=f"approved, but refused at commit: {refusal.message}",
+            )
+        )
+        note_transition(pending.thread_id, pending.base_version, Outcome.REFUSED.value)
+        return Resolution(Outcome.REFUSED, reason=refusal.reason)
 
     @staticmethod
     def _check_reviewers(receipt: dict[str, object], pending: PendingTransition) -> None:
@@ -212,6 +279,9 @@ class DecisionPipeline:
 
     async def resolution(self, pending: PendingTransition) -> Resolution:
         outcome = Outcome(pending.status)
+        if outcome is Outcome.REFUSED:
+            reason = await self._store.refusal_at_commit(pending)
+            return Resolution(outcome, reason=reason)
         if outcome is not Outcome.COMMITTED:
             return Resolution(outcome)
         transition = await self._store.find_by_idempotency_key(

@@ -281,4 +281,6 @@ def resolution_fields(resolution: Resolution, *, disclose: bool) -> dict[str, An
     }
     if resolution.transition is not None:
         fields["transition"] = transition_message(resolution.transition, disclose=disclose)
+    if resolution.reason is not None:
+        fields["reason"] = resolution.reason
     return fields

@@ -87,11 +87,13 @@ class Transition:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What became of a parked transition: ``status`` is one of "pending",
-    "committed", "rejected", "expired" or "stale"; ``transition`` is set once
-    committed."""
+    "committed", "rejected", "expired", "stale" or "refused" (approved, but the policy
+    in force when it came to commit no longer allowed it: ``reason`` says why);
+    ``transition`` is set once committed."""
 
     status: str
     transition: Transition | None = None
+    reason: str | None = None  # why, when "refused" (approved, but no longer allowed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,7 +465,7 @@ class ZtateClient:
             if response.HasField("transition")
             else None
         )
-        return Outcome(status, transition)
+        return Outcome(status, transition, response.reason or None)
 
     async def update(
         self,

@@ -62,7 +62,7 @@ SELECT id, rejected_at, method, node_id, thread_id, base_version, reason, keys,
 # are set, so that every prepared statement has a plan for exactly its filters
 # (a generic plan over "$1 IS NULL OR ..." could not pick an index).
 
-PARKED_STATUSES = frozenset({"pending", "rejected", "expired", "stale"})
+PARKED_STATUSES = frozenset({"pending", "rejected", "expired", "stale", "refused"})
 COMMITTED = "committed"
 
 

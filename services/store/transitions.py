@@ -464,6 +464,17 @@ class TransitionStore:
         )
         return PendingTransition.from_row(row) if row else None
 
+    async def refusal_at_commit(self, pending: PendingTransition) -> str | None:
+        """The reason an approved transition was refused when it came to commit."""
+        reason: str | None = await self._pool.fetchval(
+            "SELECT reason FROM ztate.rejections WHERE method = 'ApplyDecision' "
+            "AND thread_id = $1 AND node_id = $2 AND base_version = $3 ORDER BY id DESC LIMIT 1",
+            pending.thread_id,
+            pending.node_id,
+            pending.base_version,
+        )
+        return reason
+
     async def record_rejection(self, rejection: Rejection) -> None:
         """Record a refusal. Every text is made storable first: the request that was
         refused may carry what PostgreSQL's text refuses (U+0000), and a refusal must

@@ -37,6 +37,7 @@ from tests.harness import (
     Credentials,
     Ledger,
     Pki,
+    act,
     as_operator_sees_it,
     client,
     new_thread_id,
@@ -619,3 +620,88 @@ async def test_restarting_the_transition_service_between_parking_and_approval(
         outcome = await planner.wait_for_outcome(parked, within=20)
     assert outcome.status == "committed"
     assert await world.ledger.verify(thread_id) == 2
+
+
+# --- what a decision did, told to everyone (issue 11, items 2 and 7) -----------------------
+
+
+async def reviewed_outcome(world: World, digest: str) -> str:
+    """The review's outcome once the decision was delivered to the transition service."""
+
+    async def probe() -> str | None:
+        async with world.reviewers("alice") as open_channel:
+            stub = approval_pb2_grpc.ApprovalServiceStub(open_channel)
+            got = await stub.GetReview(approval_pb2.GetReviewRequest(digest=digest))
+        outcome: str = got.review.outcome
+        return outcome or None
+
+    return await eventually(probe)
+
+
+async def test_a_parked_change_does_not_survive_a_policy_tightening(world: World) -> None:
+    """Before: after the policy stopped letting the planner write target_user_id, its
+    parked proposal was approved and committed, while a fresh one was refused."""
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    await world.review(parked.digest)
+    pipeline = world.settings.policy_path / "pipeline.yaml"
+    loose = pipeline.read_text()
+    tight = loose.replace(
+        "write: [pending_transition, target_user_id]", "write: [pending_transition]"
+    )
+    assert tight != loose
+    pipeline.write_text(tight)
+    try:
+        await world.restart_transition()
+        rejections_before = [r["reason"] for r in await world.ledger.rejections(thread_id)]
+        await world.decide("alice", parked.digest)
+        async with world.worker("planner") as planner:
+            outcome = await planner.wait_for_outcome(parked, within=20)
+            fresh = planner.propose(thread_id, 0, {"target_user_id": OTHER_USER})
+            with pytest.raises(PermissionDenied) as refused:
+                await fresh
+        # the proposer, the reviewer and the ledger all see it, with the same reason
+        assert (outcome.status, outcome.reason) == ("refused", "KEY_NOT_WRITABLE")
+        assert refused.value.reason == "KEY_NOT_WRITABLE"
+        assert await reviewed_outcome(world, parked.digest) == "refused: KEY_NOT_WRITABLE"
+        after = await world.ledger.rejections(thread_id)
+        assert [r["reason"] for r in after] == [
+            *rejections_before,
+            "KEY_NOT_WRITABLE",  # the approved proposal, at commit
+            "KEY_NOT_WRITABLE",  # the fresh one
+        ]
+        assert after[len(rejections_before)]["method"] == "ApplyDecision"
+        assert (await world.ledger.snapshot(thread_id)).head_version == 0  # nothing committed
+        assert await world.pending_status(parked.digest) == "refused"
+    finally:
+        pipeline.write_text(loose)
+        await world.restart_transition()
+
+
+async def test_a_reviewer_approving_a_stale_transition_is_told_so(world: World) -> None:
+    """Before: "review approved", though nothing could commit."""
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    await world.review(parked.digest)
+    async with world.worker("input-parser") as parser:
+        await parser.propose(thread_id, 0, {"requested_action": act("moved-on")})
+    code, said = await approve_with_the_cli(world, parked.digest)
+    assert code == 1  # decided, but it did not take effect
+    assert "stale: the thread moved on before the decision arrived" in said
+    assert await reviewed_outcome(world, parked.digest) == "stale"
+
+
+async def approve_with_the_cli(world: World, digest: str) -> tuple[int, str]:
+    """``ztate approvals approve`` as alice would run it: exit code and what it printed."""
+    creds = world.pki.identity(Role.REVIEWER, "alice")
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("ztate")),
+        *("approvals", "approve", digest, "--target", world.approval_target),
+        *("--cert", str(creds.cert), "--key", str(creds.key), "--ca", str(creds.ca)),
+        *("--wait", "20"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, (out + err).decode()

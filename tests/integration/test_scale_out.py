@@ -446,18 +446,29 @@ async def test_the_migration_job_applies_both_schemas_once(postgres_server_dsn: 
     shipped = bundled_migrations()
     names = ", ".join(f"{m.number:04d}_{m.name}" for m in shipped)
     assert lines[0] == f"transition service: {names}"
-    assert lines[1] == "approval service: 0001_reviews"
+    assert lines[1] == "approval service: 0001_reviews, 0002_delivery_outcome"
     assert dsn not in stdout + stderr
     conn = await asyncpg.connect(dsn)
     try:
         applied = await conn.fetchval("SELECT count(*) FROM public.ztate_schema_migrations")
-        tables = await conn.fetchval(
-            "SELECT count(*) FROM pg_tables WHERE schemaname IN ('ztate', 'ztate_approval')"
-        )
+        tables = {
+            f"{r['schemaname']}.{r['tablename']}"
+            for r in await conn.fetch(
+                "SELECT schemaname, tablename FROM pg_tables "
+                "WHERE schemaname IN ('ztate', 'ztate_approval')"
+            )
+        }
     finally:
         await conn.close()
     assert applied == len(shipped)
-    assert tables > len(shipped)
+    assert {
+        "ztate.threads",
+        "ztate.transitions",
+        "ztate.rejections",
+        "ztate.pending_transitions",
+        "ztate_approval.reviews",
+        "ztate_approval.receipts",
+    } <= tables
 
     code, stdout, _ = await run_ztate("db", "migrate", env=dict(env, DATABASE_URL=dsn))
     assert code == 0

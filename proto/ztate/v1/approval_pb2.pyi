@@ -43,7 +43,7 @@ class SignedReceipt(_message.Message):
     def __init__(self, receipt_json: _Optional[bytes] = ..., signature: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
 
 class Review(_message.Message):
-    __slots__ = ("digest", "thread_id", "base_version", "node_id", "risk_rules", "required_approvals", "redacted_diff_json", "status", "approvers", "opened_at", "expires_at", "receipt")
+    __slots__ = ("digest", "thread_id", "base_version", "node_id", "risk_rules", "required_approvals", "redacted_diff_json", "status", "approvers", "opened_at", "expires_at", "receipt", "outcome")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class Review(_message.Message):
     OPENED_AT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
     digest: str
     thread_id: str
     base_version: int
@@ -68,7 +69,8 @@ class Review(_message.Message):
     opened_at: _timestamp_pb2.Timestamp
     expires_at: _timestamp_pb2.Timestamp
     receipt: SignedReceipt
-    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., node_id: _Optional[str] = ..., risk_rules: _Optional[_Iterable[str]] = ..., required_approvals: _Optional[int] = ..., redacted_diff_json: _Optional[bytes] = ..., status: _Optional[_Union[ReviewStatus, str]] = ..., approvers: _Optional[_Iterable[str]] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., receipt: _Optional[_Union[SignedReceipt, _Mapping]] = ...) -> None: ...
+    outcome: str
+    def __init__(self, digest: _Optional[str] = ..., thread_id: _Optional[str] = ..., base_version: _Optional[int] = ..., node_id: _Optional[str] = ..., risk_rules: _Optional[_Iterable[str]] = ..., required_approvals: _Optional[int] = ..., redacted_diff_json: _Optional[bytes] = ..., status: _Optional[_Union[ReviewStatus, str]] = ..., approvers: _Optional[_Iterable[str]] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., receipt: _Optional[_Union[SignedReceipt, _Mapping]] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class SubmitReviewRequest(_message.Message):
     __slots__ = ("digest", "thread_id", "base_version", "node_id", "risk_rules", "required_approvals", "proposal_json", "redacted_diff_json", "base_record_json", "base_state_json", "sensitive_keys")

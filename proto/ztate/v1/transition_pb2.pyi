@@ -19,12 +19,14 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTCOME_REJECTED: _ClassVar[Outcome]
     OUTCOME_EXPIRED: _ClassVar[Outcome]
     OUTCOME_STALE: _ClassVar[Outcome]
+    OUTCOME_REFUSED: _ClassVar[Outcome]
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_PENDING: Outcome
 OUTCOME_COMMITTED: Outcome
 OUTCOME_REJECTED: Outcome
 OUTCOME_EXPIRED: Outcome
 OUTCOME_STALE: Outcome
+OUTCOME_REFUSED: Outcome
 
 class CreateThreadRequest(_message.Message):
     __slots__ = ("thread_id", "initial_state_json", "policy")
@@ -179,12 +181,14 @@ class ApplyDecisionRequest(_message.Message):
     def __init__(self, receipt: _Optional[_Union[_approval_pb2.SignedReceipt, _Mapping]] = ...) -> None: ...
 
 class ApplyDecisionResponse(_message.Message):
-    __slots__ = ("outcome", "transition")
+    __slots__ = ("outcome", "transition", "reason")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     outcome: Outcome
     transition: Transition
-    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+    reason: str
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class WaitForOutcomeRequest(_message.Message):
     __slots__ = ("digest", "handle")
@@ -195,12 +199,14 @@ class WaitForOutcomeRequest(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., handle: _Optional[str] = ...) -> None: ...
 
 class WaitForOutcomeResponse(_message.Message):
-    __slots__ = ("outcome", "transition")
+    __slots__ = ("outcome", "transition", "reason")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     outcome: Outcome
     transition: Transition
-    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+    reason: str
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., transition: _Optional[_Union[Transition, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RevertThreadRequest(_message.Message):
     __slots__ = ("thread_id", "to_version", "idempotency_key")
