@@ -185,7 +185,8 @@ async def _serve_on(
     raise_open_file_limit()
     server = grpc.aio.server(
         options=server_options(
-            max_message_bytes=MAX_MESSAGE_BYTES,
+            max_request_bytes=MAX_MESSAGE_BYTES,
+            max_reply_bytes=MAX_MESSAGE_BYTES,
             handshake_timeout_seconds=settings.handshake_timeout_seconds,
         ),
         interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],

@@ -182,6 +182,7 @@ async def _start_traced(
         policies=policies,
         keyring=keyring,
         max_patch_bytes=settings.max_patch_bytes,
+        max_state_bytes=settings.max_state_bytes,
         max_depth=settings.max_depth,
         head_cache_size=settings.head_cache_size,
         metrics=telemetry.metrics,
@@ -199,6 +200,7 @@ async def _start_traced(
         heads=pipeline.heads,
         listener=listener,
         policies=policies,
+        max_state_bytes=settings.max_state_bytes,
         metrics=telemetry.metrics,
     )
     checkpointer = (
@@ -221,7 +223,8 @@ async def _start_traced(
     raise_open_file_limit()
     options = [
         *server_options(
-            max_message_bytes=settings.max_message_bytes,
+            max_request_bytes=settings.max_message_bytes,
+            max_reply_bytes=settings.max_reply_bytes,
             handshake_timeout_seconds=settings.handshake_timeout_seconds,
         ),
         ("grpc.max_concurrent_streams", 256),
@@ -235,7 +238,9 @@ async def _start_traced(
         server,
     )
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
-        LedgerServicer(queries, settings.trust_domain), server
+        # a page's rows fill the reply limit less room for the envelope
+        LedgerServicer(queries, settings.trust_domain, settings.max_reply_bytes - 64 * 1024),
+        server,
     )
     health = HealthReport((SERVICE_NAME, LEDGER_SERVICE_NAME))  # NOT_SERVING until checked
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

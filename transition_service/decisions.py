@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 import asyncpg
 import orjson
 
+from ztate.services.canonical import canonical_bytes
 from ztate.services.chain import KIND_TRANSITION, build_record, seal
 from ztate.services.keyring import Keyring
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
@@ -47,6 +48,7 @@ from ztate.transition_service.pipeline import (
     check_layers,
     check_privileged,
     check_schema,
+    check_state_size,
     check_writable,
 )
 
@@ -111,10 +113,12 @@ class DecisionPipeline:
         heads: HeadCache,
         listener: OutcomeListener,
         policies: PolicySet,
+        max_state_bytes: int = 1024 * 1024,
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self._store = store
         self._policies = policies
+        self._max_state_bytes = max_state_bytes
         self._approvals = approvals
         self._keyring = keyring
         self._public_keys = public_keys
@@ -173,7 +177,9 @@ class DecisionPipeline:
             check_credentials(patch, policy)
             check_layers(patch, policy, node)
             old = orjson.loads(head.state_bytes)
-            check_invariants(policy, Change.of(policy, apply_patch(old, patch), old, patch, node))
+            new = apply_patch(old, patch)
+            check_invariants(policy, Change.of(policy, new, old, patch, node))
+            check_state_size(canonical_bytes(new), self._max_state_bytes)
         except errors.ZtateError as refusal:
             return refusal
         return None

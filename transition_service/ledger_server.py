@@ -13,9 +13,10 @@ import binascii
 import json
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf import timestamp_pb2
+from google.protobuf.message import Message as Message_
 
 from ztate.services.canonical import canonical_bytes
 from ztate.services.runtime import errors
@@ -76,6 +77,23 @@ def filter_text(value: str, field: str) -> str | None:
             f"{field} must be at most {MAX_FILTER_CHARACTERS} characters, without U+0000"
         )
     return value
+
+
+Message = TypeVar("Message", bound=Message_)
+
+
+def within_budget(messages: list[Message], budget: int) -> list[Message]:
+    """The longest prefix of ``messages`` whose encoding fits ``budget`` bytes (always
+    at least one: a row is bounded by the state limit, which the budget exceeds). A page
+    of large rows is shorter, with a next token, never an error."""
+    kept: list[Message] = []
+    size = 0
+    for message in messages:
+        size += message.ByteSize() + 16  # the field tag and length prefix, generously
+        if kept and size > budget:
+            break
+        kept.append(message)
+    return kept
 
 
 def page_size(requested: int) -> int:
@@ -203,9 +221,11 @@ def transition_filter(request: ledger_pb2.ListTransitionsRequest) -> TransitionF
 class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     """Adapts ``LedgerQueries`` to ``ztate.v1.LedgerService``."""
 
-    def __init__(self, queries: LedgerQueries, trust_domain: str) -> None:
+    def __init__(self, queries: LedgerQueries, trust_domain: str, reply_budget: int) -> None:
+        """``reply_budget``: the bytes one page may take, under the server's reply limit."""
         self._queries = queries
         self._trust_domain = trust_domain
+        self._budget = reply_budget
 
     async def ListRejections(
         self, request: ledger_pb2.ListRejectionsRequest, context: Context
@@ -224,9 +244,10 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 limit=limit,
                 before_id=page_after(request.page_token),
             )
+            page = within_budget([rejection_message(row) for row in rows], self._budget)
+            more = len(page) < len(rows) or len(rows) == limit
             return ledger_pb2.ListRejectionsResponse(
-                rejections=[rejection_message(row) for row in rows],
-                next_page_token=str(rows[-1].id) if len(rows) == limit else "",
+                rejections=page, next_page_token=str(page[-1].id) if page and more else ""
             )
 
         return await guarded(context, self._trust_domain, "ListRejections", handle)
@@ -242,9 +263,11 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 limit=limit,
                 after=entry_page_after(request.page_token),
             )
+            page = within_budget([entry_message(row) for row in rows], self._budget)
+            more = len(page) < len(rows) or len(rows) == limit
             return ledger_pb2.ListTransitionsResponse(
-                entries=[entry_message(row) for row in rows],
-                next_page_token=entry_page_token(rows[-1]) if len(rows) == limit else "",
+                entries=page,
+                next_page_token=entry_page_token(rows[len(page) - 1]) if page and more else "",
             )
 
         return await guarded(context, self._trust_domain, "ListTransitions", handle)
@@ -290,9 +313,12 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 limit=limit,
                 after_version=-1 if after is None else after,
             )
+            page = within_budget(
+                [key_change_message(row, request.key) for row in rows], self._budget
+            )
+            more = len(page) < len(rows) or len(rows) == limit
             return ledger_pb2.KeyHistoryResponse(
-                changes=[key_change_message(row, request.key) for row in rows],
-                next_page_token=str(rows[-1].version) if len(rows) == limit else "",
+                changes=page, next_page_token=str(page[-1].version) if page and more else ""
             )
 
         return await guarded(context, self._trust_domain, "KeyHistory", handle)

@@ -212,6 +212,16 @@ def check_storable(value: JsonObject, what: str) -> None:
             raise errors.UnsupportedCharacter(f"{what} has a string holding U+0000")
 
 
+def check_state_size(state_bytes: bytes, limit: int) -> None:
+    """The state a change would make stays readable: every reply that carries it is
+    bounded by this limit (``Settings.max_reply_bytes``)."""
+    if len(state_bytes) > limit:
+        raise errors.StateTooLarge(
+            f"the resulting state would be {len(state_bytes)} bytes; the limit is {limit}",
+            limit=limit,
+        )
+
+
 def check_size(data: bytes, limit: int, what: str) -> None:
     if len(data) > limit:
         raise errors.PatchTooLarge(
@@ -225,14 +235,17 @@ def check_writable(patch: JsonObject, writable: frozenset[str]) -> None:
     refused = sorted(shown_name(key) for key in patch.keys() - writable)
     if refused:
         raise errors.KeyNotWritable(
-            f"patch writes keys outside this node's write allowlist: {refused}", keys=refused
+            f"patch writes keys outside this node's write allowlist: {errors.named(refused)}",
+            keys=refused,
         )
 
 
 def check_declared(state: JsonObject, policy: Policy) -> None:
     unknown = sorted(shown_name(key) for key in policy.unknown_keys(state))
     if unknown:
-        raise errors.KeyUnknown(f"keys not declared in the policy: {unknown}", keys=unknown)
+        raise errors.KeyUnknown(
+            f"keys not declared in the policy: {errors.named(unknown)}", keys=unknown
+        )
 
 
 def check_schema(members: JsonObject, policy: Policy) -> None:
@@ -298,9 +311,11 @@ class TransitionPipeline:
         max_patch_bytes: int,
         max_depth: int,
         head_cache_size: int,
+        max_state_bytes: int = 1024 * 1024,
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self._store = store
+        self._max_state_bytes = max_state_bytes
         self._metrics = metrics
         self._policies = policies
         self._keyring = keyring
@@ -333,6 +348,7 @@ class TransitionPipeline:
         state = apply_patch({}, initial)  # the genesis patch is applied like any other
         check_invariants(policy, Change.of(policy, state, {}, initial, caller.name))
         state_bytes = canonical_bytes(state)
+        check_state_size(state_bytes, self._max_state_bytes)
         now = datetime.now(UTC)
         sealed = seal(
             build_record(
@@ -434,6 +450,7 @@ class TransitionPipeline:
         change = Change.of(policy, state, base.state, patch, node)
         check_invariants(policy, change)
         state_bytes = canonical_bytes(state)
+        check_state_size(state_bytes, self._max_state_bytes)
         state_digest = sha256_hex(state_bytes)
         digest_of_request = request_digest(proposal)
 
@@ -612,6 +629,7 @@ class TransitionPipeline:
         state = apply_patch(current, patch)
         check_invariants(policy, Change.of(policy, state, current, patch, caller.name))
         state_bytes = canonical_bytes(state)
+        check_state_size(state_bytes, self._max_state_bytes)
         now = datetime.now(UTC)
         sealed = seal(
             build_record(

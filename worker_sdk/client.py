@@ -33,6 +33,9 @@ DEFAULT_RETRIES = 3
 # idempotency key, so a retry returns the original outcome).
 # A watch stream that ends normally after at least this long served its purpose.
 NORMAL_END_SECONDS = 1.0
+# The largest reply a ztate server can be configured to send (64 MiB of state, two 4 MiB
+# patches and the other fields); the server's own limits are docs/api.md's "Limits".
+MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 Reply = TypeVar("Reply")
 
@@ -188,6 +191,8 @@ class ZtateClient:
         options: list[tuple[str, Any]] = [
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
+            # every reply the server may send: a view of a state at its largest limit
+            ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
         ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))

@@ -25,6 +25,7 @@ class ZtateError(Exception):
         current_version: int | None = None,
         limit: int | None = None,
         rules: tuple[str, ...] = (),
+        keys_total: int | None = None,
     ) -> None:
         super().__init__(f"{reason}: {message}")
         self.code = code
@@ -34,6 +35,8 @@ class ZtateError(Exception):
         self.current_version = current_version
         self.limit = limit
         self.rules = rules
+        # a refusal names at most 32 keys; this counts them all
+        self.keys_total = len(keys) if keys_total is None else keys_total
 
 
 class Unauthenticated(ZtateError):
@@ -57,15 +60,29 @@ class InvariantViolated(FailedPrecondition):
     """The resulting state would break a policy invariant; ``rules`` names it."""
 
 
-class PatchTooLarge(ZtateError):
+class ResourceExhausted(ZtateError):
+    """A limit was reached (RESOURCE_EXHAUSTED); the subclasses say which."""
+
+
+class PatchTooLarge(ResourceExhausted):
     """The patch is over the server's limit (``limit``, in bytes)."""
+
+
+class StateTooLarge(ResourceExhausted):
+    """The state the patch would make is over the server's ``ZTATE_MAX_STATE_BYTES``
+    (``limit``): refused, so that the thread stays readable."""
+
+
+class MessageTooLarge(ResourceExhausted):
+    """gRPC itself refused a message over a channel's size limit (no ztate reason):
+    this client's receive limit, or the server's request limit."""
 
 
 class StaleVersion(ZtateError):
     """The thread moved on; ``current_version`` is its head. Re-read and retry."""
 
 
-class TooManyStreams(ZtateError):
+class TooManyStreams(ResourceExhausted):
     """The server already serves as many watch streams as it allows; ``limit`` is that
     number. Retry later, or on another replica."""
 
@@ -86,12 +103,20 @@ _BY_CODE: dict[grpc.StatusCode, type[ZtateError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: PatchTooLarge,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLarge,
     grpc.StatusCode.ABORTED: StaleVersion,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+}
+
+
+_BY_REASON: dict[str, type[ZtateError]] = {
+    "INVARIANT_VIOLATED": InvariantViolated,
+    "TOO_MANY_STREAMS": TooManyStreams,
+    "PATCH_TOO_LARGE": PatchTooLarge,
+    "STATE_TOO_LARGE": StateTooLarge,
 }
 
 
@@ -114,10 +139,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
         if found
         else code.name
     )
-    if reason == "INVARIANT_VIOLATED":
-        cls = InvariantViolated
-    elif reason == "TOO_MANY_STREAMS":
-        cls = TooManyStreams
+    cls = _BY_REASON.get(reason, cls)
     return cls(
         code,
         reason,
@@ -126,6 +148,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
         current_version=detail.current_version if reason == "STALE_VERSION" else None,
         limit=detail.limit or None,
         rules=tuple(detail.rules),
+        keys_total=detail.keys_total or len(detail.keys),
     )
 
 

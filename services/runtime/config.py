@@ -89,6 +89,12 @@ class Settings(TelemetrySettings):
         default=None, description="keyring JSON (overrides file)"
     )
     max_patch_bytes: int = Field(default=64 * 1024, gt=0, le=4 * 1024 * 1024)
+    max_state_bytes: int = Field(
+        default=1024 * 1024,
+        gt=0,
+        le=64 * 1024 * 1024,
+        description="a change that would make a thread's state larger is refused",
+    )
     handshake_timeout_seconds: float = Field(
         default=5.0,
         gt=0,
@@ -160,10 +166,25 @@ class Settings(TelemetrySettings):
                 object.__setattr__(self, name, default)
         return self
 
+    @model_validator(mode="after")
+    def _state_holds_a_patch(self) -> Settings:
+        if self.max_state_bytes < self.max_patch_bytes:
+            raise ValueError(
+                "max_state_bytes must be at least max_patch_bytes: a state holds its patches"
+            )
+        return self
+
     @property
     def max_message_bytes(self) -> int:
-        """gRPC's own bound: a patch at the limit plus room for the other fields."""
+        """gRPC's bound on requests: a patch at the limit plus room for the other fields."""
         return self.max_patch_bytes + 64 * 1024
+
+    @property
+    def max_reply_bytes(self) -> int:
+        """gRPC's bound on replies, derived from the state limit: the largest reply is a
+        transition's detail (its record, holding the patch, its patch again, the state
+        at the limit, a receipt) or a view or watched version of a state at the limit."""
+        return self.max_state_bytes + 2 * self.max_patch_bytes + 64 * 1024
 
 
 def _shared(name: str) -> AliasChoices:

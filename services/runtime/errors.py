@@ -9,6 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+MAX_NAMED_KEYS = 32
+"""A refusal names at most this many keys (sorted, the first ones) and counts all:
+every error detail, trailer and rejection row stays small whatever the patch held."""
+
+
+def named(keys: Iterable[str]) -> str:
+    """Keys for a message: the first ``MAX_NAMED_KEYS`` and how many more there are."""
+    listed = sorted(keys)
+    more = len(listed) - MAX_NAMED_KEYS
+    shown = str(listed[:MAX_NAMED_KEYS])
+    return f"{shown} and {more} more" if more > 0 else shown
+
 
 class ZtateError(Exception):
     """Base of every refusal ztate reports to a caller.
@@ -30,7 +42,9 @@ class ZtateError(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.keys: tuple[str, ...] = tuple(sorted(keys))
+        every = sorted(keys)
+        self.keys: tuple[str, ...] = tuple(every[:MAX_NAMED_KEYS])
+        self.keys_total = len(every)
         self.current_version = current_version
         self.limit = limit
         self.rules: tuple[str, ...] = tuple(rules)
@@ -58,6 +72,13 @@ class PatchTooLarge(ZtateError):
 
 class PatchMalformed(ZtateError):
     reason = "PATCH_MALFORMED"
+
+
+class StateTooLarge(ZtateError):
+    """The state a patch (or revert, or initial state) would make is over
+    ``ZTATE_MAX_STATE_BYTES``: past it, the thread could no longer be read."""
+
+    reason = "STATE_TOO_LARGE"
 
 
 class UnsupportedCharacter(ZtateError):

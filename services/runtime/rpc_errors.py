@@ -23,6 +23,7 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.NodeNotRegistered: grpc.StatusCode.PERMISSION_DENIED,
     errors.KeyNotWritable: grpc.StatusCode.PERMISSION_DENIED,
     errors.PatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.StateTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PatchMalformed: grpc.StatusCode.INVALID_ARGUMENT,
     errors.UnsupportedCharacter: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ValueOutOfRange: grpc.StatusCode.INVALID_ARGUMENT,
@@ -67,6 +68,7 @@ def to_status(error: errors.ZtateError) -> grpc.Status:
     detail = errors_pb2.ErrorDetail(
         reason=reason_value,
         keys=list(error.keys),
+        keys_total=error.keys_total,
         current_version=error.current_version or 0,
         limit=error.limit or 0,
         rules=list(error.rules),
@@ -75,7 +77,9 @@ def to_status(error: errors.ZtateError) -> grpc.Status:
     if error.current_version is not None:
         info.metadata["current_version"] = str(error.current_version)
     if error.keys:
+        # the first MAX_NAMED_KEYS names, once here and once in the typed detail
         info.metadata["keys"] = ",".join(error.keys)
+        info.metadata["keys_total"] = str(error.keys_total)
     if error.rules:
         info.metadata["rules"] = ",".join(error.rules)
     status = status_pb2.Status(

@@ -17,12 +17,12 @@ log = logging.getLogger("ztate.serving")
 
 
 def server_options(
-    *, max_message_bytes: int, handshake_timeout_seconds: float
+    *, max_request_bytes: int, max_reply_bytes: int, handshake_timeout_seconds: float
 ) -> list[tuple[str, int]]:
     """gRPC server options shared by the transition and approval services."""
     return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_send_message_length", max_reply_bytes),
         # a second process on the same address must fail, not silently share it
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", 60_000),

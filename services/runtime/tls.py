@@ -21,12 +21,17 @@ def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredential
     )
 
 
+# The largest reply any ztate server can be configured to send (Settings.max_reply_bytes
+# at the highest state and patch limits): clients accept it, so no legal reply is cut.
+MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
+
+
 def client_channel(
     target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
 ) -> grpc.aio.Channel:
     """A channel authenticated as the identity in ``cert``."""
     credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
-    options: list[tuple[str, Any]] = []
+    options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(target, credentials, options=options)

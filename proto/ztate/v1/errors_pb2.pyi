@@ -43,6 +43,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_STATE_PRUNED: _ClassVar[ErrorReason]
     ERROR_REASON_TOO_MANY_STREAMS: _ClassVar[ErrorReason]
     ERROR_REASON_UNSUPPORTED_CHARACTER: _ClassVar[ErrorReason]
+    ERROR_REASON_STATE_TOO_LARGE: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_IDENTITY_INVALID: ErrorReason
 ERROR_REASON_ROLE_FORBIDDEN: ErrorReason
@@ -77,17 +78,20 @@ ERROR_REASON_ALREADY_DECIDED: ErrorReason
 ERROR_REASON_STATE_PRUNED: ErrorReason
 ERROR_REASON_TOO_MANY_STREAMS: ErrorReason
 ERROR_REASON_UNSUPPORTED_CHARACTER: ErrorReason
+ERROR_REASON_STATE_TOO_LARGE: ErrorReason
 
 class ErrorDetail(_message.Message):
-    __slots__ = ("reason", "keys", "current_version", "limit", "rules")
+    __slots__ = ("reason", "keys", "current_version", "limit", "rules", "keys_total")
     REASON_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     reason: ErrorReason
     keys: _containers.RepeatedScalarFieldContainer[str]
     current_version: int
     limit: int
     rules: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., keys: _Optional[_Iterable[str]] = ..., current_version: _Optional[int] = ..., limit: _Optional[int] = ..., rules: _Optional[_Iterable[str]] = ...) -> None: ...
+    keys_total: int
+    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., keys: _Optional[_Iterable[str]] = ..., current_version: _Optional[int] = ..., limit: _Optional[int] = ..., rules: _Optional[_Iterable[str]] = ..., keys_total: _Optional[int] = ...) -> None: ...
