@@ -39,6 +39,7 @@ from ztate.services.verify.checks import (
     Trust,
     VerifyError,
     counted,
+    no_such_thread,
     verify_database,
 )
 from ztate.services.verify.parallel import (
@@ -135,6 +136,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             summary = verify_bundle(args.bundle, trust, report, thread_id=args.thread)
         else:
             summary = _verify_database(settings, trust, report, args.thread, args.jobs)
+        if args.thread is not None and summary.threads == 0:
+            raise no_such_thread(args.thread)
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN

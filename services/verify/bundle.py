@@ -62,6 +62,7 @@ from ztate.services.verify.checks import (
     Verification,
     VerifyError,
     connect,
+    no_such_thread,
     row_from_db,
     shown,
 )
@@ -664,6 +665,8 @@ def verify_bundle(
         current.check_head(head_of(manifest, current.thread_id))
     if checkpoints is not None:
         checkpoints.finish()
+    if thread_id is not None and thread_id not in seen and thread_id not in manifest.heads:
+        raise no_such_thread(thread_id)
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
         run.headless(missing, head_of(manifest, missing))

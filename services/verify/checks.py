@@ -42,6 +42,7 @@ from opentelemetry import metrics
 from ztate.services.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
 from ztate.services.chain import (
     GENESIS_PARENT,
+    KIND_REVERT,
     RECORD_FORMAT,
     RECORD_MEMBERS,
     build_proposal,
@@ -76,6 +77,7 @@ STATE = "state"  # a kept state body does not hash to the record's state_digest
 REPLAY = "replay"  # the state replayed from the patches does not hash to state_digest
 POLICY = "policy"  # the policy digest names no known policy, or another policy
 RISK = "risk"  # a transition matching a risk rule carries no receipt
+REVERT = "revert"  # a revert not by an operator, or not restoring an earlier state
 RISK_UNCHECKED = "risk.unchecked"  # the risk rules could not be evaluated
 RECEIPT_MISSING = "receipt.missing"  # the record names a receipt that is not stored
 RECEIPT_UNBOUND = "receipt.unbound"  # a stored receipt the record does not name
@@ -327,6 +329,8 @@ class ThreadVerifier:
         # fast-path patches onto it)
         self._state_fast = True
         self._policy_name: str | None = None
+        # the state digests of the versions seen so far: what a revert may restore
+        self._earlier_states: set[str] = set()
         self._last: _Last | None = None
         self._checkpoints: dict[int, SignedCheckpoint] = {}
 
@@ -555,14 +559,33 @@ class ThreadVerifier:
                 )
                 state = None
         matched = None
-        if version > 0 and old is not None and state is not None and policy is not None:
+        if record["kind"] == KIND_REVERT:
+            # an operator's repair: no risk rule applies (the service checks none), so
+            # no receipt is expected; it must be an operator's, restoring an earlier state
+            self._check_revert(version, record)
+        elif version > 0 and old is not None and state is not None and policy is not None:
             matched = self._risk_rules(version, policy, old, state, record)
         self._check_receipt(row, record, matched)
+        self._earlier_states.add(record["state_digest"])
         self._parent = row.digest
         if state is not None:
             self._state, self._state_fast = state, state_fast
         else:
             self._state, self._state_fast = _kept_state(row.state, record)
+
+    def _check_revert(self, version: int, record: JsonObject) -> None:
+        """What a revert must carry (docs/ledger-format.md): an operator's identity, and a
+        resulting state that the thread had at an earlier version."""
+        role = str(record["node_id"]).rsplit("/", 2)[-2] if "/" in record["node_id"] else ""
+        if role != "operator":
+            self._fail(version, REVERT, "an operator identity", f"{shown(record['node_id'])}")
+        if record["state_digest"] not in self._earlier_states:
+            self._fail(
+                version,
+                REVERT,
+                "the state of an earlier version (a revert restores one)",
+                f"{record['state_digest']}, which no earlier version had",
+            )
 
     def _risk_rules(
         self, version: int, policy: Policy, old: JsonObject, state: JsonObject, record: JsonObject
@@ -958,9 +981,31 @@ async def verify_database(
         await conn.close()
 
 
+async def check_policies_are_the_ledgers(
+    conn: asyncpg.Connection, trust: Trust, thread_id: str | None
+) -> None:
+    """Policies none of whose digests a thread of the ledger names are a configuration
+    mistake (exit 2), not a ledger with every record failing its policy check."""
+    named = {
+        row["policy_digest"]
+        for row in await conn.fetch(
+            "SELECT DISTINCT policy_digest FROM ztate.threads "
+            "WHERE $1::text IS NULL OR thread_id = $1",
+            thread_id,
+        )
+    }
+    if named and not named & trust.by_digest.keys():
+        loaded = ", ".join(f"{p.name} ({p.digest[:12]})" for p in trust.by_digest.values())
+        raise VerifyError(
+            f"the policies given are not this ledger's: no thread names {loaded or 'them'}; "
+            "check --policy (or ZTATE_POLICY_PATH)"
+        )
+
+
 async def _verify_snapshot(
     conn: asyncpg.Connection, trust: Trust, report: Report, thread_id: str | None
 ) -> Summary:
+    await check_policies_are_the_ledgers(conn, trust, thread_id)
     run = Verification(trust, report)
     current: ThreadVerifier | None = None
     head: Head | None = None
@@ -980,8 +1025,14 @@ async def _verify_snapshot(
     for orphan in await conn.fetch(HEADLESS, thread_id):
         run.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
     if thread_id is not None and run.summary.threads == 0:
-        run.headless(thread_id, None)
+        raise no_such_thread(thread_id)
     return run.summary
+
+
+def no_such_thread(thread_id: str) -> VerifyError:
+    """``--thread`` naming a thread the ledger never had is a usage error (exit 2),
+    not an integrity failure: there is nothing to verify, and nothing wrong with it."""
+    return VerifyError(f"the ledger has no thread {shown(thread_id)}: check --thread")
 
 
 async def head_from_db(conn: asyncpg.Connection, thread_id: str) -> Head | None:

@@ -58,9 +58,11 @@ from ztate.services.verify.checks import (
     Trust,
     Verification,
     VerifyError,
+    check_policies_are_the_ledgers,
     checkpoints_from_db,
     connect,
     head_from_db,
+    no_such_thread,
     row_from_db,
 )
 
@@ -251,6 +253,8 @@ def verify_bundle_parallel(
         raise
     if checkpoints is not None:
         checkpoints.finish()
+    if thread_id is not None and thread_id not in seen and thread_id not in manifest.heads:
+        raise no_such_thread(thread_id)
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
         leader.headless(missing, head_of(manifest, missing))
@@ -341,6 +345,7 @@ async def verify_database_parallel(
         conn = await connect(dsn)
         try:
             async with conn.transaction(readonly=True, isolation="repeatable_read"):
+                await check_policies_are_the_ledgers(conn, trust, thread_id)
                 await _dispatch_database(conn, leader, workers, thread_id)
         except asyncpg.UndefinedTableError:
             raise VerifyError(
@@ -388,4 +393,4 @@ async def _dispatch_database(
     for orphan in await conn.fetch(HEADLESS, thread_id):
         leader.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
     if thread_id is not None and groups == 0:
-        leader.headless(thread_id, None)
+        raise no_such_thread(thread_id)

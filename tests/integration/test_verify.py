@@ -42,7 +42,7 @@ from tests.harness import (
     with_database,
 )
 from ztate.services.canonical import canonical_bytes, sha256_hex
-from ztate.services.chain import build_record, seal
+from ztate.services.chain import build_record, seal, sign_digest
 from ztate.services.keyring import Keyring
 from ztate.services.policy.model import PolicySet
 from ztate.services.receipts import (
@@ -61,7 +61,7 @@ from ztate.services.verify.bundle import (
     export_bundle,
     verify_bundle,
 )
-from ztate.services.verify.checks import Finding, Summary, Trust, verify_database
+from ztate.services.verify.checks import Finding, Summary, Trust, VerifyError, verify_database
 from ztate.services.verify.parallel import verify_bundle_parallel, verify_database_parallel
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
@@ -425,16 +425,19 @@ async def test_swapped_versions_are_pinpointed(world: World, clean: str) -> None
     assert await tampered_findings(world, thread_id, clean) == {(1, "version"), (3, "version")}
 
 
-async def test_a_head_without_records_and_an_unknown_thread_are_reported(world: World) -> None:
+async def test_a_head_without_records_is_reported_and_an_unknown_thread_is_a_usage_error(
+    world: World,
+) -> None:
     thread_id = await world.thread()
     await world.tamper(
         thread_id, ("DELETE FROM ztate.transitions WHERE thread_id = $1", (thread_id,))
     )
     findings, summary = await world.verify(thread_id)
     assert [(f.thread_id, f.version, f.check) for f in findings] == [(thread_id, 4, "head")]
-    findings, summary = await world.verify("no-such-thread")
-    assert [(f.thread_id, f.check) for f in findings] == [("no-such-thread", "head")]
     assert summary.exit_code == 1
+    # a thread with neither head nor records: nothing was tampered with, the name is wrong
+    with pytest.raises(VerifyError, match="the ledger has no thread no-such-thread"):
+        await world.verify("no-such-thread")
 
 
 # --- bundles ----------------------------------------------------------------------------
@@ -673,3 +676,120 @@ async def test_the_command_exits_0_clean_1_tampered_2_unable(
     )
     assert code == 2
     assert "cannot connect" in err
+
+
+# --- reverts: what they must carry, and nothing more (issue 11, item 4) --------------------
+
+
+async def revert(world: World, thread_id: str, to_version: int, key: str) -> int:
+    creds = world.pki.operator()
+    credentials = grpc.ssl_channel_credentials(
+        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
+    )
+    async with grpc.aio.secure_channel(world.target, credentials) as channel:
+        response = await transition_pb2_grpc.TransitionServiceStub(channel).RevertThread(
+            transition_pb2.RevertThreadRequest(
+                thread_id=thread_id, to_version=to_version, idempotency_key=key
+            ),
+            timeout=10,
+        )
+    version: int = response.transition.version
+    return version
+
+
+async def test_a_revert_undoing_an_approved_change_verifies(world: World) -> None:
+    """Before: the documented revert, restoring the target_user_id an approved change
+    had replaced, was reported "risk: expected an approval receipt"."""
+    thread_id = await world.thread()  # version 2 changed target_user_id under a receipt
+    reverted = await revert(world, thread_id, 1, f"undo-{thread_id}")
+    assert reverted == VERSIONS
+    findings, summary = await world.verify(thread_id)
+    assert findings == []
+    assert summary.exit_code == 0
+
+
+async def test_a_revert_not_by_an_operator_is_reported(world: World) -> None:
+    thread_id = await world.thread()
+    version = await revert(world, thread_id, 1, f"undo-{thread_id}")
+    row = await world.row(thread_id, version)
+    record = json.loads(bytes(row["record"]))
+    record["node_id"] = f"spiffe://{TRUST_DOMAIN}/node/planner"
+    forged = seal_as(world, record)
+    await world.tamper(
+        thread_id,
+        (
+            "UPDATE ztate.transitions SET record = $3, digest = $4, signature = $5, node_id = $6 "
+            "WHERE thread_id = $1 AND version = $2",
+            (thread_id, version, forged[0], forged[1], forged[2], record["node_id"]),
+        ),
+        (
+            "UPDATE ztate.threads SET head_digest = $2 WHERE thread_id = $1",
+            (thread_id, forged[1]),
+        ),
+    )
+    findings, _ = await world.verify(thread_id)
+    assert [(f.version, f.check) for f in findings] == [(version, "revert")]
+    assert "an operator identity" in findings[0].expected
+
+
+async def test_a_revert_to_a_state_the_thread_never_had_is_reported(world: World) -> None:
+    thread_id = await world.thread()
+    version = await revert(world, thread_id, 1, f"undo-{thread_id}")
+    row = await world.row(thread_id, version)
+    record = json.loads(bytes(row["record"]))
+    invented = {"raw_text": "never there"}
+    record["patch"] = {**{k: None for k in json.loads(bytes(row["state"]))}, **invented}
+    record["state_digest"] = sha256_hex(canonical_bytes(invented))
+    forged = seal_as(world, record)
+    await world.tamper(
+        thread_id,
+        (
+            "UPDATE ztate.transitions SET record = $3, digest = $4, signature = $5, "
+            "state = $6 WHERE thread_id = $1 AND version = $2",
+            (thread_id, version, forged[0], forged[1], forged[2], canonical_bytes(invented)),
+        ),
+        (
+            "UPDATE ztate.threads SET head_digest = $2, state = $3 WHERE thread_id = $1",
+            (thread_id, forged[1], canonical_bytes(invented)),
+        ),
+    )
+    findings, _ = await world.verify(thread_id)
+    assert (version, "revert") in [(f.version, f.check) for f in findings]
+
+
+def seal_as(world: World, record: dict[str, Any]) -> tuple[bytes, str, str]:
+    """Re-sign a record with the chain key, as an attacker holding it could."""
+    data = canonical_bytes(record)
+    digest = sha256_hex(data)
+    return data, digest, sign_digest(world.keyring.key(record["key_id"]), digest)
+
+
+async def test_configuration_mistakes_are_usage_errors_not_failures(
+    world: World, clean: str, tmp_path: Path
+) -> None:
+    """Before: ``--thread`` naming no thread, or policies that are not the ledger's,
+    printed FAIL lines and exited 1, as if the ledger were tampered with."""
+    for source in ((), ("--jobs", "2")):
+        code, lines, err = await ztate(
+            world, "verify", "--thread", "no-such-thread", *source, "--json"
+        )
+        assert (code, lines) == (2, [])
+        assert "the ledger has no thread no-such-thread: check --thread" in err
+    code, _, err = await ztate(world, "ledger", "export", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    for jobs in ("1", "2"):
+        code, lines, err = await ztate(
+            world, "verify", "--bundle", str(tmp_path / "b"), "--thread", "no-such",
+            "--jobs", jobs, "--json",
+        )  # fmt: skip
+        assert (code, lines) == (2, [])
+        assert "the ledger has no thread no-such" in err
+    other = tmp_path / "other-policies"
+    other.mkdir()
+    (other / "billing.yaml").write_text((REPO / "tests" / "policies" / "billing.yaml").read_text())
+    for source in ((), ("--jobs", "2")):
+        code, lines, err = await ztate(
+            world, "verify", "--policy", str(other), *source, "--thread", clean, "--json"
+        )
+        assert (code, lines) == (2, [])
+        assert "the policies given are not this ledger's" in err
