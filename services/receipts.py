@@ -101,13 +101,19 @@ def sign_receipt(receipt: JsonObject, key: Ed25519PrivateKey) -> SignedReceipt:
     return SignedReceipt(data, key.sign(data).hex(), receipt["key_id"])
 
 
+# exactly as format_time writes them (docs/approvals.md): the SDK checks the same
+RECEIPT_TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z")
+
+
 def _parse_time(text: Any) -> datetime:
-    if not isinstance(text, str) or not text.endswith("Z"):
-        raise errors.ReceiptInvalid("receipt times must be RFC 3339 UTC with a Z")
+    if not isinstance(text, str) or not RECEIPT_TIME.fullmatch(text):
+        raise errors.ReceiptInvalid(
+            "receipt times must be RFC 3339 UTC with exactly six fraction digits and a Z"
+        )
     try:
         return datetime.fromisoformat(text[:-1] + "+00:00")
     except ValueError:
-        raise errors.ReceiptInvalid("receipt times must be RFC 3339 UTC with a Z") from None
+        raise errors.ReceiptInvalid("receipt times must be valid dates and times") from None
 
 
 def verify_receipt(

@@ -189,10 +189,8 @@ class DecisionPipeline:
     ) -> Resolution:
         """End an approved transition that may not commit: refused, with a rejection row
         the proposer, the reviewer (through the approval service) and auditors see."""
-        closed = await self._approvals.close_without_decision([pending.digest], "refused", now)
-        if not closed:
-            raise errors.ReviewClosed("the transition was decided meanwhile")
-        await self._store.record_rejection(
+        closed = await self._approvals.close_refused(
+            pending.digest,
             Rejection(
                 method="ApplyDecision",
                 node_id=pending.node_id,
@@ -203,8 +201,11 @@ class DecisionPipeline:
                 patch_digest=None,
                 patch_bytes=None,
                 message=f"approved, but refused at commit: {refusal.message}",
-            )
+            ),
+            now,
         )
+        if not closed:
+            raise errors.ReviewClosed("the transition was decided meanwhile")
         note_transition(pending.thread_id, pending.base_version, Outcome.REFUSED.value)
         return Resolution(Outcome.REFUSED, reason=refusal.reason)
 

@@ -42,6 +42,7 @@ CHECKPOINT_MEMBERS = frozenset(
 )
 KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
+NONCE = re.compile(r"[0-9a-f]{32}")
 TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z\Z")
 
 PublicKeys = dict[str, Ed25519PublicKey]
@@ -137,6 +138,9 @@ def verify_receipt(
         receipt["transition_digest"]
     ):
         raise EvidenceError("receipt.form", "transition_digest must be 64 lower-case hex")
+    # as the transition service checks it (services/receipts.py): the copies agree
+    if not isinstance(receipt["nonce"], str) or not NONCE.fullmatch(receipt["nonce"]):
+        raise EvidenceError("receipt.form", "nonce must be 32 lower-case hex characters")
     return receipt
 
 

@@ -16,7 +16,12 @@ from asyncpg.pool import PoolConnectionProxy
 
 from ztate.services.chain import SealedRecord
 from ztate.services.receipts import SignedReceipt
-from ztate.services.store.transitions import PENDING_COLUMNS, PendingTransition
+from ztate.services.store.transitions import (
+    PENDING_COLUMNS,
+    PendingTransition,
+    Rejection,
+    storable_rejection,
+)
 
 OUTCOME_CHANNEL = "ztate_outcomes"
 
@@ -66,6 +71,22 @@ WITH pend AS (
     UPDATE ztate.pending_transitions SET status = $2, decided_at = $3
      WHERE digest = ANY($1::text[]) AND status = 'pending'
  RETURNING digest
+)
+SELECT digest, pg_notify('ztate_outcomes', digest) FROM pend
+"""
+
+
+# Refused at commit: the rejection row and the status change in one statement, so that
+# a waiter woken by the notification always finds the reason.
+CLOSE_REFUSED = """
+WITH pend AS (
+    UPDATE ztate.pending_transitions SET status = 'refused', decided_at = $2
+     WHERE digest = $1 AND status = 'pending'
+ RETURNING digest
+), rejected AS (
+    INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
+                                  patch_digest, patch_bytes, message)
+    SELECT $3, $4, $5, $6, $7, $8, NULL, NULL, $9 FROM pend
 )
 SELECT digest, pg_notify('ztate_outcomes', digest) FROM pend
 """
@@ -156,6 +177,24 @@ class ApprovalStore:
             receipt.receipt_bytes,
             receipt.signature,
             receipt.key_id,
+        )
+        return row is not None
+
+    async def close_refused(self, digest: str, rejection: Rejection, at: datetime) -> bool:
+        """Close an approved transition the policy no longer allows, recording why, at
+        once; False if it was no longer pending (nothing written)."""
+        safe = storable_rejection(rejection)
+        row = await self._pool.fetchrow(
+            CLOSE_REFUSED,
+            digest,
+            at,
+            safe.method,
+            safe.node_id,
+            safe.thread_id,
+            safe.base_version,
+            safe.reason,
+            list(safe.keys),
+            safe.message,
         )
         return row is not None
 

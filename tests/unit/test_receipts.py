@@ -109,7 +109,7 @@ def test_outside_its_validity_period(now: datetime, expected: type[Exception]) -
         ({"kind": "other"}, "unsupported receipt format"),
         ({"nonce": "short"}, "nonce must be 32"),
         ({"transition_digest": "XYZ"}, "transition_digest must be 64"),
-        ({"issued_at": "2026-01-02T03:04:05+01:00"}, "RFC 3339 UTC with a Z"),
+        ({"issued_at": "2026-01-02T03:04:05+01:00"}, "six fraction digits and a Z"),
         ({"extra": 1}, "members of format 1"),
     ],
 )
@@ -153,3 +153,38 @@ def test_generated_keys_round_trip_and_stay_private(tmp_path: Path) -> None:
     receipt = sign_receipt({**CASES[0]["receipt"], "key_id": "k9"}, key)
     assert verify_receipt(receipt, public, now=DURING)["key_id"] == "k9"
     assert canonical_bytes(json.loads(receipt.receipt_bytes)) == receipt.receipt_bytes
+
+
+@pytest.mark.parametrize(
+    ("member", "value", "server_says"),
+    [
+        # the server took times without microseconds; the SDK refused them
+        ("issued_at", "2026-01-02T03:04:05Z", "six fraction digits"),
+        ("expires_at", "2026-01-02T03:14:05.5Z", "six fraction digits"),
+        ("issued_at", "2026-01-02T03:04:05.000000+00:00", "six fraction digits"),
+        # the SDK took any nonce; the server refused these
+        ("nonce", "ABCDEF0123456789abcdef0123456789", "nonce must be 32 lower-case hex"),
+        ("nonce", "short", "nonce must be 32 lower-case hex"),
+    ],
+)
+def test_the_server_and_the_sdk_refuse_the_same_malformed_receipts(
+    member: str, value: str, server_says: str
+) -> None:
+    """Issue 12: the two copies of the receipt check disagreed; now both refuse."""
+    from ztate.worker_sdk import _evidence
+
+    receipt = {**CASES[0]["receipt"], member: value}
+    signed = sign_receipt(receipt, PRIVATE)
+    with pytest.raises(errors.ReceiptInvalid, match=server_says):
+        verify_receipt(signed, PUBLIC, now=DURING)
+    sdk_keys = {KEY_ID: PUBLIC[KEY_ID]}
+
+    def as_the_sdk_checks_it() -> None:
+        seen = _evidence.verify_receipt(
+            signed.receipt_bytes, signed.signature, signed.key_id, sdk_keys
+        )
+        _evidence.parse_time(seen["issued_at"], "receipt.form")
+        _evidence.parse_time(seen["expires_at"], "receipt.form")
+
+    with pytest.raises(_evidence.EvidenceError):
+        as_the_sdk_checks_it()
