@@ -118,11 +118,6 @@ def check_privileged(caller: Identity, action: str) -> None:
         raise errors.RoleForbidden(f"a {caller.role} identity may not {action}")
 
 
-def check_operator(caller: Identity, action: str) -> None:
-    if caller.role is not Role.OPERATOR:
-        raise errors.RoleForbidden(f"a {caller.role} identity may not {action}")
-
-
 def check_revert_fields(revert: Revert) -> None:
     check_thread_id(revert.thread_id)
     if not IDEMPOTENCY_KEY.match(revert.idempotency_key):
@@ -182,6 +177,15 @@ def check_bound_policy(caller: Identity, policy: Policy, head: Head | CachedHead
             f"node {caller.name!r} belongs to policy {policy.name!r}; the thread is bound "
             f"to {head.policy_name!r}"
         )
+
+
+def hide_foreign_thread(caller: Identity, policy: Policy, head: Head) -> None:
+    """For reads: a thread of another workflow is "not found", exactly as an absent one
+    (``check_bound_policy``), so nodes cannot probe which ids other workflows use."""
+    try:
+        check_bound_policy(caller, policy, head)
+    except errors.PolicyMismatch:
+        raise thread_not_found(head.thread_id) from None
 
 
 def check_proposal_fields(proposal: Proposal) -> None:
@@ -398,10 +402,7 @@ class TransitionPipeline:
         if head is None:
             raise thread_not_found(thread_id)
         if policy is not None:
-            try:
-                check_bound_policy(caller, policy, head)
-            except errors.PolicyMismatch:
-                raise thread_not_found(thread_id) from None
+            hide_foreign_thread(caller, policy, head)
         state = self._remember(head)
         projected = state if readable is None else {k: state[k] for k in state.keys() & readable}
         return View(thread_id, head.version, head.digest, canonical_bytes(projected))
@@ -613,7 +614,7 @@ class TransitionPipeline:
         committed by the same compare-and-swap as any transition, under the
         operator's identity.
         """
-        check_operator(caller, "revert threads")
+        check_privileged(caller, "revert threads")
         check_revert_fields(revert)
         head = await self._store.read_head(revert.thread_id)
         if head is None:

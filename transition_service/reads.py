@@ -26,10 +26,10 @@ from ztate.services.store.transitions import (
     TransitionStore,
 )
 from ztate.transition_service.pipeline import (
-    check_bound_policy,
     check_privileged,
     check_registered,
     check_thread_id,
+    hide_foreign_thread,
     thread_not_found,
 )
 
@@ -77,10 +77,7 @@ class ThreadReads:
         head = await self._store.read_head(thread_id)
         if head is None:
             raise thread_not_found(thread_id)
-        try:
-            check_bound_policy(caller, policy, head)
-        except errors.PolicyMismatch:
-            raise thread_not_found(thread_id) from None
+        hide_foreign_thread(caller, policy, head)
         return policy.readable(caller.name)
 
     async def transition(self, caller: Identity, lookup: Lookup) -> RecordWithEvidence:
