@@ -45,15 +45,14 @@ from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.transitions import Rejection
-from ztate.transition_service.pipeline import (
-    Committed,
-    Proposal,
-    TransitionPipeline,
+from ztate.transition_service.checks import (
     check_credentials,
     check_layers,
     check_schema,
     check_writable,
 )
+from ztate.transition_service.pipeline import TransitionPipeline
+from ztate.transition_service.requests import Committed, Proposal
 from ztate.worker_sdk import encode_json
 
 BATCH_SECONDS = 0.03

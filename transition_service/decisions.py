@@ -38,12 +38,9 @@ from ztate.services.store.transitions import (
     StoredTransition,
     TransitionStore,
 )
-from ztate.transition_service.heads import CachedHead, HeadCache
-from ztate.transition_service.outcomes import OutcomeListener
-from ztate.transition_service.pipeline import (
+from ztate.transition_service.checks import (
     IDEMPOTENCY_KEY,
     THREAD_ID,
-    as_stored,
     check_credentials,
     check_layers,
     check_privileged,
@@ -51,6 +48,9 @@ from ztate.transition_service.pipeline import (
     check_state_size,
     check_writable,
 )
+from ztate.transition_service.heads import CachedHead, HeadCache
+from ztate.transition_service.outcomes import OutcomeListener
+from ztate.transition_service.pipeline import as_stored
 
 APPROVAL_SERVICE_NAME = "approval"
 NONCE_CONSTRAINT = "receipts_nonce_key"

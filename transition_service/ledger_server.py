@@ -34,7 +34,7 @@ from ztate.services.store.ledger import (
     StoredRejection,
     TransitionFilter,
 )
-from ztate.transition_service.pipeline import check_privileged
+from ztate.transition_service.checks import check_privileged
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
 DEFAULT_PAGE_SIZE = 100

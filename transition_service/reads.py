@@ -25,7 +25,7 @@ from ztate.services.store.transitions import (
     StoredTransition,
     TransitionStore,
 )
-from ztate.transition_service.pipeline import (
+from ztate.transition_service.checks import (
     check_privileged,
     check_registered,
     check_thread_id,

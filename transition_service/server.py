@@ -23,8 +23,9 @@ from ztate.transition_service.decisions import (
     WaitFor,
     pending_handle,
 )
-from ztate.transition_service.pipeline import Parked, Proposal, Revert, TransitionPipeline
+from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
+from ztate.transition_service.requests import Parked, Proposal, Revert
 from ztate.transition_service.watch import Subscription, Watcher
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 

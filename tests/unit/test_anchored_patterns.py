@@ -23,8 +23,8 @@ import ztate.services.runtime.identity
 import ztate.services.store.migrate
 import ztate.services.verify.bundle
 import ztate.services.verify.checks
+import ztate.transition_service.checks
 import ztate.transition_service.ledger_server
-import ztate.transition_service.pipeline
 import ztate.transition_service.reads
 import ztate.worker_sdk._evidence
 from ztate.services.runtime.errors import IdentityInvalid
@@ -47,8 +47,7 @@ PATTERNS: dict[str, tuple[re.Pattern[str], str]] = {
     "verify hex": (ztate.services.verify.checks.HEX_256, DIGEST),
     "committed_at": (ztate.services.verify.checks.COMMITTED_AT, "2026-11-21T10:00:00.000000Z"),
     "ledger digest": (ztate.transition_service.ledger_server.DIGEST, DIGEST),
-    "key name": (ztate.transition_service.pipeline.KEY_NAME, "requested_action"),
-    "idempotency key": (ztate.transition_service.pipeline.IDEMPOTENCY_KEY, "retry-1"),
+    "idempotency key": (ztate.transition_service.checks.IDEMPOTENCY_KEY, "retry-1"),
     "reads digest": (ztate.transition_service.reads.DIGEST, DIGEST),
     "sdk key id": (ztate.worker_sdk._evidence.KEY_ID, "approval-k1"),
     "sdk hex": (ztate.worker_sdk._evidence.HEX_256, DIGEST),

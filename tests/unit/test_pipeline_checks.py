@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import Policy, PolicyDocument
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role, parse_spiffe_id
+from ztate.transition_service.checks import check_layers, check_size, check_writable, request_digest
 from ztate.transition_service.heads import CachedHead, HeadCache
-from ztate.transition_service.pipeline import (
-    Proposal,
-    apply_patch,
-    check_layers,
-    check_size,
-    check_writable,
-    request_digest,
-)
+from ztate.transition_service.requests import Proposal
 
 
 def test_apply_patch_sets_and_removes_without_touching_the_base() -> None:

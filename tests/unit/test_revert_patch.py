@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ztate.services.canonical import JsonObject
 from ztate.services.policy.changes import apply_patch
-from ztate.transition_service.pipeline import Revert, restoring_patch, revert_digest
+from ztate.transition_service.checks import restoring_patch, revert_digest
+from ztate.transition_service.requests import Revert
 
 
 def test_restoring_patch_sets_every_earlier_key_and_removes_later_ones() -> None:
