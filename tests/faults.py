@@ -23,18 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
-    Credentials,
     Pki,
     act,
     client,
     new_thread_id,
-    with_database,
+    secure_channel,
 )
 from ztate.worker_sdk import Transition, ZtateClient, ZtateError
 
@@ -51,15 +49,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def secure_channel(target: str, creds: Credentials) -> grpc.aio.Channel:
-    return grpc.aio.secure_channel(
-        target,
-        grpc.ssl_channel_credentials(
-            creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
-        ),
-    )
 
 
 class ServedProcess:
@@ -344,17 +333,6 @@ async def assert_ledger_whole(dsn: str, load: Load) -> dict[str, asyncpg.Record]
         # (the node was told the version, not the digest: docs/api.md)
         assert (row["version"], row["node_id"]) == (request.acked.version, request.acked.node_id)
     return by_key
-
-
-async def fresh_database(server_dsn: str) -> str:
-    """A new, empty database on the test session's Postgres server."""
-    name = f"ztate_faults_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(server_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    return with_database(server_dsn, name)
 
 
 async def run_ztate(*args: str, env: dict[str, str], within: float = 60.0) -> tuple[int, str]:

@@ -26,7 +26,15 @@ from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import INITIAL, TRUST_DOMAIN, Credentials, Ledger, Pki, client, new_thread_id
+from tests.harness import (
+    INITIAL,
+    TRUST_DOMAIN,
+    Ledger,
+    Pki,
+    client,
+    new_thread_id,
+    secure_channel,
+)
 from ztate.approval_service.app import RunningApproval
 from ztate.approval_service.app import start as start_approval
 from ztate.services.cli import ca
@@ -161,13 +169,6 @@ METHODS = methods()
 (PROPOSE,) = [m for m in METHODS if m[1] == "ProposeTransition"]
 
 
-def channel(target: str, creds: Credentials) -> grpc.aio.Channel:
-    credentials = grpc.ssl_channel_credentials(
-        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
-    )
-    return grpc.aio.secure_channel(target, credentials)
-
-
 @pytest_asyncio.fixture(scope="module")
 async def approval(
     pki: Pki, database_dsn: str, target: str, tmp_path_factory: pytest.TempPathFactory
@@ -219,7 +220,7 @@ async def test_no_hostile_request_gets_internal_or_unknown(
     seen: dict[str, int] = {}
     async with AsyncExitStack() as stack:
         channels = {
-            (name, where): await stack.enter_async_context(channel(where, creds))
+            (name, where): await stack.enter_async_context(secure_channel(where, creds))
             for name, creds in callers.items()
             for where in {target, *targets.values()}
         }

@@ -11,8 +11,7 @@ import grpc
 import pytest
 from google.protobuf import timestamp_pb2
 
-from tests.adversarial.test_fuzz_rpcs import channel
-from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id
+from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id, secure_channel
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import InvalidRequest
 
@@ -76,7 +75,7 @@ async def test_a_nul_in_a_thread_id_is_refused_and_the_refusal_recorded(
 ) -> None:
     """Before: the rejection row itself could not be written (INTERNAL, no row)."""
     before = await ledger.rejection_count()
-    async with channel(target, pki.node("input-parser")) as opened:
+    async with secure_channel(target, pki.node("input-parser")) as opened:
         stub = transition_pb2_grpc.TransitionServiceStub(opened)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.ProposeTransition(
@@ -101,7 +100,7 @@ async def test_timestamps_out_of_range_are_invalid_arguments(
     target: str, pki: Pki, seconds: int, nanos: int
 ) -> None:
     stamp = timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos)
-    async with channel(target, pki.operator()) as opened:
+    async with secure_channel(target, pki.operator()) as opened:
         stub = ledger_pb2_grpc.LedgerServiceStub(opened)
         for call in (
             stub.ListRejections(ledger_pb2.ListRejectionsRequest(since=stamp)),
@@ -117,7 +116,7 @@ async def test_timestamps_out_of_range_are_invalid_arguments(
 async def test_page_tokens_this_service_never_issued_are_invalid(
     target: str, pki: Pki, token: str
 ) -> None:
-    async with channel(target, pki.operator()) as opened:
+    async with secure_channel(target, pki.operator()) as opened:
         stub = ledger_pb2_grpc.LedgerServiceStub(opened)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.ListRejections(ledger_pb2.ListRejectionsRequest(page_token=token))
@@ -137,7 +136,7 @@ async def test_page_tokens_this_service_never_issued_are_invalid(
 async def test_undecodable_request_bytes_are_invalid_argument_naming_no_exception(
     target: str, pki: Pki, method: str
 ) -> None:
-    async with channel(target, pki.node("input-parser")) as opened:
+    async with secure_channel(target, pki.node("input-parser")) as opened:
         raw = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
 
         async def send() -> None:

@@ -26,7 +26,14 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from tests.harness import INITIAL, TRUST_DOMAIN, Credentials, Pki, client, with_database
+from tests.harness import (
+    INITIAL,
+    TRUST_DOMAIN,
+    Pki,
+    client,
+    fresh_database,
+    secure_channel,
+)
 from ztate.services.canonical import canonical_bytes
 from ztate.services.keyring import Keyring
 from ztate.services.receipts import (
@@ -80,13 +87,6 @@ class Received:
         return b"\n".join(self.chunks)
 
 
-def channel(target: str, creds: Credentials) -> grpc.aio.Channel:
-    credentials = grpc.ssl_channel_credentials(
-        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
-    )
-    return grpc.aio.secure_channel(target, credentials)
-
-
 @pytest_asyncio.fixture(scope="module")
 async def served(
     postgres_server_dsn: str,
@@ -97,13 +97,7 @@ async def served(
 ) -> AsyncIterator[tuple[RunningService, str, Path]]:
     """A transition service that accepts receipts signed by a key this test holds."""
     root = tmp_path_factory.mktemp("confidential")
-    name = f"ztate_conf_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(postgres_server_dsn, name)
+    dsn = await fresh_database(postgres_server_dsn)
     generate_signing_key(root / "signing-key.pem", root / "approval-public.json", "approval-k1")
     settings = Settings(
         home=root / "home",
@@ -138,7 +132,7 @@ async def approve(target: str, pki: Pki, key: Path, pending: asyncpg.Record) -> 
         ),
         load_signing_key(key),
     )
-    async with channel(target, pki.identity(Role.SERVICE, "approval")) as opened:
+    async with secure_channel(target, pki.identity(Role.SERVICE, "approval")) as opened:
         applied = await transition_pb2_grpc.TransitionServiceStub(opened).ApplyDecision(
             transition_pb2.ApplyDecisionRequest(
                 receipt=approval_pb2.SignedReceipt(
@@ -189,7 +183,7 @@ async def test_an_unmarked_node_receives_no_digest_and_no_hidden_value_from_any_
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")
     received = Received()
     request = transition_pb2.ProposeTransitionRequest
-    async with channel(target, pki.node("planner")) as opened:
+    async with secure_channel(target, pki.node("planner")) as opened:
         stub = transition_pb2_grpc.TransitionServiceStub(opened)
         view = await received.unary(
             stub.GetView(transition_pb2.GetViewRequest(thread_id=thread_id))

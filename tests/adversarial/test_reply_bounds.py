@@ -19,13 +19,18 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import asyncpg
 import grpc
 import pytest
 import pytest_asyncio
 
-from tests.adversarial.test_fuzz_rpcs import channel
-from tests.harness import TRUST_DOMAIN, Ledger, Pki, client, with_database
+from tests.harness import (
+    TRUST_DOMAIN,
+    Ledger,
+    Pki,
+    client,
+    fresh_database,
+    secure_channel,
+)
 from ztate.services.keyring import Keyring
 from ztate.services.runtime.config import Settings
 from ztate.transition_service.app import RunningService, start
@@ -51,13 +56,7 @@ async def scribed(
     policies = root / "policies"
     policies.mkdir()
     shutil.copyfile(REPO / "tests" / "policies" / "scribe.yaml", policies / "scribe.yaml")
-    name = f"ztate_bounds_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(postgres_server_dsn, name)
+    dsn = await fresh_database(postgres_server_dsn)
     settings = Settings(
         home=root / "home",
         listen="127.0.0.1:0",
@@ -102,7 +101,7 @@ async def test_a_state_past_the_old_cap_stays_readable_everywhere(
             if event.version == 7:
                 break
     assert watched == list(range(8))
-    async with channel(target, pki.operator()) as opened:
+    async with secure_channel(target, pki.operator()) as opened:
         detail = await ledger_pb2_grpc.LedgerServiceStub(opened).GetTransitionDetail(
             ledger_pb2.GetTransitionDetailRequest(thread_id=thread_id, version=7)
         )
@@ -154,7 +153,7 @@ async def test_pages_fill_up_to_a_byte_budget_and_never_fail(
     seen: list[int] = []
     pages = 0
     token = ""
-    async with channel(target, pki.operator()) as opened:
+    async with secure_channel(target, pki.operator()) as opened:
         stub = ledger_pb2_grpc.LedgerServiceStub(opened)
         while True:
             response = await stub.KeyHistory(
@@ -187,7 +186,7 @@ async def test_a_flood_of_unknown_keys_leaves_a_small_row_and_readable_trailers(
     patch = json.dumps(flood).encode()
     assert len(patch) < MAX_PATCH
     # a plain grpc channel: default options, default metadata limit
-    async with channel(target, pki.node("scribe")) as opened:
+    async with secure_channel(target, pki.node("scribe")) as opened:
         call = opened.unary_unary(
             "/ztate.v1.TransitionService/ProposeTransition",
             request_serializer=transition_pb2.ProposeTransitionRequest.SerializeToString,
@@ -219,7 +218,7 @@ async def test_a_flood_of_unknown_keys_leaves_a_small_row_and_readable_trailers(
     rows = await ledger.rejections(thread_id)
     assert [len(r["keys"]) for r in rows] == [32, 32]
     assert all(len(r["message"]) <= 1024 for r in rows)
-    async with channel(target, pki.operator()) as opened:
+    async with secure_channel(target, pki.operator()) as opened:
         listed = await ledger_pb2_grpc.LedgerServiceStub(opened).ListRejections(
             ledger_pb2.ListRejectionsRequest(thread_id=thread_id, page_size=1000)
         )

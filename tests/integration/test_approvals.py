@@ -34,13 +34,13 @@ from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
     USER,
-    Credentials,
     Ledger,
     Pki,
     act,
     as_operator_sees_it,
     client,
     new_thread_id,
+    secure_channel,
     with_database,
 )
 from ztate.services.cli import ca
@@ -89,15 +89,6 @@ async def eventually(probe: Callable[[], Awaitable[T | None]], within: float = 2
             return value
         assert loop.time() < deadline, "condition did not hold in time"
         await asyncio.sleep(0.05)
-
-
-def channel(target: str, creds: Credentials) -> grpc.aio.Channel:
-    return grpc.aio.secure_channel(
-        target,
-        grpc.ssl_channel_credentials(
-            creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
-        ),
-    )
 
 
 @dataclass
@@ -178,7 +169,7 @@ class World:
         return client(self.target, self.pki.node(name))
 
     def reviewers(self, name: str) -> grpc.aio.Channel:
-        return channel(self.approval_target, self.pki.identity(Role.REVIEWER, name))
+        return secure_channel(self.approval_target, self.pki.identity(Role.REVIEWER, name))
 
     async def decide(self, reviewer: str, digest: str, approve: bool = True) -> Any:
         async with self.reviewers(reviewer) as open_channel:
@@ -204,7 +195,7 @@ class World:
 
     async def apply(self, receipt: Receipt) -> Any:
         """ApplyDecision as the approval service's identity (to play the attacker)."""
-        async with channel(self.target, self.pki.identity(Role.SERVICE, "approval")) as ch:
+        async with secure_channel(self.target, self.pki.identity(Role.SERVICE, "approval")) as ch:
             stub = transition_pb2_grpc.TransitionServiceStub(ch)
             return await stub.ApplyDecision(
                 transition_pb2.ApplyDecisionRequest(
@@ -534,7 +525,7 @@ async def test_a_reviewer_cannot_approve_their_own_proposal(world: World) -> Non
 async def test_a_worker_cannot_use_the_approval_api(world: World) -> None:
     thread_id = await world.thread()
     parked = await world.park(thread_id)
-    async with channel(world.approval_target, world.pki.node("approval-gate")) as ch:
+    async with secure_channel(world.approval_target, world.pki.node("approval-gate")) as ch:
         stub = approval_pb2_grpc.ApprovalServiceStub(ch)
         for call in (
             stub.ListReviews(approval_pb2.ListReviewsRequest()),
@@ -548,7 +539,7 @@ async def test_a_worker_cannot_use_the_approval_api(world: World) -> None:
                 await call
             assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # nor may a worker deliver decisions to the transition service
-    async with channel(world.target, world.pki.node("approval-gate")) as ch:
+    async with secure_channel(world.target, world.pki.node("approval-gate")) as ch:
         stub2 = transition_pb2_grpc.TransitionServiceStub(ch)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub2.ApplyDecision(transition_pb2.ApplyDecisionRequest())

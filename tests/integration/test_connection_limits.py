@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest_asyncio
 
-from tests.faults import ServedProcess, fresh_database
-from tests.harness import INITIAL, Pki, act, client, new_thread_id
+from tests.faults import ServedProcess
+from tests.harness import INITIAL, Pki, act, client, fresh_database, new_thread_id
 
 IDLE_CONNECTIONS = 300
 OPEN_FILES = 96

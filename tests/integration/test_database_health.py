@@ -16,7 +16,8 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from tests.faults import free_port, fresh_database
+from tests.faults import free_port
+from tests.harness import fresh_database
 from ztate.services.runtime.health import (
     NOT_SERVING,
     SERVING,

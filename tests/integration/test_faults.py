@@ -36,13 +36,11 @@ from tests.faults import (
     ServedProcess,
     assert_ledger_whole,
     create_threads,
-    fresh_database,
     ledger_rows,
     run_ztate,
-    secure_channel,
     wait_for_status,
 )
-from tests.harness import Ledger, Pki, act, client
+from tests.harness import Ledger, Pki, act, client, fresh_database, secure_channel
 from ztate.services.keyring import Keyring
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import AwaitingApproval, ZtateClient, ZtateError

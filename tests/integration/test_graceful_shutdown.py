@@ -22,9 +22,8 @@ from tests.faults import (
     ServedProcess,
     assert_ledger_whole,
     create_threads,
-    fresh_database,
 )
-from tests.harness import Pki
+from tests.harness import Pki, fresh_database
 from ztate.transition_service.app import SHUTDOWN_GRACE_SECONDS
 
 

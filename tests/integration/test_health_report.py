@@ -12,8 +12,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.faults import secure_channel
-from tests.harness import Pki
+from tests.harness import Pki, secure_channel
 from ztate.services.runtime import tls
 from ztate.services.runtime.health import NOT_SERVING, SERVICE_UNKNOWN, SERVING, HealthReport
 

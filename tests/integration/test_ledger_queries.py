@@ -16,19 +16,12 @@ import pytest
 import pytest_asyncio
 from google.protobuf import timestamp_pb2
 
-from tests.harness import INITIAL, Credentials, Pki, act, client, new_thread_id
+from tests.harness import INITIAL, Pki, act, client, new_thread_id, secure_channel
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 from ztate.worker_sdk import PermissionDenied, StaleVersion
 
 PARSER = "spiffe://ztate.test/node/input-parser"
 PLANNER = "spiffe://ztate.test/node/planner"
-
-
-def channel(target: str, creds: Credentials) -> grpc.aio.Channel:
-    credentials = grpc.ssl_channel_credentials(
-        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
-    )
-    return grpc.aio.secure_channel(target, credentials)
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -53,7 +46,7 @@ async def refused_thread(target: str, pki: Pki) -> str:
 
 @pytest_asyncio.fixture
 async def ledger_stub(target: str, pki: Pki) -> AsyncIterator[ledger_pb2_grpc.LedgerServiceStub]:
-    async with channel(target, pki.operator()) as open_channel:
+    async with secure_channel(target, pki.operator()) as open_channel:
         yield ledger_pb2_grpc.LedgerServiceStub(open_channel)
 
 
@@ -128,7 +121,7 @@ async def test_bad_paging_is_refused(
 
 
 async def test_nodes_may_not_read_the_ledger(target: str, pki: Pki) -> None:
-    async with channel(target, pki.node("db-writer")) as open_channel:
+    async with secure_channel(target, pki.node("db-writer")) as open_channel:
         stub = ledger_pb2_grpc.LedgerServiceStub(open_channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await listed(stub)

@@ -29,6 +29,7 @@ from tests.harness import (
     as_operator_sees_it,
     client,
     new_thread_id,
+    secure_channel,
 )
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 from ztate.worker_sdk import AwaitingApproval
@@ -45,13 +46,6 @@ class History:
     # digests by version, 0..4
     digests: list[str]
     parked_digest: str
-
-
-def channel(target: str, creds: Credentials) -> grpc.aio.Channel:
-    credentials = grpc.ssl_channel_credentials(
-        creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
-    )
-    return grpc.aio.secure_channel(target, credentials)
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -83,7 +77,7 @@ async def history(target: str, pki: Pki, ledger: Ledger) -> History:
 
 @pytest_asyncio.fixture
 async def stub(target: str, pki: Pki) -> AsyncIterator[ledger_pb2_grpc.LedgerServiceStub]:
-    async with channel(target, pki.operator()) as open_channel:
+    async with secure_channel(target, pki.operator()) as open_channel:
         yield ledger_pb2_grpc.LedgerServiceStub(open_channel)
 
 
@@ -264,7 +258,7 @@ async def test_nodes_may_not_query_transitions(target: str, pki: Pki, history: H
             ledger_pb2.KeyHistoryRequest(thread_id=history.thread_id, key="raw_text"),
         ),
     ]
-    async with channel(target, pki.node("input-parser")) as open_channel:
+    async with secure_channel(target, pki.node("input-parser")) as open_channel:
         node_stub = ledger_pb2_grpc.LedgerServiceStub(open_channel)
         for method, request in calls:
             with pytest.raises(grpc.aio.AioRpcError) as caught:

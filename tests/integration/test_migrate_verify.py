@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import asyncpg
 import pytest
 
-from tests.faults import fresh_database
+from tests.harness import fresh_database
 from ztate.services.store.migrate import (
     TRANSITION_MIGRATIONS,
     MigrationError,
