@@ -17,7 +17,6 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +30,18 @@ from tests.harness import (
     TRUST_DOMAIN,
     Pki,
     client,
+    deliver_approval,
     fresh_database,
     secure_channel,
 )
 from ztate.services.canonical import canonical_bytes
 from ztate.services.keyring import Keyring
 from ztate.services.receipts import (
-    build_receipt,
     generate_signing_key,
-    load_signing_key,
-    sign_receipt,
 )
 from ztate.services.runtime.config import Settings
-from ztate.services.runtime.identity import Role
 from ztate.transition_service.app import RunningService, start
-from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 HEX64 = re.compile(rb"[0-9a-f]{64}")
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"
@@ -118,30 +114,9 @@ async def served(
 
 async def approve(target: str, pki: Pki, key: Path, pending: asyncpg.Record) -> None:
     """ApplyDecision as the approval service would, with a genuine signed receipt."""
-    now = datetime.now(UTC)
-    receipt = sign_receipt(
-        build_receipt(
-            transition_digest=pending["digest"],
-            thread_id=pending["thread_id"],
-            base_version=pending["base_version"],
-            decision="approve",
-            reviewers=[f"spiffe://{TRUST_DOMAIN}/reviewer/alice"],
-            issued_at=now - timedelta(seconds=1),
-            expires_at=now + timedelta(minutes=5),
-            key_id="approval-k1",
-        ),
-        load_signing_key(key),
+    applied = await deliver_approval(
+        target, pki, key, pending["digest"], pending["thread_id"], pending["base_version"]
     )
-    async with secure_channel(target, pki.identity(Role.SERVICE, "approval")) as opened:
-        applied = await transition_pb2_grpc.TransitionServiceStub(opened).ApplyDecision(
-            transition_pb2.ApplyDecisionRequest(
-                receipt=approval_pb2.SignedReceipt(
-                    receipt_json=receipt.receipt_bytes,
-                    signature=receipt.signature,
-                    key_id=receipt.key_id,
-                )
-            )
-        )
     assert applied.outcome == transition_pb2.OUTCOME_COMMITTED
 
 

@@ -21,7 +21,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from tests.harness import (
     act,
     as_operator_sees_it,
     client,
+    deliver_approval,
     new_thread_id,
     with_database,
 )
@@ -46,14 +47,10 @@ from ztate.services.chain import build_record, seal, sign_digest
 from ztate.services.keyring import Keyring
 from ztate.services.policy.model import PolicySet
 from ztate.services.receipts import (
-    build_receipt,
     generate_signing_key,
     load_public_keys,
-    load_signing_key,
-    sign_receipt,
 )
 from ztate.services.runtime.config import Settings
-from ztate.services.runtime.identity import Role
 from ztate.services.verify.bundle import (
     BUNDLE_HASH,
     MANIFEST,
@@ -64,7 +61,7 @@ from ztate.services.verify.bundle import (
 from ztate.services.verify.checks import Finding, Summary, Trust, VerifyError, verify_database
 from ztate.services.verify.parallel import verify_bundle_parallel, verify_database_parallel
 from ztate.transition_service.app import RunningService, start
-from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
+from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import AwaitingApproval
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,34 +106,14 @@ class World:
 
     async def approve(self, parked: AwaitingApproval) -> None:
         """ApplyDecision as the approval service, with a receipt signed by its key."""
-        now = datetime.now(UTC)
-        receipt = sign_receipt(
-            build_receipt(
-                transition_digest=parked.digest,
-                thread_id=parked.thread_id,
-                base_version=parked.base_version,
-                decision="approve",
-                reviewers=["spiffe://ztate.test/reviewer/alice"],
-                issued_at=now - timedelta(seconds=1),
-                expires_at=now + timedelta(minutes=5),
-                key_id="approval-k1",
-            ),
-            load_signing_key(self.root / "approval" / "signing-key.pem"),
+        applied = await deliver_approval(
+            self.target,
+            self.pki,
+            self.root / "approval" / "signing-key.pem",
+            parked.digest,
+            parked.thread_id,
+            parked.base_version,
         )
-        creds = self.pki.identity(Role.SERVICE, "approval")
-        credentials = grpc.ssl_channel_credentials(
-            creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
-        )
-        async with grpc.aio.secure_channel(self.target, credentials) as channel:
-            applied = await transition_pb2_grpc.TransitionServiceStub(channel).ApplyDecision(
-                transition_pb2.ApplyDecisionRequest(
-                    receipt=approval_pb2.SignedReceipt(
-                        receipt_json=receipt.receipt_bytes,
-                        signature=receipt.signature,
-                        key_id=receipt.key_id,
-                    )
-                )
-            )
         assert applied.outcome == transition_pb2.OUTCOME_COMMITTED
 
     async def tamper(self, thread_id: str, *statements: tuple[str, tuple[Any, ...]]) -> None:
