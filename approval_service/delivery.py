@@ -33,9 +33,9 @@ from ztate.approval_service.store import OutboxEntry, ReviewStore
 from ztate.services.receipts import now_utc
 from ztate.services.runtime import tls
 from ztate.services.runtime.config import ApprovalSettings
+from ztate.services.runtime.outage import STORAGE_ERRORS
 from ztate.services.runtime.rpc_errors import ERROR_DOMAIN
 from ztate.services.runtime.telemetry import untraced
-from ztate.services.store.transitions import STORAGE_ERRORS
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.approval")

@@ -33,6 +33,7 @@ from ztate.services.policy.changes import Change, apply_patch, check_invariants,
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.outage import STORAGE_ERRORS
 from ztate.services.runtime.telemetry import (
     COMMITTED,
     NO_METRICS,
@@ -42,7 +43,6 @@ from ztate.services.runtime.telemetry import (
     note_transition,
 )
 from ztate.services.store.transitions import (
-    STORAGE_ERRORS,
     Head,
     PendingTransition,
     Rejection,

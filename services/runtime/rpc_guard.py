@@ -16,8 +16,8 @@ import grpc
 
 from ztate.services.runtime import errors, rpc_errors
 from ztate.services.runtime.identity import Identity, identity_from_context
+from ztate.services.runtime.outage import STORAGE_ERRORS, settled
 from ztate.services.runtime.telemetry import note_caller, note_refusal
-from ztate.services.store.transitions import STORAGE_ERRORS, settled
 
 log = logging.getLogger("ztate.rpc")
 Response = TypeVar("Response")

@@ -9,10 +9,10 @@ version (or digest): nothing was written.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 
@@ -516,54 +516,3 @@ def storable_rejection(rejection: Rejection) -> Rejection:
         ),
         message=storable_text(rejection.message),
     )
-
-
-class ConnectionLost(Exception):
-    """asyncpg refused a pooled connection the server had terminated while it sat
-    idle, before sending anything on it (see ``connection_lost``)."""
-
-
-def connection_lost(failure: BaseException) -> bool:
-    """Whether ``failure`` is asyncpg's refusal of a connection the server terminated.
-
-    A session the server ends while it is idle in the pool (a restart, a failover,
-    ``pg_terminate_backend``) gets an unsolicited FATAL before its socket closes.
-    asyncpg's protocol cannot attribute it to an operation and enters its
-    error-consuming state (2), and a connection handed out in that window refuses
-    the next operation, having sent nothing, with exactly this InternalClientError
-    (MagicStack/asyncpg#1069, #784); or ``not connected`` once it is marked bad.
-    Every other InternalClientError (ProtocolError, OutdatedSchemaCacheError, an
-    unexpected state) stays unexpected: INTERNAL, logged with its traceback.
-    """
-    if type(failure) is not asyncpg.InternalClientError:
-        return False
-    message = str(failure)
-    return message == "not connected" or (
-        message.startswith("cannot switch to state ")
-        and message.endswith("; another operation (2) is in progress")
-    )
-
-
-T = TypeVar("T")
-
-
-async def settled(call: Awaitable[T]) -> T:
-    """``await call``, with ``connection_lost`` failures raised as ``ConnectionLost``."""
-    try:
-        return await call
-    except asyncpg.InternalClientError as failure:
-        if connection_lost(failure):
-            raise ConnectionLost(str(failure)) from failure
-        raise
-
-
-STORAGE_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.TooManyConnectionsError,
-    asyncpg.OperatorInterventionError,  # the server is shutting down or restarting
-    ConnectionLost,  # a pooled connection terminated while idle (``settled``)
-)
-"""Failures that mean the database could not be reached, not that a request was bad."""

@@ -13,7 +13,7 @@ import time
 import asyncpg
 import pytest
 
-from ztate.services.store.transitions import (
+from ztate.services.runtime.outage import (
     STORAGE_ERRORS,
     ConnectionLost,
     connection_lost,
