@@ -61,6 +61,7 @@ from ztate.services.verify.checks import (
     Trust,
     Verification,
     VerifyError,
+    check_policies_named,
     connect,
     no_such_thread,
     row_from_db,
@@ -623,6 +624,7 @@ def usable_manifest(directory: Path, trust: Trust) -> Manifest:
             f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
             "verification needs; export it again"
         )
+    check_policies_named(set(manifest.policy_digests), trust)
     return manifest
 
 

@@ -994,6 +994,11 @@ async def check_policies_are_the_ledgers(
             thread_id,
         )
     }
+    check_policies_named(named, trust)
+
+
+def check_policies_named(named: set[str], trust: Trust) -> None:
+    """``named``: the policy digests a ledger's threads (or a bundle's manifest) name."""
     if named and not named & trust.by_digest.keys():
         loaded = ", ".join(f"{p.name} ({p.digest[:12]})" for p in trust.by_digest.values())
         raise VerifyError(

@@ -764,7 +764,7 @@ async def test_configuration_mistakes_are_usage_errors_not_failures(
     other = tmp_path / "other-policies"
     other.mkdir()
     (other / "billing.yaml").write_text((REPO / "tests" / "policies" / "billing.yaml").read_text())
-    for source in ((), ("--jobs", "2")):
+    for source in ((), ("--jobs", "2"), ("--bundle", str(tmp_path / "b"))):
         code, lines, err = await ztate(
             world, "verify", "--policy", str(other), *source, "--thread", clean, "--json"
         )
