@@ -50,7 +50,7 @@ from ztate.transition_service.checks import (
 )
 from ztate.transition_service.heads import CachedHead, HeadCache
 from ztate.transition_service.outcomes import OutcomeListener
-from ztate.transition_service.pipeline import as_stored
+from ztate.transition_service.usecase import as_stored
 
 APPROVAL_SERVICE_NAME = "approval"
 NONCE_CONSTRAINT = "receipts_nonce_key"

@@ -1,0 +1,76 @@
+"""Creating a thread: an operator's genesis record, checked like any patch."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from ztate.services.canonical import canonical_bytes, parse_object, sha256_hex
+from ztate.services.chain import (
+    GENESIS_PARENT,
+    KIND_GENESIS,
+    build_record,
+    seal,
+)
+from ztate.services.policy.changes import Change, apply_patch, check_invariants
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity
+from ztate.services.store.transitions import (
+    StoredTransition,
+)
+from ztate.transition_service.checks import (
+    check_credentials,
+    check_declared,
+    check_privileged,
+    check_schema,
+    check_size,
+    check_state_size,
+    check_storable,
+    check_thread_id,
+)
+from ztate.transition_service.heads import CachedHead
+from ztate.transition_service.usecase import UseCase, as_stored
+
+
+class CreateThread(UseCase):
+    """``CreateThread``: the genesis of a thread, bound to one policy."""
+
+    async def create_thread(
+        self, caller: Identity, thread_id: str, policy_name: str, initial_state_json: bytes
+    ) -> StoredTransition:
+        check_privileged(caller, "create threads")
+        check_thread_id(thread_id)
+        policy = self._policy_named(policy_name)
+        check_size(initial_state_json, self._max_patch_bytes, "initial state")
+        initial = parse_object(initial_state_json, what="initial state", max_depth=self._max_depth)
+        check_storable(initial, "initial state")
+        check_declared(initial, policy)
+        check_schema(initial, policy)
+        check_credentials(initial, policy)
+        state = apply_patch({}, initial)  # the genesis patch is applied like any other
+        check_invariants(policy, Change.of(policy, state, {}, initial, caller.name))
+        state_bytes = canonical_bytes(state)
+        check_state_size(state_bytes, self._max_state_bytes)
+        now = datetime.now(UTC)
+        sealed = seal(
+            build_record(
+                kind=KIND_GENESIS,
+                thread_id=thread_id,
+                version=0,
+                parent_digest=GENESIS_PARENT,
+                node_id=caller.spiffe_id,
+                patch=initial,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=policy.digest,
+                receipt_digest=None,
+                key_id=self._keyring.current,
+                committed_at=now,
+            ),
+            self._keyring,
+        )
+        created = await self._store.create_thread(
+            sealed, state_bytes, policy_name=policy.name, committed_at=now
+        )
+        if not created:
+            raise errors.ThreadExists(f"thread {thread_id!r} already exists")
+        self._heads.put(thread_id, CachedHead(0, sealed.digest, state, policy.name))
+        return as_stored(sealed, now, None, None)

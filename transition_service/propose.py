@@ -1,0 +1,287 @@
+"""Proposing a transition: every check a proposal passes, top to bottom, then a commit
+with compare-and-swap, or parking for approval, or a refusal recorded with its reason."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from ztate.services.canonical import JsonObject, canonical_bytes, parse_object, sha256_hex
+from ztate.services.chain import (
+    KIND_TRANSITION,
+    build_proposal,
+    build_record,
+    seal,
+)
+from ztate.services.policy.changes import Change, apply_patch, check_invariants, matched_risk_rules
+from ztate.services.policy.model import Policy
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.outage import STORAGE_ERRORS
+from ztate.services.runtime.telemetry import (
+    COMMITTED,
+    PARKED,
+    REFUSED,
+    note_transition,
+)
+from ztate.services.store.transitions import (
+    PendingTransition,
+    Rejection,
+)
+from ztate.transition_service.checks import (
+    check_bound_policy,
+    check_credentials,
+    check_layers,
+    check_proposal_fields,
+    check_registered,
+    check_schema,
+    check_size,
+    check_state_size,
+    check_storable,
+    check_writable,
+    key_reused,
+    request_digest,
+    thread_not_found,
+)
+from ztate.transition_service.heads import CachedHead
+from ztate.transition_service.requests import (
+    Committed,
+    Outcome,
+    Parked,
+    Proposal,
+)
+from ztate.transition_service.usecase import UseCase, as_stored
+
+
+class Propose(UseCase):
+    """``ProposeTransition``: commit, park, replay, or refuse (and record the refusal)."""
+
+    async def propose(self, caller: Identity, proposal: Proposal) -> Outcome:
+        """Run every check; commit, park, replay, or refuse (and record the refusal)."""
+        try:
+            outcome = await self._propose(caller, proposal)
+        except STORAGE_ERRORS:
+            # not a ZtateError: ztate.services.runtime.rpc_guard answers it as STORAGE_UNAVAILABLE
+            if self._metrics.enabled:
+                self._metrics.proposal(REFUSED, errors.StorageUnavailable.reason)
+                note_transition(proposal.thread_id, proposal.expected_version)
+            raise
+        except errors.ZtateError as refusal:
+            if self._metrics.enabled:
+                self._metrics.proposal(REFUSED, refusal.reason)
+                note_transition(proposal.thread_id, proposal.expected_version)
+            if not isinstance(refusal, errors.StorageUnavailable):
+                await self._store.record_rejection(_rejection(caller, proposal, refusal))
+            if isinstance(refusal, errors.PolicyMismatch):
+                raise thread_not_found(proposal.thread_id) from None
+            raise
+        if self._metrics.enabled:
+            observed(outcome)
+            self._metrics.proposal(decision_of(outcome))
+        return outcome
+
+    async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
+        policy = check_registered(caller, self._policies)
+        check_proposal_fields(proposal)
+        node = caller.name
+        limit = policy.max_patch_bytes(node) or self._max_patch_bytes
+        check_size(proposal.patch_json, limit, "patch")
+        patch = parse_object(proposal.patch_json, what="patch", max_depth=self._max_depth)
+        check_storable(patch, "patch")
+        check_writable(patch, policy.writable(node))
+        check_schema(patch, policy)
+        check_credentials(patch, policy)
+        check_layers(patch, policy, node)
+
+        base = await self._base(caller, policy, proposal)
+        if not isinstance(base, CachedHead):
+            return base
+        state = apply_patch(base.state, patch)
+        change = Change.of(policy, state, base.state, patch, node)
+        check_invariants(policy, change)
+        state_bytes = canonical_bytes(state)
+        check_state_size(state_bytes, self._max_state_bytes)
+        state_digest = sha256_hex(state_bytes)
+        digest_of_request = request_digest(proposal)
+
+        risky = matched_risk_rules(policy, change)
+        if risky:
+            return await self._park(
+                caller, proposal, policy, base, patch, state_bytes, risky, digest_of_request
+            )
+
+        now = datetime.now(UTC)
+        sealed = seal(
+            build_record(
+                kind=KIND_TRANSITION,
+                thread_id=proposal.thread_id,
+                version=base.version + 1,
+                parent_digest=base.digest,
+                node_id=caller.spiffe_id,
+                patch=patch,
+                state_digest=state_digest,
+                policy_digest=policy.digest,
+                receipt_digest=None,
+                key_id=self._keyring.current,
+                committed_at=now,
+            ),
+            self._keyring,
+        )
+        committed = await self._store.commit(
+            sealed,
+            state_bytes,
+            expected_version=proposal.expected_version,
+            committed_at=now,
+            idempotency_key=proposal.idempotency_key,
+            request_digest=digest_of_request,
+        )
+        if committed:
+            self._heads.put(
+                proposal.thread_id,
+                CachedHead(base.version + 1, sealed.digest, state, base.policy_name),
+            )
+            return Committed(
+                as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
+            )
+        return await self._explain_lost_race(caller, proposal)
+
+    async def _park(
+        self,
+        caller: Identity,
+        proposal: Proposal,
+        policy: Policy,
+        base: CachedHead,
+        patch: JsonObject,
+        state_bytes: bytes,
+        risky: list[str],
+        digest_of_request: str,
+    ) -> Outcome:
+        """Keep a risky proposal for a human decision bound to its digest."""
+        proposal_bytes = canonical_bytes(
+            build_proposal(
+                thread_id=proposal.thread_id,
+                base_version=base.version,
+                parent_digest=base.digest,
+                node_id=caller.spiffe_id,
+                patch=patch,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=policy.digest,
+                risk_rules=risky,
+            )
+        )
+        parked, inserted = await self._store.park(
+            PendingTransition(
+                digest=sha256_hex(proposal_bytes),
+                thread_id=proposal.thread_id,
+                base_version=base.version,
+                parent_digest=base.digest,
+                node_id=caller.spiffe_id,
+                proposal=proposal_bytes,
+                risk_rules=sorted(risky),
+                idempotency_key=proposal.idempotency_key,
+                request_digest=digest_of_request,
+                status="pending",
+                parked_at=datetime.now(UTC),
+                sensitive_keys=sorted(key for key in patch if policy.document.keys[key].sensitive),
+                required_approvals=max(
+                    rule.approvals for rule in policy.risk_rules if rule.name in risky
+                ),
+            ),
+            state_bytes,
+        )
+        self._parked.set()
+        if parked is None:  # the key already names a committed request
+            return await self._replay_or_stale(caller, proposal, base.version)
+        same_request_key = (parked.node_id, parked.idempotency_key) == (
+            caller.spiffe_id,
+            proposal.idempotency_key,
+        )
+        if same_request_key and parked.request_digest != digest_of_request:
+            raise key_reused()
+        if not inserted and not same_request_key and parked.status != "pending":
+            raise errors.ReviewClosed(
+                f"this exact change on this version was already {parked.status}; change it "
+                "or propose on a newer version"
+            )
+        # Not inserted: this request, or this exact proposal, is parked already.
+        return Parked(parked, replayed=not inserted)
+
+    async def _base(
+        self, caller: Identity, policy: Policy, proposal: Proposal
+    ) -> CachedHead | Outcome:
+        """The head to build on: bound to the caller's policy (checked first, so that
+        nothing, not even a version, is told about another workflow's thread) and at
+        the expected version."""
+        cached = self._heads.get(proposal.thread_id, proposal.expected_version)
+        if cached is not None:
+            check_bound_policy(caller, policy, cached)
+            return cached
+        head = await self._store.read_head(proposal.thread_id)
+        if head is None:
+            raise thread_not_found(proposal.thread_id)
+        check_bound_policy(caller, policy, head)
+        state = self._remember(head)
+        if head.version != proposal.expected_version:
+            return await self._replay_or_stale(caller, proposal, head.version)
+        return CachedHead(head.version, head.digest, state, head.policy_name)
+
+    async def _explain_lost_race(self, caller: Identity, proposal: Proposal) -> Outcome:
+        version = await self._store.head_version(proposal.thread_id)
+        if version is None:
+            raise thread_not_found(proposal.thread_id)
+        if version != proposal.expected_version:
+            # the compare-and-swap lost to another commit (not an idempotency key taken)
+            self._metrics.cas_conflicts.add(1)
+        return await self._replay_or_stale(caller, proposal, version)
+
+    async def _replay_or_stale(
+        self, caller: Identity, proposal: Proposal, head_version: int
+    ) -> Outcome:
+        earlier = await self._store.find_by_idempotency_key(
+            proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
+        )
+        if earlier is not None:
+            if earlier.request_digest != request_digest(proposal):
+                raise key_reused()
+            return Committed(earlier, True)
+        parked = await self._store.find_pending(
+            proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
+        )
+        if parked is not None:
+            if parked.request_digest != request_digest(proposal):
+                raise key_reused()
+            return Parked(parked, True)
+        raise errors.StaleVersion(
+            f"expected version {proposal.expected_version}, but the head is at {head_version}",
+            current_version=head_version,
+        )
+
+
+def decision_of(outcome: Outcome) -> str:
+    """What a proposal's span and metrics call its outcome."""
+    if outcome.replayed:
+        return "replayed"
+    return COMMITTED if isinstance(outcome, Committed) else PARKED
+
+
+def observed(outcome: Outcome) -> None:
+    """The thread, the version (committed, or the base of a parked one) and the decision
+    of the current call."""
+    if isinstance(outcome, Committed):
+        where = (outcome.transition.thread_id, outcome.transition.version)
+    else:
+        where = (outcome.pending.thread_id, outcome.pending.base_version)
+    note_transition(*where, decision_of(outcome))
+
+
+def _rejection(caller: Identity, proposal: Proposal, refusal: errors.ZtateError) -> Rejection:
+    return Rejection(
+        method="ProposeTransition",
+        node_id=caller.spiffe_id,
+        thread_id=proposal.thread_id[:128],
+        base_version=proposal.expected_version,
+        reason=refusal.reason,
+        keys=refusal.keys,
+        patch_digest=sha256_hex(proposal.patch_json),
+        patch_bytes=len(proposal.patch_json),
+        message=refusal.message,
+    )
