@@ -24,6 +24,7 @@ from ztate.services.runtime.telemetry import (
     note_transition,
 )
 from ztate.services.store.transitions import (
+    Commit,
     PendingTransition,
     Rejection,
 )
@@ -126,7 +127,7 @@ class Propose(UseCase):
             ),
             self._keyring,
         )
-        committed = await self._store.commit(
+        result = await self._store.commit(
             sealed,
             state_bytes,
             expected_version=proposal.expected_version,
@@ -134,7 +135,7 @@ class Propose(UseCase):
             idempotency_key=proposal.idempotency_key,
             request_digest=digest_of_request,
         )
-        if committed:
+        if result is Commit.COMMITTED:
             self._heads.put(
                 proposal.thread_id,
                 CachedHead(base.version + 1, sealed.digest, state, base.policy_name),
@@ -142,7 +143,7 @@ class Propose(UseCase):
             return Committed(
                 as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
             )
-        return await self._explain_lost_race(caller, proposal)
+        return await self._explain_lost_race(caller, proposal, result)
 
     async def _park(
         self,
@@ -224,13 +225,14 @@ class Propose(UseCase):
             return await self._replay_or_stale(caller, proposal, head.version)
         return CachedHead(head.version, head.digest, state, head.policy_name)
 
-    async def _explain_lost_race(self, caller: Identity, proposal: Proposal) -> Outcome:
+    async def _explain_lost_race(
+        self, caller: Identity, proposal: Proposal, result: Commit
+    ) -> Outcome:
+        if result is Commit.HEAD_MOVED:
+            self._metrics.cas_conflicts.add(1)  # a conflict, not an idempotency key taken
         version = await self._store.head_version(proposal.thread_id)
         if version is None:
             raise thread_not_found(proposal.thread_id)
-        if version != proposal.expected_version:
-            # the compare-and-swap lost to another commit (not an idempotency key taken)
-            self._metrics.cas_conflicts.add(1)
         return await self._replay_or_stale(caller, proposal, version)
 
     async def _replay_or_stale(

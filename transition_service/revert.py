@@ -16,6 +16,7 @@ from ztate.services.chain import (
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
+from ztate.services.store.transitions import Commit
 from ztate.transition_service.checks import (
     check_privileged,
     check_revert_fields,
@@ -78,7 +79,7 @@ class RevertThread(UseCase):
             self._keyring,
         )
         digest = revert_digest(revert)
-        committed = await self._store.commit(
+        result = await self._store.commit(
             sealed,
             state_bytes,
             expected_version=head.version,
@@ -86,8 +87,8 @@ class RevertThread(UseCase):
             idempotency_key=revert.idempotency_key,
             request_digest=digest,
         )
-        if not committed:
-            return await self._revert_lost_race(caller, revert)
+        if result is not Commit.COMMITTED:
+            return await self._revert_lost_race(caller, revert, result)
         self._heads.put(
             revert.thread_id, CachedHead(head.version + 1, sealed.digest, state, head.policy_name)
         )
@@ -118,12 +119,15 @@ class RevertThread(UseCase):
         state: JsonObject = orjson.loads(body)
         return state
 
-    async def _revert_lost_race(self, caller: Identity, revert: Revert) -> Committed:
+    async def _revert_lost_race(
+        self, caller: Identity, revert: Revert, result: Commit
+    ) -> Committed:
         replayed = await self._replayed_revert(caller, revert)
         if replayed is not None:
             return replayed
         version = await self._store.head_version(revert.thread_id)
-        self._metrics.cas_conflicts.add(1)  # the key was not taken: the head moved
+        if result is Commit.HEAD_MOVED:
+            self._metrics.cas_conflicts.add(1)
         raise errors.StaleVersion(
             "the thread moved while reverting; nothing was written, retry",
             current_version=version,

@@ -8,6 +8,7 @@ version (or digest): nothing was written.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -116,6 +117,14 @@ class CheckpointRow:
     checkpoint: bytes
     signature: str
     key_id: str
+
+
+class Commit(enum.Enum):
+    """What ``TransitionStore.commit`` did."""
+
+    COMMITTED = "committed"
+    HEAD_MOVED = "head moved"  # the compare-and-swap lost: a conflict
+    KEY_TAKEN = "key taken"  # the idempotency key names a committed request: a replay?
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,8 +288,12 @@ class TransitionStore:
         committed_at: datetime,
         idempotency_key: str,
         request_digest: str,
-    ) -> bool:
-        """Compare-and-swap the head and append the record; False if the head moved."""
+    ) -> Commit:
+        """Compare-and-swap the head from ``expected_version`` and append the record, in
+        one statement. ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was not at
+        ``expected_version`` (or the thread does not exist); nothing was written.
+        ``KEY_TAKEN``: this node already used ``idempotency_key`` on this thread for a
+        committed request; nothing was written."""
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
         try:
@@ -301,13 +314,11 @@ class TransitionStore:
                 request_digest,
             )
         except asyncpg.UniqueViolationError:
-            # The idempotency key was taken by a different request: the whole
-            # statement, head update included, rolled back.
-            version = None
-        # ztate.cas.conflicts is counted by the caller, which tells a moved head from
-        # an idempotency key already taken (both end here as no row)
+            # the whole statement, head update included, rolled back
+            self._metrics.commit_duration.record(time.perf_counter() - started)
+            return Commit.KEY_TAKEN
         self._metrics.commit_duration.record(time.perf_counter() - started)
-        return version is not None
+        return Commit.HEAD_MOVED if version is None else Commit.COMMITTED
 
     async def find_by_idempotency_key(
         self, thread_id: str, node_id: str, idempotency_key: str
