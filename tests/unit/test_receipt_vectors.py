@@ -1,0 +1,75 @@
+"""Every receipt vector of tests/vectors/receipts/, one file per way to be right or wrong,
+through both implementations of the receipt check: the transition service's
+(``ztate.services.receipts``) and the worker SDK's (``ztate.worker_sdk._evidence``, which
+may not import the core). They must agree on every file; another language's client runs
+the same files (docs/approvals.md)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from ztate.services.receipts import SignedReceipt, verify_receipt
+from ztate.services.runtime import errors
+from ztate.worker_sdk import _evidence
+
+FOLDER = Path(__file__).resolve().parents[1] / "vectors" / "receipts"
+CASES = sorted(FOLDER.glob("*.json"))
+DURING = datetime(2026, 1, 2, 3, 5, tzinfo=UTC)  # inside the vectors' validity period
+
+
+def load(path: Path) -> dict[str, Any]:
+    case: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return case
+
+
+def keys(case: dict[str, Any]) -> dict[str, Ed25519PublicKey]:
+    raw = base64.b64decode(case["public_key_base64"])
+    return {case["key_id"]: Ed25519PublicKey.from_public_bytes(raw)}
+
+
+def server_accepts(case: dict[str, Any]) -> bool:
+    signed = SignedReceipt(case["receipt_json"].encode(), case["signature"], case["key_id"])
+    try:
+        verify_receipt(signed, keys(case), now=DURING)  # type: ignore[arg-type]
+    except errors.ReceiptInvalid:
+        return False
+    return True
+
+
+def sdk_accepts(case: dict[str, Any]) -> bool:
+    try:
+        seen = _evidence.verify_receipt(
+            case["receipt_json"].encode(), case["signature"], case["key_id"], keys(case)
+        )
+        _evidence.parse_time(seen["issued_at"], "receipt.form")
+        _evidence.parse_time(seen["expires_at"], "receipt.form")
+    except _evidence.EvidenceError:
+        return False
+    return True
+
+
+def test_there_is_a_file_per_way_to_be_wrong_and_one_right() -> None:
+    names = {path.stem for path in CASES}
+    assert "valid" in names
+    assert len(names) >= 14
+
+
+@pytest.mark.parametrize("path", CASES, ids=lambda p: p.stem)
+def test_both_implementations_give_each_vector_its_verdict(path: Path) -> None:
+    case = load(path)
+    assert server_accepts(case) is case["valid"], case["why"]
+    assert sdk_accepts(case) is case["valid"], case["why"]
+
+
+def test_the_vector_files_are_what_the_generator_writes() -> None:
+    from tests.vectors import generate_receipt_cases
+
+    for item in generate_receipt_cases.CASES:
+        assert load(FOLDER / f"{item['name']}.json") == item
