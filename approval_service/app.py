@@ -26,7 +26,7 @@ from ztate.approval_service.notifier import Notifier, NullNotifier, WebhookNotif
 from ztate.approval_service.server import ApprovalServicer
 from ztate.approval_service.service import ApprovalService
 from ztate.approval_service.store import ReviewStore
-from ztate.services.receipts import load_signing_key
+from ztate.contract.keyring import load_signing_key
 from ztate.services.runtime import tls
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.decoding import RefuseUndecodable

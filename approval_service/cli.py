@@ -53,7 +53,7 @@ class UsageError(Exception):
 def cmd_approval_serve(_: argparse.Namespace) -> int:
     """Run the approval service from configuration (``ZTATE_APPROVAL_*``) until signalled."""
     from ztate.approval_service.app import serve
-    from ztate.services.receipts import KeyFileError
+    from ztate.contract.errors import KeyFileError
     from ztate.services.runtime.telemetry import configure_logging
     from ztate.services.store.migrate import MigrationError
 

@@ -30,7 +30,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from ztate.approval_service.service import ApprovalService
 from ztate.approval_service.store import OutboxEntry, ReviewStore
-from ztate.services.receipts import now_utc
+from ztate.contract.receipts import now_utc
 from ztate.services.runtime import tls
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.outage import STORAGE_ERRORS

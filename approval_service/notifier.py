@@ -55,7 +55,7 @@ from datetime import UTC, datetime
 from typing import Final, Protocol
 from urllib.parse import urlsplit
 
-from ztate.services.canonical import canonical_bytes
+from ztate.contract.canonical import canonical_bytes
 
 log = logging.getLogger("ztate.approval.notifier")
 

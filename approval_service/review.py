@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
 from ztate.services.policy.changes import apply_patch
 from ztate.services.runtime import errors
 

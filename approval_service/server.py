@@ -13,7 +13,7 @@ from google.protobuf import timestamp_pb2
 
 from ztate.approval_service.service import ApprovalService, Submission
 from ztate.approval_service.store import APPROVED, EXPIRED, OPEN, REJECTED, StoredReview
-from ztate.services.receipts import APPROVE, REJECT
+from ztate.contract.receipts import APPROVE, REJECT
 from ztate.services.runtime.identity import Identity
 from ztate.services.runtime.rpc_guard import Context, guarded
 from ztate.v1 import approval_pb2, approval_pb2_grpc

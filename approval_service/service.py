@@ -39,9 +39,9 @@ from ztate.approval_service.store import (
     ReviewStore,
     StoredReview,
 )
-from ztate.services.canonical import sha256_hex
-from ztate.services.chain import KIND_PROPOSAL
-from ztate.services.receipts import APPROVE, REJECT, build_receipt, now_utc, sign_receipt
+from ztate.contract.canonical import sha256_hex
+from ztate.contract.receipts import APPROVE, REJECT, build_receipt, now_utc, sign_receipt
+from ztate.contract.record import KIND_PROPOSAL
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role, parse_spiffe_id
 

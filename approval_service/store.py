@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from ztate.services.receipts import SignedReceipt
+from ztate.contract.receipts import SignedReceipt
 from ztate.services.store.transitions import keep_session
 
 OPEN, APPROVED, REJECTED, EXPIRED = "open", "approved", "rejected", "expired"

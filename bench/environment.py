@@ -28,8 +28,8 @@ import asyncpg
 import grpc
 
 from bench.workload import OPERATOR_NAME, TRUST_DOMAIN, WRITER_NODE
+from ztate.contract.keyring import generate_keyring_file
 from ztate.services.cli import ca
-from ztate.services.keyring import generate_keyring_file
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.embedded import start_embedded_postgres
 from ztate.services.store.migrate import migrate

@@ -21,9 +21,9 @@ import asyncpg
 from bench import cpu
 from bench.loadgen import Operation, Sample, closed_loop
 from bench.workload import INITIAL_STATE, TRUST_DOMAIN, WRITER_NODE
-from ztate.services.canonical import canonical_bytes, sha256_hex
-from ztate.services.chain import GENESIS_PARENT, KIND_TRANSITION, build_record, seal
-from ztate.services.keyring import Keyring
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.keyring import Keyring
+from ztate.contract.record import GENESIS_PARENT, KIND_TRANSITION, build_record, seal
 from ztate.services.policy.changes import apply_patch
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.transitions import COMMIT

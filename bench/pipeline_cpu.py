@@ -37,9 +37,9 @@ from bench.workload import (
     WRITTEN_KEY,
     receipt_patch,
 )
-from ztate.services.canonical import canonical_bytes, parse_object, sha256_hex
-from ztate.services.chain import KIND_TRANSITION, build_record, seal
-from ztate.services.keyring import Keyring
+from ztate.contract.canonical import canonical_bytes, parse_object, sha256_hex
+from ztate.contract.keyring import Keyring
+from ztate.contract.record import KIND_TRANSITION, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants, matched_risk_rules
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime import errors

@@ -44,7 +44,7 @@ from bench.pipeline_cpu import CpuTable, measure_pipeline_cpu
 from bench.report import CEILING, FLOOR, LANGGRAPH, ZTATE, Measured, Report, render
 from bench.verify import measure_verification
 from bench.workload import DEFAULT_POLICY, INITIAL_STATE, WRITTEN_KEY, receipt_patch
-from ztate.services.keyring import Keyring
+from ztate.contract.keyring import Keyring
 from ztate.services.policy.model import Policy
 from ztate.services.runtime.config import Settings
 from ztate.worker_sdk import encode_json

@@ -3,7 +3,7 @@
 The issue's target: verify 100,000 stored transitions at no less than half the
 rate at which the same run can merely recompute what every record needs at
 least, its SHA-256 and its HMAC. The ledger is built without the transition
-service, with the service's own pieces: ``ztate.services.chain.seal`` under the run's
+service, with the service's own pieces: ``ztate.contract.record.seal`` under the run's
 keyring, the default policy's digest, patches by the policy's four nodes in
 turn (``THREADS`` threads of ``VERSIONS`` records, each keeping its state body),
 and loaded with ``COPY`` into the run's own database. Then, in interleaved
@@ -43,15 +43,9 @@ from bench.workload import (
     TRUST_DOMAIN,
     receipt_patch,
 )
-from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
-from ztate.services.chain import (
-    GENESIS_PARENT,
-    KIND_GENESIS,
-    KIND_TRANSITION,
-    build_record,
-    seal,
-)
-from ztate.services.keyring import Keyring
+from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.contract.keyring import Keyring
+from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, KIND_TRANSITION, build_record, seal
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime.identity import Identity, Role

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from tests.harness import TRUST_DOMAIN, Ledger, Pki, with_database
-from ztate.services.keyring import Keyring, generate_keyring_file
+from ztate.contract.keyring import Keyring, generate_keyring_file
 from ztate.services.runtime.config import Settings
 from ztate.transition_service.app import RunningService, start
 

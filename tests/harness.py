@@ -19,10 +19,10 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import grpc
 
-from ztate.services.chain import StoredLink, verify_chain
+from ztate.contract.keyring import Keyring, load_signing_key
+from ztate.contract.receipts import build_receipt, sign_receipt
+from ztate.contract.record import GENESIS_PARENT, verify_record
 from ztate.services.cli import ca
-from ztate.services.keyring import Keyring
-from ztate.services.receipts import build_receipt, load_signing_key, sign_receipt
 from ztate.services.runtime.identity import Identity, Role
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import AwaitingApproval, ZtateClient
@@ -218,11 +218,19 @@ class Ledger:
     async def verify(self, thread_id: str) -> int:
         """Verify the thread's whole chain from genesis; returns its length."""
         rows = await self.rows(thread_id)
-        links = (
-            StoredLink(r["version"], bytes(r["record"]), r["digest"], r["signature"], r["key_id"])
-            for r in rows
-        )
-        return verify_chain(links, self.keyring, thread_id=thread_id)
+        parent = GENESIS_PARENT
+        for expected, row in enumerate(rows):
+            record = verify_record(
+                bytes(row["record"]),
+                digest=row["digest"],
+                signature=row["signature"],
+                keyring=self.keyring,
+                expected_parent=parent,
+                expected_version=expected,
+            )
+            assert (record["thread_id"], record["key_id"]) == (thread_id, row["key_id"])
+            parent = row["digest"]
+        return len(rows)
 
 
 async def as_operator_sees_it(dsn: str, parked: AwaitingApproval) -> AwaitingApproval:

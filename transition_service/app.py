@@ -15,9 +15,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ztate.services.keyring import Keyring
+from ztate.contract.errors import KeyFileError
+from ztate.contract.keyring import Keyring, load_public_keys, load_signing_key
 from ztate.services.policy.model import PolicySet
-from ztate.services.receipts import KeyFileError, load_public_keys, load_signing_key
 from ztate.services.runtime import tls
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.decoding import RefuseUndecodable

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import asyncpg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ztate.services.checkpoints import sign_checkpoint
+from ztate.contract.checkpoints import sign_checkpoint
 from ztate.services.runtime.telemetry import untraced
 
 log = logging.getLogger("ztate.transition")

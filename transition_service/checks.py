@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-from ztate.services.canonical import JsonObject
+from ztate.contract.canonical import JsonObject, parse_object
+from ztate.contract.errors import ContractError
 from ztate.services.policy.credentials import find_credential, shown_name
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.policy.schema import TypeMismatch
@@ -29,6 +30,15 @@ PRIVILEGED = frozenset({Role.OPERATOR})
 
 
 # --- the checks, each with its own reason -------------------------------------------
+
+
+def parse_admitted(data: bytes, what: str, max_depth: int) -> JsonObject:
+    """``data`` as an I-JSON object (PATCH_MALFORMED or VALUE_OUT_OF_RANGE otherwise),
+    a duplicate member named as the rejections ledger may show an attacker's name."""
+    try:
+        return parse_object(data, what=what, max_depth=max_depth, shown_name=shown_name)
+    except ContractError as exc:
+        raise errors.from_contract(exc) from None
 
 
 def check_thread_id(thread_id: str) -> None:

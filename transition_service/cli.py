@@ -15,10 +15,9 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
+from ztate.contract.errors import KeyFileError, KeyringError
 from ztate.services.cli.main import Subparsers, settings_or_exit
-from ztate.services.keyring import KeyringError
 from ztate.services.policy.model import PolicyError
-from ztate.services.receipts import KeyFileError
 from ztate.services.runtime.config import ApprovalSettings, Settings
 from ztate.services.runtime.telemetry import configure_logging
 from ztate.services.store.migrate import MigrationError

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from ztate.services.canonical import canonical_bytes, parse_object, sha256_hex
-from ztate.services.chain import (
-    GENESIS_PARENT,
-    KIND_GENESIS,
-    build_record,
-    seal,
-)
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
@@ -26,6 +21,7 @@ from ztate.transition_service.checks import (
     check_state_size,
     check_storable,
     check_thread_id,
+    parse_admitted,
 )
 from ztate.transition_service.heads import CachedHead
 from ztate.transition_service.usecase import UseCase, as_stored
@@ -41,7 +37,7 @@ class CreateThread(UseCase):
         check_thread_id(thread_id)
         policy = self._policy_named(policy_name)
         check_size(initial_state_json, self._max_patch_bytes, "initial state")
-        initial = parse_object(initial_state_json, what="initial state", max_depth=self._max_depth)
+        initial = parse_admitted(initial_state_json, "initial state", self._max_depth)
         check_storable(initial, "initial state")
         check_declared(initial, policy)
         check_schema(initial, policy)

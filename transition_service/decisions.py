@@ -22,12 +22,13 @@ from datetime import UTC, datetime
 import asyncpg
 import orjson
 
-from ztate.services.canonical import canonical_bytes
-from ztate.services.chain import KIND_TRANSITION, build_record, seal
-from ztate.services.keyring import Keyring
+from ztate.contract.canonical import canonical_bytes
+from ztate.contract.errors import ContractError
+from ztate.contract.keyring import Keyring, PublicKeys
+from ztate.contract.receipts import APPROVE, SignedReceipt, verify_receipt
+from ztate.contract.record import KIND_TRANSITION, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.policy.model import PolicySet
-from ztate.services.receipts import APPROVE, SignedReceipt, verify_receipt
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
@@ -109,7 +110,7 @@ class DecisionPipeline:
         store: TransitionStore,
         approvals: ApprovalStore,
         keyring: Keyring,
-        public_keys: dict[str, object],
+        public_keys: PublicKeys,
         heads: HeadCache,
         listener: OutcomeListener,
         policies: PolicySet,
@@ -130,7 +131,10 @@ class DecisionPipeline:
         if (caller.role, caller.name) != (Role.SERVICE, APPROVAL_SERVICE_NAME):
             raise errors.RoleForbidden("only the approval service delivers decisions")
         now = datetime.now(UTC)
-        receipt = verify_receipt(signed, self._public_keys, now=now)  # type: ignore[arg-type]
+        try:
+            receipt = verify_receipt(signed, self._public_keys, now=now)
+        except ContractError as exc:
+            raise errors.from_contract(exc) from None
         pending = await self._store.pending_by_digest(receipt["transition_digest"])
         if pending is None:
             raise errors.ReceiptMismatch("no parked transition has the receipt's digest")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ztate.services.canonical import JsonObject
+from ztate.contract.canonical import JsonObject
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 from google.protobuf import timestamp_pb2
 from google.protobuf.message import Message as Message_
 
-from ztate.services.canonical import canonical_bytes
+from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
 from ztate.services.runtime.rpc_guard import Context, guarded

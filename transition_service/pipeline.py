@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ztate.services.keyring import Keyring
+from ztate.contract.keyring import Keyring
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime.telemetry import NO_METRICS, Metrics
 from ztate.services.store.transitions import TransitionStore

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from ztate.services.canonical import JsonObject, canonical_bytes, parse_object, sha256_hex
-from ztate.services.chain import (
-    KIND_TRANSITION,
-    build_proposal,
-    build_record,
-    seal,
-)
+from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.contract.record import KIND_TRANSITION, build_proposal, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants, matched_risk_rules
 from ztate.services.policy.model import Policy
 from ztate.services.runtime import errors
@@ -40,6 +35,7 @@ from ztate.transition_service.checks import (
     check_storable,
     check_writable,
     key_reused,
+    parse_admitted,
     request_digest,
     thread_not_found,
 )
@@ -86,7 +82,7 @@ class Propose(UseCase):
         node = caller.name
         limit = policy.max_patch_bytes(node) or self._max_patch_bytes
         check_size(proposal.patch_json, limit, "patch")
-        patch = parse_object(proposal.patch_json, what="patch", max_depth=self._max_depth)
+        patch = parse_admitted(proposal.patch_json, "patch", self._max_depth)
         check_storable(patch, "patch")
         check_writable(patch, policy.writable(node))
         check_schema(patch, policy)

@@ -7,12 +7,8 @@ from datetime import UTC, datetime
 
 import orjson
 
-from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
-from ztate.services.chain import (
-    KIND_REVERT,
-    build_record,
-    seal,
-)
+from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.contract.record import KIND_REVERT, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity

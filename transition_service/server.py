@@ -12,7 +12,7 @@ from typing import Any
 
 from google.protobuf import timestamp_pb2
 
-from ztate.services.receipts import SignedReceipt
+from ztate.contract.receipts import SignedReceipt
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
 from ztate.services.runtime.rpc_guard import Context, failure_status, guarded

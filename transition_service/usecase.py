@@ -10,11 +10,9 @@ from datetime import datetime
 
 import orjson
 
-from ztate.services.canonical import JsonObject
-from ztate.services.chain import (
-    SealedRecord,
-)
-from ztate.services.keyring import Keyring
+from ztate.contract.canonical import JsonObject
+from ztate.contract.keyring import Keyring
+from ztate.contract.record import SealedRecord
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.telemetry import (

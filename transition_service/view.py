@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ztate.services.canonical import canonical_bytes
+from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime.identity import Identity, Role
 from ztate.transition_service.checks import (
     check_privileged,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from ztate.services.canonical import canonical_bytes
+from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
 from ztate.services.store.transitions import TransitionStore, VersionState

@@ -13,7 +13,7 @@ thread, propose patches, and check with public keys that a head was approved.
 * One exception type per refusal (``StaleVersion``, ``PermissionDenied``, ...).
 """
 
-from ztate.worker_sdk._evidence import load_public_keys
+from ztate.contract.keyring import load_public_keys
 from ztate.worker_sdk._runner import Handler, NodeRunner, Step, run_node
 from ztate.worker_sdk._verify import HeadNotVerified, VerifiedHead, verify_head_before_acting
 from ztate.worker_sdk.client import (

@@ -7,16 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ztate.worker_sdk._evidence import (
-    EvidenceError,
-    PublicKeys,
-    canonical,
-    check_receipt_binds,
-    parse_record,
-    sha256_hex,
-    verify_checkpoint,
-    verify_receipt,
-)
+from ztate.contract.canonical import canonical_or_error, sha256_hex
+from ztate.contract.checkpoints import SignedCheckpoint, verify_checkpoint
+from ztate.contract.errors import ContractError
+from ztate.contract.keyring import PublicKeys
+from ztate.contract.receipts import SignedReceipt, check_receipt_binds, verify_receipt
+from ztate.contract.record import parse_record
 from ztate.worker_sdk.client import ZtateClient
 
 # The server signs checkpoints every ZTATE_CHECKPOINT_INTERVAL_SECONDS (60 by
@@ -71,7 +67,8 @@ async def verify_head_before_acting(
 ) -> VerifiedHead:
     """Fetch the head of ``thread_id`` now and prove, with public keys only, that a
     reviewer approved the very values the worker is about to act on; raise
-    ``HeadNotVerified`` otherwise.
+    ``HeadNotVerified`` otherwise. The byte formats are checked by ``ztate.contract``,
+    the same code the control plane and the offline verifier run.
 
     ``expected_version`` (and ``expected_digest``, the view's ``head_digest``) name
     the view the worker decided on; ``acting_on`` maps each key it acts on to the
@@ -106,23 +103,24 @@ async def verify_head_before_acting(
         )
     if expected_digest is not None and transition.digest != expected_digest:
         raise HeadNotVerified("head.moved", "the head is not the version the worker read")
+    if sha256_hex(transition.record_json) != transition.digest:
+        raise HeadNotVerified("record.digest", "the record does not hash to its digest")
     try:
-        if sha256_hex(transition.record_json) != transition.digest:
-            raise EvidenceError("record.digest", "the record does not hash to its digest")
         record = parse_record(transition.record_json)
         if (record["thread_id"], record["version"]) != (thread_id, transition.version):
-            raise EvidenceError("record.digest", "the record is not this thread's head")
+            raise HeadNotVerified("record.digest", "the record is not this thread's head")
         if record["receipt_digest"] is None or found.receipt is None:
-            raise EvidenceError("receipt.missing", "the head was committed without an approval")
-        receipt = verify_receipt(
-            found.receipt.receipt_json, found.receipt.signature, found.receipt.key_id, approval_keys
+            raise HeadNotVerified("receipt.missing", "the head was committed without an approval")
+        signed = SignedReceipt(
+            found.receipt.receipt_json, found.receipt.signature, found.receipt.key_id
         )
-        check_receipt_binds(receipt, found.receipt.receipt_json, record, list(found.risk_rules))
+        receipt = verify_receipt(signed, approval_keys, now=None)
+        check_receipt_binds(receipt, signed.receipt_bytes, record, list(found.risk_rules))
         _check_approved_values(record["patch"], acting_on)
         body = await _checkpoint_of_head(
             client, thread_id, transition.version, checkpoint_keys, checkpoint_wait
         )
-    except EvidenceError as failed:
+    except ContractError as failed:
         raise HeadNotVerified(failed.check, failed.message) from None
     if (body["thread_id"], body["version"], body["head_digest"]) != (
         thread_id,
@@ -137,9 +135,12 @@ def _check_approved_values(patch: dict[str, Any], acting_on: Mapping[str, Any]) 
     """The approved patch set every key the worker acts on to the value it holds."""
     for key, value in acting_on.items():
         if key not in patch:
-            raise EvidenceError("patch.missing", f"the approved change did not set {key!r}")
-        if canonical(patch[key], "record.form") != canonical(value, "patch.value"):
-            raise EvidenceError("patch.value", f"the approved change set {key!r} to another value")
+            raise HeadNotVerified("patch.missing", f"the approved change did not set {key!r}")
+        approved = canonical_or_error(patch[key], ContractError, "record.form")
+        if approved != canonical_or_error(value, ContractError, "patch.value"):
+            raise HeadNotVerified(
+                "patch.value", f"the approved change set {key!r} to another value"
+            )
 
 
 async def _checkpoint_of_head(
@@ -155,12 +156,15 @@ async def _checkpoint_of_head(
         if checkpoint is not None:
             # the signature is checked before anything in it is read
             body = verify_checkpoint(
-                checkpoint.checkpoint_json, checkpoint.signature, checkpoint.key_id, keys
+                SignedCheckpoint(
+                    checkpoint.checkpoint_json, checkpoint.signature, checkpoint.key_id
+                ),
+                keys,
             )
             if body["version"] >= version or loop.time() >= deadline:
                 return body
         elif loop.time() >= deadline:
-            raise EvidenceError("checkpoint.missing", "no checkpoint of this thread is signed")
+            raise HeadNotVerified("checkpoint.missing", "no checkpoint of this thread is signed")
         # checkpoints are signed on a timer, not announced: poll, backing off
         await asyncio.sleep(min(pause, max(deadline - loop.time(), 0.0)))
         pause = min(pause * 2, LONGEST_POLL_SECONDS)

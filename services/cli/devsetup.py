@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ztate.contract.keyring import generate_keyring_file, generate_signing_key
 from ztate.services.cli import ca
-from ztate.services.keyring import generate_keyring_file
 from ztate.services.policy.model import PolicySet
-from ztate.services.receipts import generate_signing_key
 from ztate.services.runtime.config import ApprovalSettings, Settings
 from ztate.services.runtime.identity import Identity, Role
 

@@ -17,14 +17,14 @@ import grpc
 from google.protobuf import json_format, timestamp_pb2
 from pydantic import ValidationError
 
+from ztate.contract.errors import KeyFileError, KeyringError
+from ztate.contract.keyring import add_signing_key, generate_keyring_file, rotate_keyring_file
 from ztate.services.cli import ca
 from ztate.services.cli.db import add_db_commands
 from ztate.services.cli.health_probe import add_health_command
 from ztate.services.cli.operator_client import add_connection_flags, operator_channel
 from ztate.services.cli.verify import add_export_command, add_verify_commands
-from ztate.services.keyring import KeyringError, generate_keyring_file, rotate_keyring_file
 from ztate.services.policy.model import PolicyError, PolicySet
-from ztate.services.receipts import KeyFileError, add_signing_key
 from ztate.services.runtime.config import Settings, describe
 from ztate.services.runtime.identity import NAME, Identity, Role
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc

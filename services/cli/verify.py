@@ -26,9 +26,9 @@ import orjson
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
-from ztate.services.keyring import Keyring, KeyringError
+from ztate.contract.errors import KeyFileError, KeyringError
+from ztate.contract.keyring import Keyring, load_public_keys
 from ztate.services.policy.model import PolicyError, PolicySet
-from ztate.services.receipts import KeyFileError, load_public_keys
 from ztate.services.runtime.config import Settings, describe
 from ztate.services.verify.bundle import export_bundle, verify_bundle
 from ztate.services.verify.checks import (

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ztate.services.canonical import JsonObject
+from ztate.contract.canonical import JsonObject
 from ztate.services.policy.model import Policy
 from ztate.services.policy.rules import bind
 from ztate.services.runtime import errors

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.services.policy.rules import Expression, ExpressionError, merge_reads
 from ztate.services.policy.schema import (
     MAX_TYPE_DEPTH,

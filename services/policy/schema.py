@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from ztate.services.canonical import MAX_SAFE_INTEGER
+from ztate.contract.canonical import MAX_SAFE_INTEGER
 from ztate.services.policy.credentials import shown_name
 
 UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"

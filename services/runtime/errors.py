@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ztate.contract import errors as contract
+
 MAX_NAMED_KEYS = 32
 """A refusal names at most this many keys (sorted, the first ones) and counts all:
 every error detail, trailer and rejection row stays small whatever the patch held."""
@@ -192,3 +194,20 @@ class TooManyStreams(ZtateError):
 
 
 ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())
+
+_FROM_CONTRACT: tuple[tuple[type[contract.ContractError], type[ZtateError]], ...] = (
+    (contract.JsonMalformed, PatchMalformed),
+    (contract.JsonOutOfRange, ValueOutOfRange),
+    (contract.ReceiptExpired, ReceiptExpired),  # before its base class, ReceiptInvalid
+    (contract.ReceiptInvalid, ReceiptInvalid),
+)
+
+
+def from_contract(error: contract.ContractError) -> ZtateError:
+    """The domain error a caller is told for bytes it sent that miss their format
+    (``ztate.contract``): a patch or state that is not I-JSON, a receipt that does not
+    verify. Any other contract error is a request the service cannot use."""
+    for contract_type, domain_type in _FROM_CONTRACT:
+        if isinstance(error, contract_type):
+            return domain_type(error.message)
+    return RequestInvalid(error.message)

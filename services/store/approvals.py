@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from ztate.services.chain import SealedRecord
-from ztate.services.receipts import SignedReceipt
+from ztate.contract.receipts import SignedReceipt
+from ztate.contract.record import SealedRecord
 from ztate.services.store.transitions import (
     PENDING_COLUMNS,
     PendingTransition,

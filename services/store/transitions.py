@@ -17,7 +17,7 @@ from typing import Any
 
 import asyncpg
 
-from ztate.services.chain import SealedRecord
+from ztate.contract.record import SealedRecord
 from ztate.services.runtime.telemetry import NO_METRICS, Metrics
 
 COMMIT = """

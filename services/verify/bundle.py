@@ -48,8 +48,8 @@ from typing import Any, BinaryIO
 import asyncpg
 import orjson
 
-from ztate.services.chain import format_time
-from ztate.services.checkpoints import SignedCheckpoint
+from ztate.contract.checkpoints import SignedCheckpoint
+from ztate.contract.record import format_time, shown
 from ztate.services.verify.checks import (
     CHECKPOINT,
     Finding,
@@ -65,7 +65,6 @@ from ztate.services.verify.checks import (
     connect,
     no_such_thread,
     row_from_db,
-    shown,
 )
 
 BUNDLE_FORMAT = 2  # 2: with checkpoints.jsonl

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import operator
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -39,27 +37,28 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from opentelemetry import metrics
 
-from ztate.services.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
-from ztate.services.chain import (
+from ztate.contract.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
+from ztate.contract.checkpoints import SignedCheckpoint, verify_checkpoint
+from ztate.contract.errors import CheckpointInvalid, ReceiptExpired, ReceiptInvalid
+from ztate.contract.keyring import Keyring
+from ztate.contract.receipts import APPROVE, SignedReceipt, verify_receipt
+from ztate.contract.record import (
     GENESIS_PARENT,
+    HEX_256,
     KIND_REVERT,
     RECORD_FORMAT,
-    RECORD_MEMBERS,
-    build_proposal,
     format_time,
-    kind_fits,
+    record_problems,
+    shown,
     sign_digest,
+    transition_digest,
 )
-from ztate.services.checkpoints import CheckpointError, SignedCheckpoint, verify_checkpoint
-from ztate.services.keyring import Keyring
 
 # The risk semantics must be exactly the transition service's, so they are reused
 # rather than re-implemented: a verifier that disagreed would cry wolf or miss.
 from ztate.services.policy.changes import Change, apply_patch, matched_risk_rules
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.policy.rules import Reads, bind, merge_reads
-from ztate.services.receipts import APPROVE, SignedReceipt, verify_receipt
-from ztate.services.runtime import errors
 
 EXIT_VERIFIED, EXIT_FAILURES, EXIT_CANNOT_RUN = 0, 1, 2
 
@@ -89,10 +88,6 @@ RECEIPT_BINDING = "receipt.binding"  # binds another transition, thread, version
 HEAD = "head"  # the threads row disagrees with the last record
 HEAD_STATE = "head.state"  # the head state does not hash to the last record's state_digest
 CHECKPOINT = "checkpoint"  # a signed head does not verify, or the chain misses it
-
-HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
-COMMITTED_AT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z\Z")
-SHOWN_MAX = 160
 
 
 # Through the process's meter provider: exported when telemetry is on (``ztate verify``
@@ -247,13 +242,6 @@ class Summary:
 
 
 Report = Callable[[Finding], None]
-
-
-def shown(value: object) -> str:
-    """A value from the verified data as a finding may show it: escaped and bounded."""
-    text = value if isinstance(value, str) else repr(value)
-    text = text.encode("unicode_escape").decode("ascii")
-    return text if len(text) <= SHOWN_MAX else text[:SHOWN_MAX] + "..."
 
 
 class Verification:
@@ -421,7 +409,7 @@ class ThreadVerifier:
             return None
         if problem:
             self._fail(version, CANONICAL, "the record's RFC 8785 form", problem)
-        problems = _format_problems(record)
+        problems = record_problems(record)
         if problems:
             self._fail(version, FORMAT, f"a format {RECORD_FORMAT} record", "; ".join(problems))
             if self._trust.keyring is not None:
@@ -668,13 +656,12 @@ class ThreadVerifier:
         moment = datetime.fromisoformat(committed_at[:-1] + "+00:00")
         try:
             return verify_receipt(signed, {key_id: key}, now=moment)
-        except errors.ReceiptExpired as exc:
+        except ReceiptExpired as exc:
             self._fail(version, RECEIPT_EXPIRED, f"valid at {committed_at}", exc.message)
             parsed: JsonObject = json.loads(row.receipt)  # as verify_receipt parsed it
             return parsed
-        except (errors.ReceiptInvalid, ValueError, TypeError) as exc:
-            message = exc.message if isinstance(exc, errors.ZtateError) else type(exc).__name__
-            self._fail(version, RECEIPT_FORM, "a format 1 approval receipt", message)
+        except ReceiptInvalid as exc:
+            self._fail(version, RECEIPT_FORM, "a format 1 approval receipt", exc.message)
             return None
 
     def _check_binding(
@@ -687,7 +674,7 @@ class ThreadVerifier:
             "decision": APPROVE,
         }
         if matched is not None:
-            bound["transition_digest"] = _transition_digest(record, matched)
+            bound["transition_digest"] = transition_digest(record, matched)
         for name, expected in bound.items():
             if receipt[name] != expected:
                 self._fail(
@@ -704,8 +691,8 @@ class ThreadVerifier:
         keys = dict(self._trust.checkpoint_keys or {})
         try:
             body = verify_checkpoint(checkpoint, keys)
-        except CheckpointError as exc:
-            self._fail(row.version, CHECKPOINT, "a checkpoint signed by a known key", str(exc))
+        except CheckpointInvalid as exc:
+            self._fail(row.version, CHECKPOINT, "a checkpoint signed by a known key", exc.message)
             return
         recomputed = sha256_hex(row.record)
         signed = (body["thread_id"], body["version"], body["head_digest"])
@@ -784,70 +771,6 @@ def _parse_canonical(data: bytes) -> tuple[JsonObject | None, str, bool]:
     return parsed, "", False
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "format": (int,),
-    "kind": (str,),
-    "thread_id": (str,),
-    "version": (int,),
-    "parent_digest": (str,),
-    "node_id": (str,),
-    "patch": (dict,),
-    "state_digest": (str,),
-    "policy_digest": (str,),
-    "receipt_digest": (str, type(None)),
-    "key_id": (str,),
-    "committed_at": (str,),
-}
-
-
-_TYPED_MEMBERS = operator.itemgetter(*_TYPES)
-# the member types of a well-formed record, with and without a receipt digest
-_WELL_TYPED = frozenset(
-    tuple(types[0] if name != "receipt_digest" else receipt for name, types in _TYPES.items())
-    for receipt in (str, type(None))
-)
-
-
-def _format_problems(record: JsonObject) -> list[str]:
-    """Step 5: exactly the members of format 1, with their types and shapes."""
-    if record.keys() != RECORD_MEMBERS:
-        return [
-            f"missing members {sorted(RECORD_MEMBERS - record.keys())}, "
-            f"unexpected {[shown(k) for k in sorted(record.keys() - RECORD_MEMBERS)]}"
-        ]
-    if tuple(map(type, _TYPED_MEMBERS(record))) not in _WELL_TYPED:
-        problems = [
-            f"{name} is a {type(record[name]).__name__}"
-            for name, types in _TYPES.items()
-            if type(record[name]) not in types
-        ]
-        if problems:
-            return problems
-    problems = []
-    if record["format"] != RECORD_FORMAT:
-        problems.append(f"format {record['format']}")
-    version = record["version"]
-    if not kind_fits(record["kind"], version):
-        problems.append(f"kind {shown(record['kind'])} at version {version}")
-    for name in ("parent_digest", "state_digest"):
-        if not HEX_256.match(record[name]):
-            problems.append(f"{name} is not 64 lower-case hex characters")
-    receipt_digest = record["receipt_digest"]
-    if receipt_digest is not None and not HEX_256.match(receipt_digest):
-        problems.append("receipt_digest is not 64 lower-case hex characters")
-    if not COMMITTED_AT.match(record["committed_at"]) or not _valid_time(record["committed_at"]):
-        problems.append(f"committed_at {shown(record['committed_at'])} is not RFC 3339 UTC")
-    return problems
-
-
-def _valid_time(text: str) -> bool:
-    try:
-        datetime.fromisoformat(text[:-1] + "+00:00")
-    except ValueError:
-        return False
-    return True
-
-
 def _state_digest(record: JsonObject | None) -> str | None:
     return record["state_digest"] if record is not None else None
 
@@ -887,21 +810,6 @@ def _risk_key(digest: str, inputs: Reads, values: dict[str, Any]) -> tuple[str, 
         return digest, orjson.dumps(seen)
     except orjson.JSONEncodeError:
         return None
-
-
-def _transition_digest(record: JsonObject, matched: list[str]) -> str:
-    """The digest a reviewer approved, rebuilt from the record (docs/policy.md)."""
-    proposal = build_proposal(
-        thread_id=record["thread_id"],
-        base_version=record["version"] - 1,
-        parent_digest=record["parent_digest"],
-        node_id=record["node_id"],
-        patch=record["patch"],
-        state_digest=record["state_digest"],
-        policy_digest=record["policy_digest"],
-        risk_rules=matched,
-    )
-    return sha256_hex(canonical_bytes(proposal))
 
 
 # --- the database -----------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Any
 
 import asyncpg
 
-from ztate.services.checkpoints import SignedCheckpoint
+from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.services.verify.bundle import (
     BUNDLE_ORDER,
     CheckpointReader,

@@ -37,8 +37,8 @@ from tests.harness import (
 )
 from ztate.approval_service.app import RunningApproval
 from ztate.approval_service.app import start as start_approval
+from ztate.contract.keyring import generate_signing_key
 from ztate.services.cli import ca
-from ztate.services.receipts import generate_signing_key
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.v1 import approval_pb2, ledger_pb2, transition_pb2

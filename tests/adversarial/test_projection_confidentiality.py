@@ -34,11 +34,8 @@ from tests.harness import (
     fresh_database,
     secure_channel,
 )
-from ztate.services.canonical import canonical_bytes
-from ztate.services.keyring import Keyring
-from ztate.services.receipts import (
-    generate_signing_key,
-)
+from ztate.contract.canonical import canonical_bytes
+from ztate.contract.keyring import Keyring, generate_signing_key
 from ztate.services.runtime.config import Settings
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import transition_pb2, transition_pb2_grpc

@@ -31,7 +31,7 @@ from tests.harness import (
     fresh_database,
     secure_channel,
 )
-from ztate.services.keyring import Keyring
+from ztate.contract.keyring import Keyring
 from ztate.services.runtime.config import Settings
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import errors_pb2, ledger_pb2, ledger_pb2_grpc, transition_pb2

@@ -11,14 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.harness import INITIAL, Ledger, Pki, as_operator_sees_it, client, new_thread_id
-from ztate.services.chain import KIND_TRANSITION, build_record, seal
+from ztate.contract.keyring import generate_signing_key, load_signing_key
+from ztate.contract.receipts import build_receipt, sign_receipt
+from ztate.contract.record import KIND_TRANSITION, build_record, seal
 from ztate.services.policy.credentials import shown_name
-from ztate.services.receipts import (
-    build_receipt,
-    generate_signing_key,
-    load_signing_key,
-    sign_receipt,
-)
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.transitions import TransitionStore
 from ztate.transition_service.app import RunningService

@@ -34,14 +34,10 @@ from tests.harness import TRUST_DOMAIN, Credentials, Pki, new_thread_id
 from ztate.approval_service.app import SERVICE_NAME, RunningApproval, start
 from ztate.approval_service.cli import register as add_approval_commands
 from ztate.approval_service.delivery import refusal_reason
-from ztate.services.canonical import canonical_bytes, sha256_hex
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.keyring import generate_signing_key, load_public_keys
+from ztate.contract.receipts import SignedReceipt, verify_receipt
 from ztate.services.cli import ca
-from ztate.services.receipts import (
-    SignedReceipt,
-    generate_signing_key,
-    load_public_keys,
-    verify_receipt,
-)
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import Metrics, Telemetry

@@ -43,16 +43,10 @@ from tests.harness import (
     secure_channel,
     with_database,
 )
+from ztate.contract.keyring import generate_signing_key, load_public_keys, load_signing_key
+from ztate.contract.receipts import SignedReceipt as Receipt
+from ztate.contract.receipts import build_receipt, sign_receipt, verify_receipt
 from ztate.services.cli import ca
-from ztate.services.receipts import SignedReceipt as Receipt
-from ztate.services.receipts import (
-    build_receipt,
-    generate_signing_key,
-    load_public_keys,
-    load_signing_key,
-    sign_receipt,
-    verify_receipt,
-)
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.transition_service.app import RunningService, start
@@ -297,7 +291,7 @@ async def world(
         db_pool_size=4,
     )
     transition = await start(settings, dsn=dsn)
-    from ztate.services.keyring import Keyring
+    from ztate.contract.keyring import Keyring
 
     world = World(
         root,
@@ -585,7 +579,9 @@ async def test_parked_while_the_approval_service_is_down_is_reviewed_once_back(
         await world.start_approval()
     review = await world.review(parked.digest)
     assert review.thread_id == thread_id
-    assert await world.submitted_at(parked.digest) is not None
+    # the outbox marks the row once the approval service has answered, which can be
+    # just after the review became visible to a reviewer
+    assert await eventually(lambda: world.submitted_at(parked.digest)) is not None
     before = await world.ledger.snapshot(thread_id)
     assert before.head_version == 0
     await world.decide("alice", parked.digest)

@@ -21,10 +21,10 @@ import pytest
 import pytest_asyncio
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
-from ztate.services.canonical import JsonObject, canonical_bytes
+from ztate.contract.canonical import JsonObject, canonical_bytes
+from ztate.contract.keyring import generate_signing_key, load_public_keys, load_signing_key
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import PolicySet
-from ztate.services.receipts import generate_signing_key, load_public_keys, load_signing_key
 from ztate.services.verify.bundle import (
     CHECKPOINTS,
     MANIFEST,

@@ -41,7 +41,7 @@ from tests.faults import (
     wait_for_status,
 )
 from tests.harness import Ledger, Pki, act, client, fresh_database, secure_channel
-from ztate.services.keyring import Keyring
+from ztate.contract.keyring import Keyring
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import AwaitingApproval, ZtateClient, ZtateError
 

@@ -18,7 +18,8 @@ import asyncpg
 import pytest
 
 from tests.harness import USER
-from ztate.services.receipts import SignedReceipt, load_public_keys, verify_receipt
+from ztate.contract.keyring import load_public_keys
+from ztate.contract.receipts import SignedReceipt, verify_receipt
 from ztate.services.store.embedded import start_embedded_postgres
 
 REPO = Path(__file__).resolve().parents[2]

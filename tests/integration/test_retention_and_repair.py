@@ -38,8 +38,8 @@ from tests.harness import (
     new_thread_id,
     with_database,
 )
-from ztate.services.chain import ChainError
-from ztate.services.keyring import Keyring, rotate_keyring_file
+from ztate.contract.errors import RecordInvalid
+from ztate.contract.keyring import Keyring, rotate_keyring_file
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime.config import Settings
 from ztate.services.store.retention import Limits, RetentionError, prune
@@ -187,9 +187,12 @@ async def test_a_rotated_keyring_signs_new_records_and_verifies_old_ones(world: 
     assert [json.loads(r["record"])["key_id"] for r in rows] == [r["key_id"] for r in rows]
     assert await world.ledger.verify(thread_id) == 3
     assert await world.verify_all(thread_id) == ([], 3, 0)
-    with pytest.raises(ChainError) as unknown:
+    with pytest.raises(RecordInvalid) as unknown:
         await Ledger(world.dsn, old).verify(thread_id)
-    assert str(unknown.value) == f"thread {thread_id} version 2: unknown key id {new_id!r}"
+    assert (unknown.value.check, str(unknown.value)) == (
+        "record.key_id",
+        f"unknown key id {new_id!r}",
+    )
 
 
 # --- revert -----------------------------------------------------------------------------

@@ -36,9 +36,9 @@ import pytest_asyncio
 from tests.harness import INITIAL, TRUST_DOMAIN, Pki, act, client, new_thread_id, with_database
 from tests.integration.test_run_command import free_port
 from ztate.approval_service.app import start as start_approval
+from ztate.contract.keyring import generate_signing_key
 from ztate.services.cli import ca
 from ztate.services.cli.health_probe import APPROVAL_SERVICE, TRANSITION_SERVICE, Probe, check
-from ztate.services.receipts import generate_signing_key
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.migrate import bundled_migrations

@@ -15,8 +15,9 @@ import pytest
 import pytest_asyncio
 
 from tests.harness import Ledger, fresh_database, new_thread_id
-from ztate.services.canonical import canonical_bytes, sha256_hex
-from ztate.services.chain import (
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.keyring import Keyring
+from ztate.contract.record import (
     GENESIS_PARENT,
     KIND_GENESIS,
     KIND_TRANSITION,
@@ -24,7 +25,6 @@ from ztate.services.chain import (
     build_record,
     seal,
 )
-from ztate.services.keyring import Keyring
 from ztate.services.runtime.config import Settings
 from ztate.services.store.transitions import (
     Commit,

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
-from ztate.services.canonical import canonical_bytes
-from ztate.services.chain import GENESIS_PARENT, verify_record
+from ztate.contract.canonical import canonical_bytes
+from ztate.contract.record import GENESIS_PARENT, verify_record
 from ztate.transition_service.app import RunningService
 from ztate.worker_sdk import StaleVersion, ZtateClient
 

@@ -42,14 +42,10 @@ from tests.harness import (
     new_thread_id,
     with_database,
 )
-from ztate.services.canonical import canonical_bytes, sha256_hex
-from ztate.services.chain import build_record, seal, sign_digest
-from ztate.services.keyring import Keyring
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.keyring import Keyring, generate_signing_key, load_public_keys
+from ztate.contract.record import build_record, seal, sign_digest
 from ztate.services.policy.model import PolicySet
-from ztate.services.receipts import (
-    generate_signing_key,
-    load_public_keys,
-)
 from ztate.services.runtime.config import Settings
 from ztate.services.verify.bundle import (
     BUNDLE_HASH,

@@ -15,7 +15,7 @@ import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
-from ztate.services.checkpoints import SignedCheckpoint, verify_checkpoint
+from ztate.contract.checkpoints import SignedCheckpoint, verify_checkpoint
 from ztate.services.runtime.config import Settings
 from ztate.services.store.retention import Limits, prune
 from ztate.transition_service import watch as watch_module

@@ -70,6 +70,10 @@ def test_the_worker_wheel_installs_no_server_dependency(worker_venv: Path) -> No
         f"""
         import importlib, sys
         import ztate.worker_sdk, ztate.v1.transition_pb2
+        import ztate.contract.canonical as canonical, ztate.contract.receipts
+        # the contract on the reference alone: no orjson in a worker's install
+        assert canonical.orjson is None, "orjson came with the worker wheel"
+        assert canonical.canonical_bytes({{"b": 1.0, "a": [1e21]}}) == b'{{"a":[1e+21],"b":1}}'
         present = []
         for module in {SERVER_MODULES!r}:
             try:

@@ -1,4 +1,4 @@
-"""ztate.services.canonical: JCS bytes identical to the reference, and the strict parser's refusals.
+"""ztate.contract.canonical: JCS bytes identical to the reference, and the strict parser's refusals.
 
 ``canonical_bytes`` takes a faster path than ``rfc8785`` for some values; the
 properties here check that the two agree byte for byte over the I-JSON domain.
@@ -20,14 +20,19 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ztate.services.canonical import (
+from ztate.contract.canonical import (
+    DEFAULT_MAX_DEPTH,
     MAX_SAFE_INTEGER,
     canonical_bytes,
+    hashed_name,
     orjson_canonical,
     parse_object,
     sha256_hex,
 )
+from ztate.contract.errors import ContractError, JsonMalformed, JsonOutOfRange
+from ztate.services.runtime import errors
 from ztate.services.runtime.errors import PatchMalformed, ValueOutOfRange
+from ztate.transition_service.checks import parse_admitted
 
 PROPERTY = settings(max_examples=300, deadline=None)
 
@@ -410,9 +415,21 @@ REFUSED = [
 
 @pytest.mark.parametrize(("data", "error", "message"), REFUSED)
 def test_parse_object_refuses(data: bytes, error: type[Exception], message: str) -> None:
+    """As the transition service admits a patch: the contract's refusal, told to the
+    caller as its domain reason, a duplicate name shown as the rejections ledger may."""
     with pytest.raises(error) as refused:
-        parse_object(data, what="patch")
+        parse_admitted(data, "patch", DEFAULT_MAX_DEPTH)
     assert message in str(refused.value)
+    with pytest.raises(ContractError) as raw:
+        parse_object(data, what="patch")
+    assert type(errors.from_contract(raw.value)) is error
+
+
+def test_the_contract_alone_never_repeats_a_member_name() -> None:
+    with pytest.raises(JsonMalformed) as refused:
+        parse_object(b'{"password":1,"password":2}', what="patch")
+    assert "password" not in refused.value.message
+    assert refused.value.message == f"duplicate member name {hashed_name('password')}"
 
 
 @pytest.mark.parametrize(
@@ -434,11 +451,11 @@ def test_parse_object_admits(data: bytes, expected: dict[str, Any]) -> None:
 def test_nesting_up_to_max_depth_is_admitted_and_one_more_is_refused(max_depth: int) -> None:
     admitted = parse_object(nested(max_depth), what="patch", max_depth=max_depth)
     assert canonical_bytes(admitted) == nested(max_depth)
-    with pytest.raises(ValueOutOfRange, match=f"patch nests deeper than {max_depth} levels"):
+    with pytest.raises(JsonOutOfRange, match=f"patch nests deeper than {max_depth} levels"):
         parse_object(nested(max_depth + 1), what="patch", max_depth=max_depth)
 
 
 def test_lists_count_towards_depth() -> None:
     assert parse_object(b'{"a":[[]]}', what="patch", max_depth=3) == {"a": [[]]}
-    with pytest.raises(ValueOutOfRange, match="patch nests deeper than 3 levels"):
+    with pytest.raises(JsonOutOfRange, match="patch nests deeper than 3 levels"):
         parse_object(b'{"a":[[[]]]}', what="patch", max_depth=3)

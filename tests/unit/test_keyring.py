@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ztate.services.keyring import Keyring, KeyringError, generate_keyring_file
+from ztate.contract.errors import KeyringError
+from ztate.contract.keyring import Keyring, generate_keyring_file
 
 KEY = base64.b64encode(b"k" * 32).decode()
 

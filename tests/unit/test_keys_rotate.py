@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ztate.contract.keyring import Keyring, generate_keyring_file
 from ztate.services.cli.main import main
-from ztate.services.keyring import Keyring, generate_keyring_file
 
 
 def _keys(path: Path) -> dict[str, str]:

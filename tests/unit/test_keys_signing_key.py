@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ztate.services.checkpoints import sign_checkpoint, verify_checkpoint
+from ztate.contract.checkpoints import sign_checkpoint, verify_checkpoint
+from ztate.contract.keyring import load_public_keys, load_signing_key
 from ztate.services.cli.main import main
-from ztate.services.receipts import load_public_keys, load_signing_key
 
 
 def _sign_and_verify(private: Path, public: Path, key_id: str) -> None:

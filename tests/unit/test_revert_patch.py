@@ -3,7 +3,7 @@ earlier state, whatever was added, changed or removed in between."""
 
 from __future__ import annotations
 
-from ztate.services.canonical import JsonObject
+from ztate.contract.canonical import JsonObject
 from ztate.services.policy.changes import apply_patch
 from ztate.transition_service.checks import restoring_patch, revert_digest
 from ztate.transition_service.requests import Revert

@@ -15,9 +15,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf import timestamp_pb2
 
 from tests.harness import Pki
-from tests.unit.test_sdk_evidence import PATCH, RULES, T0, approved
-from ztate.services.canonical import canonical_bytes, sha256_hex
-from ztate.services.checkpoints import sign_checkpoint
+from tests.unit.test_contract_evidence import PATCH, RULES, T0, approved
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.checkpoints import sign_checkpoint
 from ztate.services.runtime import errors, rpc_errors, tls
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import (

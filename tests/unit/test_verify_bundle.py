@@ -21,8 +21,10 @@ import orjson
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ztate.services.canonical import JsonObject, canonical_bytes, sha256_hex
-from ztate.services.chain import (
+from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.contract.keyring import Keyring
+from ztate.contract.receipts import build_receipt, sign_receipt
+from ztate.contract.record import (
     GENESIS_PARENT,
     KIND_GENESIS,
     KIND_TRANSITION,
@@ -32,10 +34,8 @@ from ztate.services.chain import (
     seal,
     sign_digest,
 )
-from ztate.services.keyring import Keyring
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import PolicySet
-from ztate.services.receipts import build_receipt, sign_receipt
 from ztate.services.verify.bundle import (
     BUNDLE_COUNT,
     BUNDLE_HASH,

@@ -3,8 +3,8 @@
 The vectors were generated once with this script and then cross-checked with tools
 that share no code with ztate (a JavaScript JCS written from RFC 8785 section 3.2,
 ``sha256sum`` and ``openssl dgst -hmac``). The tests compare against the committed
-JSON and never regenerate it, so a change in ``ztate.services.canonical`` or
-``ztate.services.chain`` that alters a byte fails them instead of silently moving the
+JSON and never regenerate it, so a change in ``ztate.contract.canonical`` or
+``ztate.contract.record`` that alters a byte fails them instead of silently moving the
 expectations.
 
 Print the vectors (to diff against the committed file)::
@@ -25,8 +25,9 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from ztate.services.canonical import canonical_bytes, parse_object, sha256_hex
-from ztate.services.chain import (
+from ztate.contract.canonical import canonical_bytes, parse_object, sha256_hex
+from ztate.contract.keyring import Keyring
+from ztate.contract.record import (
     GENESIS_PARENT,
     KIND_GENESIS,
     KIND_TRANSITION,
@@ -34,7 +35,6 @@ from ztate.services.chain import (
     seal,
     sign_digest,
 )
-from ztate.services.keyring import Keyring
 from ztate.services.policy.changes import apply_patch
 
 OUT = Path(__file__).with_name("ledger-v1.json")

@@ -22,7 +22,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ztate.services.canonical import canonical_bytes
+from ztate.contract.canonical import canonical_bytes
 
 SEED = bytes(range(32, 64))  # the receipt-v1.json key
 OTHER_SEED = bytes(range(64, 96))

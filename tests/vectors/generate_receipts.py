@@ -17,7 +17,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ztate.services.receipts import build_receipt, sign_receipt
+from ztate.contract.receipts import build_receipt, sign_receipt
 
 SEED = bytes(range(32, 64))
 KEY_ID = "vector-approval-k1"

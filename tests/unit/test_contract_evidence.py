@@ -1,5 +1,6 @@
-"""The SDK's own receipt and checkpoint checks agree byte for byte with the server's
-(services/receipts.py, services/checkpoints.py, services/chain.py) and with the
+"""The contract's evidence checks (``ztate.contract``), which the worker SDK, the
+transition service and the offline verifier all run: receipts bound to the record
+they approve, the transition digest rebuilt from a record, checkpoints; and the
 fixed vectors of docs/approvals.md."""
 
 from __future__ import annotations
@@ -13,18 +14,31 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ztate.services.canonical import canonical_bytes, sha256_hex
-from ztate.services.chain import KIND_TRANSITION, build_proposal, build_record
-from ztate.services.checkpoints import sign_checkpoint
-from ztate.services.receipts import build_receipt, generate_signing_key, sign_receipt
-from ztate.worker_sdk import load_public_keys
-from ztate.worker_sdk._evidence import (
-    EvidenceError,
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.checkpoints import SignedCheckpoint, sign_checkpoint
+from ztate.contract.checkpoints import verify_checkpoint as verify_signed_checkpoint
+from ztate.contract.errors import ContractError as EvidenceError
+from ztate.contract.keyring import PublicKeys, generate_signing_key
+from ztate.contract.receipts import (
+    SignedReceipt,
+    build_receipt,
     check_receipt_binds,
-    transition_digest,
-    verify_checkpoint,
-    verify_receipt,
+    sign_receipt,
 )
+from ztate.contract.receipts import verify_receipt as verify_signed_receipt
+from ztate.contract.record import KIND_TRANSITION, build_proposal, build_record, transition_digest
+from ztate.worker_sdk import load_public_keys
+
+
+def verify_receipt(data: bytes, signature: str, key_id: str, keys: PublicKeys) -> dict[str, Any]:
+    """Signature and form, the validity period left to ``check_receipt_binds`` (as the
+    worker SDK calls it)."""
+    return verify_signed_receipt(SignedReceipt(data, signature, key_id), keys, now=None)
+
+
+def verify_checkpoint(data: bytes, signature: str, key_id: str, keys: PublicKeys) -> dict[str, Any]:
+    return verify_signed_checkpoint(SignedCheckpoint(data, signature, key_id), keys)
+
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "receipt-v1.json"
 T0 = datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=UTC)

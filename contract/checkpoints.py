@@ -21,18 +21,15 @@ from datetime import datetime
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ztate.services.canonical import JsonObject, canonical_bytes
-from ztate.services.chain import format_time
+from ztate.contract.canonical import JsonObject, canonical_bytes, canonical_or_error
+from ztate.contract.errors import CheckpointInvalid
+from ztate.contract.record import HEX_256, format_time, parse_time, shown
 
 CHECKPOINT_FORMAT = 1
 KIND_CHECKPOINT = "checkpoint"
 MEMBERS = frozenset(
     {"format", "kind", "thread_id", "version", "head_digest", "signed_at", "key_id"}
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not verify; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,26 +64,45 @@ def sign_checkpoint(
 def verify_checkpoint(
     signed: SignedCheckpoint, public_keys: dict[str, Ed25519PublicKey]
 ) -> JsonObject:
-    """The checkpoint's content, once its signature and form check out."""
+    """The checkpoint's content, once its signature and form check out.
+
+    Raises ``CheckpointInvalid`` with check ``checkpoint.signature`` (no such key,
+    or the signature does not verify) or ``checkpoint.form``. Nothing unsigned is
+    ever parsed.
+    """
     key = public_keys.get(signed.key_id)
     if key is None:
-        raise CheckpointError(f"no checkpoint public key has id {signed.key_id!r}")
+        raise CheckpointInvalid(
+            f"no checkpoint public key has id {shown(signed.key_id)}",
+            check="checkpoint.signature",
+        )
     try:
         key.verify(bytes.fromhex(signed.signature), signed.checkpoint)
-    except (InvalidSignature, ValueError):
-        raise CheckpointError("the Ed25519 signature does not verify") from None
+    except (InvalidSignature, ValueError, TypeError):
+        raise CheckpointInvalid(
+            "the Ed25519 signature does not verify", check="checkpoint.signature"
+        ) from None
     try:
         body = json.loads(signed.checkpoint)
-    except ValueError:
-        raise CheckpointError("the checkpoint is not JSON") from None
+    except (ValueError, RecursionError):
+        raise CheckpointInvalid("the checkpoint is not JSON") from None
     if not isinstance(body, dict) or body.keys() != MEMBERS:
-        raise CheckpointError("the checkpoint does not have the members of format 1")
-    if canonical_bytes(body) != signed.checkpoint:
-        raise CheckpointError("the checkpoint is not in canonical (RFC 8785) form")
+        raise CheckpointInvalid("the checkpoint does not have the members of format 1")
+    if canonical_or_error(body, CheckpointInvalid, "checkpoint.form") != signed.checkpoint:
+        raise CheckpointInvalid("the checkpoint is not in canonical (RFC 8785) form")
     if (body["format"], body["kind"], body["key_id"]) != (
         CHECKPOINT_FORMAT,
         KIND_CHECKPOINT,
         signed.key_id,
     ):
-        raise CheckpointError("unsupported checkpoint format, kind or key id")
+        raise CheckpointInvalid("unsupported checkpoint format, kind or key id")
+    if not (
+        isinstance(body["thread_id"], str)
+        and type(body["version"]) is int
+        and body["version"] >= 0
+        and isinstance(body["head_digest"], str)
+        and HEX_256.match(body["head_digest"])
+        and parse_time(body["signed_at"]) is not None
+    ):
+        raise CheckpointInvalid("a member of the checkpoint has the wrong type or form")
     return body

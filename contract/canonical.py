@@ -1,7 +1,8 @@
 """Canonical JSON (RFC 8785, JCS) and the strict parser that admits values into it.
 
 Every digest in ztate is taken over JCS bytes. ``rfc8785`` is the reference
-implementation; ``canonical_bytes`` takes a faster path through ``orjson`` only for
+implementation; where ``orjson`` is installed (the control plane installs it, a
+worker need not), ``canonical_bytes`` takes a faster path through it only for
 values on which the two are proven byte-identical (``tests/unit/test_canonical.py``
 checks this with property-based tests over the whole I-JSON domain):
 
@@ -21,18 +22,23 @@ import hashlib
 import json
 import math
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import orjson
 import rfc8785
 
-from ztate.services.policy.credentials import shown_name
-from ztate.services.runtime.errors import PatchMalformed, ValueOutOfRange
+from ztate.contract.errors import ContractError, JsonMalformed, JsonOutOfRange
+
+try:
+    import orjson
+except ImportError:  # a worker's install: the reference alone, byte for byte the same
+    orjson = None  # type: ignore[assignment]
 
 MAX_SAFE_INTEGER = 2**53 - 1
 DEFAULT_MAX_DEPTH = 32
 
 JsonObject = dict[str, Any]
+ContractErrorT = TypeVar("ContractErrorT", bound=ContractError)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -41,10 +47,23 @@ def sha256_hex(data: bytes) -> str:
 
 
 def canonical_bytes(value: Any) -> bytes:
-    """The RFC 8785 canonical form of an admitted JSON value."""
-    if _fast_path_safe(value):
+    """The RFC 8785 canonical form of an admitted JSON value.
+
+    Raises ``rfc8785.CanonicalizationError`` (a ``ValueError``) or ``TypeError`` for a
+    value outside the I-JSON domain; ``canonical_or_error`` says it as a contract error.
+    """
+    if orjson is not None and _fast_path_safe(value):
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     return rfc8785.dumps(value)
+
+
+def canonical_or_error(value: Any, error: type[ContractErrorT], check: str) -> bytes:
+    """``canonical_bytes(value)``, or ``error(check=check)`` when the value has no
+    RFC 8785 form (an integer beyond I-JSON, NaN, a type JSON does not have)."""
+    try:
+        return canonical_bytes(value)
+    except (ValueError, TypeError, RecursionError):
+        raise error("a value has no RFC 8785 form", check=check) from None
 
 
 def _fast_path_safe(value: Any) -> bool:
@@ -82,7 +101,7 @@ def orjson_canonical(data: bytes, value: Any) -> bool:
     inside the fast path, so that ``data == canonical_bytes(value)`` without a walk
     of ``value``. False says nothing: ask ``canonical_bytes``.
     """
-    if not fast_path_bytes(data):
+    if orjson is None or not fast_path_bytes(data):
         return False
     try:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS) == data
@@ -101,15 +120,25 @@ def fast_path_bytes(data: bytes) -> bool:
     return _OUTSIDE_FAST_PATH_NUMBER.search(skeleton) is None
 
 
-def _duplicate_free(pairs: list[tuple[str, Any]]) -> JsonObject:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for name, _ in pairs:
-            if name in seen:
-                raise PatchMalformed(f"duplicate member name {shown_name(name)}")
-            seen.add(name)
-    return obj
+def hashed_name(name: str) -> str:
+    """A member name an attacker chose, shown by the first 16 hex digits of its SHA-256
+    (the default of ``parse_object``: it never repeats what it was sent)."""
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"sha256:{digest[:16]}"
+
+
+def _duplicate_free(shown: Callable[[str], str]) -> Callable[[list[tuple[str, Any]]], JsonObject]:
+    def build(pairs: list[tuple[str, Any]]) -> JsonObject:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen: set[str] = set()
+            for name, _ in pairs:
+                if name in seen:
+                    raise JsonMalformed(f"duplicate member name {shown(name)}")
+                seen.add(name)
+        return obj
+
+    return build
 
 
 class _NumberRefused(Exception):
@@ -143,12 +172,18 @@ def _parse_constant(name: str) -> Any:
     raise _NumberRefused(f"{name}, which is not a JSON number")
 
 
-def parse_object(data: bytes, *, what: str, max_depth: int = DEFAULT_MAX_DEPTH) -> JsonObject:
+def parse_object(
+    data: bytes,
+    *,
+    what: str,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    shown_name: Callable[[str], str] = hashed_name,
+) -> JsonObject:
     """Parse ``data`` as a UTF-8 JSON object inside the I-JSON domain (RFC 7493).
 
-    Refuses, with ``PatchMalformed``: bytes that are not UTF-8, text that is not
-    JSON, a top-level value that is not an object, duplicate member names and
-    lone surrogates. Refuses, with ``ValueOutOfRange``: integers beyond
+    Refuses, with ``JsonMalformed``: bytes that are not UTF-8, text that is not
+    JSON, a top-level value that is not an object, duplicate member names (named
+    by ``shown_name``) and lone surrogates. Refuses, with ``JsonOutOfRange``: integers beyond
     +/-(2^53 - 1) (also when written as a float such as ``1e20``), numbers that
     overflow or underflow a double, NaN and infinities, and nesting deeper than
     ``max_depth``. Nothing is rounded out of range or coerced.
@@ -156,25 +191,25 @@ def parse_object(data: bytes, *, what: str, max_depth: int = DEFAULT_MAX_DEPTH) 
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PatchMalformed(f"{what} is not valid UTF-8 (byte {exc.start})") from None
+        raise JsonMalformed(f"{what} is not valid UTF-8 (byte {exc.start})") from None
     try:
         value = json.loads(
             text,
-            object_pairs_hook=_duplicate_free,
+            object_pairs_hook=_duplicate_free(shown_name),
             parse_int=_parse_int,
             parse_float=_parse_float,
             parse_constant=_parse_constant,
         )
     except json.JSONDecodeError as exc:
-        raise PatchMalformed(
+        raise JsonMalformed(
             f"{what} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
         ) from None
     except _NumberRefused as exc:
-        raise ValueOutOfRange(f"{what} holds {exc}") from None
+        raise JsonOutOfRange(f"{what} holds {exc}") from None
     except RecursionError:
-        raise ValueOutOfRange(f"{what} nests deeper than {max_depth} levels") from None
+        raise JsonOutOfRange(f"{what} nests deeper than {max_depth} levels") from None
     if type(value) is not dict:
-        raise PatchMalformed(f"{what} must be a JSON object")
+        raise JsonMalformed(f"{what} must be a JSON object")
     _check_structure(value, 1, max_depth, what)
     return value
 
@@ -184,7 +219,7 @@ def _check_string(text: str, what: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise PatchMalformed(f"{what} holds a lone surrogate") from None
+            raise JsonMalformed(f"{what} holds a lone surrogate") from None
 
 
 def _check_structure(value: Any, depth: int, max_depth: int, what: str) -> None:
@@ -194,7 +229,7 @@ def _check_structure(value: Any, depth: int, max_depth: int, what: str) -> None:
         _check_string(value, what)
     elif kind is dict or kind is list:
         if depth > max_depth:
-            raise ValueOutOfRange(f"{what} nests deeper than {max_depth} levels")
+            raise JsonOutOfRange(f"{what} nests deeper than {max_depth} levels")
         if kind is dict:
             for key, item in value.items():
                 _check_string(key, what)

@@ -1,9 +1,14 @@
-"""The HMAC chain keys, by key id.
+"""Key files: the HMAC chain keyring, and the Ed25519 signing keys and public keyrings.
 
-Keys come from a JSON file or an environment variable, never from the database,
+HMAC keys come from a JSON file or an environment variable, never from the database,
 and never appear in a repr, a log line or an error. The document is::
 
     {"current": "k1", "keys": {"k1": "<base64 of >= 32 random bytes>"}}
+
+An Ed25519 signing key (approval receipts, checkpoints) is a PKCS#8 PEM file of mode
+0600; its public keyring, what workers and auditors hold, is::
+
+    {"<key id>": "<base64 of the 32-byte raw Ed25519 public key>", ...}
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from ztate.contract.errors import KeyFileError, KeyringError
+
 KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 MIN_KEY_BYTES = 32
-
-
-class KeyringError(ValueError):
-    """The keyring document is unusable; the message never holds key material."""
+PublicKeys = dict[str, Ed25519PublicKey]
 
 
 @dataclass(frozen=True)
@@ -142,3 +149,95 @@ def _write_atomically(path: Path, text: str) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+# --- Ed25519 signing keys and public keyrings -------------------------------------------
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """A new file readable by its owner only; an existing file is never overwritten."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def _new_signing_key() -> tuple[bytes, str]:
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return pem, base64.b64encode(raw).decode()
+
+
+def generate_signing_key(private_path: Path, public_path: Path, key_id: str) -> None:
+    """A new Ed25519 signing key (PEM, mode 0600) and the public keyring that verifies it."""
+    if not KEY_ID.match(key_id):
+        raise KeyFileError("key id must be 1-64 characters of [A-Za-z0-9._-]")
+    pem, public = _new_signing_key()
+    write_private(private_path, pem)
+    public_path.parent.mkdir(parents=True, exist_ok=True)
+    public_path.write_text(json.dumps({key_id: public}, indent=2))
+
+
+def add_signing_key(private_path: Path, public_path: Path, key_id: str) -> None:
+    """A new Ed25519 signing key (PEM, mode 0600), its public half added to the public
+    keyring at ``public_path`` (created if missing) under ``key_id``, which must be
+    new there: rotating keeps the old public keys, so old signatures still verify.
+    Nothing is written if the private file exists or the key id is taken."""
+    if not KEY_ID.match(key_id):
+        raise KeyFileError("key id must be 1-64 characters of [A-Za-z0-9._-]")
+    if private_path.exists():
+        raise KeyFileError(f"{private_path}: exists; a signing key is never overwritten")
+    keyring: dict[str, str] = {}
+    if public_path.exists():
+        load_public_keys(public_path)  # refuses a malformed keyring before anything changes
+        keyring = json.loads(public_path.read_text())
+        if key_id in keyring:
+            raise KeyFileError(f"{public_path}: already holds key id {key_id!r}")
+    pem, keyring[key_id] = _new_signing_key()
+    write_private(private_path, pem)
+    public_path.parent.mkdir(parents=True, exist_ok=True)
+    public_path.write_text(json.dumps(keyring, indent=2))
+
+
+def load_signing_key(path: Path) -> Ed25519PrivateKey:
+    """An Ed25519 private key from a PEM file; ``KeyFileError`` naming what is wrong."""
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except OSError as exc:
+        raise KeyFileError(f"{path}: cannot read the signing key ({exc.strerror})") from None
+    except (ValueError, TypeError):
+        raise KeyFileError(f"{path}: not an unencrypted PEM private key") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyFileError(f"{path}: the signing key must be Ed25519")
+    return key
+
+
+def load_public_keys(path: str | Path) -> PublicKeys:
+    """A public keyring file: ``{"<key id>": "<base64 of the raw 32-byte Ed25519 key>"}``,
+    non-empty; ``KeyFileError`` naming what is wrong."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise KeyFileError(f"{path}: cannot read public keys ({exc.strerror})") from None
+    except ValueError:
+        raise KeyFileError(f"{path}: public keys must be a JSON object") from None
+    if not isinstance(doc, dict) or not doc:
+        raise KeyFileError(f"{path}: public keys must be a non-empty JSON object")
+    keys: PublicKeys = {}
+    for key_id, encoded in doc.items():
+        if not KEY_ID.match(key_id):
+            raise KeyFileError(
+                f"{path}: key id {key_id!r} must be 1-64 characters of [A-Za-z0-9._-]"
+            )
+        try:
+            keys[key_id] = Ed25519PublicKey.from_public_bytes(
+                base64.b64decode(str(encoded), validate=True)
+            )
+        except (binascii.Error, ValueError):
+            raise KeyFileError(
+                f"{path}: key {key_id!r} is not a base64 Ed25519 public key"
+            ) from None
+    return keys
