@@ -44,7 +44,7 @@ from ztate.services.policy.changes import Change, apply_patch, check_invariants,
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
-from ztate.services.store.transitions import Rejection
+from ztate.services.store.rows import Rejection
 from ztate.transition_service.checks import (
     check_credentials,
     check_layers,

@@ -28,7 +28,7 @@ from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.embedded import start_embedded_postgres
 from ztate.services.store.ledger import LedgerQueries
 from ztate.services.store.migrate import TRANSITION_MIGRATIONS, migrate, verify_migrations
-from ztate.services.store.transitions import TransitionStore
+from ztate.services.store.transitions import PostgresTransitionStore
 from ztate.transition_service.checkpointer import Checkpointer
 from ztate.transition_service.decisions import DecisionPipeline
 from ztate.transition_service.ledger_server import LedgerServicer
@@ -52,7 +52,7 @@ class RunningService:
 
     server: grpc.aio.Server
     port: int
-    store: TransitionStore
+    store: PostgresTransitionStore
     queries: LedgerQueries
     health: HealthReport
     listener: OutcomeListener
@@ -172,7 +172,7 @@ async def _start_traced(
     public_keys: dict[str, Ed25519PublicKey],
     telemetry: Telemetry,
 ) -> RunningService:
-    store = await TransitionStore.open(
+    store = await PostgresTransitionStore.open(
         dsn, role=settings.db_role, pool_size=settings.db_pool_size, metrics=telemetry.metrics
     )
     await store.ping()
@@ -205,7 +205,7 @@ async def _start_traced(
     )
     checkpointer = (
         Checkpointer(
-            store.pool,
+            store,
             load_signing_key(settings.checkpoint_key_file),
             settings.checkpoint_key_id,
             settings.checkpoint_interval_seconds,
@@ -274,7 +274,7 @@ async def _start_traced(
     telemetry.watch_database(
         {"transition": store.pool, "ledger-reader": queries.pool},
         settings.metrics_interval_seconds,
-        pending_from=store.pool,
+        pending_from=store.pending_summary,
     )
     if checkpointer is not None:
         checkpointer.start()

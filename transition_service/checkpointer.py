@@ -12,38 +12,23 @@ import contextlib
 import logging
 from datetime import UTC, datetime
 
-import asyncpg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ztate.contract.checkpoints import sign_checkpoint
 from ztate.services.runtime.telemetry import untraced
+from ztate.services.store.interface import TransitionStore
 
 log = logging.getLogger("ztate.transition")
 BATCH = 1000
-
-UNSIGNED_HEADS = """
-SELECT t.thread_id, t.version, t.head_digest
-  FROM ztate.threads t
- WHERE NOT EXISTS (SELECT 1 FROM ztate.checkpoints c
-                    WHERE c.thread_id = t.thread_id AND c.version = t.version)
- LIMIT $1
-"""
-
-INSERT = """
-INSERT INTO ztate.checkpoints (thread_id, version, head_digest, checkpoint, signature, key_id,
-                               signed_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
-ON CONFLICT DO NOTHING
-"""
 
 
 class Checkpointer:
     """Signs unsigned heads now (``run_once``) or every ``interval`` seconds."""
 
     def __init__(
-        self, pool: asyncpg.Pool, key: Ed25519PrivateKey, key_id: str, interval: float
+        self, store: TransitionStore, key: Ed25519PrivateKey, key_id: str, interval: float
     ) -> None:
-        self._pool = pool
+        self._store = store
         self._key = key
         self._key_id = key_id
         self._interval = interval
@@ -69,29 +54,22 @@ class Checkpointer:
 
     async def run_once(self) -> int:
         """Sign every head that has no checkpoint yet (up to a batch); returns how many."""
-        heads = await self._pool.fetch(UNSIGNED_HEADS, BATCH)
+        heads = await self._store.unsigned_heads(BATCH)
         now = datetime.now(UTC)
-        rows = []
-        for head in heads:
-            signed = sign_checkpoint(
-                self._key,
-                self._key_id,
-                thread_id=head["thread_id"],
-                version=head["version"],
-                head_digest=head["head_digest"],
-                signed_at=now,
+        signed = [
+            (
+                head,
+                sign_checkpoint(
+                    self._key,
+                    self._key_id,
+                    thread_id=head.thread_id,
+                    version=head.version,
+                    head_digest=head.head_digest,
+                    signed_at=now,
+                ),
+                now,
             )
-            rows.append(
-                (
-                    head["thread_id"],
-                    head["version"],
-                    head["head_digest"],
-                    signed.checkpoint,
-                    signed.signature,
-                    signed.key_id,
-                    now,
-                )
-            )
-        if rows:
-            await self._pool.executemany(INSERT, rows)
-        return len(rows)
+            for head in heads
+        ]
+        await self._store.save_checkpoints(signed)
+        return len(signed)

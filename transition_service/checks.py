@@ -17,7 +17,7 @@ from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.policy.schema import TypeMismatch
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
-from ztate.services.store.transitions import Head
+from ztate.services.store.rows import Head
 from ztate.transition_service.heads import CachedHead
 from ztate.transition_service.requests import Proposal, Revert
 

@@ -9,9 +9,8 @@ from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, build_record, se
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
-from ztate.services.store.transitions import (
-    StoredTransition,
-)
+from ztate.services.store.interface import Creation
+from ztate.services.store.rows import StoredTransition
 from ztate.transition_service.checks import (
     check_credentials,
     check_declared,
@@ -66,7 +65,7 @@ class CreateThread(UseCase):
         created = await self._store.create_thread(
             sealed, state_bytes, policy_name=policy.name, committed_at=now
         )
-        if not created:
+        if created is Creation.ID_TAKEN:
             raise errors.ThreadExists(f"thread {thread_id!r} already exists")
         self._heads.put(thread_id, CachedHead(0, sealed.digest, state, policy.name))
         return as_stored(sealed, now, None, None)

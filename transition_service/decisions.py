@@ -19,7 +19,6 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import asyncpg
 import orjson
 
 from ztate.contract.canonical import canonical_bytes
@@ -32,13 +31,9 @@ from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
-from ztate.services.store.approvals import ApprovalStore
-from ztate.services.store.transitions import (
-    PendingTransition,
-    Rejection,
-    StoredTransition,
-    TransitionStore,
-)
+from ztate.services.store.approvals import ApprovalStore, Approved
+from ztate.services.store.interface import TransitionStore
+from ztate.services.store.rows import PendingTransition, Rejection, StoredTransition
 from ztate.transition_service.checks import (
     IDEMPOTENCY_KEY,
     THREAD_ID,
@@ -54,7 +49,6 @@ from ztate.transition_service.outcomes import OutcomeListener
 from ztate.transition_service.usecase import as_stored
 
 APPROVAL_SERVICE_NAME = "approval"
-NONCE_CONSTRAINT = "receipts_nonce_key"
 MAX_WAIT_SECONDS = 60.0
 DIGEST = re.compile(r"[0-9a-f]{64}")
 RECHECK_SECONDS = 1.0
@@ -252,26 +246,22 @@ class DecisionPipeline:
             ),
             self._keyring,
         )
-        key_taken = False
-        try:
-            result = await self._approvals.commit_approved(
-                sealed, state_bytes, pending, signed, nonce, now
-            )
-        except asyncpg.UniqueViolationError as violation:
-            if violation.constraint_name == NONCE_CONSTRAINT:
-                raise errors.ReceiptReplayed("the receipt's nonce was used before") from None
-            # The request's idempotency key was taken by a committed transition
-            # meanwhile: this parked transition can never commit (not a CAS conflict).
-            result, key_taken = "stale", True
-        if result == "stale":
-            if not key_taken:
+        result = await self._approvals.commit_approved(
+            sealed, state_bytes, pending, signed, nonce, now
+        )
+        if result.outcome is Approved.NONCE_USED:
+            raise errors.ReceiptReplayed("the receipt's nonce was used before")
+        # KEY_TAKEN: a committed request took the idempotency key meanwhile, so this
+        # parked transition can never commit (stale, though not a CAS conflict)
+        if result.outcome in (Approved.HEAD_MOVED, Approved.KEY_TAKEN):
+            if result.outcome is Approved.HEAD_MOVED:
                 self._metrics.cas_conflicts.add(1)  # the head moved since it was parked
             await self._approvals.close_without_decision([pending.digest], "stale", now)
             raise errors.ApprovalStale(
                 "the thread moved on since the transition was parked; propose again"
             )
-        if result != "committed":
-            raise errors.ReviewClosed(f"the transition was {result} meanwhile")
+        if result.outcome is Approved.NOT_PENDING:
+            raise errors.ReviewClosed(f"the transition was {result.status} meanwhile")
         policy_name = await self._policy_name(pending.thread_id)
         self._heads.put(
             pending.thread_id,

@@ -18,7 +18,7 @@ import grpc
 
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.approvals import ApprovalStore
-from ztate.services.store.transitions import PendingTransition
+from ztate.services.store.rows import PendingTransition
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 log = logging.getLogger("ztate.transition")

@@ -30,7 +30,8 @@ import asyncpg
 
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.approvals import OUTCOME_CHANNEL
-from ztate.services.store.transitions import Backend, session_backend, sweep_watched_threads
+from ztate.services.store.rows import Backend
+from ztate.services.store.transitions import session_backend, sweep_watched_threads
 
 COMMIT_CHANNEL = "ztate_commits"
 SWEEP_INTERVAL_SECONDS = 60.0

@@ -12,7 +12,7 @@ import asyncio
 from ztate.contract.keyring import Keyring
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime.telemetry import NO_METRICS, Metrics
-from ztate.services.store.transitions import TransitionStore
+from ztate.services.store.interface import TransitionStore
 from ztate.transition_service.create_thread import CreateThread
 from ztate.transition_service.heads import HeadCache
 from ztate.transition_service.propose import Propose

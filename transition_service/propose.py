@@ -11,18 +11,14 @@ from ztate.services.policy.changes import Change, apply_patch, check_invariants,
 from ztate.services.policy.model import Policy
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
-from ztate.services.runtime.outage import STORAGE_ERRORS
 from ztate.services.runtime.telemetry import (
     COMMITTED,
     PARKED,
     REFUSED,
     note_transition,
 )
-from ztate.services.store.transitions import (
-    Commit,
-    PendingTransition,
-    Rejection,
-)
+from ztate.services.store.interface import Commit, Park
+from ztate.services.store.rows import PendingTransition, Rejection
 from ztate.transition_service.checks import (
     check_bound_policy,
     check_credentials,
@@ -56,13 +52,7 @@ class Propose(UseCase):
         """Run every check; commit, park, replay, or refuse (and record the refusal)."""
         try:
             outcome = await self._propose(caller, proposal)
-        except STORAGE_ERRORS:
-            # not a ZtateError: ztate.services.runtime.rpc_guard answers it as STORAGE_UNAVAILABLE
-            if self._metrics.enabled:
-                self._metrics.proposal(REFUSED, errors.StorageUnavailable.reason)
-                note_transition(proposal.thread_id, proposal.expected_version)
-            raise
-        except errors.ZtateError as refusal:
+        except errors.ZtateError as refusal:  # StorageUnavailable too: the store's boundary
             if self._metrics.enabled:
                 self._metrics.proposal(REFUSED, refusal.reason)
                 note_transition(proposal.thread_id, proposal.expected_version)
@@ -165,7 +155,7 @@ class Propose(UseCase):
                 risk_rules=risky,
             )
         )
-        parked, inserted = await self._store.park(
+        parking = await self._store.park(
             PendingTransition(
                 digest=sha256_hex(proposal_bytes),
                 thread_id=proposal.thread_id,
@@ -186,7 +176,8 @@ class Propose(UseCase):
             state_bytes,
         )
         self._parked.set()
-        if parked is None:  # the key already names a committed request
+        parked, inserted = parking.pending, parking.outcome is Park.PARKED
+        if parked is None:  # KEY_TAKEN: the key already names a committed request
             return await self._replay_or_stale(caller, proposal, base.version)
         same_request_key = (parked.node_id, parked.idempotency_key) == (
             caller.spiffe_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ztate.services.store.transitions import PendingTransition, StoredTransition
+from ztate.services.store.rows import PendingTransition, StoredTransition
 
 
 @dataclass(frozen=True, slots=True)

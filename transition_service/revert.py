@@ -12,7 +12,7 @@ from ztate.contract.record import KIND_REVERT, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
-from ztate.services.store.transitions import Commit
+from ztate.services.store.interface import Commit
 from ztate.transition_service.checks import (
     check_privileged,
     check_revert_fields,
@@ -104,9 +104,10 @@ class RevertThread(UseCase):
         return Committed(earlier, True)
 
     async def _kept_state(self, revert: Revert) -> JsonObject:
-        exists, body = await self._store.state_at(revert.thread_id, revert.to_version)
-        if not exists:
+        kept = await self._store.state_at(revert.thread_id, revert.to_version)
+        if kept is None:
             raise errors.RequestInvalid(f"version {revert.to_version} does not exist")
+        body = kept.state
         if body is None:
             raise errors.StatePruned(
                 f"the state of version {revert.to_version} was pruned by retention; "

@@ -16,7 +16,7 @@ from ztate.contract.receipts import SignedReceipt
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
 from ztate.services.runtime.rpc_guard import Context, failure_status, guarded
-from ztate.services.store.transitions import PendingTransition, StoredTransition
+from ztate.services.store.rows import PendingTransition, StoredTransition
 from ztate.transition_service.decisions import (
     DecisionPipeline,
     Resolution,

@@ -19,11 +19,8 @@ from ztate.services.runtime.telemetry import (
     NO_METRICS,
     Metrics,
 )
-from ztate.services.store.transitions import (
-    Head,
-    StoredTransition,
-    TransitionStore,
-)
+from ztate.services.store.interface import TransitionStore
+from ztate.services.store.rows import Head, StoredTransition
 from ztate.transition_service.heads import CachedHead, HeadCache
 
 

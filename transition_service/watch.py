@@ -32,7 +32,8 @@ import orjson
 from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
-from ztate.services.store.transitions import TransitionStore, VersionState
+from ztate.services.store.interface import TransitionStore
+from ztate.services.store.rows import VersionState
 from ztate.transition_service.outcomes import OutcomeListener
 from ztate.transition_service.reads import ThreadReads
 

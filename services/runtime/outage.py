@@ -62,3 +62,9 @@ STORAGE_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionLost,  # a pooled connection terminated while idle (``settled``)
 )
 """Failures that mean the database could not be reached, not that a request was bad."""
+
+
+def is_outage(failure: BaseException) -> bool:
+    """Whether ``failure`` means the database could not be reached: one of
+    ``STORAGE_ERRORS``, or asyncpg's refusal of a connection lost while idle."""
+    return isinstance(failure, STORAGE_ERRORS) or connection_lost(failure)

@@ -31,7 +31,7 @@ import copy
 import logging
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -181,12 +181,10 @@ class PendingApprovals:
     computed when read, so it keeps growing between samples.
     """
 
-    QUERY = (
-        "SELECT count(*), min(parked_at) FROM ztate.pending_transitions WHERE status = 'pending'"
-    )
-
-    def __init__(self, pool: asyncpg.Pool, interval: float) -> None:
-        self._pool = pool
+    def __init__(
+        self, read: Callable[[], Awaitable[tuple[int, datetime | None]]], interval: float
+    ) -> None:
+        self._read = read
         self._interval = interval
         self.count: int | None = None
         self.oldest: datetime | None = None
@@ -210,9 +208,7 @@ class PendingApprovals:
         from opentelemetry.instrumentation.utils import suppress_instrumentation
 
         with suppress_instrumentation():  # no trace of the sampler's own queries
-            row = await self._pool.fetchrow(self.QUERY)
-        assert row is not None
-        self.count, self.oldest = row[0], row[1]
+            self.count, self.oldest = await self._read()
 
     async def _run(self) -> None:
         while True:
@@ -480,9 +476,14 @@ class Telemetry:
         )
 
     def watch_database(
-        self, pools: Mapping[str, asyncpg.Pool], interval: float, *, pending_from: asyncpg.Pool
+        self,
+        pools: Mapping[str, asyncpg.Pool],
+        interval: float,
+        *,
+        pending_from: Callable[[], Awaitable[tuple[int, datetime | None]]],
     ) -> None:
-        """Pool saturation and, sampled through ``pending_from``, pending approvals."""
+        """Pool saturation and, sampled through ``pending_from`` (the store's
+        ``pending_summary``), pending approvals."""
         if not self.enabled:
             return
         self.watch_pools(pools)

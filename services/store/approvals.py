@@ -9,6 +9,8 @@ not at all. Every change of a parked transition's status is announced on the
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import asyncpg
@@ -16,12 +18,30 @@ from asyncpg.pool import PoolConnectionProxy
 
 from ztate.contract.receipts import SignedReceipt
 from ztate.contract.record import SealedRecord
-from ztate.services.store.transitions import (
-    PENDING_COLUMNS,
-    PendingTransition,
-    Rejection,
-    storable_rejection,
-)
+from ztate.services.store.boundary import translated
+from ztate.services.store.rows import PendingTransition, Rejection
+from ztate.services.store.transitions import PENDING_COLUMNS, storable_rejection
+
+NONCE_CONSTRAINT = "receipts_nonce_key"
+
+
+class Approved(enum.Enum):
+    """What ``ApprovalStore.commit_approved`` did; only ``COMMITTED`` wrote anything."""
+
+    COMMITTED = "committed"
+    HEAD_MOVED = "head moved"  # the thread moved on since the proposal was parked
+    KEY_TAKEN = "key taken"  # a committed request took its idempotency key meanwhile
+    NONCE_USED = "nonce used"  # the receipt's nonce authorised something before
+    NOT_PENDING = "not pending"  # decided, expired or made stale meanwhile
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovedCommit:
+    """The outcome, and the parked row's status when it was ``NOT_PENDING``."""
+
+    outcome: Approved
+    status: str | None = None
+
 
 OUTCOME_CHANNEL = "ztate_outcomes"
 
@@ -98,10 +118,12 @@ class ApprovalStore:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
+    @translated
     async def nonce_used(self, nonce: str) -> bool:
         used = await self._pool.fetchval("SELECT 1 FROM ztate.receipts WHERE nonce = $1", nonce)
         return used is not None
 
+    @translated
     async def commit_approved(
         self,
         sealed: SealedRecord,
@@ -110,24 +132,26 @@ class ApprovalStore:
         receipt: SignedReceipt,
         nonce: str,
         committed_at: datetime,
-    ) -> str:
+    ) -> ApprovedCommit:
         """Commit a parked transition under its receipt, in one transaction that
-        first locks the parked row. Returns "committed", "stale" (the head moved:
-        nothing was written) or the parked row's status when it is no longer
-        pending (nothing was written either).
-
-        Raises ``asyncpg.UniqueViolationError`` if the receipt's nonce was used."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            status = await conn.fetchval(
-                "SELECT status FROM ztate.pending_transitions WHERE digest = $1 FOR UPDATE",
-                pending.digest,
-            )
-            if status != "pending":
-                return str(status)
-            committed = await self._commit_locked(
-                conn, sealed, state_bytes, pending, receipt, nonce, committed_at
-            )
-            return "committed" if committed else "stale"
+        first locks the parked row; every outcome but ``COMMITTED`` wrote nothing."""
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                status = await conn.fetchval(
+                    "SELECT status FROM ztate.pending_transitions WHERE digest = $1 FOR UPDATE",
+                    pending.digest,
+                )
+                if status != "pending":
+                    return ApprovedCommit(Approved.NOT_PENDING, str(status))
+                committed = await self._commit_locked(
+                    conn, sealed, state_bytes, pending, receipt, nonce, committed_at
+                )
+        except asyncpg.UniqueViolationError as violation:
+            # the whole transaction rolled back
+            if violation.constraint_name == NONCE_CONSTRAINT:
+                return ApprovedCommit(Approved.NONCE_USED)
+            return ApprovedCommit(Approved.KEY_TAKEN)
+        return ApprovedCommit(Approved.COMMITTED if committed else Approved.HEAD_MOVED)
 
     @staticmethod
     async def _commit_locked(
@@ -164,6 +188,7 @@ class ApprovalStore:
         )
         return version is not None
 
+    @translated
     async def close_rejected(
         self, pending: PendingTransition, receipt: SignedReceipt, nonce: str, at: datetime
     ) -> bool:
@@ -180,6 +205,7 @@ class ApprovalStore:
         )
         return row is not None
 
+    @translated
     async def close_refused(self, digest: str, rejection: Rejection, at: datetime) -> bool:
         """Close an approved transition the policy no longer allows, recording why, at
         once; False if it was no longer pending (nothing written)."""
@@ -198,6 +224,7 @@ class ApprovalStore:
         )
         return row is not None
 
+    @translated
     async def close_without_decision(
         self, digests: list[str], status: str, at: datetime
     ) -> list[str]:
@@ -205,6 +232,7 @@ class ApprovalStore:
         rows = await self._pool.fetch(CLOSE_WITHOUT_DECISION, digests, status, at)
         return [row["digest"] for row in rows]
 
+    @translated
     async def overdue(self, older_than: timedelta, now: datetime) -> list[str]:
         rows = await self._pool.fetch(
             "SELECT digest FROM ztate.pending_transitions "
@@ -213,6 +241,7 @@ class ApprovalStore:
         )
         return [row["digest"] for row in rows]
 
+    @translated
     async def to_submit(self, limit: int) -> list[PendingTransition]:
         rows = await self._pool.fetch(
             f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
@@ -221,6 +250,7 @@ class ApprovalStore:
         )
         return [PendingTransition.from_row(row) for row in rows]
 
+    @translated
     async def mark_submitted(self, digest: str, at: datetime) -> None:
         await self._pool.execute(
             "UPDATE ztate.pending_transitions SET submitted_at = $2 "
@@ -229,6 +259,7 @@ class ApprovalStore:
             at,
         )
 
+    @translated
     async def base_of(self, pending: PendingTransition) -> tuple[bytes, bytes | None]:
         """The ledger record and state body (None once pruned) a parked proposal builds
         on: the approval service derives the review from them (docs/approvals.md)."""
@@ -241,6 +272,7 @@ class ApprovalStore:
             raise LookupError(f"no record at {pending.thread_id}@{pending.base_version}")
         return bytes(row["record"]), None if row["state"] is None else bytes(row["state"])
 
+    @translated
     async def candidate_state(self, digest: str) -> bytes | None:
         state: bytes | None = await self._pool.fetchval(
             "SELECT state FROM ztate.pending_transitions WHERE digest = $1", digest

@@ -32,6 +32,7 @@ from typing import Protocol
 from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.contract.record import SealedRecord
 from ztate.services.store.rows import (
+    Backend,
     CheckpointRow,
     Evidence,
     Head,
@@ -57,7 +58,7 @@ class Commit(enum.Enum):
     KEY_TAKEN = "key taken"  # the idempotency key names a committed request: a replay?
 
 
-class Parked(enum.Enum):
+class Park(enum.Enum):
     """What ``TransitionStore.park`` did."""
 
     PARKED = "parked"  # this call parked the proposal
@@ -70,7 +71,7 @@ class Parking:
     """The result of ``TransitionStore.park``: what happened, and the parked row
     (this call's or the earlier one's; None only for ``KEY_TAKEN``)."""
 
-    outcome: Parked
+    outcome: Park
     pending: PendingTransition | None
 
 
@@ -156,6 +157,13 @@ class TransitionStore(Protocol):
         """The kept state body of the thread's record at ``version`` (``KeptState(None)``
         once pruned), or None if there is no such record."""
 
+    async def watch_thread(self, thread_id: str, backend: Backend) -> None:
+        """Have commits of ``thread_id`` announced to the replica whose LISTEN session
+        is ``backend`` (idempotent)."""
+
+    async def unwatch_thread(self, thread_id: str, backend: Backend) -> None:
+        """Stop announcing ``thread_id`` to ``backend`` (a no-op if it was not)."""
+
     async def latest_checkpoint(self, thread_id: str) -> CheckpointRow | None:
         """The checkpoint of the thread at its highest signed version."""
 
@@ -184,6 +192,9 @@ class TransitionStore(Protocol):
 
     async def refusal_at_commit(self, pending: PendingTransition) -> str | None:
         """The reason an approved ``pending`` was refused when it came to commit."""
+
+    async def pending_summary(self) -> tuple[int, datetime | None]:
+        """How many proposals wait for a decision, and when the oldest was parked."""
 
     async def record_rejection(self, rejection: Rejection) -> None:
         """Append a refusal to the rejections ledger; always succeeds for any text the

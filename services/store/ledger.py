@@ -12,6 +12,7 @@ from datetime import datetime
 
 import asyncpg
 
+from ztate.services.store.boundary import translated
 from ztate.services.store.transitions import keep_session
 
 
@@ -245,6 +246,7 @@ class LedgerQueries:
     async def close(self) -> None:
         await self._pool.close()
 
+    @translated
     async def rejections(
         self, where: RejectionFilter, *, limit: int, before_id: int | None
     ) -> list[StoredRejection]:
@@ -261,6 +263,7 @@ class LedgerQueries:
         )
         return [StoredRejection(**dict(row.items())) for row in rows]
 
+    @translated
     async def transitions(
         self, where: TransitionFilter, *, limit: int, after: PageKey | None
     ) -> list[StoredEntry]:
@@ -269,6 +272,7 @@ class LedgerQueries:
         rows = await self._pool.fetch(sql, *args)
         return [_entry(row) for row in rows]
 
+    @translated
     async def detail(
         self, *, digest: str | None = None, thread_id: str | None = None, version: int = 0
     ) -> StoredDetail | None:
@@ -290,6 +294,7 @@ class LedgerQueries:
             receipt_key_id=row["receipt_key_id"],
         )
 
+    @translated
     async def key_history(
         self, thread_id: str, key: str, *, limit: int, after_version: int
     ) -> list[StoredKeyChange]:

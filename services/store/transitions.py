@@ -1,4 +1,5 @@
-"""Postgres storage of thread heads, the transition ledger and rejections.
+"""Postgres storage of thread heads, the transition ledger, parked proposals,
+rejections and checkpoints: the implementation of ``ztate.services.store.interface``.
 
 A commit is one statement: the compare-and-swap on the head and the ledger insert
 run as a single ``WITH ... UPDATE ... INSERT`` so they commit together or not at
@@ -8,17 +9,36 @@ version (or digest): nothing was written.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
+from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.contract.record import SealedRecord
 from ztate.services.runtime.telemetry import NO_METRICS, Metrics
+from ztate.services.store.boundary import translated
+from ztate.services.store.interface import (
+    Commit,
+    Creation,
+    KeptState,
+    Park,
+    Parking,
+    UnsignedHead,
+)
+from ztate.services.store.rows import (
+    Backend,
+    CheckpointRow,
+    Evidence,
+    Head,
+    PendingTransition,
+    Rejection,
+    StoredTransition,
+    VersionState,
+)
 
 COMMIT = """
 WITH head AS (
@@ -57,99 +77,6 @@ TRANSITION_COLUMNS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Head:
-    """A thread's head as stored."""
-
-    thread_id: str
-    version: int
-    digest: str
-    state_bytes: bytes
-    policy_name: str
-    policy_digest: str
-
-
-@dataclass(frozen=True, slots=True)
-class StoredTransition:
-    """One ledger row, with the exact record bytes that were hashed."""
-
-    thread_id: str
-    version: int
-    digest: str
-    parent_digest: str
-    node_id: str
-    key_id: str
-    signature: str
-    record: bytes
-    committed_at: datetime
-    idempotency_key: str | None
-    request_digest: str | None
-
-    @classmethod
-    def from_row(cls, row: asyncpg.Record) -> StoredTransition:
-        return cls(**dict(row.items()))
-
-
-@dataclass(frozen=True, slots=True)
-class Evidence:
-    """What a record was committed under: its approval receipt (if any), and the
-    risk rules the approved proposal matched."""
-
-    receipt: bytes | None
-    receipt_signature: str | None
-    receipt_key_id: str | None
-    risk_rules: list[str]
-
-
-@dataclass(frozen=True, slots=True)
-class VersionState:
-    """One version of a thread with its kept state body (None once pruned)."""
-
-    version: int
-    digest: str
-    state: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointRow:
-    """A signed checkpoint of a thread head, as stored."""
-
-    checkpoint: bytes
-    signature: str
-    key_id: str
-
-
-class Commit(enum.Enum):
-    """What ``TransitionStore.commit`` did."""
-
-    COMMITTED = "committed"
-    HEAD_MOVED = "head moved"  # the compare-and-swap lost: a conflict
-    KEY_TAKEN = "key taken"  # the idempotency key names a committed request: a replay?
-
-
-@dataclass(frozen=True, slots=True)
-class PendingTransition:
-    """A proposal parked for approval."""
-
-    digest: str
-    thread_id: str
-    base_version: int
-    parent_digest: str
-    node_id: str
-    proposal: bytes
-    risk_rules: list[str]
-    idempotency_key: str
-    request_digest: str
-    status: str
-    parked_at: datetime
-    sensitive_keys: list[str]
-    required_approvals: int
-
-    @classmethod
-    def from_row(cls, row: asyncpg.Record) -> PendingTransition:
-        return cls(**dict(row.items()))
-
-
 PENDING_COLUMNS = (
     "digest, thread_id, base_version, parent_digest, node_id, proposal, risk_rules, "
     "idempotency_key, request_digest, status, parked_at, sensitive_keys, required_approvals"
@@ -168,29 +95,6 @@ SELECT $1::text, $2::text, $3::bigint, $4::text, $5::text, $6::bytea, $7::bytea,
 ON CONFLICT DO NOTHING
 RETURNING {PENDING_COLUMNS}
 """  # noqa: S608 - constant column list
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    """One refused request, as the rejections ledger records it."""
-
-    method: str
-    node_id: str
-    thread_id: str | None
-    base_version: int | None
-    reason: str
-    keys: Sequence[str]
-    patch_digest: str | None
-    patch_bytes: int | None
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class Backend:
-    """A Postgres session: its backend pid and when it started (unique together)."""
-
-    pid: int
-    started: datetime
 
 
 async def session_backend(conn: asyncpg.Connection) -> Backend:
@@ -214,8 +118,24 @@ async def keep_session(_conn: asyncpg.Connection) -> None:
     """
 
 
-class TransitionStore:
-    """The transition service's view of its tables, through a least-privilege role."""
+UNSIGNED_HEADS = """
+SELECT t.thread_id, t.version, t.head_digest
+  FROM ztate.threads t
+ WHERE NOT EXISTS (SELECT 1 FROM ztate.checkpoints c
+                    WHERE c.thread_id = t.thread_id AND c.version = t.version)
+ LIMIT $1
+"""
+
+SAVE_CHECKPOINT = """
+INSERT INTO ztate.checkpoints (thread_id, version, head_digest, checkpoint, signature, key_id,
+                               signed_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT DO NOTHING
+"""
+
+
+class PostgresTransitionStore:
+    """The transition store on Postgres (or Citus), through a least-privilege role."""
 
     def __init__(self, pool: asyncpg.Pool, metrics: Metrics = NO_METRICS) -> None:
         self._pool = pool
@@ -224,7 +144,7 @@ class TransitionStore:
     @classmethod
     async def open(
         cls, dsn: str, *, role: str, pool_size: int, metrics: Metrics = NO_METRICS
-    ) -> TransitionStore:
+    ) -> PostgresTransitionStore:
         pool = await asyncpg.create_pool(
             dsn,
             min_size=min(2, pool_size),
@@ -236,18 +156,21 @@ class TransitionStore:
 
     @property
     def pool(self) -> asyncpg.Pool:
+        """The pool, for what runs beside the store on the same database role (the
+        approval outbox's store, health probes, pool metrics)."""
         return self._pool
 
     async def close(self) -> None:
         await self._pool.close()
 
+    @translated
     async def ping(self) -> None:
         await self._pool.fetchval("SELECT 1")
 
+    @translated
     async def create_thread(
         self, sealed: SealedRecord, state_bytes: bytes, *, policy_name: str, committed_at: datetime
-    ) -> bool:
-        """Insert a thread and its genesis record; False if the id is taken."""
+    ) -> Creation:
         record = sealed.record
         version = await self._pool.fetchval(
             CREATE_THREAD,
@@ -263,8 +186,9 @@ class TransitionStore:
             sealed.signature,
             sealed.record_bytes,
         )
-        return version is not None
+        return Creation.ID_TAKEN if version is None else Creation.CREATED
 
+    @translated
     async def read_head(self, thread_id: str) -> Head | None:
         row = await self._pool.fetchrow(
             "SELECT thread_id, version, head_digest AS digest, state AS state_bytes, policy_name, "
@@ -273,12 +197,14 @@ class TransitionStore:
         )
         return Head(**dict(row.items())) if row else None
 
+    @translated
     async def head_version(self, thread_id: str) -> int | None:
         version: int | None = await self._pool.fetchval(
             "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id
         )
         return version
 
+    @translated
     async def commit(
         self,
         sealed: SealedRecord,
@@ -289,11 +215,7 @@ class TransitionStore:
         idempotency_key: str,
         request_digest: str,
     ) -> Commit:
-        """Compare-and-swap the head from ``expected_version`` and append the record, in
-        one statement. ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was not at
-        ``expected_version`` (or the thread does not exist); nothing was written.
-        ``KEY_TAKEN``: this node already used ``idempotency_key`` on this thread for a
-        committed request; nothing was written."""
+        """In one statement: the compare-and-swap and the ledger insert."""
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
         try:
@@ -320,6 +242,7 @@ class TransitionStore:
         self._metrics.commit_duration.record(time.perf_counter() - started)
         return Commit.HEAD_MOVED if version is None else Commit.COMMITTED
 
+    @translated
     async def find_by_idempotency_key(
         self, thread_id: str, node_id: str, idempotency_key: str
     ) -> StoredTransition | None:
@@ -332,6 +255,7 @@ class TransitionStore:
         )
         return StoredTransition.from_row(row) if row else None
 
+    @translated
     async def transition_by_digest(self, digest: str) -> StoredTransition | None:
         row = await self._pool.fetchrow(
             f"SELECT {TRANSITION_COLUMNS} FROM ztate.transitions WHERE digest = $1",  # noqa: S608
@@ -339,6 +263,7 @@ class TransitionStore:
         )
         return StoredTransition.from_row(row) if row else None
 
+    @translated
     async def transition_at(self, thread_id: str, version: int) -> StoredTransition | None:
         row = await self._pool.fetchrow(
             f"SELECT {TRANSITION_COLUMNS} FROM ztate.transitions "  # noqa: S608
@@ -348,6 +273,7 @@ class TransitionStore:
         )
         return StoredTransition.from_row(row) if row else None
 
+    @translated
     async def head_transition(self, thread_id: str) -> StoredTransition | None:
         row = await self._pool.fetchrow(
             f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))} "  # noqa: S608
@@ -357,6 +283,7 @@ class TransitionStore:
         )
         return StoredTransition.from_row(row) if row else None
 
+    @translated
     async def evidence(self, digest: str) -> Evidence:
         """The receipt a record was committed under and the rules its proposal matched."""
         row = await self._pool.fetchrow(
@@ -374,6 +301,7 @@ class TransitionStore:
             row["receipt"], row["receipt_signature"], row["receipt_key_id"], row["risk_rules"]
         )
 
+    @translated
     async def versions_after(self, thread_id: str, version: int, limit: int) -> list[VersionState]:
         """Up to ``limit`` versions newer than ``version``, oldest first."""
         rows = await self._pool.fetch(
@@ -385,6 +313,7 @@ class TransitionStore:
         )
         return [VersionState(r["version"], r["digest"], r["state"]) for r in rows]
 
+    @translated
     async def watch_thread(self, thread_id: str, backend: Backend) -> None:
         """Have commits of ``thread_id`` announced (migration 0008): the replica whose
         LISTEN connection is ``backend`` watches it (migration 0009)."""
@@ -396,6 +325,7 @@ class TransitionStore:
             backend.started,
         )
 
+    @translated
     async def unwatch_thread(self, thread_id: str, backend: Backend) -> None:
         await self._pool.execute(
             "DELETE FROM ztate.watched_threads "
@@ -405,6 +335,7 @@ class TransitionStore:
             backend.started,
         )
 
+    @translated
     async def latest_checkpoint(self, thread_id: str) -> CheckpointRow | None:
         row = await self._pool.fetchrow(
             "SELECT checkpoint, signature, key_id FROM ztate.checkpoints "
@@ -413,26 +344,43 @@ class TransitionStore:
         )
         return CheckpointRow(row["checkpoint"], row["signature"], row["key_id"]) if row else None
 
-    async def state_at(self, thread_id: str, version: int) -> tuple[bool, bytes | None]:
-        """Whether the record (thread_id, version) exists, and its kept state body
-        (None when retention pruned it)."""
+    @translated
+    async def state_at(self, thread_id: str, version: int) -> KeptState | None:
         row = await self._pool.fetchrow(
             "SELECT state FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
             thread_id,
             version,
         )
-        if row is None:
-            return False, None
-        state: bytes | None = row["state"]
-        return True, state
+        return None if row is None else KeptState(row["state"])
 
-    async def park(
-        self, pending: PendingTransition, state_bytes: bytes
-    ) -> tuple[PendingTransition | None, bool]:
-        """Park a proposal. If this request (same node and idempotency key) or this
-        exact proposal (same digest) is parked already, return that one; the flag
-        says whether this call inserted the row. ``None``: the idempotency key
-        already names a committed request."""
+    @translated
+    async def unsigned_heads(self, limit: int) -> list[UnsignedHead]:
+        rows = await self._pool.fetch(UNSIGNED_HEADS, limit)
+        return [UnsignedHead(r["thread_id"], r["version"], r["head_digest"]) for r in rows]
+
+    @translated
+    async def save_checkpoints(
+        self, checkpoints: Sequence[tuple[UnsignedHead, SignedCheckpoint, datetime]]
+    ) -> None:
+        if checkpoints:
+            await self._pool.executemany(
+                SAVE_CHECKPOINT,
+                [
+                    (
+                        head.thread_id,
+                        head.version,
+                        head.head_digest,
+                        signed.checkpoint,
+                        signed.signature,
+                        signed.key_id,
+                        signed_at,
+                    )
+                    for head, signed, signed_at in checkpoints
+                ],
+            )
+
+    @translated
+    async def park(self, pending: PendingTransition, state_bytes: bytes) -> Parking:
         row = await self._pool.fetchrow(
             PARK,
             pending.digest,
@@ -450,12 +398,15 @@ class TransitionStore:
             pending.required_approvals,
         )
         if row is not None:
-            return PendingTransition.from_row(row), True
+            return Parking(Park.PARKED, PendingTransition.from_row(row))
         existing = await self.find_pending(
             pending.thread_id, pending.node_id, pending.idempotency_key
         ) or await self.pending_by_digest(pending.digest)
-        return existing, False
+        if existing is None:
+            return Parking(Park.KEY_TAKEN, None)
+        return Parking(Park.ALREADY_PARKED, existing)
 
+    @translated
     async def find_pending(
         self, thread_id: str, node_id: str, idempotency_key: str
     ) -> PendingTransition | None:
@@ -468,6 +419,7 @@ class TransitionStore:
         )
         return PendingTransition.from_row(row) if row else None
 
+    @translated
     async def pending_by_digest(self, digest: str) -> PendingTransition | None:
         row = await self._pool.fetchrow(
             f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions WHERE digest = $1",  # noqa: S608
@@ -475,6 +427,7 @@ class TransitionStore:
         )
         return PendingTransition.from_row(row) if row else None
 
+    @translated
     async def refusal_at_commit(self, pending: PendingTransition) -> str | None:
         """The reason an approved transition was refused when it came to commit."""
         reason: str | None = await self._pool.fetchval(
@@ -486,10 +439,18 @@ class TransitionStore:
         )
         return reason
 
+    @translated
+    async def pending_summary(self) -> tuple[int, datetime | None]:
+        row = await self._pool.fetchrow(
+            "SELECT count(*), min(parked_at) FROM ztate.pending_transitions "
+            "WHERE status = 'pending'"
+        )
+        assert row is not None  # an aggregate always returns its row
+        return row[0], row[1]
+
+    @translated
     async def record_rejection(self, rejection: Rejection) -> None:
-        """Record a refusal. Every text is made storable first: the request that was
-        refused may carry what PostgreSQL's text refuses (U+0000), and a refusal must
-        always be recorded."""
+        # the refused request may carry what PostgreSQL's text refuses (U+0000)
         rejection = storable_rejection(rejection)
         await self._pool.execute(
             "INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys, "

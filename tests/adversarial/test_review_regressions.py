@@ -15,8 +15,8 @@ from ztate.contract.keyring import generate_signing_key, load_signing_key
 from ztate.contract.receipts import build_receipt, sign_receipt
 from ztate.contract.record import KIND_TRANSITION, build_record, seal
 from ztate.services.policy.credentials import shown_name
-from ztate.services.store.approvals import ApprovalStore
-from ztate.services.store.transitions import TransitionStore
+from ztate.services.store.approvals import ApprovalStore, Approved, ApprovedCommit
+from ztate.services.store.interface import TransitionStore
 from ztate.transition_service.app import RunningService
 from ztate.transition_service.outbox import ApprovalOutbox
 from ztate.worker_sdk import (
@@ -104,7 +104,7 @@ async def test_an_approval_commit_on_a_closed_transition_writes_nothing(
     result = await ApprovalStore(store.pool).commit_approved(
         sealed, b"{}", pending, receipt, "ab" * 16, now
     )
-    assert result == "expired"
+    assert result == ApprovedCommit(Approved.NOT_PENDING, "expired")
     assert await ledger.snapshot(thread_id) == before  # head, ledger: untouched
 
 

@@ -49,7 +49,7 @@ async def signed(
     root = tmp_path_factory.mktemp("checkpoints")
     private, public = root / "signing.pem", root / "public.json"
     generate_signing_key(private, public, "checkpoint-k1")
-    checkpointer = Checkpointer(service.store.pool, load_signing_key(private), "checkpoint-k1", 60)
+    checkpointer = Checkpointer(service.store, load_signing_key(private), "checkpoint-k1", 60)
     thread_id = new_thread_id()
     async with client(target, pki.operator()) as operator:
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")

@@ -7,15 +7,19 @@ case, and what it leaves written.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import pytest
 import pytest_asyncio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.harness import Ledger, fresh_database, new_thread_id
 from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.checkpoints import sign_checkpoint
 from ztate.contract.keyring import Keyring
 from ztate.contract.record import (
     GENESIS_PARENT,
@@ -26,12 +30,18 @@ from ztate.contract.record import (
     seal,
 )
 from ztate.services.runtime.config import Settings
-from ztate.services.store.transitions import (
+from ztate.services.runtime.errors import StorageUnavailable
+from ztate.services.store.interface import (
     Commit,
-    PendingTransition,
-    Rejection,
+    Creation,
+    KeptState,
+    Park,
+    Parking,
     TransitionStore,
+    UnsignedHead,
 )
+from ztate.services.store.rows import PendingTransition, Rejection
+from ztate.services.store.transitions import PostgresTransitionStore
 from ztate.transition_service.app import start
 
 NODE = "spiffe://ztate.test/node/input-parser"
@@ -92,9 +102,10 @@ def sealed(
 async def new_thread(store: TransitionStore, keyring: Keyring) -> tuple[str, SealedRecord]:
     thread_id = new_thread_id()
     genesis, state = sealed(keyring, thread_id, 0, GENESIS_PARENT, {"raw_text": "v0"})
-    assert await store.create_thread(
+    created = await store.create_thread(
         genesis, state, policy_name="pipeline", committed_at=datetime.now(UTC)
     )
+    assert created is Creation.CREATED
     return thread_id, genesis
 
 
@@ -123,9 +134,10 @@ async def commit(
 async def test_create_thread_once(store: TransitionStore, keyring: Keyring) -> None:
     thread_id, genesis = await new_thread(store, keyring)
     again, state = sealed(keyring, thread_id, 0, GENESIS_PARENT, {"raw_text": "other"})
-    assert not await store.create_thread(
+    created = await store.create_thread(
         again, state, policy_name="pipeline", committed_at=datetime.now(UTC)
     )
+    assert created is Creation.ID_TAKEN
     head = await store.read_head(thread_id)
     assert head is not None
     assert (head.version, head.digest) == (0, genesis.digest)
@@ -135,7 +147,7 @@ async def test_absent_threads_are_none(store: TransitionStore) -> None:
     assert await store.read_head("never-created") is None
     assert await store.head_version("never-created") is None
     assert await store.head_transition("never-created") is None
-    assert await store.state_at("never-created", 0) == (False, None)
+    assert await store.state_at("never-created", 0) is None
 
 
 async def test_commit_moves_the_head_and_appends_the_record(
@@ -203,16 +215,18 @@ async def test_park_inserts_once_and_returns_the_parked_one_after(
 ) -> None:
     thread_id, genesis = await new_thread(store, keyring)
     first = pending(thread_id, genesis.digest, "p-1", "a1" * 32)
-    parked, inserted = await store.park(first, b"{}")
-    assert inserted
+    parking = await store.park(first, b"{}")
+    assert parking.outcome is Park.PARKED
+    parked = parking.pending
     assert parked is not None
     assert parked.digest == first.digest
-    again, inserted = await store.park(first, b"{}")  # the same request again
-    assert (again, inserted) == (parked, False)
+    again = await store.park(first, b"{}")  # the same request again
+    assert again == Parking(Park.ALREADY_PARKED, parked)
     same_digest = pending(thread_id, genesis.digest, "p-2", "a1" * 32)
-    again, inserted = await store.park(same_digest, b"{}")  # the same proposal, another key
-    assert again is not None
-    assert (again.idempotency_key, inserted) == ("p-1", False)
+    again = await store.park(same_digest, b"{}")  # the same proposal, another key
+    assert again.outcome is Park.ALREADY_PARKED
+    assert again.pending is not None
+    assert again.pending.idempotency_key == "p-1"
     assert await store.find_pending(thread_id, NODE, "p-1") == parked
     assert await store.pending_by_digest("a1" * 32) == parked
     assert await store.find_pending(thread_id, NODE, "absent") is None
@@ -223,10 +237,9 @@ async def test_park_refuses_a_key_that_names_a_committed_request(
 ) -> None:
     thread_id, genesis = await new_thread(store, keyring)
     await commit(store, keyring, thread_id, 1, genesis.digest, "used")
-    assert await store.park(pending(thread_id, genesis.digest, "used", "b2" * 32), b"{}") == (
-        None,
-        False,
-    )
+    parking = await store.park(pending(thread_id, genesis.digest, "used", "b2" * 32), b"{}")
+    assert parking == Parking(Park.KEY_TAKEN, None)
+    assert await store.pending_by_digest("b2" * 32) is None
 
 
 async def test_every_rejection_is_recorded_whatever_it_holds(
@@ -251,3 +264,81 @@ async def test_every_rejection_is_recorded_whatever_it_holds(
     [row] = await ledger.rejections(("t-\\u0000" + "x" * 2000)[:1024])
     assert row["keys"] == ["a\\u0000b"]
     assert len(row["message"]) == 1024
+
+
+async def test_a_kept_state_is_returned_and_a_missing_version_is_none(
+    store: TransitionStore, keyring: Keyring
+) -> None:
+    thread_id, _ = await new_thread(store, keyring)
+    assert await store.state_at(thread_id, 0) == KeptState(canonical_bytes({"raw_text": "v0"}))
+    assert await store.state_at(thread_id, 1) is None
+
+
+async def test_unsigned_heads_are_listed_until_signed_and_signing_twice_is_harmless(
+    store: TransitionStore, keyring: Keyring
+) -> None:
+    thread_id, genesis = await new_thread(store, keyring)
+    key = Ed25519PrivateKey.generate()
+    now = datetime.now(UTC)
+
+    async def unsigned_here() -> list[UnsignedHead]:
+        # other tests' threads share the store: look at this one alone
+        return [h for h in await store.unsigned_heads(100_000) if h.thread_id == thread_id]
+
+    [head] = await unsigned_here()
+    assert head == UnsignedHead(thread_id, 0, genesis.digest)
+    signed = sign_checkpoint(
+        key, "ck1", thread_id=thread_id, version=0, head_digest=genesis.digest, signed_at=now
+    )
+    await store.save_checkpoints([(head, signed, now)])
+    await store.save_checkpoints([(head, signed, now)])  # another replica signed it too
+    assert await unsigned_here() == []
+    latest = await store.latest_checkpoint(thread_id)
+    assert latest is not None
+    assert (latest.checkpoint, latest.signature, latest.key_id) == (
+        signed.checkpoint,
+        signed.signature,
+        "ck1",
+    )
+    await commit(store, keyring, thread_id, 1, genesis.digest, "k-1")
+    assert [h.version for h in await unsigned_here()] == [1]
+
+
+async def test_the_count_of_pending_proposals_and_the_oldest(
+    store: TransitionStore, keyring: Keyring
+) -> None:
+    count, oldest = await store.pending_summary()
+    thread_id, genesis = await new_thread(store, keyring)
+    parked = pending(thread_id, genesis.digest, "p-count", "c3" * 32)
+    await store.park(parked, b"{}")
+    after, oldest_after = await store.pending_summary()
+    assert after == count + 1
+    assert oldest_after is not None
+    assert oldest_after <= (oldest or parked.parked_at)
+
+
+async def test_an_unreachable_database_is_storage_unavailable_never_a_driver_error() -> None:
+    """The contract's boundary: no driver exception leaves the store. Postgres here:
+    a pool whose server does not answer (nothing listens on the port)."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pool = await asyncpg.create_pool(
+        f"postgresql://ztate@127.0.0.1:{port}/ztate", min_size=0, max_size=1, timeout=2
+    )
+    unreachable = PostgresTransitionStore(pool)
+    calls = {
+        "ping": unreachable.ping(),
+        "read_head": unreachable.read_head("t-1"),
+        "state_at": unreachable.state_at("t-1", 0),
+        "unsigned_heads": unreachable.unsigned_heads(1),
+        "pending_summary": unreachable.pending_summary(),
+    }
+    try:
+        for name, call in calls.items():
+            with pytest.raises(StorageUnavailable) as refused:
+                await call
+            assert refused.value.reason == "STORAGE_UNAVAILABLE", name
+            assert isinstance(refused.value.__cause__, OSError), name
+    finally:
+        await pool.close()

@@ -182,7 +182,7 @@ async def test_only_a_node_marked_read_records_reads_records_and_checkpoints(
     ):
         committed = await gate.propose(thread_id, 0, {"approval_receipt": "r-1"})
         signed = await Checkpointer(
-            service.store.pool, Ed25519PrivateKey.generate(), "ck-test", 60
+            service.store, Ed25519PrivateKey.generate(), "ck-test", 60
         ).run_once()
         assert signed >= 1
         before = await ledger.snapshot(thread_id)
@@ -249,7 +249,7 @@ async def test_checkpoints_are_served_to_the_threads_nodes_and_verify(
     key = Ed25519PrivateKey.generate()
     async with client(target, pki.node("db-writer")) as writer:
         assert await writer.get_checkpoint(thread_id) is None
-        signed = await Checkpointer(service.store.pool, key, "ck-test", 60).run_once()
+        signed = await Checkpointer(service.store, key, "ck-test", 60).run_once()
         assert signed >= 1
         checkpoint = await writer.get_checkpoint(thread_id)
         view = await writer.get_view(thread_id)
