@@ -20,6 +20,7 @@ from ztate.services.keyring import KeyringError
 from ztate.services.policy.model import PolicyError
 from ztate.services.receipts import KeyFileError
 from ztate.services.runtime.config import ApprovalSettings, Settings
+from ztate.services.runtime.revocation import RevocationListError
 from ztate.services.runtime.telemetry import configure_logging
 from ztate.services.store.migrate import MigrationError
 
@@ -45,7 +46,14 @@ def _serve(settings: Settings) -> int:
         pass
     try:
         asyncio.run(serve(settings))
-    except (PolicyError, KeyringError, KeyFileError, MigrationError, FileNotFoundError) as exc:
+    except (
+        PolicyError,
+        KeyringError,
+        KeyFileError,
+        MigrationError,
+        RevocationListError,
+        FileNotFoundError,
+    ) as exc:
         print(f"ztate: cannot start: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,7 +1,13 @@
 """Mutual TLS for every ztate port and every call between ztate processes.
 
-Servers require a client certificate signed by the configured CA (verified in
-the handshake); clients present their own certificate and verify the server's.
+Servers require a client certificate signed by a trusted CA (verified in the
+handshake); clients present their own certificate and verify the server's.
+
+A server reads its certificate, key and trusted CA bundle again when the files change
+(``ztate.services.runtime.reloading``): gRPC asks for them at every handshake, so new
+connections use the new files while connections already open keep theirs. That is all
+rotation needs, whoever replaces the files (``ztate ca renew``, cert-manager, SPIRE).
+The bundle may hold several CA certificates: during a CA rotation, the old and the new.
 """
 
 from __future__ import annotations
@@ -10,14 +16,58 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from ztate.services.runtime.reloading import WatchedFiles
+
+
+def key_matches_certificate(cert_pem: bytes, key_pem: bytes) -> bool:
+    """Whether ``key_pem`` is the private half of the (first) certificate in ``cert_pem``.
+
+    While a certificate and its key are replaced one file after the other, a reader can
+    see the new certificate with the old key: such a pair is not taken.
+    """
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    encoding = serialization.Encoding.DER
+    return bool(
+        key.public_key().public_bytes(encoding, public)
+        == cert.public_key().public_bytes(encoding, public)
+    )
+
+
+def _certificate_configuration(
+    cert: Path, key: Path, ca: Path
+) -> grpc.ServerCertificateConfiguration:
+    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
+    if not key_matches_certificate(cert_pem, key_pem):
+        raise ValueError(f"{key} is not the key of {cert}")
+    x509.load_pem_x509_certificates(ca_pem)  # a bundle that does not parse is not taken
+    return grpc.ssl_server_certificate_configuration(
+        [(key_pem, cert_pem)], root_certificates=ca_pem
+    )
 
 
 def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredentials:
-    """A client certificate signed by ``ca`` is required of every caller."""
-    return grpc.ssl_server_credentials(
-        [(key.read_bytes(), cert.read_bytes())],
-        root_certificates=ca.read_bytes(),
-        require_client_auth=True,
+    """A client certificate signed by a CA of ``ca`` is required of every caller; the three
+    files are read again when they change, for the handshakes that follow."""
+    files = WatchedFiles(
+        f"server certificate {cert}",
+        (cert, key, ca),
+        lambda: _certificate_configuration(cert, key, ca),
+    )
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # called by gRPC at every handshake: None keeps the configuration in use
+        return files.value if files.refresh() else None
+
+    # grpc-stubs omit that the fetcher may return None ("unchanged"), as grpc documents
+    return grpc.dynamic_ssl_server_credentials(
+        files.value,
+        fetch,  # type: ignore[arg-type]
+        require_client_authentication=True,
     )
 
 
