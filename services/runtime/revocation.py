@@ -160,7 +160,9 @@ def revoke(path: Path, entry: Entry) -> bool:
     updated = current.with_entry(entry)
     if updated is current:
         return False
-    write_atomically(path, updated.to_bytes(), 0o644)
+    data = updated.to_bytes()
+    RevocationList.parse(data, str(path))  # never write what the services would not read
+    write_atomically(path, data, 0o644)
     return True
 
 
