@@ -107,14 +107,15 @@ def approval_public_keys(settings: Settings) -> dict[str, Ed25519PublicKey]:
     return load_public_keys(path)
 
 
-def approval_channel(settings: Settings) -> grpc.aio.Channel | None:
-    """mTLS to the approval service, as this service's own identity."""
+def approval_channel(settings: Settings) -> tls.ServiceChannel | None:
+    """mTLS to the approval service, as this service's own identity (its files read
+    again when they change)."""
     if not settings.approval_target:
         return None
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
-    return tls.client_channel(
+    return tls.ServiceChannel(
         settings.approval_target,
         settings.tls_cert,
         settings.tls_key,

@@ -76,12 +76,58 @@ def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredential
 MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
 
 
-def client_channel(
-    target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
-) -> grpc.aio.Channel:
-    """A channel authenticated as the identity in ``cert``."""
-    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+def _client_options(server_name: str | None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.aio.secure_channel(target, credentials, options=options)
+    return options
+
+
+def client_channel(
+    target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
+) -> grpc.aio.Channel:
+    """A channel authenticated as the identity in ``cert`` (for a one-off command)."""
+    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+    return grpc.aio.secure_channel(target, credentials, options=_client_options(server_name))
+
+
+def _channel_credentials(cert: Path, key: Path, ca: Path) -> grpc.ChannelCredentials:
+    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
+    if not key_matches_certificate(cert_pem, key_pem):
+        raise ValueError(f"{key} is not the key of {cert}")
+    x509.load_pem_x509_certificates(ca_pem)
+    return grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
+
+
+class ServiceChannel:
+    """A long-lived channel from one service to another, as the calling service's
+    identity, built again when its certificate, key or CA files change.
+
+    For a caller that makes one call at a time (the approval outbox, receipt delivery):
+    ``channel()`` before each call; the previous channel, idle then, is closed.
+    """
+
+    def __init__(
+        self, target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
+    ) -> None:
+        self._target = target
+        self._options = _client_options(server_name)
+        self._files = WatchedFiles(
+            f"client certificate {cert}",
+            (cert, key, ca),
+            lambda: _channel_credentials(cert, key, ca),
+        )
+        self._channel = self._open()
+
+    def _open(self) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(self._target, self._files.value, options=self._options)
+
+    async def channel(self) -> grpc.aio.Channel:
+        """The channel for the next call, a new one if the files changed."""
+        if self._files.refresh():
+            previous, self._channel = self._channel, self._open()
+            await previous.close(None)
+        return self._channel
+
+    async def close(self) -> None:
+        await self._channel.close(None)

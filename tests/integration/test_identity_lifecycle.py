@@ -30,6 +30,7 @@ from tests.harness import (
 )
 from ztate.services.cli import ca
 from ztate.services.cli.main import main as ztate
+from ztate.services.runtime import tls
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.reloading import write_atomically
@@ -314,3 +315,25 @@ async def test_a_server_keeps_its_files_while_a_new_certificate_lacks_its_key(
         write_atomically(server.key, other.key.read_bytes(), 0o600)
         async with client(target, pki.operator()) as operator:
             await operator.create_thread(new_thread_id(), INITIAL, policy="pipeline")
+
+
+async def test_a_service_calling_another_takes_its_renewed_files(
+    target: str, pki: Pki, tmp_path: Path
+) -> None:
+    files = ca.issue(
+        pki.ca_dir, Identity(TRUST_DOMAIN, Role.SERVICE, "approval"), tmp_path / "approval"
+    )
+    outgoing = tls.ServiceChannel(target, files.cert, files.key, files.ca_cert)
+    try:
+        first = await outgoing.channel()
+        assert await outgoing.channel() is first  # unchanged files: the same channel
+        ca.renew(pki.ca_dir, files.cert)
+        second = await outgoing.channel()
+        assert second is not first
+        with pytest.raises(grpc.aio.AioRpcError) as caught:  # a call over mTLS, refused by role
+            await transition_pb2_grpc.TransitionServiceStub(second).GetView(
+                transition_pb2.GetViewRequest(thread_id=new_thread_id()), timeout=10
+            )
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await outgoing.close()
