@@ -228,6 +228,11 @@ class ZtateClient:
         )
         return _Connection(channel, transition_pb2_grpc.TransitionServiceStub(channel))
 
+    @property
+    def _stub(self) -> transition_pb2_grpc.TransitionServiceStub:
+        """The current channel's stub, for raw calls the SDK does not make (tests)."""
+        return self._connection.stub
+
     @contextlib.asynccontextmanager
     async def _connected(self) -> AsyncIterator[_Connection]:
         """The connection for one call: a new one first if the certificate files changed."""
