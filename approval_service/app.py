@@ -31,6 +31,8 @@ from ztate.services.runtime import tls
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
+from ztate.services.runtime.identity import Authenticator
+from ztate.services.runtime.revocation import Revocations
 from ztate.services.runtime.serving import raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.embedded import start_embedded_postgres
@@ -83,6 +85,13 @@ def server_credentials(settings: ApprovalSettings) -> grpc.ServerCredentials:
     return tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
 
 
+def authenticator(settings: ApprovalSettings) -> Authenticator:
+    """Every call's identity step, with the revocation list (read again when it changes):
+    a revoked reviewer decides nothing more."""
+    assert settings.revocation_list_file is not None
+    return Authenticator(settings.trust_domain, Revocations(settings.revocation_list_file))
+
+
 def notifier_from(settings: ApprovalSettings) -> Notifier:
     """A signed webhook when one is configured, otherwise nobody is told."""
     if settings.webhook_url is None or settings.webhook_secret is None:
@@ -132,6 +141,7 @@ async def start(
     assert settings.signing_key_file is not None
     signing_key = load_signing_key(settings.signing_key_file)
     credentials = server_credentials(settings)
+    callers = authenticator(settings)
     notifier = notifier_from(settings)
     embedded = None
     if dsn is None:
@@ -152,7 +162,7 @@ async def start(
         raise
     try:
         running = await _serve_on(
-            settings, store, signing_key, credentials, notifier, embedded, telemetry
+            settings, store, signing_key, credentials, callers, notifier, embedded, telemetry
         )
     except BaseException:
         await store.close()
@@ -166,6 +176,7 @@ async def _serve_on(
     store: ReviewStore,
     signing_key: Ed25519PrivateKey,
     credentials: grpc.ServerCredentials,
+    callers: Authenticator,
     notifier: Notifier,
     embedded: Any,
     telemetry: Telemetry,
@@ -192,7 +203,7 @@ async def _serve_on(
         interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
     )
     approval_pb2_grpc.add_ApprovalServiceServicer_to_server(
-        ApprovalServicer(service, settings.trust_domain), server
+        ApprovalServicer(service, callers), server
     )
     health = HealthReport((SERVICE_NAME,))  # NOT_SERVING until checked
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -69,12 +69,13 @@ def refusal_reason(error: grpc.aio.AioRpcError) -> str:
     return error.code().name
 
 
-def transition_channel(settings: ApprovalSettings) -> grpc.aio.Channel:
-    """An mTLS channel to the transition service, as the approval service."""
+def transition_channel(settings: ApprovalSettings) -> tls.ServiceChannel:
+    """An mTLS channel to the transition service, as the approval service (its files
+    read again when they change)."""
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
-    return tls.client_channel(
+    return tls.ServiceChannel(
         settings.transition_target,
         settings.tls_cert,
         settings.tls_key,
@@ -109,7 +110,7 @@ class ReceiptDelivery:
         *,
         service: ApprovalService,
         store: ReviewStore,
-        channel: grpc.aio.Channel,
+        channel: tls.ServiceChannel,
         wake: asyncio.Event,
         interval: float,
     ) -> None:
@@ -118,7 +119,6 @@ class ReceiptDelivery:
         self._service = service
         self._store = store
         self._channel = channel
-        self._stub = transition_pb2_grpc.TransitionServiceStub(channel)
         self._wake = wake
         self._interval = interval
         self._task: asyncio.Task[None] | None = None
@@ -135,7 +135,7 @@ class ReceiptDelivery:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await self._channel.close(None)
+        await self._channel.close()
 
     async def _run(self) -> None:
         while True:
@@ -181,7 +181,8 @@ class ReceiptDelivery:
             )
         )
         try:
-            response = await self._stub.ApplyDecision(request, timeout=CALL_TIMEOUT_SECONDS)
+            stub = transition_pb2_grpc.TransitionServiceStub(await self._channel.channel())
+            response = await stub.ApplyDecision(request, timeout=CALL_TIMEOUT_SECONDS)
         except grpc.aio.AioRpcError as error:
             return await self._refused(entry, error)
         outcome = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()

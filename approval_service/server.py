@@ -14,7 +14,7 @@ from google.protobuf import timestamp_pb2
 from ztate.approval_service.service import ApprovalService, Submission
 from ztate.approval_service.store import APPROVED, EXPIRED, OPEN, REJECTED, StoredReview
 from ztate.contract.receipts import APPROVE, REJECT
-from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.identity import Authenticator, Identity
 from ztate.services.runtime.rpc_guard import Context, guarded
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
@@ -74,9 +74,9 @@ def _decision(decision: int) -> str:
 class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
     """Adapts ``ApprovalService`` to ``ztate.v1.ApprovalService``."""
 
-    def __init__(self, service: ApprovalService, trust_domain: str) -> None:
+    def __init__(self, service: ApprovalService, authenticator: Authenticator) -> None:
         self._service = service
-        self._trust_domain = trust_domain
+        self._authenticator = authenticator
 
     async def SubmitReview(
         self, request: approval_pb2.SubmitReviewRequest, context: Context
@@ -99,7 +99,7 @@ class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
             )
             return approval_pb2.SubmitReviewResponse(review=review_message(review))
 
-        return await guarded(context, self._trust_domain, "SubmitReview", handle)
+        return await guarded(context, self._authenticator, "SubmitReview", handle)
 
     async def ListReviews(
         self, request: approval_pb2.ListReviewsRequest, context: Context
@@ -117,7 +117,7 @@ class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
                 next_page_token=page.next_page_token,
             )
 
-        return await guarded(context, self._trust_domain, "ListReviews", handle)
+        return await guarded(context, self._authenticator, "ListReviews", handle)
 
     async def GetReview(
         self, request: approval_pb2.GetReviewRequest, context: Context
@@ -126,7 +126,7 @@ class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
             review = await self._service.get_review(caller, request.digest)
             return approval_pb2.GetReviewResponse(review=review_message(review))
 
-        return await guarded(context, self._trust_domain, "GetReview", handle)
+        return await guarded(context, self._authenticator, "GetReview", handle)
 
     async def Decide(
         self, request: approval_pb2.DecideRequest, context: Context
@@ -135,4 +135,4 @@ class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
             review = await self._service.decide(caller, request.digest, _decision(request.decision))
             return approval_pb2.DecideResponse(review=review_message(review))
 
-        return await guarded(context, self._trust_domain, "Decide", handle)
+        return await guarded(context, self._authenticator, "Decide", handle)

@@ -22,6 +22,8 @@ from ztate.services.runtime import tls
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
+from ztate.services.runtime.identity import Authenticator
+from ztate.services.runtime.revocation import Revocations
 from ztate.services.runtime.serving import raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.approvals import ApprovalStore
@@ -81,10 +83,17 @@ class RunningService:
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials:
+    """The service's certificate, key and trusted CAs, read again when they change."""
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
     return tls.server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+
+
+def authenticator(settings: Settings) -> Authenticator:
+    """Every call's identity step, with the revocation list (read again when it changes)."""
+    assert settings.revocation_list_file is not None
+    return Authenticator(settings.trust_domain, Revocations(settings.revocation_list_file))
 
 
 def approval_public_keys(settings: Settings) -> dict[str, Ed25519PublicKey]:
@@ -98,14 +107,15 @@ def approval_public_keys(settings: Settings) -> dict[str, Ed25519PublicKey]:
     return load_public_keys(path)
 
 
-def approval_channel(settings: Settings) -> grpc.aio.Channel | None:
-    """mTLS to the approval service, as this service's own identity."""
+def approval_channel(settings: Settings) -> tls.ServiceChannel | None:
+    """mTLS to the approval service, as this service's own identity (its files read
+    again when they change)."""
     if not settings.approval_target:
         return None
     assert settings.tls_cert is not None
     assert settings.tls_key is not None
     assert settings.tls_ca is not None
-    return tls.client_channel(
+    return tls.ServiceChannel(
         settings.approval_target,
         settings.tls_cert,
         settings.tls_key,
@@ -134,6 +144,7 @@ async def start(
         settings.hmac_keyring.get_secret_value() if settings.hmac_keyring else None,
     )
     credentials = server_credentials(settings)
+    callers = authenticator(settings)
     public_keys = approval_public_keys(settings)
     embedded = None
     if dsn is None:
@@ -155,7 +166,7 @@ async def start(
     telemetry.instrument_asyncpg()
     try:
         return await _start_traced(
-            settings, dsn, embedded, policies, keyring, credentials, public_keys, telemetry
+            settings, dsn, embedded, policies, keyring, credentials, callers, public_keys, telemetry
         )
     except BaseException:
         await telemetry.shutdown()  # asyncpg un-instrumented, the providers closed
@@ -169,6 +180,7 @@ async def _start_traced(
     policies: PolicySet,
     keyring: Keyring,
     credentials: grpc.ServerCredentials,
+    callers: Authenticator,
     public_keys: dict[str, Ed25519PublicKey],
     telemetry: Telemetry,
 ) -> RunningService:
@@ -234,12 +246,12 @@ async def _start_traced(
         interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
     )
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
-        TransitionServicer(pipeline, decisions, settings.trust_domain, reads, watcher),
+        TransitionServicer(pipeline, decisions, callers, reads, watcher),
         server,
     )
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
         # a page's rows fill the reply limit less room for the envelope
-        LedgerServicer(queries, settings.trust_domain, settings.max_reply_bytes - 64 * 1024),
+        LedgerServicer(queries, callers, settings.max_reply_bytes - 64 * 1024),
         server,
     )
     health = HealthReport((SERVICE_NAME, LEDGER_SERVICE_NAME))  # NOT_SERVING until checked

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -19,8 +21,11 @@ from ztate.contract.errors import KeyFileError, KeyringError
 from ztate.services.cli.main import Subparsers, settings_or_exit
 from ztate.services.policy.model import PolicyError
 from ztate.services.runtime.config import ApprovalSettings, Settings
+from ztate.services.runtime.revocation import RevocationListError
 from ztate.services.runtime.telemetry import configure_logging
 from ztate.services.store.migrate import MigrationError
+
+log = logging.getLogger("ztate.run")
 
 
 def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
@@ -44,7 +49,14 @@ def _serve(settings: Settings) -> int:
         pass
     try:
         asyncio.run(serve(settings))
-    except (PolicyError, KeyringError, KeyFileError, MigrationError, FileNotFoundError) as exc:
+    except (
+        PolicyError,
+        KeyringError,
+        KeyFileError,
+        MigrationError,
+        RevocationListError,
+        FileNotFoundError,
+    ) as exc:
         print(f"ztate: cannot start: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -106,11 +118,29 @@ Connect a worker:
         flush=True,
     )
     approval_process = _start_approval_process(settings, dsn)
+    renewing = _renew_while_running(layout.ca_dir, layout.certs)
     try:
         return _serve(settings)
     finally:
+        renewing.set()
         approval_process.terminate()
         approval_process.wait(timeout=30)
+
+
+def _renew_while_running(ca_dir: Path, certs: Path) -> threading.Event:
+    """Development certificates live a day: renew them while ``ztate run`` runs (both
+    services reload their files). Set the returned event to stop."""
+    from ztate.services.cli.devsetup import RENEW_INTERVAL_SECONDS, renew_near_expiry
+
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(RENEW_INTERVAL_SECONDS):
+            for cert in renew_near_expiry(ca_dir, certs):
+                log.info("renewed development certificate %s", cert.name)
+
+    threading.Thread(target=renew, name="ztate-dev-renewal", daemon=True).start()
+    return stop
 
 
 def _port(listen: str) -> str:

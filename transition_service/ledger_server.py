@@ -20,7 +20,7 @@ from google.protobuf.message import Message as Message_
 
 from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime import errors
-from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.identity import Authenticator, Identity
 from ztate.services.runtime.rpc_guard import Context, guarded
 from ztate.services.store.ledger import (
     COMMITTED,
@@ -221,10 +221,12 @@ def transition_filter(request: ledger_pb2.ListTransitionsRequest) -> TransitionF
 class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     """Adapts ``LedgerQueries`` to ``ztate.v1.LedgerService``."""
 
-    def __init__(self, queries: LedgerQueries, trust_domain: str, reply_budget: int) -> None:
+    def __init__(
+        self, queries: LedgerQueries, authenticator: Authenticator, reply_budget: int
+    ) -> None:
         """``reply_budget``: the bytes one page may take, under the server's reply limit."""
         self._queries = queries
-        self._trust_domain = trust_domain
+        self._authenticator = authenticator
         self._budget = reply_budget
 
     async def ListRejections(
@@ -250,7 +252,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 rejections=page, next_page_token=str(page[-1].id) if page and more else ""
             )
 
-        return await guarded(context, self._trust_domain, "ListRejections", handle)
+        return await guarded(context, self._authenticator, "ListRejections", handle)
 
     async def ListTransitions(
         self, request: ledger_pb2.ListTransitionsRequest, context: Context
@@ -270,7 +272,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 next_page_token=entry_page_token(rows[len(page) - 1]) if page and more else "",
             )
 
-        return await guarded(context, self._trust_domain, "ListTransitions", handle)
+        return await guarded(context, self._authenticator, "ListTransitions", handle)
 
     async def GetTransitionDetail(
         self, request: ledger_pb2.GetTransitionDetailRequest, context: Context
@@ -294,7 +296,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 raise errors.TransitionNotFound(f"no committed {wanted}")
             return detail_message(row)
 
-        return await guarded(context, self._trust_domain, "GetTransitionDetail", handle)
+        return await guarded(context, self._authenticator, "GetTransitionDetail", handle)
 
     async def KeyHistory(
         self, request: ledger_pb2.KeyHistoryRequest, context: Context
@@ -321,4 +323,4 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 changes=page, next_page_token=str(page[-1].version) if page and more else ""
             )
 
-        return await guarded(context, self._trust_domain, "KeyHistory", handle)
+        return await guarded(context, self._authenticator, "KeyHistory", handle)

@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 
 import grpc
 
+from ztate.services.runtime import tls
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.rows import PendingTransition
@@ -52,14 +53,13 @@ class ApprovalOutbox:
         self,
         *,
         approvals: ApprovalStore,
-        channel: grpc.aio.Channel | None,
+        channel: tls.ServiceChannel | None,
         wake: asyncio.Event,
         interval: float,
         pending_ttl: timedelta,
     ) -> None:
         self._approvals = approvals
         self._channel = channel
-        self._stub = approval_pb2_grpc.ApprovalServiceStub(channel) if channel else None
         self._wake = wake
         self._interval = interval
         self._pending_ttl = pending_ttl
@@ -75,7 +75,7 @@ class ApprovalOutbox:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         if self._channel is not None:
-            await self._channel.close(None)
+            await self._channel.close()
 
     async def _run(self) -> None:
         while True:
@@ -99,14 +99,13 @@ class ApprovalOutbox:
         if overdue:
             expired = await self._approvals.close_without_decision(overdue, "expired", now)
             log.info("expired %d parked transitions", len(expired))
-        if self._stub is None:
+        if self._channel is None:
             return
         for pending in await self._approvals.to_submit(BATCH):
             try:
                 base_record, base_state = await self._approvals.base_of(pending)
-                await self._stub.SubmitReview(
-                    submission(pending, base_record, base_state), timeout=10
-                )
+                stub = approval_pb2_grpc.ApprovalServiceStub(await self._channel.channel())
+                await stub.SubmitReview(submission(pending, base_record, base_state), timeout=10)
             except grpc.aio.AioRpcError as error:
                 self._failures = min(self._failures + 1, 6)
                 log.warning(

@@ -52,7 +52,9 @@ class TransitionPipeline:
         )
         self.create_thread = CreateThread(shared).create_thread
         self.view = ReadView(shared).view
-        self.propose = Propose(shared).propose
+        proposing = Propose(shared)
+        self.propose = proposing.propose
+        self.refused = proposing.refused
         self.revert = RevertThread(shared).revert
 
     @property

@@ -53,11 +53,7 @@ class Propose(UseCase):
         try:
             outcome = await self._propose(caller, proposal)
         except errors.ZtateError as refusal:  # StorageUnavailable too: the store's boundary
-            if self._metrics.enabled:
-                self._metrics.proposal(REFUSED, refusal.reason)
-                note_transition(proposal.thread_id, proposal.expected_version)
-            if not isinstance(refusal, errors.StorageUnavailable):
-                await self._store.record_rejection(_rejection(caller, proposal, refusal))
+            await self.refused(caller, proposal, refusal)
             if isinstance(refusal, errors.PolicyMismatch):
                 raise thread_not_found(proposal.thread_id) from None
             raise
@@ -65,6 +61,17 @@ class Propose(UseCase):
             observed(outcome)
             self._metrics.proposal(decision_of(outcome))
         return outcome
+
+    async def refused(
+        self, caller: Identity, proposal: Proposal, refusal: errors.ZtateError
+    ) -> None:
+        """Count a refusal of ``caller``'s proposal and record its rejection row (also for
+        a refusal before the pipeline: a revoked certificate, ``rpc_guard``)."""
+        if self._metrics.enabled:
+            self._metrics.proposal(REFUSED, refusal.reason)
+            note_transition(proposal.thread_id, proposal.expected_version)
+        if not isinstance(refusal, errors.StorageUnavailable):
+            await self._store.record_rejection(_rejection(caller, proposal, refusal))
 
     async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
         policy = check_registered(caller, self._policies)

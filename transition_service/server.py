@@ -14,7 +14,7 @@ from google.protobuf import timestamp_pb2
 
 from ztate.contract.receipts import SignedReceipt
 from ztate.services.runtime import errors
-from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.identity import Authenticator, Identity
 from ztate.services.runtime.rpc_guard import Context, failure_status, guarded
 from ztate.services.store.rows import PendingTransition, StoredTransition
 from ztate.transition_service.decisions import (
@@ -79,13 +79,13 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         self,
         pipeline: TransitionPipeline,
         decisions: DecisionPipeline,
-        trust_domain: str,
+        authenticator: Authenticator,
         reads: ThreadReads,
         watcher: Watcher,
     ) -> None:
         self._pipeline = pipeline
         self._decisions = decisions
-        self._trust_domain = trust_domain
+        self._authenticator = authenticator
         self._reads = reads
         self._watcher = watcher
 
@@ -100,7 +100,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 genesis=transition_message(genesis, disclose=True)
             )
 
-        return await guarded(context, self._trust_domain, "CreateThread", handle)
+        return await guarded(context, self._authenticator, "CreateThread", handle)
 
     async def GetView(
         self, request: transition_pb2.GetViewRequest, context: Context
@@ -114,21 +114,20 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 head_digest=view.head_digest if self._reads.discloses_records(caller) else "",
             )
 
-        return await guarded(context, self._trust_domain, "GetView", handle)
+        return await guarded(context, self._authenticator, "GetView", handle)
 
     async def ProposeTransition(
         self, request: transition_pb2.ProposeTransitionRequest, context: Context
     ) -> transition_pb2.ProposeTransitionResponse:
+        proposal = Proposal(
+            thread_id=request.thread_id,
+            expected_version=request.expected_version,
+            patch_json=request.patch_json,
+            idempotency_key=request.idempotency_key,
+        )
+
         async def handle(caller: Identity) -> transition_pb2.ProposeTransitionResponse:
-            outcome = await self._pipeline.propose(
-                caller,
-                Proposal(
-                    thread_id=request.thread_id,
-                    expected_version=request.expected_version,
-                    patch_json=request.patch_json,
-                    idempotency_key=request.idempotency_key,
-                ),
-            )
+            outcome = await self._pipeline.propose(caller, proposal)
             disclose = self._reads.discloses_records(caller)
             if isinstance(outcome, Parked):
                 return transition_pb2.ProposeTransitionResponse(
@@ -140,7 +139,12 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 replayed=outcome.replayed,
             )
 
-        return await guarded(context, self._trust_domain, "ProposeTransition", handle)
+        async def revoked(caller: Identity, refusal: errors.IdentityRevoked) -> None:
+            await self._pipeline.refused(caller, proposal, refusal)  # its rejection row
+
+        return await guarded(
+            context, self._authenticator, "ProposeTransition", handle, on_revoked=revoked
+        )
 
     async def GetTransition(
         self, request: transition_pb2.GetTransitionRequest, context: Context
@@ -160,7 +164,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             )
             return evidence_message(found)
 
-        return await guarded(context, self._trust_domain, "GetTransition", handle)
+        return await guarded(context, self._authenticator, "GetTransition", handle)
 
     async def GetCheckpoint(
         self, request: transition_pb2.GetCheckpointRequest, context: Context
@@ -177,7 +181,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 )
             )
 
-        return await guarded(context, self._trust_domain, "GetCheckpoint", handle)
+        return await guarded(context, self._authenticator, "GetCheckpoint", handle)
 
     async def WatchThread(
         self, request: transition_pb2.WatchThreadRequest, context: Context
@@ -185,7 +189,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         async def handle(caller: Identity) -> Subscription:
             return await self._watcher.open(caller, request.thread_id, request.from_version)
 
-        subscription = await guarded(context, self._trust_domain, "WatchThread", handle)
+        subscription = await guarded(context, self._authenticator, "WatchThread", handle)
         disclose = self._reads.discloses_records(subscription.caller)
         try:
             async for version in subscription:
@@ -216,7 +220,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 **resolution_fields(resolution, disclose=True)
             )
 
-        return await guarded(context, self._trust_domain, "ApplyDecision", handle)
+        return await guarded(context, self._authenticator, "ApplyDecision", handle)
 
     async def WaitForOutcome(
         self, request: transition_pb2.WaitForOutcomeRequest, context: Context
@@ -236,7 +240,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 **resolution_fields(resolution, disclose=disclose)
             )
 
-        return await guarded(context, self._trust_domain, "WaitForOutcome", handle)
+        return await guarded(context, self._authenticator, "WaitForOutcome", handle)
 
     async def RevertThread(
         self, request: transition_pb2.RevertThreadRequest, context: Context
@@ -255,7 +259,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 replayed=outcome.replayed,
             )
 
-        return await guarded(context, self._trust_domain, "RevertThread", handle)
+        return await guarded(context, self._authenticator, "RevertThread", handle)
 
 
 def evidence_message(found: RecordWithEvidence) -> transition_pb2.GetTransitionResponse:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk._credentials import CertificateFiles, Pems
 from ztate.worker_sdk._tracing import client_interceptors
 from ztate.worker_sdk.errors import (
     AwaitingApproval,
@@ -163,11 +165,26 @@ def encode_json(value: dict[str, Any]) -> bytes:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One channel and the calls in flight on it; a retired one closes once they end."""
+
+    channel: grpc.aio.Channel
+    stub: transition_pb2_grpc.TransitionServiceStub
+    calls: int = 0
+    retired: bool = field(default=False)
+
+
 class ZtateClient:
     """A connection to the transition service, authenticated by this worker's certificate.
 
     Use it as an async context manager, or call ``close()``. Every method raises a
     subclass of ``worker_sdk.ZtateError`` when the call is refused.
+
+    Built ``from_files`` (or ``from_env``), the client reads the certificate, key and CA
+    files again when they change, and then sends its next calls on a new channel with
+    them; the old channel closes once the calls in flight on it have ended. Rotating a
+    worker's certificate is replacing its files: no restart.
     """
 
     def __init__(
@@ -182,29 +199,61 @@ class ZtateClient:
         retries: int = DEFAULT_RETRIES,
         backoff: float = 0.1,
         tracer_provider: Any = None,
+        certificate_files: CertificateFiles | None = None,
     ) -> None:
         self._retries = retries
         self._backoff = backoff
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem
-        )
-        options: list[tuple[str, Any]] = [
+        self._target = target
+        self._options: list[tuple[str, Any]] = [
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             # every reply the server may send: a view of a state at its largest limit
             ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
         ]
         if server_name:
-            options.append(("grpc.ssl_target_name_override", server_name))
+            self._options.append(("grpc.ssl_target_name_override", server_name))
         # Traced when OpenTelemetry is configured (or ``tracer_provider`` is given).
-        self._channel = grpc.aio.secure_channel(
-            target,
-            credentials,
-            options=options,
-            interceptors=client_interceptors(tracer_provider) or None,
-        )
-        self._stub = transition_pb2_grpc.TransitionServiceStub(self._channel)
+        self._interceptors = client_interceptors(tracer_provider) or None
+        self._files = certificate_files
+        self._connection = self._connect(Pems(cert_pem, key_pem, ca_pem))
+        self._retired: set[_Connection] = set()
         self._timeout = timeout
+
+    def _connect(self, pems: Pems) -> _Connection:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=pems.ca, private_key=pems.key, certificate_chain=pems.cert
+        )
+        channel = grpc.aio.secure_channel(
+            self._target, credentials, options=self._options, interceptors=self._interceptors
+        )
+        return _Connection(channel, transition_pb2_grpc.TransitionServiceStub(channel))
+
+    @property
+    def _stub(self) -> transition_pb2_grpc.TransitionServiceStub:
+        """The current channel's stub, for raw calls the SDK does not make (tests)."""
+        return self._connection.stub
+
+    @contextlib.asynccontextmanager
+    async def _connected(self) -> AsyncIterator[_Connection]:
+        """The connection for one call: a new one first if the certificate files changed."""
+        if self._files is not None:
+            pems = self._files.changed()
+            if pems is not None:
+                previous, self._connection = self._connection, self._connect(pems)
+                previous.retired = True
+                if previous.calls:
+                    self._retired.add(previous)  # closed by its last call
+                else:
+                    await previous.channel.close(None)
+        connection = self._connection
+        connection.calls += 1
+        try:
+            yield connection
+        finally:
+            connection.calls -= 1
+            if connection.retired and connection.calls == 0 and connection in self._retired:
+                self._retired.discard(connection)
+                await connection.channel.close(None)
 
     @classmethod
     def from_env(cls, prefix: str = "ZTATE_WORKER_") -> ZtateClient:
@@ -221,12 +270,20 @@ class ZtateClient:
             server_name=os.environ.get(prefix + "SERVER_NAME") or None,
         )
 
-    async def _call(self, method: Callable[..., Awaitable[Reply]], request: object) -> Reply:
-        """One RPC, retried with exponential backoff on transport failures."""
+    async def _call(
+        self,
+        method: Callable[
+            [transition_pb2_grpc.TransitionServiceStub], Callable[..., Awaitable[Reply]]
+        ],
+        request: object,
+    ) -> Reply:
+        """One RPC (``method`` picks it from the stub), retried with exponential backoff on
+        transport failures; each attempt on the newest channel."""
         attempt = 0
         while True:
             try:
-                return await method(request, timeout=self._timeout)
+                async with self._connected() as connection:
+                    return await method(connection.stub)(request, timeout=self._timeout)
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RETRYABLE or attempt >= self._retries:
                     raise from_rpc_error(error) from None
@@ -247,22 +304,25 @@ class ZtateClient:
         backoff: float = 0.1,
         tracer_provider: Any = None,
     ) -> ZtateClient:
-        """Connect with a PEM certificate, its private key and the CA certificate.
+        """Connect with a PEM certificate, its private key and the CA certificate(s),
+        read again whenever the files change (a renewed certificate, a new CA bundle).
 
         Calls that fail in transport (UNAVAILABLE, DEADLINE_EXCEEDED) and are safe
         to repeat are retried ``retries`` times, waiting ``backoff`` seconds, then
         twice that, and so on; a proposal keeps its idempotency key throughout.
         """
+        files = CertificateFiles(Path(cert), Path(key), Path(ca))
         return cls(
             target,
-            cert_pem=Path(cert).read_bytes(),
-            key_pem=Path(key).read_bytes(),
-            ca_pem=Path(ca).read_bytes(),
+            cert_pem=files.pems.cert,
+            key_pem=files.pems.key,
+            ca_pem=files.pems.ca,
             server_name=server_name,
             timeout=timeout,
             retries=retries,
             backoff=backoff,
             tracer_provider=tracer_provider,
+            certificate_files=files,
         )
 
     async def __aenter__(self) -> ZtateClient:
@@ -277,8 +337,10 @@ class ZtateClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        await self._channel.close(None)
+        """Close the channels; calls in flight are cancelled."""
+        closing, self._retired = [self._connection, *self._retired], set()
+        for connection in closing:
+            await connection.channel.close(None)
 
     async def create_thread(
         self, thread_id: str, initial_state: dict[str, Any], *, policy: str = ""
@@ -292,7 +354,8 @@ class ZtateClient:
             thread_id=thread_id, initial_state_json=encode_json(initial_state), policy=policy
         )
         try:
-            response = await self._stub.CreateThread(request, timeout=self._timeout)
+            async with self._connected() as connection:
+                response = await connection.stub.CreateThread(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as error:
             raise from_rpc_error(error) from None
         return Transition.from_message(response.genesis)
@@ -300,7 +363,7 @@ class ZtateClient:
     async def get_view(self, thread_id: str) -> View:
         """The head of a thread, projected to the keys this worker may read."""
         response = await self._call(
-            self._stub.GetView, transition_pb2.GetViewRequest(thread_id=thread_id)
+            lambda stub: stub.GetView, transition_pb2.GetViewRequest(thread_id=thread_id)
         )
         return View(
             thread_id=response.thread_id,
@@ -329,7 +392,7 @@ class ZtateClient:
             patch_json=patch if isinstance(patch, bytes) else encode_json(patch),
             idempotency_key=idempotency_key or uuid.uuid4().hex,
         )
-        response = await self._call(self._stub.ProposeTransition, request)
+        response = await self._call(lambda stub: stub.ProposeTransition, request)
         if response.WhichOneof("outcome") == "pending":
             pending = response.pending
             raise AwaitingApproval(
@@ -353,7 +416,7 @@ class ZtateClient:
             )
         else:
             raise ValueError("give digest, or thread_id and version")
-        response = await self._call(self._stub.GetTransition, request)
+        response = await self._call(lambda stub: stub.GetTransition, request)
         return Transition.from_message(response.transition)
 
     async def get_record(
@@ -374,7 +437,7 @@ class ZtateClient:
             request = transition_pb2.GetTransitionRequest(
                 thread_version=transition_pb2.ThreadVersion(thread_id=thread_id, version=version)
             )
-        response = await self._call(self._stub.GetTransition, request)
+        response = await self._call(lambda stub: stub.GetTransition, request)
         receipt = (
             Receipt(
                 response.receipt.receipt_json, response.receipt.signature, response.receipt.key_id
@@ -389,7 +452,8 @@ class ZtateClient:
     async def get_checkpoint(self, thread_id: str) -> Checkpoint | None:
         """The newest signed checkpoint of a thread, or None if none was signed yet."""
         response = await self._call(
-            self._stub.GetCheckpoint, transition_pb2.GetCheckpointRequest(thread_id=thread_id)
+            lambda stub: stub.GetCheckpoint,
+            transition_pb2.GetCheckpointRequest(thread_id=thread_id),
         )
         if not response.HasField("checkpoint"):
             return None
@@ -419,28 +483,31 @@ class ZtateClient:
         while True:
             opened = loop.time()
             received = False
-            call = self._stub.WatchThread(
-                transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=last)
-            )
-            try:
-                async for message in call:
-                    failures = 0
-                    received = True
-                    last = message.version
-                    yield WatchEvent(
-                        thread_id=message.thread_id,
-                        version=message.version,
-                        digest=message.digest,
-                        state=None if message.state_pruned else json.loads(message.state_json),
-                    )
-            except grpc.aio.AioRpcError as error:
-                if error.code() not in RETRYABLE or failures >= reconnects:
-                    raise from_rpc_error(error) from None
-            else:
-                if received or loop.time() - opened >= NORMAL_END_SECONDS:
-                    continue  # a normal end of a stream that served: resume now
-            finally:
-                call.cancel()
+            async with self._connected() as connection:
+                call = connection.stub.WatchThread(
+                    transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=last)
+                )
+                try:
+                    async for message in call:
+                        failures = 0
+                        received = True
+                        last = message.version
+                        yield WatchEvent(
+                            thread_id=message.thread_id,
+                            version=message.version,
+                            digest=message.digest,
+                            state=None if message.state_pruned else json.loads(message.state_json),
+                        )
+                        if connection.retired:
+                            break  # new certificate files: resume on the new channel
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in RETRYABLE or failures >= reconnects:
+                        raise from_rpc_error(error) from None
+                else:
+                    if received or loop.time() - opened >= NORMAL_END_SECONDS:
+                        continue  # a normal end of a stream that served: resume now
+                finally:
+                    call.cancel()
             # the stream broke, or ended at once: resume after the last version
             failures += 1
             if failures > reconnects:
@@ -461,7 +528,8 @@ class ZtateClient:
         """
         request = wait_request(parked)
         try:
-            response = await self._stub.WaitForOutcome(request, timeout=within)
+            async with self._connected() as connection:
+                response = await connection.stub.WaitForOutcome(request, timeout=within)
         except grpc.aio.AioRpcError as error:
             raise from_rpc_error(error) from None
         status = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()

@@ -43,6 +43,12 @@ class Unauthenticated(ZtateError):
     """Our certificate carries no identity the server accepts."""
 
 
+class IdentityRevoked(Unauthenticated):
+    """Our certificate, or our whole identity, is in the service's revocation list
+    (IDENTITY_REVOKED): no retry with this certificate will succeed. A revoked
+    certificate needs a new one (``ztate ca renew``); a revoked identity, an operator."""
+
+
 class PermissionDenied(ZtateError):
     """Our identity may not do this; ``keys`` names refused state keys, if any."""
 
@@ -113,6 +119,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ZtateError]] = {
 
 
 _BY_REASON: dict[str, type[ZtateError]] = {
+    "IDENTITY_REVOKED": IdentityRevoked,
     "INVARIANT_VIOLATED": InvariantViolated,
     "TOO_MANY_STREAMS": TooManyStreams,
     "PATCH_TOO_LARGE": PatchTooLarge,

@@ -1,8 +1,11 @@
 """A development certificate authority for ztate identities.
 
 ``ztate ca init`` writes a CA; ``ztate ca issue`` writes a key and certificate
-for one SPIFFE identity. The CA key stays in the CA folder: services and workers
-receive only their own key, their certificate and the CA certificate. In
+for one SPIFFE identity, valid for a day unless asked otherwise (``--ttl``);
+``ztate ca renew`` issues the same identity again with a new key pair. Every file is
+written atomically (``reloading.write_atomically``): the services and the SDK watch
+them and must never read half of one. The CA key stays in the CA folder: services and
+workers receive only their own key, their certificate and the CA certificate. In
 production, use your own PKI (SPIRE, cert-manager, Vault PKI) issuing the same
 SPIFFE IDs.
 """
@@ -10,7 +13,7 @@ SPIFFE IDs.
 from __future__ import annotations
 
 import ipaddress
-import os
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,9 +24,29 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.reloading import write_atomically
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
+DEFAULT_TTL = timedelta(days=1)
+MAX_TTL = timedelta(days=3650)
+TTL = re.compile(r"^([1-9][0-9]{0,6})([mhd])\Z")
+TTL_UNITS = {"m": "minutes", "h": "hours", "d": "days"}
+BACKDATE = timedelta(minutes=5)  # tolerates clocks a little behind the CA's
+
+
+def parse_ttl(text: str) -> timedelta:
+    """A lifetime as people write it: ``90m``, ``24h``, ``7d``."""
+    found = TTL.fullmatch(text.strip())
+    if not found:
+        raise ValueError(
+            f"a lifetime is a whole number of minutes, hours or days, as 90m, 24h or 7d, "
+            f"not {text!r}"
+        )
+    ttl = timedelta(**{TTL_UNITS[found.group(2)]: int(found.group(1))})
+    if ttl > MAX_TTL:
+        raise ValueError(f"a lifetime of at most {MAX_TTL.days} days, not {text!r}")
+    return ttl
 
 
 @dataclass(frozen=True)
@@ -33,13 +56,6 @@ class IssuedPaths:
     cert: Path
     key: Path
     ca_cert: Path
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -84,8 +100,8 @@ def init_ca(ca_dir: Path, trust_domain: str, *, days: int = 3650) -> Path:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _write_private(key_path, _key_pem(key))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    write_atomically(key_path, _key_pem(key), 0o600)
+    write_atomically(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return cert_path
 
 
@@ -98,9 +114,10 @@ def issue(
     ip_addresses: tuple[str, ...] = (),
     not_before: datetime | None = None,
     not_after: datetime | None = None,
-    days: int = 365,
+    ttl: timedelta = DEFAULT_TTL,
 ) -> IssuedPaths:
-    """Issue a key and certificate for ``identity``, usable for client and server TLS.
+    """Issue a key and certificate for ``identity``, usable for client and server TLS,
+    valid for ``ttl`` (unless ``not_after`` says otherwise).
 
     Writes ``<role>-<name>.crt``/``.key`` into ``out_dir`` and copies the CA
     certificate beside them (never the CA key).
@@ -115,7 +132,7 @@ def issue(
         ip_addresses=ip_addresses,
         not_before=not_before,
         not_after=not_after,
-        days=days,
+        ttl=ttl,
     )
 
 
@@ -130,7 +147,7 @@ def issue_for_uris(
     ip_addresses: tuple[str, ...] = (),
     not_before: datetime | None = None,
     not_after: datetime | None = None,
-    days: int = 365,
+    ttl: timedelta = DEFAULT_TTL,
 ) -> IssuedPaths:
     """Issue a certificate with exactly the given URI SANs (``issue`` is the usual way)."""
     ca_key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), password=None)
@@ -138,8 +155,8 @@ def issue_for_uris(
         raise ValueError("the CA key must be an EC key")
     ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
     key = ec.generate_private_key(ec.SECP256R1())
-    start = not_before or datetime.now(UTC) - timedelta(minutes=5)
-    end = not_after or start + timedelta(days=days)
+    start = not_before or datetime.now(UTC) - BACKDATE
+    end = not_after or start + BACKDATE + ttl
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri) for uri in uris]
     sans += [x509.DNSName(name) for name in dns_names]
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
@@ -162,9 +179,83 @@ def issue_for_uris(
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     cert_path, key_path = out_dir / f"{stem}.crt", out_dir / f"{stem}.key"
-    _write_private(key_path, _key_pem(key))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    # the key first: a reader that sees the new certificate before its key waits for it
+    write_atomically(key_path, _key_pem(key), 0o600)
+    write_atomically(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     ca_copy = out_dir / CA_CERT
     if ca_copy.resolve() != (ca_dir / CA_CERT).resolve():
-        ca_copy.write_bytes((ca_dir / CA_CERT).read_bytes())
+        _trust(ca_copy, ca_cert)
     return IssuedPaths(cert=cert_path, key=key_path, ca_cert=ca_copy)
+
+
+def _trust(bundle: Path, ca_cert: x509.Certificate) -> None:
+    """Make ``bundle`` trust ``ca_cert``: added to the CAs it holds, never replacing them,
+    so that issuing from a new CA keeps the old one trusted until it is removed (the
+    overlap of a CA rotation, docs/operations.md)."""
+    try:
+        held = x509.load_pem_x509_certificates(bundle.read_bytes())
+    except (FileNotFoundError, ValueError):
+        held = []
+    if ca_cert in held:
+        return
+    pem = b"".join(c.public_bytes(serialization.Encoding.PEM) for c in [*held, ca_cert])
+    write_atomically(bundle, pem, 0o644)
+
+
+@dataclass(frozen=True)
+class Issued:
+    """What an issued certificate says, as renewal reads it back."""
+
+    uris: tuple[str, ...]
+    dns_names: tuple[str, ...]
+    ip_addresses: tuple[str, ...]
+    common_name: str
+    not_before: datetime
+    not_after: datetime
+    serial: int
+
+    @classmethod
+    def read(cls, cert_path: Path) -> Issued:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        try:
+            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            sans = x509.SubjectAlternativeName([])
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        return cls(
+            uris=tuple(sans.get_values_for_type(x509.UniformResourceIdentifier)),
+            dns_names=tuple(sans.get_values_for_type(x509.DNSName)),
+            ip_addresses=tuple(str(ip) for ip in sans.get_values_for_type(x509.IPAddress)),
+            common_name=str(names[0].value) if names else cert_path.stem,
+            not_before=cert.not_valid_before_utc,
+            not_after=cert.not_valid_after_utc,
+            serial=cert.serial_number,
+        )
+
+    @property
+    def lifetime(self) -> timedelta:
+        return self.not_after - self.not_before - BACKDATE
+
+    def near_expiry(self, now: datetime | None = None) -> bool:
+        """Past two thirds of its lifetime (or expired): time to renew, as SPIRE and
+        cert-manager do by default."""
+        now = now or datetime.now(UTC)
+        return now >= self.not_after - (self.not_after - self.not_before) / 3
+
+
+def renew(ca_dir: Path, cert_path: Path, *, ttl: timedelta | None = None) -> IssuedPaths:
+    """Issue the identity of ``cert_path`` again (the same SANs and name) with a new key
+    pair, for ``ttl`` or the old certificate's lifetime; ``<stem>.key`` beside it is
+    replaced too. Both files are replaced atomically; processes watching them take the
+    new pair at their next handshake or call."""
+    old = Issued.read(cert_path)
+    return issue_for_uris(
+        ca_dir,
+        old.uris,
+        cert_path.parent,
+        stem=cert_path.stem,
+        common_name=old.common_name,
+        dns_names=old.dns_names,
+        ip_addresses=old.ip_addresses,
+        ttl=ttl or (old.lifetime if old.lifetime > timedelta(0) else DEFAULT_TTL),
+    )

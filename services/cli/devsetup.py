@@ -1,7 +1,8 @@
 """First-run set-up for development: CA, certificates, HMAC keyring and policy.
 
 Everything lands under ``ZTATE_HOME`` (``.ztate/`` by default). Existing files
-are kept, so a second run reuses the same identities, keys and data.
+are kept, so a second run reuses the same identities, keys and data; certificates
+(short-lived: a day) past two thirds of their lifetime are renewed with a new key pair.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def ensure_dev_layout(settings: Settings) -> DevLayout:
     for policy in policies.policies.values():
         for node in policy.document.nodes:
             issue(Role.NODE, node)
+    renew_near_expiry(ca_dir, certs)
     if settings.hmac_keyring is None and not settings.hmac_keyring_file.exists():
         generate_keyring_file(settings.hmac_keyring_file)
     assert settings.checkpoint_key_file is not None
@@ -77,3 +79,20 @@ def ensure_dev_layout(settings: Settings) -> DevLayout:
             approval.signing_key_file, settings.approval_public_keys_file, approval.key_id
         )
     return DevLayout(ca_dir=ca_dir, certs=certs, policies=policies)
+
+
+def renew_near_expiry(ca_dir: Path, certs: Path) -> list[Path]:
+    """Renew (new key pair, files replaced atomically) every development certificate in
+    ``certs`` past two thirds of its lifetime; ``ztate run`` calls it at start and every
+    ``RENEW_INTERVAL`` while it runs, and the services and workers reload the files."""
+    renewed = []
+    for cert in sorted(certs.glob("*.crt")):
+        if cert.name == ca.CA_CERT or not cert.with_suffix(".key").exists():
+            continue
+        if ca.Issued.read(cert).near_expiry():
+            ca.renew(ca_dir, cert)
+            renewed.append(cert)
+    return renewed
+
+
+RENEW_INTERVAL_SECONDS = 600.0

@@ -8,7 +8,7 @@ import json
 import sys
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +27,14 @@ from ztate.services.cli.verify import add_export_command, add_verify_commands
 from ztate.services.policy.model import PolicyError, PolicySet
 from ztate.services.runtime.config import Settings, describe
 from ztate.services.runtime.identity import NAME, Identity, Role
+from ztate.services.runtime.revocation import (
+    Entry,
+    RevocationListError,
+    now_text,
+    parse_serial,
+    revoke,
+    serial_text,
+)
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 
@@ -53,11 +61,30 @@ def cmd_ca_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ttl(args: argparse.Namespace) -> timedelta | None:
+    """``--ttl`` parsed, or None when not given; exits 2 with the rule when malformed."""
+    if args.ttl is None:
+        return None
+    try:
+        return ca.parse_ttl(args.ttl)
+    except ValueError as exc:
+        raise SystemExit(f"ztate: --ttl: {exc}") from None
+
+
+def _print_issued(spiffe_ids: tuple[str, ...], paths: ca.IssuedPaths) -> None:
+    issued = ca.Issued.read(paths.cert)
+    print(", ".join(spiffe_ids) or paths.cert.stem)
+    print(f"  certificate {paths.cert}\n  key         {paths.key}\n  CA          {paths.ca_cert}")
+    print(f"  serial      {serial_text(issued.serial)}")
+    print(f"  valid until {issued.not_after.isoformat(timespec='seconds')}")
+
+
 def cmd_ca_issue(args: argparse.Namespace) -> int:
     if not NAME.fullmatch(args.name):
         print(f"ztate: name must match {NAME.pattern}", file=sys.stderr)
         return 1
     identity = Identity(args.trust_domain, Role(args.role), args.name)
+    ttl = _ttl(args) or ca.DEFAULT_TTL
     try:
         paths = ca.issue(
             Path(args.ca_dir),
@@ -65,13 +92,62 @@ def cmd_ca_issue(args: argparse.Namespace) -> int:
             Path(args.out),
             dns_names=tuple(args.dns),
             ip_addresses=tuple(args.ip),
-            days=args.days,
+            ttl=ttl,
         )
     except (FileNotFoundError, ValueError) as exc:
         print(f"ztate: cannot issue: {exc}", file=sys.stderr)
         return 1
-    print(identity.spiffe_id)
-    print(f"  certificate {paths.cert}\n  key         {paths.key}\n  CA          {paths.ca_cert}")
+    _print_issued((identity.spiffe_id,), paths)
+    return 0
+
+
+def cmd_ca_renew(args: argparse.Namespace) -> int:
+    """Issue the same identity again with a new key pair, replacing its files atomically."""
+    if args.cert is not None:
+        cert = Path(args.cert)
+    elif args.role is not None and args.name is not None:
+        cert = Path(args.out) / f"{args.role}-{args.name}.crt"
+    else:
+        print("ztate ca renew: give --cert FILE, or --role and --name", file=sys.stderr)
+        return 2
+    ttl = _ttl(args)
+    try:
+        paths = ca.renew(Path(args.ca_dir), cert, ttl=ttl)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ztate: cannot renew: {exc}", file=sys.stderr)
+        return 1
+    _print_issued(ca.Issued.read(paths.cert).uris, paths)
+    print("processes watching these files take the new pair at their next connection")
+    return 0
+
+
+def cmd_ca_revoke(args: argparse.Namespace) -> int:
+    """Add a certificate (by serial) or a whole identity (by SPIFFE ID) to the list."""
+    path = Path(args.list) if args.list else _settings().revocation_list_file
+    assert path is not None
+    try:
+        if args.spiffe_id is not None:
+            if not args.spiffe_id.startswith("spiffe://"):
+                raise RevocationListError(f"{args.spiffe_id!r} is not a SPIFFE ID")
+            entry = Entry(None, args.spiffe_id, now_text(), args.note)
+            what = f"identity {args.spiffe_id} (every certificate of it)"
+        else:
+            serial = (
+                parse_serial(args.serial)
+                if args.serial is not None
+                else ca.Issued.read(Path(args.cert)).serial
+            )
+            entry = Entry(serial, None, now_text(), args.note)
+            what = f"certificate {serial_text(serial)}"
+        added = revoke(path, entry)
+    except (OSError, ValueError) as exc:
+        print(f"ztate: cannot revoke: {exc}", file=sys.stderr)
+        return 1
+    if not added:
+        print(f"{what} was already revoked in {path}")
+        return 0
+    print(f"revoked {what} in {path}")
+    print("running services refuse it from their next call (IDENTITY_REVOKED)")
     return 0
 
 
@@ -431,8 +507,40 @@ def build_parser() -> argparse.ArgumentParser:
     issue.add_argument("--out", default=".ztate/certs")
     issue.add_argument("--dns", action="append", default=[], help="DNS SAN (servers)")
     issue.add_argument("--ip", action="append", default=[], help="IP SAN (servers)")
-    issue.add_argument("--days", type=int, default=365)
+    issue.add_argument(
+        "--ttl", help="how long it is valid: 90m, 24h, 7d (default 1d: renew with ztate ca renew)"
+    )
     issue.set_defaults(func=cmd_ca_issue)
+    renew = ca_sub.add_parser(
+        "renew",
+        help="issue an identity again with a new key pair (files replaced atomically)",
+        description="Reads the certificate, issues one for the same SPIFFE ID and SANs with a "
+        "new key pair, and renames both files over the old ones: services and workers watching "
+        "them take the new pair at their next connection, without a restart.",
+    )
+    renew.add_argument("--cert", help="the certificate to renew (its .key beside it)")
+    renew.add_argument("--role", choices=[r.value for r in Role], help="with --name, in --out")
+    renew.add_argument("--name")
+    renew.add_argument("--out", default=".ztate/certs")
+    renew.add_argument("--ca-dir", default=".ztate/ca")
+    renew.add_argument("--ttl", help="90m, 24h, 7d (default: the old certificate's lifetime)")
+    renew.set_defaults(func=cmd_ca_renew)
+    revoke_parser = ca_sub.add_parser(
+        "revoke",
+        help="refuse a certificate (by serial) or an identity (by SPIFFE ID) from now on",
+        description="Adds an entry to the revocation list (JSON, mode 0644, replaced "
+        "atomically; docs/operations.md). Both services read it again when it changes and "
+        "refuse the certificate or identity at its next call, on open connections too.",
+    )
+    revoked = revoke_parser.add_mutually_exclusive_group(required=True)
+    revoked.add_argument("--serial", help="hexadecimal, as openssl x509 -serial prints it")
+    revoked.add_argument("--cert", help="the certificate file whose serial to revoke")
+    revoked.add_argument("--spiffe-id", help="every certificate of this identity")
+    revoke_parser.add_argument(
+        "--list", help="the list file (default: ZTATE_REVOCATION_LIST_FILE, in $ZTATE_HOME/certs)"
+    )
+    revoke_parser.add_argument("--note", default="", help="why (kept in the list)")
+    revoke_parser.set_defaults(func=cmd_ca_revoke)
 
     keys = sub.add_parser("keys", help="HMAC chain keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

@@ -14,6 +14,7 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, model_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TelemetryMode = Literal["off", "otlp", "console"]
+REVOCATION_LIST = "revocations.json"  # beside ca.crt in the development layout
 LogFormat = Literal["text", "json"]
 
 
@@ -81,6 +82,10 @@ class Settings(TelemetrySettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
+    revocation_list_file: Path | None = Field(
+        default=None,
+        description="revoked certificates and identities (JSON), read again when it changes",
+    )
     policy_path: Path | None = Field(
         default=None, description="a policy file, or a folder of them (one per workflow)"
     )
@@ -155,6 +160,7 @@ class Settings(TelemetrySettings):
             "tls_cert": certs / "service-transition.crt",
             "tls_key": certs / "service-transition.key",
             "tls_ca": certs / "ca.crt",
+            "revocation_list_file": certs / REVOCATION_LIST,
             "policy_path": self.home / "policy.yaml",
             "hmac_keyring_file": self.home / "keys" / "hmac-keyring.json",
             "approval_public_keys_file": self.home / "keys" / "approval-public.json",
@@ -213,6 +219,10 @@ class ApprovalSettings(TelemetrySettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
+    revocation_list_file: Path | None = Field(
+        default=None,
+        description="revoked certificates and identities (JSON), read again when it changes",
+    )
     signing_key_file: Path | None = None
     key_id: str = Field(default="approval-k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     transition_target: str = Field(
@@ -248,6 +258,7 @@ class ApprovalSettings(TelemetrySettings):
             "tls_cert": certs / "service-approval.crt",
             "tls_key": certs / "service-approval.key",
             "tls_ca": certs / "ca.crt",
+            "revocation_list_file": certs / REVOCATION_LIST,
             "signing_key_file": self.home / "approval" / "signing-key.pem",
         }
         for name, default in defaults.items():

@@ -56,6 +56,13 @@ class IdentityInvalid(ZtateError):
     reason = "IDENTITY_INVALID"
 
 
+class IdentityRevoked(ZtateError):
+    """The caller's certificate, or its whole identity, is in the revocation list
+    (``ztate.services.runtime.revocation``): TLS accepted it, ztate no longer does."""
+
+    reason = "IDENTITY_REVOKED"
+
+
 class RoleForbidden(ZtateError):
     reason = "ROLE_FORBIDDEN"
 

@@ -2,8 +2,10 @@
 
 An identity is ``spiffe://<trust-domain>/<role>/<name>``. TLS has already
 verified the certificate chain to the configured CA and its validity period
-before a handler runs; this module only reads the identity out of it. Nothing in
-a request body or its metadata can claim an identity.
+before a handler runs; this module reads the identity out of it and, at every call
+(so on connections opened before a revocation too), refuses a certificate or
+identity in the revocation list (``Authenticator``). Nothing in a request body or
+its metadata can claim an identity.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from functools import lru_cache
 from typing import Any
 
 import grpc
+from cryptography import x509
 
 from ztate.services.runtime.errors import IdentityInvalid
+from ztate.services.runtime.revocation import Revocations
 
 # also a pydantic pattern (policy node names), whose engine has no \Z: Python code
 # must use NAME.fullmatch, since "$" alone would also match before a final "\n"
@@ -86,3 +90,38 @@ def identity_from_context(
     if len(spiffe_ids) != 1:
         raise IdentityInvalid("client certificate must carry exactly one SPIFFE ID as URI SAN")
     return parse_spiffe_id(spiffe_ids[0].decode("ascii", "replace"), trust_domain)
+
+
+@lru_cache(maxsize=4096)
+def certificate_serial(pem: bytes) -> int | None:
+    """The serial number of a PEM certificate (cached: a connection presents the same
+    bytes at every call); None if it does not parse, which TLS would not have let by."""
+    try:
+        return x509.load_pem_x509_certificate(pem).serial_number
+    except ValueError:
+        return None
+
+
+class Authenticator:
+    """The per-call identity step of a service: who the caller is (``identify``), then
+    whether its certificate or identity is revoked (``check_revocation``); two steps, so
+    that a revoked caller, whose certificate is genuine, can be named in a refusal."""
+
+    def __init__(self, trust_domain: str, revocations: Revocations | None = None) -> None:
+        self.trust_domain = trust_domain
+        self._revocations = revocations
+
+    def identify(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity:
+        """The caller's identity, or ``IdentityInvalid``."""
+        return identity_from_context(context, self.trust_domain)
+
+    def check_revocation(
+        self, context: grpc.aio.ServicerContext[Any, Any], caller: Identity
+    ) -> None:
+        """``IdentityRevoked`` if the revocation list, as it is now, names the caller's
+        certificate (by serial) or its identity."""
+        if self._revocations is None:
+            return
+        pems = list(context.auth_context().get("x509_pem_cert") or ())
+        serial = certificate_serial(pems[0]) if len(pems) == 1 else None
+        self._revocations.check(caller.spiffe_id, serial)

@@ -19,6 +19,9 @@ ERROR_DOMAIN = "ztate.dev"
 
 STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.IdentityInvalid: grpc.StatusCode.UNAUTHENTICATED,
+    # the credential no longer proves an identity (as an expired one would not), rather
+    # than a proven identity lacking a right: UNAUTHENTICATED, not PERMISSION_DENIED
+    errors.IdentityRevoked: grpc.StatusCode.UNAUTHENTICATED,
     errors.RoleForbidden: grpc.StatusCode.PERMISSION_DENIED,
     errors.NodeNotRegistered: grpc.StatusCode.PERMISSION_DENIED,
     errors.KeyNotWritable: grpc.StatusCode.PERMISSION_DENIED,

@@ -1,7 +1,8 @@
 """Authentication and error mapping around every RPC handler.
 
 ``guarded`` takes the caller's identity from the verified client certificate,
-runs the handler, and turns domain errors into rich gRPC statuses through
+refuses it if revoked (``identity.Authenticator``, at every call), runs the handler,
+and turns domain errors into rich gRPC statuses through
 ``ztate.services.runtime.rpc_errors``, the one mapping. Failures nobody foresaw become a bare
 INTERNAL status: the caller never sees internals, the log does.
 """
@@ -15,29 +16,39 @@ from typing import Any, TypeVar
 import grpc
 
 from ztate.services.runtime import errors, rpc_errors
-from ztate.services.runtime.identity import Identity, identity_from_context
+from ztate.services.runtime.identity import Authenticator, Identity
 from ztate.services.runtime.outage import STORAGE_ERRORS, settled
 from ztate.services.runtime.telemetry import note_caller, note_refusal
 
 log = logging.getLogger("ztate.rpc")
 Response = TypeVar("Response")
 Context = grpc.aio.ServicerContext[Any, Any]
+OnRevoked = Callable[[Identity, errors.IdentityRevoked], Awaitable[None]]
 
 
 async def guarded(
     context: Context,
-    trust_domain: str,
+    authenticator: Authenticator,
     method: str,
     handler: Callable[[Identity], Awaitable[Response]],
+    *,
+    on_revoked: OnRevoked | None = None,
 ) -> Response:
     """Run ``handler`` for the authenticated caller, or abort with the right status.
 
-    The current span (when tracing) is told the caller's SPIFFE ID and, when the
-    call is refused, the reason code: never the refusal's message.
+    A revoked caller is refused before ``handler`` runs; ``on_revoked`` (a proposal's
+    rejection row) is told first. The current span (when tracing) is told the caller's
+    SPIFFE ID and, when the call is refused, the reason code: never the refusal's message.
     """
     try:
-        caller = identity_from_context(context, trust_domain)
+        caller = authenticator.identify(context)
         note_caller(caller.spiffe_id)
+        try:
+            authenticator.check_revocation(context, caller)
+        except errors.IdentityRevoked as revoked:
+            if on_revoked is not None:
+                await on_revoked(caller, revoked)
+            raise
         return await settled(handler(caller))  # an idle connection's loss is storage's
     except Exception as failure:
         status = failure_status(method, failure)

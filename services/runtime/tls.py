@@ -1,7 +1,13 @@
 """Mutual TLS for every ztate port and every call between ztate processes.
 
-Servers require a client certificate signed by the configured CA (verified in
-the handshake); clients present their own certificate and verify the server's.
+Servers require a client certificate signed by a trusted CA (verified in the
+handshake); clients present their own certificate and verify the server's.
+
+A server reads its certificate, key and trusted CA bundle again when the files change
+(``ztate.services.runtime.reloading``): gRPC asks for them at every handshake, so new
+connections use the new files while connections already open keep theirs. That is all
+rotation needs, whoever replaces the files (``ztate ca renew``, cert-manager, SPIRE).
+The bundle may hold several CA certificates: during a CA rotation, the old and the new.
 """
 
 from __future__ import annotations
@@ -10,14 +16,58 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from ztate.services.runtime.reloading import WatchedFiles
+
+
+def key_matches_certificate(cert_pem: bytes, key_pem: bytes) -> bool:
+    """Whether ``key_pem`` is the private half of the (first) certificate in ``cert_pem``.
+
+    While a certificate and its key are replaced one file after the other, a reader can
+    see the new certificate with the old key: such a pair is not taken.
+    """
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    encoding = serialization.Encoding.DER
+    return bool(
+        key.public_key().public_bytes(encoding, public)
+        == cert.public_key().public_bytes(encoding, public)
+    )
+
+
+def _certificate_configuration(
+    cert: Path, key: Path, ca: Path
+) -> grpc.ServerCertificateConfiguration:
+    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
+    if not key_matches_certificate(cert_pem, key_pem):
+        raise ValueError(f"{key} is not the key of {cert}")
+    x509.load_pem_x509_certificates(ca_pem)  # a bundle that does not parse is not taken
+    return grpc.ssl_server_certificate_configuration(
+        [(key_pem, cert_pem)], root_certificates=ca_pem
+    )
 
 
 def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredentials:
-    """A client certificate signed by ``ca`` is required of every caller."""
-    return grpc.ssl_server_credentials(
-        [(key.read_bytes(), cert.read_bytes())],
-        root_certificates=ca.read_bytes(),
-        require_client_auth=True,
+    """A client certificate signed by a CA of ``ca`` is required of every caller; the three
+    files are read again when they change, for the handshakes that follow."""
+    files = WatchedFiles(
+        f"server certificate {cert}",
+        (cert, key, ca),
+        lambda: _certificate_configuration(cert, key, ca),
+    )
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        # called by gRPC at every handshake: None keeps the configuration in use
+        return files.value if files.refresh() else None
+
+    # grpc-stubs omit that the fetcher may return None ("unchanged"), as grpc documents
+    return grpc.dynamic_ssl_server_credentials(
+        files.value,
+        fetch,  # type: ignore[arg-type]
+        require_client_authentication=True,
     )
 
 
@@ -26,12 +76,58 @@ def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredential
 MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
 
 
-def client_channel(
-    target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
-) -> grpc.aio.Channel:
-    """A channel authenticated as the identity in ``cert``."""
-    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+def _client_options(server_name: str | None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.aio.secure_channel(target, credentials, options=options)
+    return options
+
+
+def client_channel(
+    target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
+) -> grpc.aio.Channel:
+    """A channel authenticated as the identity in ``cert`` (for a one-off command)."""
+    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+    return grpc.aio.secure_channel(target, credentials, options=_client_options(server_name))
+
+
+def _channel_credentials(cert: Path, key: Path, ca: Path) -> grpc.ChannelCredentials:
+    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
+    if not key_matches_certificate(cert_pem, key_pem):
+        raise ValueError(f"{key} is not the key of {cert}")
+    x509.load_pem_x509_certificates(ca_pem)
+    return grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
+
+
+class ServiceChannel:
+    """A long-lived channel from one service to another, as the calling service's
+    identity, built again when its certificate, key or CA files change.
+
+    For a caller that makes one call at a time (the approval outbox, receipt delivery):
+    ``channel()`` before each call; the previous channel, idle then, is closed.
+    """
+
+    def __init__(
+        self, target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
+    ) -> None:
+        self._target = target
+        self._options = _client_options(server_name)
+        self._files = WatchedFiles(
+            f"client certificate {cert}",
+            (cert, key, ca),
+            lambda: _channel_credentials(cert, key, ca),
+        )
+        self._channel = self._open()
+
+    def _open(self) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(self._target, self._files.value, options=self._options)
+
+    async def channel(self) -> grpc.aio.Channel:
+        """The channel for the next call, a new one if the files changed."""
+        if self._files.refresh():
+            previous, self._channel = self._channel, self._open()
+            await previous.close(None)
+        return self._channel
+
+    async def close(self) -> None:
+        await self._channel.close(None)

@@ -38,6 +38,7 @@ from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.keyring import generate_signing_key, load_public_keys
 from ztate.contract.receipts import SignedReceipt, verify_receipt
 from ztate.services.cli import ca
+from ztate.services.cli.main import main as ztate
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import Metrics, Telemetry
@@ -808,3 +809,34 @@ async def test_the_approval_service_exports_its_pool_saturation(
     used = points[("ztate.db.pool.connections", "approval", "used")]
     idle = points[("ztate.db.pool.connections", "approval", "idle")]
     assert 1 <= used + idle <= approval_settings.db_pool_size
+
+
+async def test_a_revoked_reviewer_decides_nothing_more(
+    approval_target: str,
+    approval_settings: ApprovalSettings,
+    pki: Pki,
+    database_dsn: str,
+) -> None:
+    proposal = parked()
+    await submitted(approval_target, pki, proposal)
+    revocations = approval_settings.revocation_list_file
+    assert revocations is not None
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "carol")) as stub:
+        opened = await stub.GetReview(approval_pb2.GetReviewRequest(digest=proposal.digest))
+        assert opened.review.status == approval_pb2.REVIEW_STATUS_OPEN
+        revoked = reviewer_id("carol")
+        assert ztate(["ca", "revoke", "--spiffe-id", revoked, "--list", str(revocations)]) == 0
+        with pytest.raises(grpc.aio.AioRpcError) as caught:  # the same, open connection
+            await stub.Decide(approve(proposal.digest))
+    assert refusal(caught.value) == (grpc.StatusCode.UNAUTHENTICATED, "IDENTITY_REVOKED")
+    assert caught.value.details() == f"identity {revoked} is revoked"
+    decisions = await fetch(
+        database_dsn, "SELECT 1 FROM ztate_approval.decisions WHERE digest = $1", proposal.digest
+    )
+    assert decisions == []
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "bob")) as stub:
+        review = (
+            await stub.GetReview(approval_pb2.GetReviewRequest(digest=proposal.digest))
+        ).review
+    assert review.status == approval_pb2.REVIEW_STATUS_OPEN
+    assert list(review.approvers) == []

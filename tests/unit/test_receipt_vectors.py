@@ -1,7 +1,8 @@
 """Every receipt vector of tests/vectors/receipts/, one file per way to be right or wrong,
-through both implementations of the receipt check: the transition service's
-(``ztate.services.receipts``) and the worker SDK's (``ztate.worker_sdk._evidence``, which
-may not import the core). They must agree on every file; another language's client runs
+through the one receipt check (``ztate.contract.receipts``) as each consumer calls it:
+the transition service (with its clock, the refusal translated to the reason a caller
+is told), and the worker SDK and the offline verifier (signature and form now, the
+validity period against the record's commit time). Another language's client runs
 the same files (docs/approvals.md)."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import pytest
 from ztate.services.runtime import errors, rpc_errors
 from ztate.worker_sdk import (
     FailedPrecondition,
+    IdentityRevoked,
     InvalidRequest,
     InvariantViolated,
     NotFound,
@@ -37,6 +38,7 @@ def as_rpc_error(error: errors.ZtateError) -> grpc.aio.AioRpcError:
     ("error", "expected"),
     [
         (errors.IdentityInvalid("no SPIFFE ID"), Unauthenticated),
+        (errors.IdentityRevoked("revoked"), IdentityRevoked),
         (errors.KeyNotWritable("outside", keys=["b", "a"]), PermissionDenied),
         (errors.SchemaViolation("type", keys=["amount"]), InvalidRequest),
         (errors.PatchTooLarge("big", limit=4096), PatchTooLarge),

@@ -44,6 +44,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TOO_MANY_STREAMS: _ClassVar[ErrorReason]
     ERROR_REASON_UNSUPPORTED_CHARACTER: _ClassVar[ErrorReason]
     ERROR_REASON_STATE_TOO_LARGE: _ClassVar[ErrorReason]
+    ERROR_REASON_IDENTITY_REVOKED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_IDENTITY_INVALID: ErrorReason
 ERROR_REASON_ROLE_FORBIDDEN: ErrorReason
@@ -79,6 +80,7 @@ ERROR_REASON_STATE_PRUNED: ErrorReason
 ERROR_REASON_TOO_MANY_STREAMS: ErrorReason
 ERROR_REASON_UNSUPPORTED_CHARACTER: ErrorReason
 ERROR_REASON_STATE_TOO_LARGE: ErrorReason
+ERROR_REASON_IDENTITY_REVOKED: ErrorReason
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "keys", "current_version", "limit", "rules", "keys_total")

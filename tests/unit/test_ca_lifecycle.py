@@ -1,0 +1,173 @@
+"""The development CA's lifetimes and renewal, and files that are read again when they
+change (the services' ``reloading`` and the SDK's copy), without a server."""
+
+from __future__ import annotations
+
+import stat
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from ztate.services.cli import ca
+from ztate.services.cli.devsetup import renew_near_expiry
+from ztate.services.cli.main import main as ztate
+from ztate.services.runtime import tls
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.reloading import WatchedFiles, write_atomically
+from ztate.worker_sdk._credentials import CertificateFiles
+
+DOMAIN = "ztate.test"
+PLANNER = Identity(DOMAIN, Role.NODE, "planner")
+
+
+@pytest.fixture
+def ca_dir(tmp_path: Path) -> Path:
+    ca.init_ca(tmp_path / "ca", DOMAIN)
+    return tmp_path / "ca"
+
+
+def read(cert: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(cert.read_bytes())
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("90m", timedelta(minutes=90)),
+        ("24h", timedelta(hours=24)),
+        ("7d", timedelta(days=7)),
+        (" 1d ", timedelta(days=1)),
+    ],
+)
+def test_a_lifetime_is_minutes_hours_or_days(text: str, expected: timedelta) -> None:
+    assert ca.parse_ttl(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1w", "0h", "", "90", "-1d", "1.5h", "3651d", "7 d", "1D"])
+def test_any_other_lifetime_is_refused_with_the_rule(text: str) -> None:
+    with pytest.raises(ValueError, match=r"(90m, 24h or 7d|at most 3650 days)"):
+        ca.parse_ttl(text)
+
+
+def test_the_cli_refuses_a_malformed_ttl_and_writes_nothing(ca_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    with pytest.raises(SystemExit) as caught:
+        ztate(["ca", "issue", "--role", "node", "--name", "planner", "--ca-dir", str(ca_dir),
+               "--out", str(out), "--ttl", "1w"])  # fmt: skip
+    assert str(caught.value) == (
+        "ztate: --ttl: a lifetime is a whole number of minutes, hours or days, "
+        "as 90m, 24h or 7d, not '1w'"
+    )
+    assert not out.exists()
+
+
+def test_certificates_live_a_day_unless_asked(ca_dir: Path, tmp_path: Path) -> None:
+    issued = read(ca.issue(ca_dir, PLANNER, tmp_path / "certs").cert)
+    lifetime = issued.not_valid_after_utc - datetime.now(UTC)
+    assert timedelta(hours=23, minutes=58) < lifetime <= timedelta(days=1)
+    assert ztate(["ca", "issue", "--role", "node", "--name", "planner", "--ca-dir", str(ca_dir),
+                  "--out", str(tmp_path / "short"), "--ttl", "90m"]) == 0  # fmt: skip
+    short = read(tmp_path / "short" / "node-planner.crt")
+    assert short.not_valid_after_utc - datetime.now(UTC) <= timedelta(minutes=90)
+
+
+def test_renewal_is_the_same_identity_with_a_new_key_pair(ca_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    server = Identity(DOMAIN, Role.SERVICE, "transition")
+    paths = ca.issue(
+        ca_dir, server, out, dns_names=("localhost",), ip_addresses=("127.0.0.1",),
+        ttl=timedelta(hours=2),
+    )  # fmt: skip
+    before, old_key = ca.Issued.read(paths.cert), paths.key.read_bytes()
+    assert ztate(["ca", "renew", "--cert", str(paths.cert), "--ca-dir", str(ca_dir)]) == 0
+    after = ca.Issued.read(paths.cert)
+    assert (after.uris, after.dns_names, after.ip_addresses, after.common_name) == (
+        (server.spiffe_id,),
+        ("localhost",),
+        ("127.0.0.1",),
+        "service/transition",
+    )
+    assert after.serial != before.serial
+    assert paths.key.read_bytes() != old_key
+    assert tls.key_matches_certificate(paths.cert.read_bytes(), paths.key.read_bytes())
+    assert after.lifetime == before.lifetime == timedelta(hours=2)
+    assert stat.S_IMODE(paths.key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(paths.cert.stat().st_mode) == 0o644
+    assert sorted(p.name for p in out.iterdir()) == ["ca.crt", "service-transition.crt",
+                                                      "service-transition.key"]  # fmt: skip
+
+
+def test_renewing_what_does_not_exist_says_so(ca_dir: Path, tmp_path: Path) -> None:
+    assert ztate(["ca", "renew", "--role", "node", "--name", "nobody", "--out", str(tmp_path),
+                  "--ca-dir", str(ca_dir)]) == 1  # fmt: skip
+    assert ztate(["ca", "renew", "--name", "nobody"]) == 2  # --role missing
+
+
+def test_issuing_from_a_new_ca_adds_it_to_the_bundle_beside(ca_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    ca.issue(ca_dir, PLANNER, out)
+    ca.init_ca(tmp_path / "new-ca", DOMAIN)
+    ca.issue(tmp_path / "new-ca", PLANNER, out)
+    held = x509.load_pem_x509_certificates((out / ca.CA_CERT).read_bytes())
+    assert held == [read(ca_dir / ca.CA_CERT), read(tmp_path / "new-ca" / ca.CA_CERT)]
+    ca.issue(tmp_path / "new-ca", Identity(DOMAIN, Role.NODE, "db-writer"), out)
+    assert len(x509.load_pem_x509_certificates((out / ca.CA_CERT).read_bytes())) == 2
+
+
+def test_the_development_layout_renews_what_is_near_expiry(ca_dir: Path, tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    now = datetime.now(UTC)
+    old = ca.issue(ca_dir, PLANNER, certs, not_before=now - timedelta(hours=20),
+                   not_after=now + timedelta(hours=4))  # fmt: skip
+    fresh = ca.issue(ca_dir, Identity(DOMAIN, Role.NODE, "db-writer"), certs)
+    fresh_serial, old_serial = ca.Issued.read(fresh.cert).serial, ca.Issued.read(old.cert).serial
+    assert renew_near_expiry(ca_dir, certs) == [old.cert]
+    assert ca.Issued.read(old.cert).serial != old_serial
+    assert not ca.Issued.read(old.cert).near_expiry()
+    assert ca.Issued.read(fresh.cert).serial == fresh_serial
+    assert renew_near_expiry(ca_dir, certs) == []
+
+
+def test_watched_files_rebuild_on_change_and_keep_the_last_good_value(tmp_path: Path) -> None:
+    path = tmp_path / "value"
+    write_atomically(path, b"1", 0o644)
+    builds: list[int] = []
+
+    def build() -> int:
+        builds.append(int(path.read_bytes()))
+        return builds[-1]
+
+    files = WatchedFiles("a number", (path,), build)
+    assert (files.current(), files.current(), builds) == (1, 1, [1])  # unchanged: not read
+    write_atomically(path, b"2", 0o644)
+    assert files.current() == 2
+    write_atomically(path, b"not a number", 0o644)
+    assert (files.refresh(), files.value) == (False, 2)
+    assert (files.refresh(), len(builds)) == (False, 2)  # a failed stamp is not tried again
+    write_atomically(path, b"3", 0o644)
+    assert files.current() == 3
+
+
+def test_a_server_does_not_start_on_a_certificate_without_its_key(
+    ca_dir: Path, tmp_path: Path
+) -> None:
+    one = ca.issue(ca_dir, PLANNER, tmp_path / "one")
+    two = ca.issue(ca_dir, PLANNER, tmp_path / "two")
+    with pytest.raises(ValueError, match="is not the key of"):
+        tls.server_credentials(one.cert, two.key, one.ca_cert)
+
+
+def test_the_sdk_takes_new_files_only_once_they_match(ca_dir: Path, tmp_path: Path) -> None:
+    mine = ca.issue(ca_dir, PLANNER, tmp_path / "mine")
+    files = CertificateFiles(mine.cert, mine.key, mine.ca_cert)
+    assert files.changed() is None
+    other = ca.issue(ca_dir, PLANNER, tmp_path / "other")
+    write_atomically(mine.cert, other.cert.read_bytes(), 0o644)
+    assert files.changed() is None  # the new certificate without its key
+    write_atomically(mine.key, other.key.read_bytes(), 0o600)
+    taken = files.changed()
+    assert taken is not None
+    assert (taken.cert, taken.key) == (other.cert.read_bytes(), other.key.read_bytes())
+    assert files.changed() is None
