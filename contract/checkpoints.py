@@ -14,6 +14,8 @@ through every signed head (``ztate verify --public-only``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -106,3 +108,63 @@ def verify_checkpoint(
     ):
         raise CheckpointInvalid("a member of the checkpoint has the wrong type or form")
     return body
+
+
+# --- kept elsewhere: one line per signed checkpoint ----------------------------------------
+
+LINE_MEMBERS = frozenset({"thread_id", "version", "checkpoint", "signature", "key_id"})
+
+
+def checkpoint_line(thread_id: str, version: int, signed: SignedCheckpoint) -> bytes:
+    """One line of a checkpoint file: a bundle's ``checkpoints.jsonl`` and the signer's
+    journal (docs/verification.md, "Checkpoints kept elsewhere"). ``checkpoint`` holds
+    the exact signed bytes as text, or ``{"base64": ...}`` if they are not UTF-8 (only a
+    tampered checkpoint is not)."""
+    try:
+        body: object = signed.checkpoint.decode("utf-8")
+    except UnicodeDecodeError:
+        body = {"base64": base64.b64encode(signed.checkpoint).decode("ascii")}
+    doc = {
+        "thread_id": thread_id,
+        "version": version,
+        "checkpoint": body,
+        "signature": signed.signature,
+        "key_id": signed.key_id,
+    }
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+
+
+def parse_checkpoint_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
+    """A line of a checkpoint file as ``checkpoint_line`` writes it: the thread and
+    version it claims (to be compared with the signed content) and the checkpoint.
+    ``CheckpointInvalid`` (check ``checkpoint.line``) names what is wrong; the
+    signature is not checked here (``verify_checkpoint``)."""
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError):
+        raise CheckpointInvalid("not JSON", check="checkpoint.line") from None
+    if not isinstance(doc, dict) or doc.keys() != LINE_MEMBERS:
+        members = ", ".join(sorted(LINE_MEMBERS))
+        raise CheckpointInvalid(
+            f"not an object with exactly the members {members}", check="checkpoint.line"
+        )
+    for name in ("thread_id", "signature", "key_id"):
+        if not isinstance(doc[name], str):
+            raise CheckpointInvalid(f"{name} must be a string", check="checkpoint.line")
+    if type(doc["version"]) is not int:
+        raise CheckpointInvalid("version must be an integer", check="checkpoint.line")
+    body = doc["checkpoint"]
+    if isinstance(body, str):
+        data = body.encode("utf-8", "surrogatepass")
+    elif isinstance(body, dict) and body.keys() == {"base64"} and isinstance(body["base64"], str):
+        try:
+            data = base64.b64decode(body["base64"], validate=True)
+        except (binascii.Error, ValueError):
+            raise CheckpointInvalid(
+                "checkpoint is not valid base64", check="checkpoint.line"
+            ) from None
+    else:
+        raise CheckpointInvalid(
+            'checkpoint must be text or {"base64": ...}', check="checkpoint.line"
+        )
+    return doc["thread_id"], doc["version"], SignedCheckpoint(data, doc["signature"], doc["key_id"])

@@ -33,6 +33,7 @@ from ztate.services.store.migrate import TRANSITION_MIGRATIONS, migrate, verify_
 from ztate.services.store.transitions import PostgresTransitionStore
 from ztate.transition_service.checkpointer import Checkpointer
 from ztate.transition_service.decisions import DecisionPipeline
+from ztate.transition_service.journal import CheckpointJournal
 from ztate.transition_service.ledger_server import LedgerServicer
 from ztate.transition_service.outbox import ApprovalOutbox
 from ztate.transition_service.outcomes import OutcomeListener
@@ -221,8 +222,12 @@ async def _start_traced(
             load_signing_key(settings.checkpoint_key_file),
             settings.checkpoint_key_id,
             settings.checkpoint_interval_seconds,
+            keyring=keyring,
+            journal=CheckpointJournal(settings.checkpoint_journal_file),
         )
-        if settings.checkpoint_key_file is not None and settings.checkpoint_key_file.exists()
+        if settings.checkpoint_journal_file is not None
+        and settings.checkpoint_key_file is not None
+        and settings.checkpoint_key_file.exists()
         else None
     )
     outbox = ApprovalOutbox(

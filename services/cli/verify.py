@@ -26,7 +26,8 @@ import orjson
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
-from ztate.contract.errors import KeyFileError, KeyringError
+from ztate.contract.checkpoints import SignedCheckpoint, parse_checkpoint_line
+from ztate.contract.errors import CheckpointInvalid, KeyFileError, KeyringError
 from ztate.contract.keyring import Keyring, load_public_keys
 from ztate.services.policy.model import PolicyError, PolicySet
 from ztate.services.runtime.config import Settings, describe
@@ -84,6 +85,13 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
         help="checkpoint public keys (default: ZTATE_CHECKPOINT_PUBLIC_KEYS_FILE)",
     )
     verify.add_argument(
+        "--checkpoints",
+        type=Path,
+        metavar="FILE",
+        help="signed checkpoints kept outside the database (the signer's journal, "
+        "ZTATE_CHECKPOINT_JOURNAL_FILE, or a copy): the chain must pass through each",
+    )
+    verify.add_argument(
         "--jobs",
         type=_jobs,
         default=1,
@@ -136,7 +144,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             summary = verify_bundle(args.bundle, trust, report, thread_id=args.thread)
         else:
             summary = _verify_database(settings, trust, report, args.thread, args.jobs)
-        if args.thread is not None and summary.threads == 0:
+        if (
+            args.thread is not None
+            and summary.threads == 0
+            and args.thread not in trust.kept_checkpoints
+        ):
             raise no_such_thread(args.thread)
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
@@ -196,11 +208,37 @@ def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
             keyring = Keyring.load(settings.hmac_keyring_file, env)
         approval_keys = _approval_keys(args.approval_keys, settings)
         checkpoint_keys = _checkpoint_keys(args, settings)
+        kept = _kept_checkpoints(args.checkpoints, checkpoint_keys, args.jobs)
         assert settings.policy_path is not None
         policies = PolicySet.load(args.policy or settings.policy_path)
     except (KeyringError, KeyFileError, PolicyError) as exc:
         raise VerifyError(str(exc)) from None
-    return Trust(keyring, approval_keys, policies, checkpoint_keys)
+    return Trust(keyring, approval_keys, policies, checkpoint_keys, kept)
+
+
+def _kept_checkpoints(
+    path: Path | None, keys: dict[str, Ed25519PublicKey] | None, jobs: int
+) -> dict[str, dict[int, SignedCheckpoint]]:
+    """The checkpoints of ``--checkpoints FILE``, by thread and version. Their
+    signatures are checked where the chain meets them, as the database's are."""
+    if path is None:
+        return {}
+    if keys is None:
+        raise VerifyError("--checkpoints needs the checkpoint public keys (--checkpoint-keys)")
+    if jobs > 1:
+        raise VerifyError("--checkpoints verifies in one process: drop --jobs")
+    kept: dict[str, dict[int, SignedCheckpoint]] = {}
+    try:
+        with path.open("rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                try:
+                    thread_id, version, signed = parse_checkpoint_line(line)
+                except CheckpointInvalid as exc:
+                    raise VerifyError(f"{path}: line {number}: {exc.message}") from None
+                kept.setdefault(thread_id, {})[version] = signed
+    except OSError as exc:
+        raise VerifyError(f"{path}: cannot read ({exc.strerror})") from None
+    return kept
 
 
 def _checkpoint_keys(

@@ -124,6 +124,11 @@ class Settings(TelemetrySettings):
     checkpoint_key_id: str = Field(default="checkpoint-k1", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     checkpoint_public_keys_file: Path | None = None
     checkpoint_interval_seconds: float = Field(default=60.0, gt=0)
+    checkpoint_journal_file: Path | None = Field(
+        default=None,
+        description="the signer's own append-only record of what it signed, outside the "
+        "database (docs/verification.md); default $ZTATE_HOME/checkpoints/journal.jsonl",
+    )
     service_name: str = Field(
         default="ztate-transition",
         validation_alias=AliasChoices("ZTATE_SERVICE_NAME", "OTEL_SERVICE_NAME"),
@@ -166,6 +171,7 @@ class Settings(TelemetrySettings):
             "approval_public_keys_file": self.home / "keys" / "approval-public.json",
             "checkpoint_key_file": self.home / "keys" / "checkpoint-signing.pem",
             "checkpoint_public_keys_file": self.home / "keys" / "checkpoint-public.json",
+            "checkpoint_journal_file": self.home / "checkpoints" / "journal.jsonl",
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:

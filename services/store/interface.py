@@ -153,6 +153,12 @@ class TransitionStore(Protocol):
         """Up to ``limit`` records newer than ``version``, oldest first, each with its
         kept state body."""
 
+    async def records_after(
+        self, thread_id: str, version: int, limit: int
+    ) -> list[StoredTransition]:
+        """Up to ``limit`` records of the thread newer than ``version``, oldest first
+        (``version=-1``: from genesis)."""
+
     async def state_at(self, thread_id: str, version: int) -> KeptState | None:
         """The kept state body of the thread's record at ``version`` (``KeptState(None)``
         once pruned), or None if there is no such record."""

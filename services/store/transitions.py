@@ -345,6 +345,19 @@ class PostgresTransitionStore:
         return CheckpointRow(row["checkpoint"], row["signature"], row["key_id"]) if row else None
 
     @translated
+    async def records_after(
+        self, thread_id: str, version: int, limit: int
+    ) -> list[StoredTransition]:
+        rows = await self._pool.fetch(
+            f"SELECT {TRANSITION_COLUMNS} FROM ztate.transitions "  # noqa: S608 - constant columns
+            "WHERE thread_id = $1 AND version > $2 ORDER BY version LIMIT $3",
+            thread_id,
+            version,
+            limit,
+        )
+        return [StoredTransition.from_row(row) for row in rows]
+
+    @translated
     async def state_at(self, thread_id: str, version: int) -> KeptState | None:
         row = await self._pool.fetchrow(
             "SELECT state FROM ztate.transitions WHERE thread_id = $1 AND version = $2",

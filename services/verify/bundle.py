@@ -48,7 +48,12 @@ from typing import Any, BinaryIO
 import asyncpg
 import orjson
 
-from ztate.contract.checkpoints import SignedCheckpoint
+from ztate.contract.checkpoints import (
+    SignedCheckpoint,
+    checkpoint_line,
+    parse_checkpoint_line,
+)
+from ztate.contract.errors import CheckpointInvalid
 from ztate.contract.record import format_time, shown
 from ztate.services.verify.checks import (
     CHECKPOINT,
@@ -102,7 +107,6 @@ _OPTIONAL_TEXT = ("receipt_signature", "receipt_key_id", "committed_at")
 _TEXT = operator.itemgetter(*_TEXT_MEMBERS)
 _OPTIONAL = operator.itemgetter(*_OPTIONAL_TEXT)
 _STR, _STR_OR_NULL = frozenset({str}), frozenset({str, type(None)})
-CHECKPOINT_MEMBERS = frozenset({"thread_id", "version", "checkpoint", "signature", "key_id"})
 
 
 class BundleError(VerifyError):
@@ -242,18 +246,7 @@ class BundleWriter:
             self._policy_digests.add(digest)
 
     def add_checkpoint(self, thread_id: str, version: int, signed: SignedCheckpoint) -> None:
-        line = (
-            orjson.dumps(
-                {
-                    "thread_id": thread_id,
-                    "version": version,
-                    "checkpoint": _blob_out(signed.checkpoint),
-                    "signature": signed.signature,
-                    "key_id": signed.key_id,
-                }
-            )
-            + b"\n"
-        )
+        line = checkpoint_line(thread_id, version, signed)
         try:
             self._checkpoints_out.write(line)
         except OSError as exc:
@@ -591,25 +584,9 @@ class CheckpointReader:
 
 def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
     try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        raise LineProblem("not JSON") from None
-    if not isinstance(doc, dict) or doc.keys() != CHECKPOINT_MEMBERS:
-        members = ", ".join(sorted(CHECKPOINT_MEMBERS))
-        raise LineProblem(f"not an object with exactly the members {members}")
-    for name in ("thread_id", "signature", "key_id"):
-        if not isinstance(doc[name], str):
-            raise LineProblem(f"{name} must be a string")
-    if type(doc["version"]) is not int:
-        raise LineProblem("version must be an integer")
-    checkpoint = _blob_in(doc["checkpoint"], "checkpoint")
-    if checkpoint is None:
-        raise LineProblem("checkpoint must not be null")
-    return (
-        doc["thread_id"],
-        doc["version"],
-        SignedCheckpoint(checkpoint, doc["signature"], doc["key_id"]),
-    )
+        return parse_checkpoint_line(line)
+    except CheckpointInvalid as exc:
+        raise LineProblem(exc.message) from None
 
 
 # --- verification -----------------------------------------------------------------------
@@ -666,11 +643,17 @@ def verify_bundle(
         current.check_head(head_of(manifest, current.thread_id))
     if checkpoints is not None:
         checkpoints.finish()
-    if thread_id is not None and thread_id not in seen and thread_id not in manifest.heads:
+    if (
+        thread_id is not None
+        and thread_id not in seen
+        and thread_id not in manifest.heads
+        and thread_id not in trust.kept_checkpoints
+    ):
         raise no_such_thread(thread_id)
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
         run.headless(missing, head_of(manifest, missing))
+    run.kept_threads_missing(thread_id)
     return run.summary
 
 

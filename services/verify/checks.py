@@ -187,6 +187,10 @@ class Trust:
     policies: PolicySet
     # the transition service's checkpoint public keys; None: checkpoints not checked
     checkpoint_keys: Mapping[str, Ed25519PublicKey] | None = None
+    # checkpoints kept outside the verified source (the signer's journal, a witness's
+    # copy: ``ztate verify --checkpoints``), by thread and version; the chain must pass
+    # through each, whatever the source holds or lost
+    kept_checkpoints: Mapping[str, Mapping[int, SignedCheckpoint]] = field(default_factory=dict)
     by_digest: dict[str, Policy] = field(init=False)
     # what each policy's risk expressions read (by policy digest): only these are
     # bound to re-derive the risk rules, not what its invariants read
@@ -254,6 +258,8 @@ class Verification:
         # the risk rules matched, by policy digest and the exact JSON of everything
         # they read (a pure function of it): most transitions repeat a few inputs
         self.risk_memo: dict[tuple[str, bytes], list[str]] = {}
+        # the threads of the kept checkpoints the source held records of
+        self._kept_seen: set[str] = set()
 
     def finding(self, finding: Finding) -> None:
         self.summary.failures += 1
@@ -261,7 +267,26 @@ class Verification:
 
     def thread(self, thread_id: str) -> ThreadVerifier:
         self.summary.threads += 1
+        if thread_id in self.trust.kept_checkpoints:
+            self._kept_seen.add(thread_id)
         return ThreadVerifier(thread_id, self)
+
+    def kept_threads_missing(self, thread_id: str | None) -> None:
+        """Report every kept checkpoint of a thread the source held no record of (its
+        records were removed, or the whole thread was), among ``thread_id`` or all."""
+        for kept_thread in sorted(self.trust.kept_checkpoints):
+            if kept_thread in self._kept_seen or thread_id not in (None, kept_thread):
+                continue
+            for version in sorted(self.trust.kept_checkpoints[kept_thread]):
+                self.finding(
+                    Finding(
+                        kept_thread,
+                        version,
+                        CHECKPOINT,
+                        f"a record at version {version} (a signed head kept elsewhere)",
+                        "no record of the thread",
+                    )
+                )
 
     def headless(self, thread_id: str, head: Head | None) -> None:
         """A thread the source names but holds no record of."""
@@ -320,11 +345,13 @@ class ThreadVerifier:
         # the state digests of the versions seen so far: what a revert may restore
         self._earlier_states: set[str] = set()
         self._last: _Last | None = None
-        self._checkpoints: dict[int, SignedCheckpoint] = {}
+        self._kept = dict(self._trust.kept_checkpoints.get(thread_id, {}))
+        self._checkpoints: dict[int, SignedCheckpoint] = dict(self._kept)
 
     def expect_checkpoints(self, checkpoints: dict[int, SignedCheckpoint]) -> None:
-        """Signed heads the chain must pass through (version -> checkpoint)."""
-        self._checkpoints = dict(checkpoints)
+        """Signed heads the chain must pass through (version -> checkpoint), the
+        source's own and those kept elsewhere (which win at the same version)."""
+        self._checkpoints = {**checkpoints, **self._kept}
 
     def _fail(self, version: int | None, check: str, expected: str, found: str) -> None:
         self._run.finding(Finding(self.thread_id, version, check, expected, found))
@@ -937,8 +964,13 @@ async def _verify_snapshot(
         current.check_head(head or await head_from_db(conn, current.thread_id))
     for orphan in await conn.fetch(HEADLESS, thread_id):
         run.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
-    if thread_id is not None and run.summary.threads == 0:
+    if (
+        thread_id is not None
+        and run.summary.threads == 0
+        and thread_id not in trust.kept_checkpoints
+    ):
         raise no_such_thread(thread_id)
+    run.kept_threads_missing(thread_id)
     return run.summary
 
 

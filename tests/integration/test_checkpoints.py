@@ -22,7 +22,12 @@ import pytest_asyncio
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.contract.canonical import JsonObject, canonical_bytes
-from ztate.contract.keyring import generate_signing_key, load_public_keys, load_signing_key
+from ztate.contract.keyring import (
+    Keyring,
+    generate_signing_key,
+    load_public_keys,
+    load_signing_key,
+)
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import PolicySet
 from ztate.services.verify.bundle import (
@@ -37,19 +42,31 @@ from ztate.services.verify.bundle import (
 from ztate.services.verify.checks import Finding, Trust, verify_database
 from ztate.transition_service.app import RunningService
 from ztate.transition_service.checkpointer import Checkpointer
+from ztate.transition_service.journal import CheckpointJournal
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest_asyncio.fixture(scope="module")
 async def signed(
-    service: RunningService, target: str, pki: Pki, tmp_path_factory: pytest.TempPathFactory
+    service: RunningService,
+    target: str,
+    pki: Pki,
+    tmp_path_factory: pytest.TempPathFactory,
+    keyring: Keyring,
 ) -> AsyncIterator[tuple[str, Path, Checkpointer]]:
     """A thread of three records whose head is checkpointed, and the public keys."""
     root = tmp_path_factory.mktemp("checkpoints")
     private, public = root / "signing.pem", root / "public.json"
     generate_signing_key(private, public, "checkpoint-k1")
-    checkpointer = Checkpointer(service.store, load_signing_key(private), "checkpoint-k1", 60)
+    checkpointer = Checkpointer(
+        service.store,
+        load_signing_key(private),
+        "checkpoint-k1",
+        60,
+        keyring=keyring,
+        journal=CheckpointJournal(root / "journal.jsonl"),
+    )
     thread_id = new_thread_id()
     async with client(target, pki.operator()) as operator:
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -16,11 +17,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
 from ztate.contract.checkpoints import SignedCheckpoint, verify_checkpoint
+from ztate.contract.keyring import Keyring
 from ztate.services.runtime.config import Settings
 from ztate.services.store.retention import Limits, prune
 from ztate.transition_service import watch as watch_module
 from ztate.transition_service.app import RunningService, start
 from ztate.transition_service.checkpointer import Checkpointer
+from ztate.transition_service.journal import CheckpointJournal
 from ztate.v1 import transition_pb2
 from ztate.worker_sdk import (
     AwaitingApproval,
@@ -172,7 +175,7 @@ async def test_streams_beyond_the_limit_are_refused_and_slots_come_back(
 
 
 async def test_only_a_node_marked_read_records_reads_records_and_checkpoints(
-    target: str, pki: Pki, service: RunningService, ledger: Ledger
+    target: str, pki: Pki, service: RunningService, ledger: Ledger, tmp_path: Path
 ) -> None:
     thread_id = await new_thread(target, pki)
     async with (
@@ -182,7 +185,12 @@ async def test_only_a_node_marked_read_records_reads_records_and_checkpoints(
     ):
         committed = await gate.propose(thread_id, 0, {"approval_receipt": "r-1"})
         signed = await Checkpointer(
-            service.store, Ed25519PrivateKey.generate(), "ck-test", 60
+            service.store,
+            Ed25519PrivateKey.generate(),
+            "ck-test",
+            60,
+            keyring=ledger.keyring,
+            journal=CheckpointJournal(tmp_path / "journal.jsonl"),
         ).run_once()
         assert signed >= 1
         before = await ledger.snapshot(thread_id)
@@ -243,13 +251,15 @@ async def test_a_node_reads_no_record_of_another_workflow(target: str, pki: Pki)
 
 
 async def test_checkpoints_are_served_to_the_threads_nodes_and_verify(
-    target: str, pki: Pki, service: RunningService
+    target: str, pki: Pki, service: RunningService, keyring: Keyring, tmp_path: Path
 ) -> None:
     thread_id = await new_thread(target, pki)
     key = Ed25519PrivateKey.generate()
     async with client(target, pki.node("db-writer")) as writer:
         assert await writer.get_checkpoint(thread_id) is None
-        signed = await Checkpointer(service.store, key, "ck-test", 60).run_once()
+        journal = CheckpointJournal(tmp_path / "journal.jsonl")
+        signer = Checkpointer(service.store, key, "ck-test", 60, keyring=keyring, journal=journal)
+        signed = await signer.run_once()
         assert signed >= 1
         checkpoint = await writer.get_checkpoint(thread_id)
         view = await writer.get_view(thread_id)
