@@ -55,7 +55,7 @@ lint: $(STAMP) typecheck-tree
 # the build's package-dir mapping.
 typecheck-tree:
 	@mkdir -p .typecheck/ztate
-	@for p in contract services transition_service approval_service worker_sdk; do \
+	@for p in contract services transition_service approval_service worker_sdk testing; do \
 		ln -sfn ../../$$p .typecheck/ztate/$$p; done
 
 ## deploy-check: lint the Dockerfiles, validate compose and the Kubernetes manifests (offline;
