@@ -125,3 +125,28 @@ async def test_every_checkpoint_is_a_signed_chained_record_and_sync_calls_work(
     await saver.adelete_thread(thread)
     assert await saver.aget_tuple({"configurable": {"thread_id": thread}}) is None  # type: ignore[arg-type]
     assert await env.ledger.verify(ledger_thread_id(thread)) == 4  # the deletion is a record
+
+
+async def test_a_state_graph_runs_and_resumes_on_the_ztate_saver(env: ZtateEnvironment) -> None:
+    from typing import TypedDict
+
+    from langgraph.graph import END, START, StateGraph
+
+    class State(TypedDict):
+        count: int
+
+    def step(state: State) -> State:
+        return {"count": state["count"] + 1}
+
+    builder = StateGraph(State)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = builder.compile(checkpointer=saver_of(env))
+    config = {"configurable": {"thread_id": str(uuid4())}}
+    assert await graph.ainvoke({"count": 1}, config) == {"count": 2}  # type: ignore[arg-type]
+    # a new saver (another process) resumes from the ledger
+    again = builder.compile(checkpointer=saver_of(env))
+    snapshot = await again.aget_state(config)  # type: ignore[arg-type]
+    assert snapshot.values == {"count": 2}
+    assert await env.ledger.verify(ledger_thread_id(config["configurable"]["thread_id"])) > 2
