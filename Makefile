@@ -10,7 +10,7 @@ PROTOS := $(wildcard proto/ztate/v1/*.proto)
 $(STAMP): pyproject.toml worker_sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ./worker_sdk -e '.[dev]'
+	$(PY) -m pip install --quiet -e './worker_sdk[langgraph]' -e '.[dev]'
 	touch $(STAMP)
 
 ## run: start the control plane (dev certificates, keys and an embedded Postgres on first run)
@@ -55,8 +55,9 @@ lint: $(STAMP) typecheck-tree
 # the build's package-dir mapping.
 typecheck-tree:
 	@mkdir -p .typecheck/ztate
-	@for p in contract services transition_service approval_service worker_sdk; do \
+	@for p in contract services transition_service approval_service worker_sdk testing; do \
 		ln -sfn ../../$$p .typecheck/ztate/$$p; done
+	@ln -sfn ../../ztate_langgraph .typecheck/ztate/langgraph
 
 ## deploy-check: lint the Dockerfiles, validate compose and the Kubernetes manifests (offline;
 ## images are not built here). secrets.yaml holds templates and is validated too.
@@ -73,7 +74,7 @@ demo: $(STAMP)
 
 ## bench: the benchmarks (not part of the test suite; installs the LangGraph comparison)
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ./worker_sdk -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -e './worker_sdk[langgraph]' -e '.[dev,bench]'
 	$(PY) -m bench
 
 clean:

@@ -28,6 +28,7 @@ SERVER_MODULES = (
     "ztate.services.policy",
     "ztate.transition_service",
     "ztate.approval_service",
+    "ztate.testing",
 )
 
 

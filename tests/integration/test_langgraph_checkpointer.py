@@ -1,0 +1,152 @@
+"""The LangGraph checkpointer on ztate: LangGraph's own conformance suite for savers,
+and a checkpoint altered in storage refused on load, never deserialised."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from uuid import uuid4
+
+import asyncpg
+import pytest
+import pytest_asyncio
+from langgraph.checkpoint.base import empty_checkpoint
+from langgraph.checkpoint.conformance import checkpointer_test, validate
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+from ztate.langgraph import (
+    CHECKPOINTER_NODE,
+    CheckpointNotVerified,
+    ZtateCheckpointSaver,
+    checkpoint_policy,
+    ledger_thread_id,
+)
+from ztate.testing import ZtateEnvironment
+
+
+@pytest_asyncio.fixture(scope="module")
+async def env(postgres_server_dsn: str) -> AsyncIterator[ZtateEnvironment]:
+    async with ZtateEnvironment.start(
+        checkpoint_policy(), postgres_dsn=postgres_server_dsn, max_patch_bytes=1024 * 1024
+    ) as started:
+        yield started
+
+
+def saver_of(env: ZtateEnvironment, **kwargs: object) -> ZtateCheckpointSaver:
+    return ZtateCheckpointSaver(env.client(CHECKPOINTER_NODE), env.operator(), **kwargs)  # type: ignore[arg-type]
+
+
+async def test_langgraph_conformance_suite_passes(env: ZtateEnvironment) -> None:
+    @checkpointer_test(name="ZtateCheckpointSaver")
+    async def factory() -> AsyncGenerator[ZtateCheckpointSaver, None]:
+        yield saver_of(env)
+
+    report = await validate(factory)
+    failures = {
+        name: result.failures for name, result in report.results.items() if result.passed is False
+    }
+    assert failures == {}
+    for base in ("put", "put_writes", "get_tuple", "list", "delete_thread"):
+        assert report.results[base].passed is True, base
+
+
+class Refused(JsonPlusSerializer):
+    """A serialiser that records what it was asked to deserialise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: list[bytes] = []
+
+    def loads_typed(self, data: tuple[str, bytes]) -> object:
+        self.loaded.append(data[1])
+        return super().loads_typed(data)
+
+
+async def test_a_checkpoint_altered_in_storage_is_refused_before_deserialising(
+    env: ZtateEnvironment,
+) -> None:
+    thread = str(uuid4())
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    checkpoint = empty_checkpoint()
+    checkpoint["channel_values"] = {"answer": "refund 12.99"}
+    await saver_of(env).aput(config, checkpoint, {"step": 0}, {})  # type: ignore[arg-type]
+    ledger_id = ledger_thread_id(thread)
+
+    # an attacker with write access to the database edits the stored record
+    conn = await asyncpg.connect(env.database_dsn)
+    try:
+        await conn.execute("SET session_replication_role = replica")  # past the triggers
+        body = bytes(
+            await conn.fetchval(
+                "SELECT record FROM ztate.transitions WHERE thread_id = $1 AND version = 1",
+                ledger_id,
+            )
+        )
+        # flip one character of the serialised checkpoint inside the entry
+        at = body.index(b'\\"checkpoint\\":[\\"') + 40
+        forged = body[:at] + (b"A" if body[at : at + 1] != b"A" else b"B") + body[at + 1 :]
+        await conn.execute(
+            "UPDATE ztate.transitions SET record = $2 WHERE thread_id = $1 AND version = 1",
+            ledger_id,
+            forged,
+        )
+    finally:
+        await conn.close()
+
+    serde = Refused()
+    fresh = saver_of(env, serde=serde)
+    with pytest.raises(CheckpointNotVerified) as refused:
+        await fresh.aget_tuple(config)  # type: ignore[arg-type]
+    assert refused.value.check == "record.digest"
+    assert (refused.value.thread_id, refused.value.version) == (ledger_id, 1)
+    assert serde.loaded == []  # nothing of the altered record reached the serialiser
+
+
+async def test_every_checkpoint_is_a_signed_chained_record_and_sync_calls_work(
+    env: ZtateEnvironment,
+) -> None:
+    thread = str(uuid4())
+    saver = saver_of(env)
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    first = empty_checkpoint()
+    stored = await asyncio.to_thread(saver.put, config, first, {"step": 0}, {})  # type: ignore[arg-type]
+    second = empty_checkpoint()
+    await asyncio.to_thread(saver.put, stored, second, {"step": 1}, {})
+    found = await asyncio.to_thread(saver.get_tuple, {"configurable": {"thread_id": thread}})
+    assert found is not None
+    assert found.checkpoint["id"] == second["id"]
+    assert found.parent_config is not None
+    assert found.parent_config["configurable"]["checkpoint_id"] == first["id"]
+    # genesis and one record per checkpoint, each verified with the HMAC keyring
+    assert await env.ledger.verify(ledger_thread_id(thread)) == 3
+    rows = await env.ledger.rows(ledger_thread_id(thread))
+    assert {row["node_id"] for row in rows[1:]} == {f"spiffe://ztate.test/node/{CHECKPOINTER_NODE}"}
+
+    await saver.adelete_thread(thread)
+    assert await saver.aget_tuple({"configurable": {"thread_id": thread}}) is None  # type: ignore[arg-type]
+    assert await env.ledger.verify(ledger_thread_id(thread)) == 4  # the deletion is a record
+
+
+async def test_a_state_graph_runs_and_resumes_on_the_ztate_saver(env: ZtateEnvironment) -> None:
+    from typing import TypedDict
+
+    from langgraph.graph import END, START, StateGraph
+
+    class State(TypedDict):
+        count: int
+
+    def step(state: State) -> State:
+        return {"count": state["count"] + 1}
+
+    builder = StateGraph(State)
+    builder.add_node("step", step)
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = builder.compile(checkpointer=saver_of(env))
+    config = {"configurable": {"thread_id": str(uuid4())}}
+    assert await graph.ainvoke({"count": 1}, config) == {"count": 2}  # type: ignore[arg-type]
+    # a new saver (another process) resumes from the ledger
+    again = builder.compile(checkpointer=saver_of(env))
+    snapshot = await again.aget_state(config)  # type: ignore[arg-type]
+    assert snapshot.values == {"count": 2}
+    assert await env.ledger.verify(ledger_thread_id(config["configurable"]["thread_id"])) > 2
