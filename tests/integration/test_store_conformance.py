@@ -1,5 +1,6 @@
 """The transition store's contract, as its docstrings state it, run against every
-implementation (today Postgres; the Citus lane adds its own fixture to ``STORES``).
+implementation in ``STORES``: Postgres, and Citus (a coordinator and two workers; marked
+``citus``, so only ``make test-citus`` runs it).
 
 Each test drives the store directly, below the pipeline: what a method returns in each
 case, and what it leaves written.
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from tests.citus.cluster import ztate_database
 from tests.harness import Ledger, fresh_database, new_thread_id
 from ztate.services.canonical import canonical_bytes, sha256_hex
 from ztate.services.chain import (
@@ -36,25 +38,39 @@ from ztate.transition_service.app import start
 
 NODE = "spiffe://ztate.test/node/input-parser"
 OPERATOR = "spiffe://ztate.test/operator/admin"
-StoreFactory = Callable[[Settings, str], Awaitable[tuple[TransitionStore, str, Any]]]
+StoreFactory = Callable[[Settings, pytest.FixtureRequest], Awaitable[tuple[str, Any]]]
 
 
-async def postgres(settings: Settings, server_dsn: str) -> tuple[TransitionStore, str, Any]:
-    """A transition service's own store on a fresh, migrated database."""
-    dsn = await fresh_database(server_dsn)
-    running = await start(settings, dsn=dsn)
-    return running.store, dsn, running
+async def postgres(settings: Settings, request: pytest.FixtureRequest) -> tuple[str, Any]:
+    """A transition service on a fresh, migrated database."""
+    dsn = await fresh_database(request.getfixturevalue("postgres_server_dsn"))
+    return dsn, await start(settings, dsn=dsn)
 
 
-STORES: dict[str, StoreFactory] = {"postgres": postgres}
+async def citus(settings: Settings, request: pytest.FixtureRequest) -> tuple[str, Any]:
+    """A transition service on a fresh database of a real Citus cluster, migrated and
+    distributed by ``ztate db migrate`` and ``ztate db citus``."""
+    dsn = await ztate_database(request.getfixturevalue("citus_cluster"))
+    return dsn, await start(settings, dsn=dsn)
 
 
-@pytest_asyncio.fixture(scope="module", params=sorted(STORES))
+# name: (how to start a service on that store, the marks of its lane)
+STORES: dict[str, tuple[StoreFactory, tuple[pytest.MarkDecorator, ...]]] = {
+    "postgres": (postgres, ()),
+    "citus": (citus, (pytest.mark.citus,)),
+}
+
+
+@pytest_asyncio.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=marks) for name, (_, marks) in sorted(STORES.items())],
+)
 async def implementation(
-    request: pytest.FixtureRequest, settings: Settings, postgres_server_dsn: str, keyring: Keyring
+    request: pytest.FixtureRequest, settings: Settings, keyring: Keyring
 ) -> AsyncIterator[tuple[TransitionStore, Ledger]]:
-    store, dsn, running = await STORES[request.param](settings, postgres_server_dsn)
-    yield store, Ledger(dsn, keyring)
+    factory, _ = STORES[request.param]
+    dsn, running = await factory(settings, request)
+    yield running.store, Ledger(dsn, keyring)
     await running.stop(grace=1.0)
 
 
