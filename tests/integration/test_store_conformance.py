@@ -1,6 +1,6 @@
 """The transition store's contract, as its docstrings state it, run against every
-implementation in ``STORES``: Postgres, and Citus (a coordinator and two workers; marked
-``citus``, so only ``make test-citus`` runs it).
+implementation: Postgres, and Citus (a coordinator and two workers; marked ``citus``, so
+only ``make test-citus`` runs it), through ``tests/citus/lanes.py``'s ``LANES``.
 
 Each test drives the store directly, below the pipeline: what a method returns in each
 case, and what it leaves written.
@@ -8,15 +8,15 @@ case, and what it leaves written.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from tests.citus.cluster import ztate_database
-from tests.harness import Ledger, fresh_database, new_thread_id
+from tests.citus.lanes import LANES, lane_database
+from tests.harness import Ledger, new_thread_id
 from ztate.services.canonical import canonical_bytes, sha256_hex
 from ztate.services.chain import (
     GENESIS_PARENT,
@@ -38,38 +38,16 @@ from ztate.transition_service.app import start
 
 NODE = "spiffe://ztate.test/node/input-parser"
 OPERATOR = "spiffe://ztate.test/operator/admin"
-StoreFactory = Callable[[Settings, pytest.FixtureRequest], Awaitable[tuple[str, Any]]]
 
 
-async def postgres(settings: Settings, request: pytest.FixtureRequest) -> tuple[str, Any]:
-    """A transition service on a fresh, migrated database."""
-    dsn = await fresh_database(request.getfixturevalue("postgres_server_dsn"))
-    return dsn, await start(settings, dsn=dsn)
-
-
-async def citus(settings: Settings, request: pytest.FixtureRequest) -> tuple[str, Any]:
-    """A transition service on a fresh database of a real Citus cluster, migrated and
-    distributed by ``ztate db migrate`` and ``ztate db citus``."""
-    dsn = await ztate_database(request.getfixturevalue("citus_cluster"))
-    return dsn, await start(settings, dsn=dsn)
-
-
-# name: (how to start a service on that store, the marks of its lane)
-STORES: dict[str, tuple[StoreFactory, tuple[pytest.MarkDecorator, ...]]] = {
-    "postgres": (postgres, ()),
-    "citus": (citus, (pytest.mark.citus,)),
-}
-
-
-@pytest_asyncio.fixture(
-    scope="module",
-    params=[pytest.param(name, marks=marks) for name, (_, marks) in sorted(STORES.items())],
-)
+@pytest_asyncio.fixture(scope="module", params=LANES)
 async def implementation(
     request: pytest.FixtureRequest, settings: Settings, keyring: Keyring
 ) -> AsyncIterator[tuple[TransitionStore, Ledger]]:
-    factory, _ = STORES[request.param]
-    dsn, running = await factory(settings, request)
+    """A transition service's own store on a fresh database of each lane (``LANES``:
+    Postgres, and Citus in the citus lane)."""
+    dsn = await lane_database(request.param, request)
+    running = await start(settings, dsn=dsn)
     yield running.store, Ledger(dsn, keyring)
     await running.stop(grace=1.0)
 
