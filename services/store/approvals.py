@@ -23,8 +23,10 @@ from ztate.services.chain import SealedRecord
 from ztate.services.receipts import SignedReceipt
 from ztate.services.store.transitions import (
     PENDING_COLUMNS,
+    WATCHED,
     PendingTransition,
     Rejection,
+    announce_commit,
     storable_rejection,
 )
 
@@ -38,7 +40,7 @@ OUTCOME_CHANNEL = "ztate_outcomes"
 # a worker would never reach the LISTEN connections on the coordinator. Postgres
 # delivers the announcement at commit, so a woken waiter finds everything written.
 
-COMMIT_APPROVED = """
+COMMIT_APPROVED = f"""
 WITH head AS (
     UPDATE ztate.threads
        SET version = $3, head_digest = $4, state = $5, updated_at = $10
@@ -49,14 +51,16 @@ WITH head AS (
        SET status = 'committed', decided_at = $10
      WHERE thread_id = $1 AND digest = $14 AND status = 'pending' AND EXISTS (SELECT 1 FROM head)
  RETURNING digest
+), appended AS (
+    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                                   signature, record, state, idempotency_key, request_digest,
+                                   committed_at, receipt, receipt_signature, receipt_key_id)
+    SELECT $1, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10, $15, $16, $17
+      FROM head, pend
+    RETURNING version
 )
-INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
-                               signature, record, state, idempotency_key, request_digest,
-                               committed_at, receipt, receipt_signature, receipt_key_id)
-SELECT $1, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10, $15, $16, $17
-  FROM head, pend
-RETURNING version
-"""
+SELECT version, {WATCHED} AS watched FROM appended
+"""  # noqa: S608 - constant SQL
 
 LOCK_PENDING = """
 SELECT status FROM ztate.pending_transitions WHERE thread_id = $1 AND digest = $2 FOR UPDATE
@@ -138,10 +142,10 @@ class ApprovalStore:
             status = await conn.fetchval(LOCK_PENDING, pending.thread_id, pending.digest)
             if status != "pending":
                 return str(status)
-            committed = await self._commit_locked(
+            appended = await self._commit_locked(
                 conn, sealed, state_bytes, pending, receipt, nonce, committed_at
             )
-            if not committed:
+            if appended is None:
                 return "stale"
             await conn.execute(
                 USE_RECEIPT,
@@ -155,6 +159,8 @@ class ApprovalStore:
                 committed_at,
             )
             await announce(conn, [pending.digest])
+            if appended["watched"]:
+                await announce_commit(conn, pending.thread_id)
             return "committed"
 
     @staticmethod
@@ -166,9 +172,9 @@ class ApprovalStore:
         receipt: SignedReceipt,
         nonce: str,
         committed_at: datetime,
-    ) -> bool:
+    ) -> asyncpg.Record | None:
         record = sealed.record
-        version = await conn.fetchval(
+        appended: asyncpg.Record | None = await conn.fetchrow(
             COMMIT_APPROVED,
             record["thread_id"],
             pending.base_version,
@@ -188,7 +194,7 @@ class ApprovalStore:
             receipt.signature,
             receipt.key_id,
         )
-        return version is not None
+        return appended
 
     async def close_rejected(
         self, pending: PendingTransition, receipt: SignedReceipt, nonce: str, at: datetime
