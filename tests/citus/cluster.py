@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,11 @@ class Node:
 
     def dsn(self, database: str = "postgres") -> str:
         return f"postgresql://{SUPERUSER}@{HOST}:{self.port}/{database}"
+
+    @property
+    def pid(self) -> int:
+        """The postmaster's process id (its first line of postmaster.pid)."""
+        return int((self.data / "postmaster.pid").read_text().split("\n", 1)[0])
 
     @property
     def log(self) -> Path:
@@ -179,9 +185,12 @@ class CitusCluster:
                 )
         shutil.rmtree(self.root, ignore_errors=True)
 
-    async def database(self, prefix: str = "ztate_citus") -> str:
+    async def database(
+        self, prefix: str = "ztate_citus", workers: Sequence[Node] | None = None
+    ) -> str:
         """A new database with the citus extension on every node, the coordinator
-        named and the workers added; returns the coordinator's superuser DSN."""
+        named and ``workers`` (all by default) added; returns the coordinator's
+        superuser DSN."""
         name = f"{prefix}_{uuid.uuid4().hex[:10]}"
         for node in self.nodes:
             admin = await asyncpg.connect(node.dsn())
@@ -199,7 +208,7 @@ class CitusCluster:
             await conn.execute(
                 "SELECT citus_set_coordinator_host($1, $2)", HOST, self.coordinator.port
             )
-            for worker in self.worker_nodes:
+            for worker in self.worker_nodes if workers is None else workers:
                 await conn.execute("SELECT citus_add_node($1, $2)", HOST, worker.port)
         finally:
             await conn.close()
@@ -209,13 +218,17 @@ class CitusCluster:
 ZTATE = Path(sys.executable).with_name("ztate")
 
 
-async def ztate_database(cluster: CitusCluster) -> str:
-    """A new database of ``cluster`` laid out as an operator does it (docs/scale-out.md,
-    "Applying it"): ``ztate db migrate``, then ``ztate db citus``. Returns the
-    coordinator's superuser DSN."""
-    dsn = await cluster.database()
+async def ztate_database(
+    cluster: CitusCluster, workers: Sequence[Node] | None = None, *, distribute: bool = True
+) -> str:
+    """A new database of ``cluster`` (on ``workers``, all by default) laid out as an
+    operator does it (docs/scale-out.md, "Applying it"): ``ztate db migrate``, then
+    ``ztate db citus`` unless ``distribute`` is false (the tables then stay on the
+    coordinator, as on plain Postgres). Returns the coordinator's superuser DSN."""
+    dsn = await cluster.database(workers=workers)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
-    for command in (("db", "migrate"), ("db", "citus")):
+    commands = [("db", "migrate"), ("db", "citus")] if distribute else [("db", "migrate")]
+    for command in commands:
         process = await asyncio.create_subprocess_exec(
             str(ZTATE),
             *command,
