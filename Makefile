@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/ztate/v1/*.proto)
 
-.PHONY: run test test-unit dist proto proto-check lint typecheck-tree deploy-check bench clean demo
+.PHONY: run test test-unit test-citus dist proto proto-check lint typecheck-tree deploy-check bench clean demo
 
 $(STAMP): pyproject.toml worker_sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 ## test-unit: the lane that needs no database (seconds): pure functions, vectors, configs
 test-unit: $(STAMP)
 	$(PY) -m pytest -m unit -q
+
+## test-citus: the Citus lane: a coordinator and two workers started here (needs Citus:
+## ../shared/citus/install.sh), the conformance suite, replicas, approvals, watches on it
+test-citus: $(STAMP)
+	$(PY) -m pytest -m citus
 
 ## dist: the wheels: ztate (the control plane) and ztate-worker (what a worker installs)
 dist: $(STAMP)

@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from tests.citus.cluster import CitusCluster, citus_installed
 from tests.harness import TRUST_DOMAIN, Ledger, Pki, with_database
 from ztate.contract.keyring import Keyring, generate_keyring_file
 from ztate.services.runtime.config import Settings
@@ -25,12 +26,32 @@ TEST_MAX_PATCH_BYTES = 16 * 1024
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Lanes: tests/unit/ is ``unit`` unless a test reaches Postgres through a fixture;
     everything else (real Postgres, services, processes) is ``integration``.
-    ``make test-unit`` runs the unit lane alone, with no database and no server."""
+    ``make test-unit`` runs the unit lane alone, with no database and no server.
+    Tests under tests/citus/ are also ``citus`` (so is any test parametrized with
+    that mark): they need a Citus cluster, and only ``make test-citus`` runs them."""
     for item in items:
         in_unit = Path(str(item.path)).is_relative_to(REPO / "tests" / "unit")
         needs_database = "postgres_server_dsn" in getattr(item, "fixturenames", ())
         unit = in_unit and not needs_database
         item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
+        if Path(str(item.path)).is_relative_to(REPO / "tests" / "citus"):
+            item.add_marker(pytest.mark.citus)
+
+
+@pytest.fixture(scope="session")
+def citus_cluster() -> Iterator[CitusCluster]:
+    """A real Citus cluster (a coordinator and two workers) for the ``citus`` lane
+    (``make test-citus``). Fails, rather than skips, where Citus is not installed:
+    a lane that skips itself would pass in CI with nothing tested."""
+    missing = citus_installed()
+    if missing:
+        pytest.fail(f"the citus lane needs Citus: {missing}")
+    cluster = CitusCluster()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

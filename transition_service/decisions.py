@@ -188,7 +188,7 @@ class DecisionPipeline:
         """End an approved transition that may not commit: refused, with a rejection row
         the proposer, the reviewer (through the approval service) and auditors see."""
         closed = await self._approvals.close_refused(
-            pending.digest,
+            pending,
             Rejection(
                 method="ApplyDecision",
                 node_id=pending.node_id,
@@ -228,7 +228,7 @@ class DecisionPipeline:
         self, pending: PendingTransition, signed: SignedReceipt, nonce: str, now: datetime
     ) -> Resolution:
         proposal = json.loads(pending.proposal)
-        state_bytes = await self._approvals.candidate_state(pending.digest)
+        state_bytes = await self._approvals.candidate_state(pending)
         assert state_bytes is not None  # a pending row always holds its candidate state
         sealed = seal(
             build_record(
@@ -256,7 +256,7 @@ class DecisionPipeline:
         if result.outcome in (Approved.HEAD_MOVED, Approved.KEY_TAKEN):
             if result.outcome is Approved.HEAD_MOVED:
                 self._metrics.cas_conflicts.add(1)  # the head moved since it was parked
-            await self._approvals.close_without_decision([pending.digest], "stale", now)
+            await self._approvals.close_without_decision([pending], "stale", now)
             raise errors.ApprovalStale(
                 "the thread moved on since the transition was parked; propose again"
             )

@@ -114,5 +114,5 @@ class ApprovalOutbox:
                     error.code().name,
                 )
                 return
-            await self._approvals.mark_submitted(pending.digest, datetime.now(UTC))
+            await self._approvals.mark_submitted(pending, datetime.now(UTC))
             self._failures = 0

@@ -2,9 +2,12 @@
 of a thread when it commits a new version.
 
 Every new ledger record of a watched thread is announced on ``ztate_commits``
-(payload: the thread id) by a trigger (migration 0008); every status change of a
-parked transition is announced with ``pg_notify`` in the same transaction. So
-every replica's listener hears both once they are committed. Waiters also
+(payload: the thread id) by the session that committed it, right after its commit
+(migration 0013); every status change of a parked transition is announced with
+``pg_notify`` in the same transaction. Both are sent from the committer's own
+session, which on Citus is a coordinator session, as this LISTEN connection is: so
+every replica's listener hears both once they are committed, on plain Postgres and
+on Citus alike. Waiters also
 re-read the status every second, and watchers their thread every few seconds,
 which covers an announcement missed while the listening connection was down.
 
@@ -31,9 +34,8 @@ import asyncpg
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.approvals import OUTCOME_CHANNEL
 from ztate.services.store.rows import Backend
-from ztate.services.store.transitions import session_backend, sweep_watched_threads
+from ztate.services.store.transitions import COMMIT_CHANNEL, session_backend, sweep_watched_threads
 
-COMMIT_CHANNEL = "ztate_commits"
 SWEEP_INTERVAL_SECONDS = 60.0
 FIRST_RETRY_SECONDS = 0.1
 LONGEST_RETRY_SECONDS = 5.0

@@ -3,9 +3,9 @@
 A stream first sends the versions newer than the one the caller names, then
 sleeps on the process's one LISTEN connection (``OutcomeListener``) until the
 thread commits again; it also re-reads every ``RECHECK_SECONDS``, which covers an
-announcement lost while that connection was down. Commits are announced only for
-threads some replica watches (NOTIFY serialises commits on a global lock): the
-first stream of this process on a thread registers it in
+announcement lost while that connection was down. Commits are announced, by the
+replica that made them, only for threads some replica watches (NOTIFY serialises
+on a global lock): the first stream of this process on a thread registers it in
 ``ztate.watched_threads`` under the LISTEN session's identity, the last one to end
 unregisters it, and the listener sweeps rows of sessions that are gone. A commit
 racing with the very first registration may wait for the re-read. Every message

@@ -1,10 +1,13 @@
 """The transition service's side of approvals, in Postgres.
 
-Applying an approval is one statement, like any commit: the compare-and-swap on
-the head at the parked base version, the pending transition's status, the
-receipt (whose nonce is unique forever) and the ledger record commit together or
-not at all. Every change of a parked transition's status is announced on the
-``ztate_outcomes`` channel so that waiting proposers, on any replica, wake up.
+Applying an approval is one transaction: the parked row locked, then the
+compare-and-swap on the head at the parked base version, the pending transition's
+status and the ledger record (one statement, routed to the thread's shard on
+Citus), the receipt (whose nonce is unique forever) and the announcement; they
+commit together or not at all. Every change of a parked transition's status is
+announced on the ``ztate_outcomes`` channel, on the connection that made it (on
+Citus: the coordinator, where every replica LISTENs), so that waiting proposers, on
+any replica, wake up.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Protocol
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
@@ -20,7 +24,12 @@ from ztate.contract.receipts import SignedReceipt
 from ztate.contract.record import SealedRecord
 from ztate.services.store.boundary import translated
 from ztate.services.store.rows import PendingTransition, Rejection
-from ztate.services.store.transitions import PENDING_COLUMNS, storable_rejection
+from ztate.services.store.transitions import (
+    PENDING_COLUMNS,
+    WATCHED,
+    announce_commit,
+    storable_rejection,
+)
 
 NONCE_CONSTRAINT = "receipts_nonce_key"
 
@@ -45,7 +54,15 @@ class ApprovedCommit:
 
 OUTCOME_CHANNEL = "ztate_outcomes"
 
-COMMIT_APPROVED = """
+# Every statement on pending_transitions names its thread: on Citus each is routed to
+# the one shard that holds it (FOR UPDATE runs only there). The receipt (a reference
+# table), the rejection (on the coordinator) and the announcement are separate
+# statements of the same transaction: Citus cannot write a reference table or a
+# coordinator table from a statement routed to a worker, and a pg_notify evaluated on
+# a worker would never reach the LISTEN connections on the coordinator. Postgres
+# delivers the announcement at commit, so a woken waiter finds everything written.
+
+COMMIT_APPROVED = f"""
 WITH head AS (
     UPDATE ztate.threads
        SET version = $3, head_digest = $4, state = $5, updated_at = $10
@@ -54,62 +71,68 @@ WITH head AS (
 ), pend AS (
     UPDATE ztate.pending_transitions
        SET status = 'committed', decided_at = $10
-     WHERE digest = $14 AND status = 'pending' AND EXISTS (SELECT 1 FROM head)
+     WHERE thread_id = $1 AND digest = $14 AND status = 'pending' AND EXISTS (SELECT 1 FROM head)
  RETURNING digest
-), used AS (
-    INSERT INTO ztate.receipts (receipt_digest, transition_digest, decision, nonce, receipt,
-                                signature, key_id, applied_at)
-    SELECT $15, digest, 'approve', $16, $17, $18, $19, $10 FROM pend
-    RETURNING transition_digest
-), announced AS (
-    SELECT pg_notify('ztate_outcomes', transition_digest) FROM used
+), appended AS (
+    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                                   signature, record, state, idempotency_key, request_digest,
+                                   committed_at, receipt, receipt_signature, receipt_key_id)
+    SELECT $1, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10, $15, $16, $17
+      FROM head, pend
+    RETURNING version
 )
-INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
-                               signature, record, state, idempotency_key, request_digest,
-                               committed_at, receipt, receipt_signature, receipt_key_id)
-SELECT thread_id, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10, $17, $18, $19
-  FROM head, used, announced
-RETURNING version
+SELECT version, {WATCHED} AS watched FROM appended
+"""  # noqa: S608 - constant SQL
+
+LOCK_PENDING = """
+SELECT status FROM ztate.pending_transitions WHERE thread_id = $1 AND digest = $2 FOR UPDATE
 """
 
-CLOSE_REJECTED = """
-WITH pend AS (
-    UPDATE ztate.pending_transitions SET status = 'rejected', decided_at = $2
-     WHERE digest = $1 AND status = 'pending'
- RETURNING digest
-), used AS (
-    INSERT INTO ztate.receipts (receipt_digest, transition_digest, decision, nonce, receipt,
-                                signature, key_id, applied_at)
-    SELECT $3, digest, 'reject', $4, $5, $6, $7, $2 FROM pend
-    RETURNING transition_digest
-)
-SELECT pg_notify('ztate_outcomes', transition_digest) FROM used
+CLOSE_PENDING = """
+UPDATE ztate.pending_transitions SET status = $3, decided_at = $4
+ WHERE thread_id = $1 AND digest = $2 AND status = 'pending'
+RETURNING digest
 """
 
-CLOSE_WITHOUT_DECISION = """
-WITH pend AS (
-    UPDATE ztate.pending_transitions SET status = $2, decided_at = $3
-     WHERE digest = ANY($1::text[]) AND status = 'pending'
- RETURNING digest
-)
-SELECT digest, pg_notify('ztate_outcomes', digest) FROM pend
+USE_RECEIPT = """
+INSERT INTO ztate.receipts (receipt_digest, transition_digest, decision, nonce, receipt,
+                            signature, key_id, applied_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+"""
+
+ANNOUNCE = "SELECT pg_notify('ztate_outcomes', d) FROM unnest($1::text[]) AS d"
+
+RECORD_REFUSAL = """
+INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
+                              patch_digest, patch_bytes, message)
+VALUES ($1, $2, $3, $4, $5, $6, NULL, NULL, $7)
 """
 
 
-# Refused at commit: the rejection row and the status change in one statement, so that
-# a waiter woken by the notification always finds the reason.
-CLOSE_REFUSED = """
-WITH pend AS (
-    UPDATE ztate.pending_transitions SET status = 'refused', decided_at = $2
-     WHERE digest = $1 AND status = 'pending'
- RETURNING digest
-), rejected AS (
-    INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
-                                  patch_digest, patch_bytes, message)
-    SELECT $3, $4, $5, $6, $7, $8, NULL, NULL, $9 FROM pend
-)
-SELECT digest, pg_notify('ztate_outcomes', digest) FROM pend
-"""
+async def announce(conn: PoolConnectionProxy[asyncpg.Record], digests: list[str]) -> None:
+    """Announce status changes of parked transitions on ``ztate_outcomes``; in a
+    transaction, Postgres delivers them once it commits."""
+    if digests:
+        await conn.execute(ANNOUNCE, digests)
+
+
+class PendingKey(Protocol):
+    """What names a parked transition: its thread (the distribution column) and digest.
+    A ``PendingTransition`` is one."""
+
+    @property
+    def thread_id(self) -> str: ...
+
+    @property
+    def digest(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedKey:
+    """A ``PendingKey`` without the rest of the row."""
+
+    thread_id: str
+    digest: str
 
 
 class ApprovalStore:
@@ -137,21 +160,34 @@ class ApprovalStore:
         first locks the parked row; every outcome but ``COMMITTED`` wrote nothing."""
         try:
             async with self._pool.acquire() as conn, conn.transaction():
-                status = await conn.fetchval(
-                    "SELECT status FROM ztate.pending_transitions WHERE digest = $1 FOR UPDATE",
-                    pending.digest,
-                )
+                status = await conn.fetchval(LOCK_PENDING, pending.thread_id, pending.digest)
                 if status != "pending":
                     return ApprovedCommit(Approved.NOT_PENDING, str(status))
-                committed = await self._commit_locked(
+                appended = await self._commit_locked(
                     conn, sealed, state_bytes, pending, receipt, nonce, committed_at
                 )
+                if appended is None:
+                    return ApprovedCommit(Approved.HEAD_MOVED)
+                await conn.execute(
+                    USE_RECEIPT,
+                    receipt.digest,
+                    pending.digest,
+                    "approve",
+                    nonce,
+                    receipt.receipt_bytes,
+                    receipt.signature,
+                    receipt.key_id,
+                    committed_at,
+                )
+                await announce(conn, [pending.digest])
+                if appended["watched"]:
+                    await announce_commit(conn, pending.thread_id)
         except asyncpg.UniqueViolationError as violation:
             # the whole transaction rolled back
             if violation.constraint_name == NONCE_CONSTRAINT:
                 return ApprovedCommit(Approved.NONCE_USED)
             return ApprovedCommit(Approved.KEY_TAKEN)
-        return ApprovedCommit(Approved.COMMITTED if committed else Approved.HEAD_MOVED)
+        return ApprovedCommit(Approved.COMMITTED)
 
     @staticmethod
     async def _commit_locked(
@@ -162,9 +198,9 @@ class ApprovalStore:
         receipt: SignedReceipt,
         nonce: str,
         committed_at: datetime,
-    ) -> bool:
+    ) -> asyncpg.Record | None:
         record = sealed.record
-        version = await conn.fetchval(
+        appended: asyncpg.Record | None = await conn.fetchrow(
             COMMIT_APPROVED,
             record["thread_id"],
             pending.base_version,
@@ -180,66 +216,89 @@ class ApprovalStore:
             pending.idempotency_key,
             pending.request_digest,
             pending.digest,
-            receipt.digest,
-            nonce,
             receipt.receipt_bytes,
             receipt.signature,
             receipt.key_id,
         )
-        return version is not None
+        return appended
 
     @translated
     async def close_rejected(
         self, pending: PendingTransition, receipt: SignedReceipt, nonce: str, at: datetime
     ) -> bool:
-        """Record a rejection; False if the transition was no longer pending."""
-        row = await self._pool.fetchrow(
-            CLOSE_REJECTED,
-            pending.digest,
-            at,
-            receipt.digest,
-            nonce,
-            receipt.receipt_bytes,
-            receipt.signature,
-            receipt.key_id,
-        )
-        return row is not None
+        """Record a rejection; False if the transition was no longer pending.
+
+        Raises ``asyncpg.UniqueViolationError`` if the receipt's nonce was used."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            closed = await conn.fetchval(
+                CLOSE_PENDING, pending.thread_id, pending.digest, "rejected", at
+            )
+            if closed is None:
+                return False
+            await conn.execute(
+                USE_RECEIPT,
+                receipt.digest,
+                pending.digest,
+                "reject",
+                nonce,
+                receipt.receipt_bytes,
+                receipt.signature,
+                receipt.key_id,
+                at,
+            )
+            await announce(conn, [pending.digest])
+            return True
 
     @translated
-    async def close_refused(self, digest: str, rejection: Rejection, at: datetime) -> bool:
-        """Close an approved transition the policy no longer allows, recording why, at
-        once; False if it was no longer pending (nothing written)."""
+    async def close_refused(
+        self, pending: PendingTransition, rejection: Rejection, at: datetime
+    ) -> bool:
+        """Close an approved transition the policy no longer allows, recording why, in
+        one transaction (a woken waiter always finds the reason); False if it was no
+        longer pending (nothing written)."""
         safe = storable_rejection(rejection)
-        row = await self._pool.fetchrow(
-            CLOSE_REFUSED,
-            digest,
-            at,
-            safe.method,
-            safe.node_id,
-            safe.thread_id,
-            safe.base_version,
-            safe.reason,
-            list(safe.keys),
-            safe.message,
-        )
-        return row is not None
+        async with self._pool.acquire() as conn, conn.transaction():
+            closed = await conn.fetchval(
+                CLOSE_PENDING, pending.thread_id, pending.digest, "refused", at
+            )
+            if closed is None:
+                return False
+            await conn.execute(
+                RECORD_REFUSAL,
+                safe.method,
+                safe.node_id,
+                safe.thread_id,
+                safe.base_version,
+                safe.reason,
+                list(safe.keys),
+                safe.message,
+            )
+            await announce(conn, [pending.digest])
+            return True
 
     @translated
     async def close_without_decision(
-        self, digests: list[str], status: str, at: datetime
+        self, parked: list[PendingKey], status: str, at: datetime
     ) -> list[str]:
-        """Mark pending transitions stale or expired; returns those that changed."""
-        rows = await self._pool.fetch(CLOSE_WITHOUT_DECISION, digests, status, at)
-        return [row["digest"] for row in rows]
+        """Mark pending transitions stale or expired; returns the digests of those that
+        changed."""
+        closed: list[str] = []
+        async with self._pool.acquire() as conn, conn.transaction():
+            for key in parked:
+                digest = await conn.fetchval(CLOSE_PENDING, key.thread_id, key.digest, status, at)
+                if digest is not None:
+                    closed.append(digest)
+            await announce(conn, closed)
+        return closed
 
     @translated
-    async def overdue(self, older_than: timedelta, now: datetime) -> list[str]:
+    async def overdue(self, older_than: timedelta, now: datetime) -> list[PendingKey]:
         rows = await self._pool.fetch(
-            "SELECT digest FROM ztate.pending_transitions "
+            "SELECT thread_id, digest FROM ztate.pending_transitions "
             "WHERE status = 'pending' AND parked_at < $1 ORDER BY parked_at LIMIT 500",
             now - older_than,
         )
-        return [row["digest"] for row in rows]
+        return [ParkedKey(row["thread_id"], row["digest"]) for row in rows]
 
     @translated
     async def to_submit(self, limit: int) -> list[PendingTransition]:
@@ -251,11 +310,12 @@ class ApprovalStore:
         return [PendingTransition.from_row(row) for row in rows]
 
     @translated
-    async def mark_submitted(self, digest: str, at: datetime) -> None:
+    async def mark_submitted(self, pending: PendingKey, at: datetime) -> None:
         await self._pool.execute(
-            "UPDATE ztate.pending_transitions SET submitted_at = $2 "
-            "WHERE digest = $1 AND submitted_at IS NULL",
-            digest,
+            "UPDATE ztate.pending_transitions SET submitted_at = $3 "
+            "WHERE thread_id = $1 AND digest = $2 AND submitted_at IS NULL",
+            pending.thread_id,
+            pending.digest,
             at,
         )
 
@@ -273,8 +333,10 @@ class ApprovalStore:
         return bytes(row["record"]), None if row["state"] is None else bytes(row["state"])
 
     @translated
-    async def candidate_state(self, digest: str) -> bytes | None:
+    async def candidate_state(self, pending: PendingKey) -> bytes | None:
         state: bytes | None = await self._pool.fetchval(
-            "SELECT state FROM ztate.pending_transitions WHERE digest = $1", digest
+            "SELECT state FROM ztate.pending_transitions WHERE thread_id = $1 AND digest = $2",
+            pending.thread_id,
+            pending.digest,
         )
         return state

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.contract.record import SealedRecord
@@ -40,7 +41,12 @@ from ztate.services.store.rows import (
     VersionState,
 )
 
-COMMIT = """
+# Whether some replica watches thread $1 (migration 0008): then the committer
+# announces the commit (announce_commit).
+WATCHED = "EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = $1)"
+COMMIT_CHANNEL = "ztate_commits"
+
+COMMIT = f"""
 WITH head AS (
     UPDATE ztate.threads
        SET version = $3, head_digest = $4, state = $5, updated_at = $10
@@ -49,13 +55,15 @@ WITH head AS (
        AND NOT EXISTS (SELECT 1 FROM ztate.pending_transitions p
                         WHERE p.thread_id = $1 AND p.node_id = $7 AND p.idempotency_key = $12)
  RETURNING thread_id
+), appended AS (
+    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                                   signature, record, state, idempotency_key, request_digest,
+                                   committed_at)
+    SELECT $1, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10 FROM head
+    RETURNING version
 )
-INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
-                               signature, record, state, idempotency_key, request_digest,
-                               committed_at)
-SELECT thread_id, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10 FROM head
-RETURNING version
-"""
+SELECT version, {WATCHED} AS watched FROM appended
+"""  # noqa: S608 - constant SQL
 
 CREATE_THREAD = """
 WITH head AS (
@@ -108,6 +116,15 @@ async def sweep_watched_threads(conn: asyncpg.Connection) -> int:
     """Remove the watched threads of replicas whose LISTEN session is gone."""
     swept: int = await conn.fetchval("SELECT ztate.sweep_watched_threads()")
     return swept
+
+
+async def announce_commit(conn: asyncpg.Pool | PoolConnectionProxy[Any], thread_id: str) -> None:
+    """Wake the watchers of ``thread_id`` on every replica (migration 0013).
+
+    Sent by the session that committed, after (or, in a transaction, with) the
+    commit: on Citus that is a coordinator session, where every replica LISTENs,
+    whereas a NOTIFY on the worker holding the thread's shard would reach no one."""
+    await conn.execute("SELECT pg_notify($1, $2)", COMMIT_CHANNEL, thread_id)
 
 
 async def keep_session(_conn: asyncpg.Connection) -> None:
@@ -219,7 +236,7 @@ class PostgresTransitionStore:
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
         try:
-            version = await self._pool.fetchval(
+            row = await self._pool.fetchrow(
                 COMMIT,
                 record["thread_id"],
                 expected_version,
@@ -240,7 +257,11 @@ class PostgresTransitionStore:
             self._metrics.commit_duration.record(time.perf_counter() - started)
             return Commit.KEY_TAKEN
         self._metrics.commit_duration.record(time.perf_counter() - started)
-        return Commit.HEAD_MOVED if version is None else Commit.COMMITTED
+        if row is None:
+            return Commit.HEAD_MOVED
+        if row["watched"]:
+            await announce_commit(self._pool, record["thread_id"])
+        return Commit.COMMITTED
 
     @translated
     async def find_by_idempotency_key(

@@ -18,7 +18,6 @@ import shutil
 import signal
 import socket
 import sys
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -30,6 +29,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from tests.citus.lanes import LANES, lane_database
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
@@ -41,7 +41,6 @@ from tests.harness import (
     client,
     new_thread_id,
     secure_channel,
-    with_database,
 )
 from ztate.contract.keyring import generate_signing_key, load_public_keys, load_signing_key
 from ztate.contract.receipts import SignedReceipt as Receipt
@@ -252,16 +251,16 @@ class World:
             await conn.close()
 
 
-@pytest_asyncio.fixture(scope="module")
+@pytest_asyncio.fixture(scope="module", params=LANES)
 async def world(
-    postgres_server_dsn: str, pki: Pki, keyring_file: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    pki: Pki,
+    keyring_file: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[World]:
+    """Both services on a fresh database of each lane (Postgres; Citus in its lane)."""
     root = tmp_path_factory.mktemp("approvals")
-    name = f"ztate_approvals_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    await admin.close()
-    dsn = with_database(postgres_server_dsn, name)
+    dsn = await lane_database(request.param, request)
     ca.issue(
         pki.ca_dir,
         Identity(TRUST_DOMAIN, Role.SERVICE, "approval"),

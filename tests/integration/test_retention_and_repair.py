@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +26,7 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2, status_pb2
 
+from tests.citus.lanes import LANES, lane_database
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
@@ -36,7 +36,6 @@ from tests.harness import (
     act,
     client,
     new_thread_id,
-    with_database,
 )
 from ztate.contract.errors import RecordInvalid
 from ztate.contract.keyring import Keyring, rotate_keyring_file
@@ -120,23 +119,19 @@ class World:
             await conn.close()
 
 
-@pytest_asyncio.fixture(scope="module")
+@pytest_asyncio.fixture(scope="module", params=LANES)
 async def world(
-    postgres_server_dsn: str,
+    request: pytest.FixtureRequest,
     pki: Pki,
     keyring_file: Path,
     settings: Settings,
     policy_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[World]:
+    """A service with a keyring of its own, on a fresh database of each lane (Postgres;
+    Citus in its lane)."""
     root = tmp_path_factory.mktemp("retention")
-    name = f"ztate_retention_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(postgres_server_dsn, name)
+    dsn = await lane_database(request.param, request)
     own_keyring = root / "hmac-keyring.json"
     shutil.copyfile(keyring_file, own_keyring)
     own = settings.model_copy(

@@ -18,6 +18,7 @@ with the same keyring, policy and certificates, and prove:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -157,7 +158,18 @@ async def cluster(
     finally:
         await admin.close()
     dsn = with_database(postgres_server_dsn, name)
-    env = replica_env(dsn, pki, keyring_file, policy_dir, tmp_path_factory.mktemp("scale-home"))
+    home = tmp_path_factory.mktemp("scale-home")
+    async with replicas_on(dsn, pki, keyring_file, policy_dir, home) as cluster:
+        yield cluster
+
+
+@contextlib.asynccontextmanager
+async def replicas_on(
+    dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, home: Path
+) -> AsyncIterator[Cluster]:
+    """REPLICAS `ztate serve` processes on ``dsn``, started together and serving; each
+    must stop cleanly (exit 0) on SIGTERM afterwards."""
+    env = replica_env(dsn, pki, keyring_file, policy_dir, home)
     replicas = [await start_replica(env) for _ in range(REPLICAS)]
     try:
         await asyncio.gather(*(wait_serving(r, pki) for r in replicas))

@@ -1,5 +1,6 @@
 """The transition store's contract, as its docstrings state it, run against every
-implementation (today Postgres; the Citus lane adds its own fixture to ``STORES``).
+implementation: Postgres, and Citus (a coordinator and two workers; marked ``citus``, so
+only ``make test-citus`` runs it), through ``tests/citus/lanes.py``'s ``LANES``.
 
 Each test drives the store directly, below the pipeline: what a method returns in each
 case, and what it leaves written.
@@ -8,7 +9,7 @@ case, and what it leaves written.
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,7 +18,8 @@ import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from tests.harness import Ledger, fresh_database, new_thread_id
+from tests.citus.lanes import LANES, lane_database
+from tests.harness import Ledger, new_thread_id
 from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.checkpoints import sign_checkpoint
 from ztate.contract.keyring import Keyring
@@ -46,25 +48,17 @@ from ztate.transition_service.app import start
 
 NODE = "spiffe://ztate.test/node/input-parser"
 OPERATOR = "spiffe://ztate.test/operator/admin"
-StoreFactory = Callable[[Settings, str], Awaitable[tuple[TransitionStore, str, Any]]]
 
 
-async def postgres(settings: Settings, server_dsn: str) -> tuple[TransitionStore, str, Any]:
-    """A transition service's own store on a fresh, migrated database."""
-    dsn = await fresh_database(server_dsn)
-    running = await start(settings, dsn=dsn)
-    return running.store, dsn, running
-
-
-STORES: dict[str, StoreFactory] = {"postgres": postgres}
-
-
-@pytest_asyncio.fixture(scope="module", params=sorted(STORES))
+@pytest_asyncio.fixture(scope="module", params=LANES)
 async def implementation(
-    request: pytest.FixtureRequest, settings: Settings, postgres_server_dsn: str, keyring: Keyring
+    request: pytest.FixtureRequest, settings: Settings, keyring: Keyring
 ) -> AsyncIterator[tuple[TransitionStore, Ledger]]:
-    store, dsn, running = await STORES[request.param](settings, postgres_server_dsn)
-    yield store, Ledger(dsn, keyring)
+    """A transition service's own store on a fresh database of each lane (``LANES``:
+    Postgres, and Citus in the citus lane)."""
+    dsn = await lane_database(request.param, request)
+    running = await start(settings, dsn=dsn)
+    yield running.store, Ledger(dsn, keyring)
     await running.stop(grace=1.0)
 
 

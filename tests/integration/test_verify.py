@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import sys
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -30,6 +29,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from tests.citus.lanes import LANES, lane_database
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
@@ -39,6 +39,7 @@ from tests.harness import (
     as_operator_sees_it,
     client,
     deliver_approval,
+    fresh_database,
     new_thread_id,
     with_database,
 )
@@ -117,8 +118,11 @@ class World:
         self.tampered.add(thread_id)
         conn = await asyncpg.connect(self.dsn)
         try:
-            await conn.execute("SET session_replication_role = replica")
             async with conn.transaction():
+                # on Citus, SET LOCAL reaches the workers' sessions too (a plain
+                # Postgres takes the citus.* name as a placeholder and ignores it)
+                await conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
+                await conn.execute("SET LOCAL session_replication_role = replica")
                 for sql, args in statements:
                     await conn.execute(sql, *args)
         finally:
@@ -143,16 +147,8 @@ class World:
         return findings, summary
 
 
-async def open_world(
-    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, root: Path
-) -> World:
-    name = f"ztate_verify_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = with_database(postgres_server_dsn, name)
+async def open_world(dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, root: Path) -> World:
+    """A transition service (with an approval public key) on the fresh database ``dsn``."""
     public_keys = root / "approval-public.json"
     generate_signing_key(root / "approval" / "signing-key.pem", public_keys, "approval-k1")
     settings = Settings(
@@ -173,16 +169,21 @@ async def open_world(
     return World(dsn, root, pki, settings, service, keyring, trust)
 
 
-@pytest_asyncio.fixture(scope="module")
+@pytest_asyncio.fixture(scope="module", params=LANES)
 async def world(
-    postgres_server_dsn: str,
+    request: pytest.FixtureRequest,
     pki: Pki,
     keyring_file: Path,
     policy_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[World]:
+    """On a fresh database of each lane (Postgres; Citus in its lane)."""
     opened = await open_world(
-        postgres_server_dsn, pki, keyring_file, policy_dir, tmp_path_factory.mktemp("verify")
+        await lane_database(request.param, request),
+        pki,
+        keyring_file,
+        policy_dir,
+        tmp_path_factory.mktemp("verify"),
     )
     yield opened
     await opened.service.stop(grace=1.0)
@@ -598,7 +599,9 @@ async def test_the_command_exits_0_clean_1_tampered_2_unable(
     policy_dir: Path,
     tmp_path: Path,
 ) -> None:
-    own = await open_world(postgres_server_dsn, pki, keyring_file, policy_dir, tmp_path)
+    own = await open_world(
+        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
+    )
     try:
         thread_id = await own.thread()
         await own.thread()

@@ -1,13 +1,12 @@
 """The optional Citus layout, checked on real (plain) Postgres.
 
-Citus itself is not installable on this machine (no Debian or PyPI package), so
-what is checked here is everything that does not need it: that the layout names
-every table the migrations create, that every distributed table is keyed by
-thread_id once citus_prepare.sql ran (the rule Citus enforces on primary keys,
-unique constraints and foreign keys), that the transition service still commits,
-parks and indexes on the prepared schema, and that `ztate db citus` refuses a
-database without the extension and changes nothing. create_distributed_table
-itself has not been run against a real Citus.
+What is checked here needs no Citus: that the layout names every table the
+migrations create, that every distributed table is keyed by thread_id once
+citus_prepare.sql ran (the rule Citus enforces on primary keys, unique constraints
+and foreign keys), that the transition service still commits, parks and indexes on
+the prepared schema, and that `ztate db citus` refuses a database without the
+extension and changes nothing. The layout on a real cluster is the citus lane's
+(tests/citus/, `make test-citus`).
 """
 
 from __future__ import annotations
@@ -149,12 +148,14 @@ async def test_the_keys_citus_needs_replace_the_global_ones(prepared: asyncpg.Co
 
 def test_the_commit_names_its_thread_in_every_table_it_touches() -> None:
     """Single-shard: each table of the hot-path statement is reached by thread_id = $1
-    (or, for the insert, from the row the thread-keyed update returned)."""
+    (the insert writes $1 itself). tests/citus/test_layout.py checks the plan on a
+    real cluster."""
     tables = set(re.findall(r"ztate\.(\w+)", COMMIT))
     assert tables <= set(DISTRIBUTED)
     assert re.search(r"WHERE thread_id = \$1 AND version = \$2", COMMIT)
     assert re.search(r"p\.thread_id = \$1", COMMIT)
-    assert re.search(r"SELECT thread_id, .* FROM head", COMMIT)
+    assert re.search(r"w\.thread_id = \$1", COMMIT)
+    assert re.search(r"SELECT \$1, .* FROM head", COMMIT)
 
 
 async def test_the_service_commits_parks_and_indexes_on_the_prepared_schema(

@@ -47,3 +47,42 @@ BEGIN
     END IF;
 END;
 $$;
+
+-- Citus runs a statement's shard queries on the workers as the role that runs the
+-- statement: for a service session (a login that did SET ROLE ztate_transition)
+-- that is the service role, which the migrations create NOLOGIN. Every role
+-- granted anything on schema ztate's tables may therefore log in on the workers
+-- (only there: on the coordinator, where clients connect, it stays NOLOGIN; the
+-- workers' pg_hba.conf decides how the coordinator authenticates). Citus copies
+-- roles as the coordinator defines them onto a worker added later: run `ztate db
+-- citus` again after citus_add_node.
+DO $$
+DECLARE
+    grantee text;
+    failed text;
+BEGIN
+    FOR grantee IN
+        SELECT DISTINCT r.rolname
+          FROM (SELECT c.relacl FROM pg_catalog.pg_class c
+                 WHERE c.relnamespace = 'ztate'::regnamespace
+                UNION ALL  -- column grants (the pruner may update one column)
+                SELECT t.attacl FROM pg_catalog.pg_attribute t
+                  JOIN pg_catalog.pg_class c ON c.oid = t.attrelid
+                 WHERE c.relnamespace = 'ztate'::regnamespace) g(acl)
+          CROSS JOIN LATERAL pg_catalog.aclexplode(g.acl) a
+          JOIN pg_catalog.pg_roles r ON r.oid = a.grantee
+         WHERE NOT r.rolcanlogin
+         ORDER BY r.rolname
+    LOOP
+        -- not propagated back: the worker's own copy of the role alone changes
+        SELECT pg_catalog.string_agg(w.nodename || ':' || w.nodeport || ' ' || w.result, '; ')
+          INTO failed
+          FROM run_command_on_workers(pg_catalog.format(
+                   'SET citus.enable_ddl_propagation TO off; ALTER ROLE %I LOGIN', grantee)) w
+         WHERE NOT w.success;
+        IF failed IS NOT NULL THEN
+            RAISE EXCEPTION 'could not let role % log in on the workers: %', grantee, failed;
+        END IF;
+    END LOOP;
+END;
+$$;
