@@ -1,0 +1,69 @@
+"""The TypeScript client package (worker_sdk/typescript) against the real service over
+mTLS: its node:test suite, run here so that `make test` runs it. The same run checks
+the package's receipt, checkpoint and transition-digest code against the files of
+tests/vectors/ that ztate.contract's tests run. Installed from the package's own
+package-lock.json (`npm ci`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.harness import INITIAL, Pki, client, new_thread_id
+
+PACKAGE = Path(__file__).resolve().parents[2] / "worker_sdk" / "typescript"
+NODE, NPM = shutil.which("node"), shutil.which("npm")
+
+
+@pytest.fixture(scope="module")
+def installed() -> Path:
+    if NODE is None or NPM is None:
+        pytest.skip("Node.js and npm are not installed on this machine")
+    if not (PACKAGE / "node_modules" / "@connectrpc" / "connect-node").exists():
+        subprocess.run(
+            [NPM, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=PACKAGE,
+            check=True,
+            timeout=300,
+        )
+    return PACKAGE
+
+
+async def test_the_typescript_client_passes_its_suite_against_the_service(
+    installed: Path, target: str, pki: Pki
+) -> None:
+    thread_id = new_thread_id()
+    async with client(target, pki.operator()) as operator:
+        await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+    creds, stranger = pki.node("input-parser"), pki.foreign("input-parser")
+    assert NPM is not None
+    process = await asyncio.create_subprocess_exec(
+        NPM,
+        "test",
+        "--silent",
+        cwd=installed,
+        env={
+            **os.environ,
+            "ZTATE_TARGET": target,
+            "ZTATE_CERT": str(creds.cert),
+            "ZTATE_KEY": str(creds.key),
+            "ZTATE_CA": str(creds.ca),
+            "ZTATE_FOREIGN_CERT": str(stranger.cert),
+            "ZTATE_FOREIGN_KEY": str(stranger.key),
+            "ZTATE_THREAD": thread_id,
+        },
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 180)
+    report = stdout.decode()
+    assert process.returncode == 0, report + stderr.decode()
+    counts = {m[0]: int(m[1]) for m in re.findall(r"^# (pass|fail|skipped) (\d+)$", report, re.M)}
+    assert counts["fail"] == 0 and counts["skipped"] == 0, report
+    assert counts["pass"] >= 45, report
