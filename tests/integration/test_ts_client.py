@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,20 @@ async def test_the_typescript_example_worker_uses_only_the_package(
     assert committed["digest"] == ""  # not marked read_records (docs/api.md)
     assert refused["reason"] == "KEY_NOT_WRITABLE"
     assert refused["keys"] == ["is_admin"]
+
+
+def test_the_generated_typescript_is_what_the_protos_make(installed: Path, tmp_path: Path) -> None:
+    """As `make proto-check` does for Python: src/gen/ is never edited by hand or stale."""
+    buf = Path(sys.executable).with_name("buf")
+    subprocess.run(
+        [str(buf), "generate", "--template", "buf.gen.yaml", "-o", str(tmp_path)],
+        cwd=installed,
+        check=True,
+        timeout=120,
+    )
+    made = {p.relative_to(tmp_path / "src" / "gen"): p.read_bytes() for p in tmp_path.rglob("*.ts")}
+    kept = {
+        p.relative_to(installed / "src" / "gen"): p.read_bytes()
+        for p in (installed / "src" / "gen").rglob("*.ts")
+    }
+    assert made == kept, "run `npm run generate` in worker_sdk/typescript and commit"
