@@ -19,7 +19,6 @@ import asyncpg
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ztate.approval_service.delivery import ReceiptDelivery, transition_channel
 from ztate.approval_service.notifier import Notifier, NullNotifier, WebhookNotifier
@@ -32,6 +31,7 @@ from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
 from ztate.services.runtime.identity import Authenticator
+from ztate.services.runtime.reflection import enable_reflection
 from ztate.services.runtime.revocation import Revocations
 from ztate.services.runtime.serving import raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
@@ -213,11 +213,10 @@ async def _serve_on(
         interval=settings.health_interval_seconds,
         timeout=settings.health_timeout_seconds,
     )
-    reflection.enable_server_reflection(
+    enable_reflection(
         (
             SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
         ),
         server,
     )

@@ -13,7 +13,6 @@ import asyncpg
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ztate.contract.errors import KeyFileError
 from ztate.contract.keyring import Keyring, load_public_keys, load_signing_key
@@ -23,6 +22,7 @@ from ztate.services.runtime.config import Settings
 from ztate.services.runtime.decoding import RefuseUndecodable
 from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_ping
 from ztate.services.runtime.identity import Authenticator
+from ztate.services.runtime.reflection import enable_reflection
 from ztate.services.runtime.revocation import Revocations
 from ztate.services.runtime.serving import raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
@@ -267,12 +267,11 @@ async def _start_traced(
         interval=settings.health_interval_seconds,
         timeout=settings.health_timeout_seconds,
     )
-    reflection.enable_server_reflection(
+    enable_reflection(
         (
             SERVICE_NAME,
             LEDGER_SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
         ),
         server,
     )

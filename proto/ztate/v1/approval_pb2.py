@@ -22,43 +22,61 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ztate/v1/approval.proto\x12\x08ztate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"H\n\rSignedReceipt\x12\x14\n\x0creceipt_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\xf3\x02\n\x06Review\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x12\n\nrisk_rules\x18\x05 \x03(\t\x12\x1a\n\x12required_approvals\x18\x06 \x01(\x05\x12\x1a\n\x12redacted_diff_json\x18\x07 \x01(\x0c\x12&\n\x06status\x18\x08 \x01(\x0e\x32\x16.ztate.v1.ReviewStatus\x12\x11\n\tapprovers\x18\t \x03(\t\x12-\n\topened_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12(\n\x07receipt\x18\x0c \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\x12\x0f\n\x07outcome\x18\r \x01(\t\"\x91\x02\n\x13SubmitReviewRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x12\n\nrisk_rules\x18\x05 \x03(\t\x12\x1a\n\x12required_approvals\x18\x06 \x01(\x05\x12\x15\n\rproposal_json\x18\x07 \x01(\x0c\x12\x1e\n\x12redacted_diff_json\x18\x08 \x01(\x0c\x42\x02\x18\x01\x12\x18\n\x10\x62\x61se_record_json\x18\t \x01(\x0c\x12\x17\n\x0f\x62\x61se_state_json\x18\n \x01(\x0c\x12\x16\n\x0esensitive_keys\x18\x0b \x03(\t\"8\n\x14SubmitReviewResponse\x12 \n\x06review\x18\x01 \x01(\x0b\x32\x10.ztate.v1.Review\"v\n\x12ListReviewsRequest\x12&\n\x06status\x18\x01 \x01(\x0e\x32\x16.ztate.v1.ReviewStatus\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"Q\n\x13ListReviewsResponse\x12!\n\x07reviews\x18\x01 \x03(\x0b\x32\x10.ztate.v1.Review\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10GetReviewRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"5\n\x11GetReviewResponse\x12 \n\x06review\x18\x01 \x01(\x0b\x32\x10.ztate.v1.Review\"E\n\rDecideRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12$\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x12.ztate.v1.Decision\"2\n\x0e\x44\x65\x63ideResponse\x12 \n\x06review\x18\x01 \x01(\x0b\x32\x10.ztate.v1.Review*\x98\x01\n\x0cReviewStatus\x12\x1d\n\x19REVIEW_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12REVIEW_STATUS_OPEN\x10\x01\x12\x1a\n\x16REVIEW_STATUS_APPROVED\x10\x02\x12\x1a\n\x16REVIEW_STATUS_REJECTED\x10\x03\x12\x19\n\x15REVIEW_STATUS_EXPIRED\x10\x04*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45\x43ISION_APPROVE\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_REJECT\x10\x02\x32\xaf\x02\n\x0f\x41pprovalService\x12M\n\x0cSubmitReview\x12\x1d.ztate.v1.SubmitReviewRequest\x1a\x1e.ztate.v1.SubmitReviewResponse\x12J\n\x0bListReviews\x12\x1c.ztate.v1.ListReviewsRequest\x1a\x1d.ztate.v1.ListReviewsResponse\x12\x44\n\tGetReview\x12\x1a.ztate.v1.GetReviewRequest\x1a\x1b.ztate.v1.GetReviewResponse\x12;\n\x06\x44\x65\x63ide\x12\x17.ztate.v1.DecideRequest\x1a\x18.ztate.v1.DecideResponseB0Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ztate/v1/approval.proto\x12\x08ztate.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"H\n\rSignedReceipt\x12\x14\n\x0creceipt_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"\xf3\x02\n\x06Review\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x12\n\nrisk_rules\x18\x05 \x03(\t\x12\x1a\n\x12required_approvals\x18\x06 \x01(\x05\x12\x1a\n\x12redacted_diff_json\x18\x07 \x01(\x0c\x12&\n\x06status\x18\x08 \x01(\x0e\x32\x16.ztate.v1.ReviewStatus\x12\x11\n\tapprovers\x18\t \x03(\t\x12-\n\topened_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12(\n\x07receipt\x18\x0c \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\x12\x0f\n\x07outcome\x18\r \x01(\t\"\xb5\x02\n\x13SubmitReviewRequest\x12\x14\n\x06\x64igest\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x17\n\tthread_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x15\n\x07node_id\x18\x04 \x01(\tB\x04\xe2\x41\x01\x02\x12\x12\n\nrisk_rules\x18\x05 \x03(\t\x12\x1a\n\x12required_approvals\x18\x06 \x01(\x05\x12\x1b\n\rproposal_json\x18\x07 \x01(\x0c\x42\x04\xe2\x41\x01\x02\x12\x1e\n\x12redacted_diff_json\x18\x08 \x01(\x0c\x42\x02\x18\x01\x12\x1e\n\x10\x62\x61se_record_json\x18\t \x01(\x0c\x42\x04\xe2\x41\x01\x02\x12\x1d\n\x0f\x62\x61se_state_json\x18\n \x01(\x0c\x42\x04\xe2\x41\x01\x02\x12\x16\n\x0esensitive_keys\x18\x0b \x03(\t\"8\n\x14SubmitReviewResponse\x12 \n\x06review\x18\x01 \x01(\x0b\x32\x10.ztate.v1.Review\"v\n\x12ListReviewsRequest\x12&\n\x06status\x18\x01 \x01(\x0e\x32\x16.ztate.v1.ReviewStatus\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"Q\n\x13ListReviewsResponse\x12!\n\x07reviews\x18\x01 \x03(\x0b\x32\x10.ztate.v1.Review\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x10GetReviewRequest\x12\x14\n\x06\x64igest\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"5\n\x11GetReviewResponse\x12 \n\x06review\x18\x01 \x01(\x0b\x32\x10.ztate.v1.Review\"Q\n\rDecideRequest\x12\x14\n\x06\x64igest\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12*\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x12.ztate.v1.DecisionB\x04\xe2\x41\x01\x02\"2\n\x0e\x44\x65\x63ideResponse\x12 \n\x06review\x18\x01 \x01(\x0b\x32\x10.ztate.v1.Review*\x98\x01\n\x0cReviewStatus\x12\x1d\n\x19REVIEW_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12REVIEW_STATUS_OPEN\x10\x01\x12\x1a\n\x16REVIEW_STATUS_APPROVED\x10\x02\x12\x1a\n\x16REVIEW_STATUS_REJECTED\x10\x03\x12\x19\n\x15REVIEW_STATUS_EXPIRED\x10\x04*O\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45\x43ISION_APPROVE\x10\x01\x12\x13\n\x0f\x44\x45\x43ISION_REJECT\x10\x02\x32\xaf\x02\n\x0f\x41pprovalService\x12M\n\x0cSubmitReview\x12\x1d.ztate.v1.SubmitReviewRequest\x1a\x1e.ztate.v1.SubmitReviewResponse\x12J\n\x0bListReviews\x12\x1c.ztate.v1.ListReviewsRequest\x1a\x1d.ztate.v1.ListReviewsResponse\x12\x44\n\tGetReview\x12\x1a.ztate.v1.GetReviewRequest\x1a\x1b.ztate.v1.GetReviewResponse\x12;\n\x06\x44\x65\x63ide\x12\x17.ztate.v1.DecideRequest\x1a\x18.ztate.v1.DecideResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ztate.v1.approval_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  _globals['DESCRIPTOR']._loaded_options = None
-  _globals['DESCRIPTOR']._serialized_options = b'Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1'
+  DESCRIPTOR._loaded_options = None
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['digest']._loaded_options = None
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['digest']._serialized_options = b'\342A\001\002'
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['node_id']._loaded_options = None
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['node_id']._serialized_options = b'\342A\001\002'
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['proposal_json']._loaded_options = None
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['proposal_json']._serialized_options = b'\342A\001\002'
   _globals['_SUBMITREVIEWREQUEST'].fields_by_name['redacted_diff_json']._loaded_options = None
   _globals['_SUBMITREVIEWREQUEST'].fields_by_name['redacted_diff_json']._serialized_options = b'\030\001'
-  _globals['_REVIEWSTATUS']._serialized_start=1270
-  _globals['_REVIEWSTATUS']._serialized_end=1422
-  _globals['_DECISION']._serialized_start=1424
-  _globals['_DECISION']._serialized_end=1503
-  _globals['_SIGNEDRECEIPT']._serialized_start=70
-  _globals['_SIGNEDRECEIPT']._serialized_end=142
-  _globals['_REVIEW']._serialized_start=145
-  _globals['_REVIEW']._serialized_end=516
-  _globals['_SUBMITREVIEWREQUEST']._serialized_start=519
-  _globals['_SUBMITREVIEWREQUEST']._serialized_end=792
-  _globals['_SUBMITREVIEWRESPONSE']._serialized_start=794
-  _globals['_SUBMITREVIEWRESPONSE']._serialized_end=850
-  _globals['_LISTREVIEWSREQUEST']._serialized_start=852
-  _globals['_LISTREVIEWSREQUEST']._serialized_end=970
-  _globals['_LISTREVIEWSRESPONSE']._serialized_start=972
-  _globals['_LISTREVIEWSRESPONSE']._serialized_end=1053
-  _globals['_GETREVIEWREQUEST']._serialized_start=1055
-  _globals['_GETREVIEWREQUEST']._serialized_end=1089
-  _globals['_GETREVIEWRESPONSE']._serialized_start=1091
-  _globals['_GETREVIEWRESPONSE']._serialized_end=1144
-  _globals['_DECIDEREQUEST']._serialized_start=1146
-  _globals['_DECIDEREQUEST']._serialized_end=1215
-  _globals['_DECIDERESPONSE']._serialized_start=1217
-  _globals['_DECIDERESPONSE']._serialized_end=1267
-  _globals['_APPROVALSERVICE']._serialized_start=1506
-  _globals['_APPROVALSERVICE']._serialized_end=1809
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['base_record_json']._loaded_options = None
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['base_record_json']._serialized_options = b'\342A\001\002'
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['base_state_json']._loaded_options = None
+  _globals['_SUBMITREVIEWREQUEST'].fields_by_name['base_state_json']._serialized_options = b'\342A\001\002'
+  _globals['_GETREVIEWREQUEST'].fields_by_name['digest']._loaded_options = None
+  _globals['_GETREVIEWREQUEST'].fields_by_name['digest']._serialized_options = b'\342A\001\002'
+  _globals['_DECIDEREQUEST'].fields_by_name['digest']._loaded_options = None
+  _globals['_DECIDEREQUEST'].fields_by_name['digest']._serialized_options = b'\342A\001\002'
+  _globals['_DECIDEREQUEST'].fields_by_name['decision']._loaded_options = None
+  _globals['_DECIDEREQUEST'].fields_by_name['decision']._serialized_options = b'\342A\001\002'
+  _globals['_REVIEWSTATUS']._serialized_start=1357
+  _globals['_REVIEWSTATUS']._serialized_end=1509
+  _globals['_DECISION']._serialized_start=1511
+  _globals['_DECISION']._serialized_end=1590
+  _globals['_SIGNEDRECEIPT']._serialized_start=103
+  _globals['_SIGNEDRECEIPT']._serialized_end=175
+  _globals['_REVIEW']._serialized_start=178
+  _globals['_REVIEW']._serialized_end=549
+  _globals['_SUBMITREVIEWREQUEST']._serialized_start=552
+  _globals['_SUBMITREVIEWREQUEST']._serialized_end=861
+  _globals['_SUBMITREVIEWRESPONSE']._serialized_start=863
+  _globals['_SUBMITREVIEWRESPONSE']._serialized_end=919
+  _globals['_LISTREVIEWSREQUEST']._serialized_start=921
+  _globals['_LISTREVIEWSREQUEST']._serialized_end=1039
+  _globals['_LISTREVIEWSRESPONSE']._serialized_start=1041
+  _globals['_LISTREVIEWSRESPONSE']._serialized_end=1122
+  _globals['_GETREVIEWREQUEST']._serialized_start=1124
+  _globals['_GETREVIEWREQUEST']._serialized_end=1164
+  _globals['_GETREVIEWRESPONSE']._serialized_start=1166
+  _globals['_GETREVIEWRESPONSE']._serialized_end=1219
+  _globals['_DECIDEREQUEST']._serialized_start=1221
+  _globals['_DECIDEREQUEST']._serialized_end=1302
+  _globals['_DECIDERESPONSE']._serialized_start=1304
+  _globals['_DECIDERESPONSE']._serialized_end=1354
+  _globals['_APPROVALSERVICE']._serialized_start=1593
+  _globals['_APPROVALSERVICE']._serialized_end=1896
 # @@protoc_insertion_point(module_scope)

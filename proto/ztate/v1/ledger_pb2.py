@@ -22,39 +22,43 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ztate/v1/ledger.proto\x12\x08ztate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc8\x01\n\x15ListRejectionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12)\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npage_token\x18\x07 \x01(\t\"Z\n\x16ListRejectionsResponse\x12\'\n\nrejections\x18\x01 \x03(\x0b\x32\x13.ztate.v1.Rejection\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xec\x01\n\tRejection\x12\n\n\x02id\x18\x01 \x01(\x03\x12/\n\x0brejected_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x11\n\tthread_id\x18\x05 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0c\n\x04keys\x18\x08 \x03(\t\x12\x14\n\x0cpatch_digest\x18\t \x01(\t\x12\x13\n\x0bpatch_bytes\x18\n \x01(\x03\x12\x0f\n\x07message\x18\x0b \x01(\t\"\xde\x01\n\x16ListTransitionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hanged_key\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12)\n\x05since\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\"Z\n\x17ListTransitionsResponse\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xda\x01\n\x0bLedgerEntry\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12&\n\x02\x61t\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63hanged_keys\x18\t \x03(\t\x12\x13\n\x0bhas_receipt\x18\n \x01(\x08\"P\n\x1aGetTransitionDetailRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"\x80\x02\n\x1bGetTransitionDetailResponse\x12$\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x13\n\x0brecord_json\x18\x02 \x01(\t\x12\x12\n\npatch_json\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x12\n\nstate_kept\x18\x05 \x01(\x08\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x11\n\tsignature\x18\x07 \x01(\t\x12\x14\n\x0creceipt_json\x18\x08 \x01(\t\x12\x19\n\x11receipt_signature\x18\t \x01(\t\x12\x16\n\x0ereceipt_key_id\x18\n \x01(\t\"Z\n\x11KeyHistoryRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"S\n\x12KeyHistoryResponse\x12$\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x13.ztate.v1.KeyChange\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x94\x01\n\tKeyChange\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07removed\x18\x05 \x01(\x08\x12\x12\n\nvalue_json\x18\x06 \x01(\t2\xe9\x02\n\rLedgerService\x12S\n\x0eListRejections\x12\x1f.ztate.v1.ListRejectionsRequest\x1a .ztate.v1.ListRejectionsResponse\x12V\n\x0fListTransitions\x12 .ztate.v1.ListTransitionsRequest\x1a!.ztate.v1.ListTransitionsResponse\x12\x62\n\x13GetTransitionDetail\x12$.ztate.v1.GetTransitionDetailRequest\x1a%.ztate.v1.GetTransitionDetailResponse\x12G\n\nKeyHistory\x12\x1b.ztate.v1.KeyHistoryRequest\x1a\x1c.ztate.v1.KeyHistoryResponseB0Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ztate/v1/ledger.proto\x12\x08ztate.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc8\x01\n\x15ListRejectionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12)\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npage_token\x18\x07 \x01(\t\"Z\n\x16ListRejectionsResponse\x12\'\n\nrejections\x18\x01 \x03(\x0b\x32\x13.ztate.v1.Rejection\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xec\x01\n\tRejection\x12\n\n\x02id\x18\x01 \x01(\x03\x12/\n\x0brejected_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x11\n\tthread_id\x18\x05 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0c\n\x04keys\x18\x08 \x03(\t\x12\x14\n\x0cpatch_digest\x18\t \x01(\t\x12\x13\n\x0bpatch_bytes\x18\n \x01(\x03\x12\x0f\n\x07message\x18\x0b \x01(\t\"\xde\x01\n\x16ListTransitionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hanged_key\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12)\n\x05since\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\"Z\n\x17ListTransitionsResponse\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xda\x01\n\x0bLedgerEntry\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12&\n\x02\x61t\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63hanged_keys\x18\t \x03(\t\x12\x13\n\x0bhas_receipt\x18\n \x01(\x08\"P\n\x1aGetTransitionDetailRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"\x80\x02\n\x1bGetTransitionDetailResponse\x12$\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x13\n\x0brecord_json\x18\x02 \x01(\t\x12\x12\n\npatch_json\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x12\n\nstate_kept\x18\x05 \x01(\x08\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x11\n\tsignature\x18\x07 \x01(\t\x12\x14\n\x0creceipt_json\x18\x08 \x01(\t\x12\x19\n\x11receipt_signature\x18\t \x01(\t\x12\x16\n\x0ereceipt_key_id\x18\n \x01(\t\"f\n\x11KeyHistoryRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\x03key\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"S\n\x12KeyHistoryResponse\x12$\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x13.ztate.v1.KeyChange\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x94\x01\n\tKeyChange\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07removed\x18\x05 \x01(\x08\x12\x12\n\nvalue_json\x18\x06 \x01(\t2\xe9\x02\n\rLedgerService\x12S\n\x0eListRejections\x12\x1f.ztate.v1.ListRejectionsRequest\x1a .ztate.v1.ListRejectionsResponse\x12V\n\x0fListTransitions\x12 .ztate.v1.ListTransitionsRequest\x1a!.ztate.v1.ListTransitionsResponse\x12\x62\n\x13GetTransitionDetail\x12$.ztate.v1.GetTransitionDetailRequest\x1a%.ztate.v1.GetTransitionDetailResponse\x12G\n\nKeyHistory\x12\x1b.ztate.v1.KeyHistoryRequest\x1a\x1c.ztate.v1.KeyHistoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ztate.v1.ledger_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  _globals['DESCRIPTOR']._loaded_options = None
-  _globals['DESCRIPTOR']._serialized_options = b'Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1'
-  _globals['_LISTREJECTIONSREQUEST']._serialized_start=69
-  _globals['_LISTREJECTIONSREQUEST']._serialized_end=269
-  _globals['_LISTREJECTIONSRESPONSE']._serialized_start=271
-  _globals['_LISTREJECTIONSRESPONSE']._serialized_end=361
-  _globals['_REJECTION']._serialized_start=364
-  _globals['_REJECTION']._serialized_end=600
-  _globals['_LISTTRANSITIONSREQUEST']._serialized_start=603
-  _globals['_LISTTRANSITIONSREQUEST']._serialized_end=825
-  _globals['_LISTTRANSITIONSRESPONSE']._serialized_start=827
-  _globals['_LISTTRANSITIONSRESPONSE']._serialized_end=917
-  _globals['_LEDGERENTRY']._serialized_start=920
-  _globals['_LEDGERENTRY']._serialized_end=1138
-  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_start=1140
-  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_end=1220
-  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_start=1223
-  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_end=1479
-  _globals['_KEYHISTORYREQUEST']._serialized_start=1481
-  _globals['_KEYHISTORYREQUEST']._serialized_end=1571
-  _globals['_KEYHISTORYRESPONSE']._serialized_start=1573
-  _globals['_KEYHISTORYRESPONSE']._serialized_end=1656
-  _globals['_KEYCHANGE']._serialized_start=1659
-  _globals['_KEYCHANGE']._serialized_end=1807
-  _globals['_LEDGERSERVICE']._serialized_start=1810
-  _globals['_LEDGERSERVICE']._serialized_end=2171
+  DESCRIPTOR._loaded_options = None
+  _globals['_KEYHISTORYREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_KEYHISTORYREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_KEYHISTORYREQUEST'].fields_by_name['key']._loaded_options = None
+  _globals['_KEYHISTORYREQUEST'].fields_by_name['key']._serialized_options = b'\342A\001\002'
+  _globals['_LISTREJECTIONSREQUEST']._serialized_start=102
+  _globals['_LISTREJECTIONSREQUEST']._serialized_end=302
+  _globals['_LISTREJECTIONSRESPONSE']._serialized_start=304
+  _globals['_LISTREJECTIONSRESPONSE']._serialized_end=394
+  _globals['_REJECTION']._serialized_start=397
+  _globals['_REJECTION']._serialized_end=633
+  _globals['_LISTTRANSITIONSREQUEST']._serialized_start=636
+  _globals['_LISTTRANSITIONSREQUEST']._serialized_end=858
+  _globals['_LISTTRANSITIONSRESPONSE']._serialized_start=860
+  _globals['_LISTTRANSITIONSRESPONSE']._serialized_end=950
+  _globals['_LEDGERENTRY']._serialized_start=953
+  _globals['_LEDGERENTRY']._serialized_end=1171
+  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_start=1173
+  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_end=1253
+  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_start=1256
+  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_end=1512
+  _globals['_KEYHISTORYREQUEST']._serialized_start=1514
+  _globals['_KEYHISTORYREQUEST']._serialized_end=1616
+  _globals['_KEYHISTORYRESPONSE']._serialized_start=1618
+  _globals['_KEYHISTORYRESPONSE']._serialized_end=1701
+  _globals['_KEYCHANGE']._serialized_start=1704
+  _globals['_KEYCHANGE']._serialized_end=1852
+  _globals['_LEDGERSERVICE']._serialized_start=1855
+  _globals['_LEDGERSERVICE']._serialized_end=2216
 # @@protoc_insertion_point(module_scope)

@@ -22,64 +22,88 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from ztate.v1 import approval_pb2 as ztate_dot_v1_dot_approval__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19ztate/v1/transition.proto\x12\x08ztate.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17ztate/v1/approval.proto\"T\n\x13\x43reateThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x1a\n\x12initial_state_json\x18\x02 \x01(\x0c\x12\x0e\n\x06policy\x18\x03 \x01(\t\"=\n\x14\x43reateThreadResponse\x12%\n\x07genesis\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\"#\n\x0eGetViewRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\"^\n\x0fGetViewResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nstate_json\x18\x03 \x01(\x0c\x12\x13\n\x0bhead_digest\x18\x04 \x01(\t\"t\n\x18ProposeTransitionRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x03\x12\x12\n\npatch_json\x18\x03 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"\x94\x01\n\x19ProposeTransitionResponse\x12*\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.TransitionH\x00\x12.\n\x07pending\x18\x03 \x01(\x0b\x32\x1b.ztate.v1.PendingTransitionH\x00\x12\x10\n\x08replayed\x18\x02 \x01(\x08\x42\t\n\x07outcome\"\xb6\x01\n\x11PendingTransition\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\nrisk_rules\x18\x04 \x03(\t\x12\x15\n\rproposal_json\x18\x05 \x01(\x0c\x12-\n\tparked_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06handle\x18\x07 \x01(\t\"\x7f\n\x14GetTransitionRequest\x12\x10\n\x06\x64igest\x18\x01 \x01(\tH\x00\x12\x31\n\x0ethread_version\x18\x02 \x01(\x0b\x32\x17.ztate.v1.ThreadVersionH\x00\x12\x18\n\x0ehead_of_thread\x18\x03 \x01(\tH\x00\x42\x08\n\x06lookup\"3\n\rThreadVersion\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x7f\n\x15GetTransitionResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12(\n\x07receipt\x18\x02 \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\x12\x12\n\nrisk_rules\x18\x03 \x03(\t\")\n\x14GetCheckpointRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\"G\n\x15GetCheckpointResponse\x12.\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1a.ztate.v1.SignedCheckpoint\"N\n\x10SignedCheckpoint\x12\x17\n\x0f\x63heckpoint_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"=\n\x12WatchThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x03\"s\n\x13WatchThreadResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\x0c\x12\x14\n\x0cstate_pruned\x18\x05 \x01(\x08\"@\n\x14\x41pplyDecisionRequest\x12(\n\x07receipt\x18\x01 \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\"u\n\x15\x41pplyDecisionResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\x15WaitForOutcomeRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\"v\n\x16WaitForOutcomeResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x0e\n\x06reason\x18\x03 \x01(\t\"U\n\x13RevertThreadRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x12\n\nto_version\x18\x02 \x01(\x03\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\"R\n\x14RevertThreadResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\xd2\x01\n\nTransition\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\t\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x13\n\x0brecord_json\x18\x07 \x01(\x0c\x12\x0f\n\x07node_id\x18\x08 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa1\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_PENDING\x10\x01\x12\x15\n\x11OUTCOME_COMMITTED\x10\x02\x12\x14\n\x10OUTCOME_REJECTED\x10\x03\x12\x13\n\x0fOUTCOME_EXPIRED\x10\x04\x12\x11\n\rOUTCOME_STALE\x10\x05\x12\x13\n\x0fOUTCOME_REFUSED\x10\x06\x32\xe8\x05\n\x11TransitionService\x12M\n\x0c\x43reateThread\x12\x1d.ztate.v1.CreateThreadRequest\x1a\x1e.ztate.v1.CreateThreadResponse\x12>\n\x07GetView\x12\x18.ztate.v1.GetViewRequest\x1a\x19.ztate.v1.GetViewResponse\x12\\\n\x11ProposeTransition\x12\".ztate.v1.ProposeTransitionRequest\x1a#.ztate.v1.ProposeTransitionResponse\x12P\n\rGetTransition\x12\x1e.ztate.v1.GetTransitionRequest\x1a\x1f.ztate.v1.GetTransitionResponse\x12P\n\rGetCheckpoint\x12\x1e.ztate.v1.GetCheckpointRequest\x1a\x1f.ztate.v1.GetCheckpointResponse\x12L\n\x0bWatchThread\x12\x1c.ztate.v1.WatchThreadRequest\x1a\x1d.ztate.v1.WatchThreadResponse0\x01\x12P\n\rApplyDecision\x12\x1e.ztate.v1.ApplyDecisionRequest\x1a\x1f.ztate.v1.ApplyDecisionResponse\x12S\n\x0eWaitForOutcome\x12\x1f.ztate.v1.WaitForOutcomeRequest\x1a .ztate.v1.WaitForOutcomeResponse\x12M\n\x0cRevertThread\x12\x1d.ztate.v1.RevertThreadRequest\x1a\x1e.ztate.v1.RevertThreadResponseB0Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19ztate/v1/transition.proto\x12\x08ztate.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17ztate/v1/approval.proto\"`\n\x13\x43reateThreadRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12 \n\x12initial_state_json\x18\x02 \x01(\x0c\x42\x04\xe2\x41\x01\x02\x12\x0e\n\x06policy\x18\x03 \x01(\t\"=\n\x14\x43reateThreadResponse\x12%\n\x07genesis\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\")\n\x0eGetViewRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"^\n\x0fGetViewResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x12\n\nstate_json\x18\x03 \x01(\x0c\x12\x13\n\x0bhead_digest\x18\x04 \x01(\t\"\x86\x01\n\x18ProposeTransitionRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x03\x12\x18\n\npatch_json\x18\x03 \x01(\x0c\x42\x04\xe2\x41\x01\x02\x12\x1d\n\x0fidempotency_key\x18\x04 \x01(\tB\x04\xe2\x41\x01\x02\"\x94\x01\n\x19ProposeTransitionResponse\x12*\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.TransitionH\x00\x12.\n\x07pending\x18\x03 \x01(\x0b\x32\x1b.ztate.v1.PendingTransitionH\x00\x12\x10\n\x08replayed\x18\x02 \x01(\x08\x42\t\n\x07outcome\"\xb6\x01\n\x11PendingTransition\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x12\n\nrisk_rules\x18\x04 \x03(\t\x12\x15\n\rproposal_json\x18\x05 \x01(\x0c\x12-\n\tparked_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06handle\x18\x07 \x01(\t\"\x7f\n\x14GetTransitionRequest\x12\x10\n\x06\x64igest\x18\x01 \x01(\tH\x00\x12\x31\n\x0ethread_version\x18\x02 \x01(\x0b\x32\x17.ztate.v1.ThreadVersionH\x00\x12\x18\n\x0ehead_of_thread\x18\x03 \x01(\tH\x00\x42\x08\n\x06lookup\"9\n\rThreadVersion\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x7f\n\x15GetTransitionResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12(\n\x07receipt\x18\x02 \x01(\x0b\x32\x17.ztate.v1.SignedReceipt\x12\x12\n\nrisk_rules\x18\x03 \x03(\t\"/\n\x14GetCheckpointRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"G\n\x15GetCheckpointResponse\x12.\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x1a.ztate.v1.SignedCheckpoint\"N\n\x10SignedCheckpoint\x12\x17\n\x0f\x63heckpoint_json\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\"C\n\x12WatchThreadRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x14\n\x0c\x66rom_version\x18\x02 \x01(\x03\"s\n\x13WatchThreadResponse\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\x0c\x12\x14\n\x0cstate_pruned\x18\x05 \x01(\x08\"F\n\x14\x41pplyDecisionRequest\x12.\n\x07receipt\x18\x01 \x01(\x0b\x32\x17.ztate.v1.SignedReceiptB\x04\xe2\x41\x01\x02\"u\n\x15\x41pplyDecisionResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\x15WaitForOutcomeRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\"v\n\x16WaitForOutcomeResponse\x12\"\n\x07outcome\x18\x01 \x01(\x0e\x32\x11.ztate.v1.Outcome\x12(\n\ntransition\x18\x02 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x0e\n\x06reason\x18\x03 \x01(\t\"a\n\x13RevertThreadRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x12\n\nto_version\x18\x02 \x01(\x03\x12\x1d\n\x0fidempotency_key\x18\x03 \x01(\tB\x04\xe2\x41\x01\x02\"R\n\x14RevertThreadResponse\x12(\n\ntransition\x18\x01 \x01(\x0b\x32\x14.ztate.v1.Transition\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\xd2\x01\n\nTransition\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x01(\t\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x13\n\x0brecord_json\x18\x07 \x01(\x0c\x12\x0f\n\x07node_id\x18\x08 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xa1\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_PENDING\x10\x01\x12\x15\n\x11OUTCOME_COMMITTED\x10\x02\x12\x14\n\x10OUTCOME_REJECTED\x10\x03\x12\x13\n\x0fOUTCOME_EXPIRED\x10\x04\x12\x11\n\rOUTCOME_STALE\x10\x05\x12\x13\n\x0fOUTCOME_REFUSED\x10\x06\x32\xe8\x05\n\x11TransitionService\x12M\n\x0c\x43reateThread\x12\x1d.ztate.v1.CreateThreadRequest\x1a\x1e.ztate.v1.CreateThreadResponse\x12>\n\x07GetView\x12\x18.ztate.v1.GetViewRequest\x1a\x19.ztate.v1.GetViewResponse\x12\\\n\x11ProposeTransition\x12\".ztate.v1.ProposeTransitionRequest\x1a#.ztate.v1.ProposeTransitionResponse\x12P\n\rGetTransition\x12\x1e.ztate.v1.GetTransitionRequest\x1a\x1f.ztate.v1.GetTransitionResponse\x12P\n\rGetCheckpoint\x12\x1e.ztate.v1.GetCheckpointRequest\x1a\x1f.ztate.v1.GetCheckpointResponse\x12L\n\x0bWatchThread\x12\x1c.ztate.v1.WatchThreadRequest\x1a\x1d.ztate.v1.WatchThreadResponse0\x01\x12P\n\rApplyDecision\x12\x1e.ztate.v1.ApplyDecisionRequest\x1a\x1f.ztate.v1.ApplyDecisionResponse\x12S\n\x0eWaitForOutcome\x12\x1f.ztate.v1.WaitForOutcomeRequest\x1a .ztate.v1.WaitForOutcomeResponse\x12M\n\x0cRevertThread\x12\x1d.ztate.v1.RevertThreadRequest\x1a\x1e.ztate.v1.RevertThreadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ztate.v1.transition_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  _globals['DESCRIPTOR']._loaded_options = None
-  _globals['DESCRIPTOR']._serialized_options = b'Z.github.com/ztate/ztate/gen/go/ztate/v1;ztatev1'
-  _globals['_OUTCOME']._serialized_start=2267
-  _globals['_OUTCOME']._serialized_end=2428
-  _globals['_CREATETHREADREQUEST']._serialized_start=97
-  _globals['_CREATETHREADREQUEST']._serialized_end=181
-  _globals['_CREATETHREADRESPONSE']._serialized_start=183
-  _globals['_CREATETHREADRESPONSE']._serialized_end=244
-  _globals['_GETVIEWREQUEST']._serialized_start=246
-  _globals['_GETVIEWREQUEST']._serialized_end=281
-  _globals['_GETVIEWRESPONSE']._serialized_start=283
-  _globals['_GETVIEWRESPONSE']._serialized_end=377
-  _globals['_PROPOSETRANSITIONREQUEST']._serialized_start=379
-  _globals['_PROPOSETRANSITIONREQUEST']._serialized_end=495
-  _globals['_PROPOSETRANSITIONRESPONSE']._serialized_start=498
-  _globals['_PROPOSETRANSITIONRESPONSE']._serialized_end=646
-  _globals['_PENDINGTRANSITION']._serialized_start=649
-  _globals['_PENDINGTRANSITION']._serialized_end=831
-  _globals['_GETTRANSITIONREQUEST']._serialized_start=833
-  _globals['_GETTRANSITIONREQUEST']._serialized_end=960
-  _globals['_THREADVERSION']._serialized_start=962
-  _globals['_THREADVERSION']._serialized_end=1013
-  _globals['_GETTRANSITIONRESPONSE']._serialized_start=1015
-  _globals['_GETTRANSITIONRESPONSE']._serialized_end=1142
-  _globals['_GETCHECKPOINTREQUEST']._serialized_start=1144
-  _globals['_GETCHECKPOINTREQUEST']._serialized_end=1185
-  _globals['_GETCHECKPOINTRESPONSE']._serialized_start=1187
-  _globals['_GETCHECKPOINTRESPONSE']._serialized_end=1258
-  _globals['_SIGNEDCHECKPOINT']._serialized_start=1260
-  _globals['_SIGNEDCHECKPOINT']._serialized_end=1338
-  _globals['_WATCHTHREADREQUEST']._serialized_start=1340
-  _globals['_WATCHTHREADREQUEST']._serialized_end=1401
-  _globals['_WATCHTHREADRESPONSE']._serialized_start=1403
-  _globals['_WATCHTHREADRESPONSE']._serialized_end=1518
-  _globals['_APPLYDECISIONREQUEST']._serialized_start=1520
-  _globals['_APPLYDECISIONREQUEST']._serialized_end=1584
-  _globals['_APPLYDECISIONRESPONSE']._serialized_start=1586
-  _globals['_APPLYDECISIONRESPONSE']._serialized_end=1703
-  _globals['_WAITFOROUTCOMEREQUEST']._serialized_start=1705
-  _globals['_WAITFOROUTCOMEREQUEST']._serialized_end=1760
-  _globals['_WAITFOROUTCOMERESPONSE']._serialized_start=1762
-  _globals['_WAITFOROUTCOMERESPONSE']._serialized_end=1880
-  _globals['_REVERTTHREADREQUEST']._serialized_start=1882
-  _globals['_REVERTTHREADREQUEST']._serialized_end=1967
-  _globals['_REVERTTHREADRESPONSE']._serialized_start=1969
-  _globals['_REVERTTHREADRESPONSE']._serialized_end=2051
-  _globals['_TRANSITION']._serialized_start=2054
-  _globals['_TRANSITION']._serialized_end=2264
-  _globals['_TRANSITIONSERVICE']._serialized_start=2431
-  _globals['_TRANSITIONSERVICE']._serialized_end=3175
+  DESCRIPTOR._loaded_options = None
+  _globals['_CREATETHREADREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_CREATETHREADREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_CREATETHREADREQUEST'].fields_by_name['initial_state_json']._loaded_options = None
+  _globals['_CREATETHREADREQUEST'].fields_by_name['initial_state_json']._serialized_options = b'\342A\001\002'
+  _globals['_GETVIEWREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_GETVIEWREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_PROPOSETRANSITIONREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_PROPOSETRANSITIONREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_PROPOSETRANSITIONREQUEST'].fields_by_name['patch_json']._loaded_options = None
+  _globals['_PROPOSETRANSITIONREQUEST'].fields_by_name['patch_json']._serialized_options = b'\342A\001\002'
+  _globals['_PROPOSETRANSITIONREQUEST'].fields_by_name['idempotency_key']._loaded_options = None
+  _globals['_PROPOSETRANSITIONREQUEST'].fields_by_name['idempotency_key']._serialized_options = b'\342A\001\002'
+  _globals['_THREADVERSION'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_THREADVERSION'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_GETCHECKPOINTREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_GETCHECKPOINTREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_WATCHTHREADREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_WATCHTHREADREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_APPLYDECISIONREQUEST'].fields_by_name['receipt']._loaded_options = None
+  _globals['_APPLYDECISIONREQUEST'].fields_by_name['receipt']._serialized_options = b'\342A\001\002'
+  _globals['_REVERTTHREADREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_REVERTTHREADREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
+  _globals['_REVERTTHREADREQUEST'].fields_by_name['idempotency_key']._loaded_options = None
+  _globals['_REVERTTHREADREQUEST'].fields_by_name['idempotency_key']._serialized_options = b'\342A\001\002'
+  _globals['_OUTCOME']._serialized_start=2373
+  _globals['_OUTCOME']._serialized_end=2534
+  _globals['_CREATETHREADREQUEST']._serialized_start=130
+  _globals['_CREATETHREADREQUEST']._serialized_end=226
+  _globals['_CREATETHREADRESPONSE']._serialized_start=228
+  _globals['_CREATETHREADRESPONSE']._serialized_end=289
+  _globals['_GETVIEWREQUEST']._serialized_start=291
+  _globals['_GETVIEWREQUEST']._serialized_end=332
+  _globals['_GETVIEWRESPONSE']._serialized_start=334
+  _globals['_GETVIEWRESPONSE']._serialized_end=428
+  _globals['_PROPOSETRANSITIONREQUEST']._serialized_start=431
+  _globals['_PROPOSETRANSITIONREQUEST']._serialized_end=565
+  _globals['_PROPOSETRANSITIONRESPONSE']._serialized_start=568
+  _globals['_PROPOSETRANSITIONRESPONSE']._serialized_end=716
+  _globals['_PENDINGTRANSITION']._serialized_start=719
+  _globals['_PENDINGTRANSITION']._serialized_end=901
+  _globals['_GETTRANSITIONREQUEST']._serialized_start=903
+  _globals['_GETTRANSITIONREQUEST']._serialized_end=1030
+  _globals['_THREADVERSION']._serialized_start=1032
+  _globals['_THREADVERSION']._serialized_end=1089
+  _globals['_GETTRANSITIONRESPONSE']._serialized_start=1091
+  _globals['_GETTRANSITIONRESPONSE']._serialized_end=1218
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=1220
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=1267
+  _globals['_GETCHECKPOINTRESPONSE']._serialized_start=1269
+  _globals['_GETCHECKPOINTRESPONSE']._serialized_end=1340
+  _globals['_SIGNEDCHECKPOINT']._serialized_start=1342
+  _globals['_SIGNEDCHECKPOINT']._serialized_end=1420
+  _globals['_WATCHTHREADREQUEST']._serialized_start=1422
+  _globals['_WATCHTHREADREQUEST']._serialized_end=1489
+  _globals['_WATCHTHREADRESPONSE']._serialized_start=1491
+  _globals['_WATCHTHREADRESPONSE']._serialized_end=1606
+  _globals['_APPLYDECISIONREQUEST']._serialized_start=1608
+  _globals['_APPLYDECISIONREQUEST']._serialized_end=1678
+  _globals['_APPLYDECISIONRESPONSE']._serialized_start=1680
+  _globals['_APPLYDECISIONRESPONSE']._serialized_end=1797
+  _globals['_WAITFOROUTCOMEREQUEST']._serialized_start=1799
+  _globals['_WAITFOROUTCOMEREQUEST']._serialized_end=1854
+  _globals['_WAITFOROUTCOMERESPONSE']._serialized_start=1856
+  _globals['_WAITFOROUTCOMERESPONSE']._serialized_end=1974
+  _globals['_REVERTTHREADREQUEST']._serialized_start=1976
+  _globals['_REVERTTHREADREQUEST']._serialized_end=2073
+  _globals['_REVERTTHREADRESPONSE']._serialized_start=2075
+  _globals['_REVERTTHREADRESPONSE']._serialized_end=2157
+  _globals['_TRANSITION']._serialized_start=2160
+  _globals['_TRANSITION']._serialized_end=2370
+  _globals['_TRANSITIONSERVICE']._serialized_start=2537
+  _globals['_TRANSITIONSERVICE']._serialized_end=3281
 # @@protoc_insertion_point(module_scope)

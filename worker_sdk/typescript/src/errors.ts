@@ -1,0 +1,105 @@
+/**
+ * Refusals, decoded. ztate puts a google.rpc.Status in the `grpc-status-details-bin`
+ * trailer of every refused call, holding a google.rpc.ErrorInfo (reason without its
+ * prefix, e.g. "STALE_VERSION") and a ztate.v1.ErrorDetail (keys, current version,
+ * limit, rules). Connect decodes the trailer; this module turns it into ZtateError.
+ */
+import { Code, ConnectError } from "@connectrpc/connect";
+import { ErrorInfoSchema } from "./gen/google/rpc/error_details_pb.js";
+import { ErrorDetailSchema, ErrorReason } from "./gen/ztate/v1/errors_pb.js";
+
+/** A call ztate refused, or one that never reached it. Switch on `reason`, never on the message. */
+export class ZtateError extends Error {
+  constructor(
+    message: string,
+    /** The gRPC status code. */
+    readonly code: Code,
+    /** The ErrorReason name without its prefix ("STALE_VERSION"); "" when the service sent none. */
+    readonly reason: string,
+    /** State keys at fault, sorted: the first 32 (`keysTotal` counts all). */
+    readonly keys: readonly string[] = [],
+    readonly keysTotal: number = 0,
+    /** The thread's head version, for STALE_VERSION. */
+    readonly currentVersion: bigint = 0n,
+    /** The limit exceeded, for PATCH_TOO_LARGE, STATE_TOO_LARGE, TOO_MANY_STREAMS. */
+    readonly limit: bigint = 0n,
+    /** Policy rules at fault, for INVARIANT_VIOLATED. */
+    readonly rules: readonly string[] = [],
+    options?: { cause?: unknown },
+  ) {
+    super(message, options);
+    this.name = "ZtateError";
+  }
+}
+
+/** STALE_VERSION: the thread moved on; re-read the view (its head is `currentVersion`) and retry. */
+export class StaleVersion extends ZtateError {
+  override name = "StaleVersion";
+}
+
+/**
+ * The TLS handshake failed for a certificate reason: the service refuses a client with
+ * no certificate, one from another CA or an expired one during the handshake, which
+ * gRPC reports as UNAVAILABLE, like a server that is down (docs/api.md, "Refusals
+ * before any RPC"). `hint` says what to check.
+ */
+export class HandshakeFailed extends ZtateError {
+  override name = "HandshakeFailed";
+  constructor(
+    readonly hint: string,
+    code: Code,
+    options?: { cause?: unknown },
+  ) {
+    super(hint, code, "", [], 0, 0n, 0n, [], options);
+  }
+}
+
+// What Node's TLS stack says when a handshake fails on a certificate (client or server).
+const TLS_FAILURE =
+  /alert|certificate|handshake|ssl|tls|self[- ]signed|unable to verify|ERR_TLS|socket disconnected before secure/i;
+
+function messages(error: unknown): string {
+  const parts: string[] = [];
+  for (let cause = error, depth = 0; cause instanceof Error && depth < 8; depth += 1) {
+    parts.push(cause.message, (cause as { code?: string }).code ?? "");
+    cause = cause.cause;
+  }
+  return parts.join(" | ");
+}
+
+/** A ZtateError for anything a call threw. */
+export function decodeError(error: unknown): ZtateError {
+  const connect = ConnectError.from(error);
+  const [info] = connect.findDetails(ErrorInfoSchema);
+  const [detail] = connect.findDetails(ErrorDetailSchema);
+  if (info === undefined && detail === undefined) {
+    const text = messages(error);
+    if (
+      (connect.code === Code.Unavailable || connect.code === Code.Internal || connect.code === Code.Unknown) &&
+      TLS_FAILURE.test(text)
+    ) {
+      return new HandshakeFailed(
+        `the TLS handshake with the service failed (${connect.rawMessage}): the service ` +
+          "refuses a client certificate that is missing, expired, or not signed by its CA, " +
+          "and this client refuses a server certificate not signed by the CA it was given. " +
+          "Check the cert, key and CA files (ztate certificates are signed by the service's CA).",
+        connect.code,
+        { cause: error },
+      );
+    }
+    return new ZtateError(connect.rawMessage, connect.code, "", [], 0, 0n, 0n, [], { cause: error });
+  }
+  const reason = info?.reason ?? (detail === undefined ? "" : (ErrorReason[detail.reason] ?? ""));
+  const Kind = reason === "STALE_VERSION" ? StaleVersion : ZtateError;
+  return new Kind(
+    connect.rawMessage,
+    connect.code,
+    reason,
+    detail?.keys ?? [],
+    detail?.keysTotal ?? 0,
+    detail?.currentVersion ?? 0n,
+    detail?.limit ?? 0n,
+    detail?.rules ?? [],
+    { cause: error },
+  );
+}

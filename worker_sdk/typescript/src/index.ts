@@ -1,0 +1,19 @@
+/** @ztate/worker: the TypeScript client for ztate agent workers (docs/api.md, "TypeScript"). */
+export { ZtateClient } from "./client.js";
+export type { ClientFiles, Committed, Parked, VerifiedHead, View, WatchEvent } from "./client.js";
+export { decodeError, HandshakeFailed, StaleVersion, ZtateError } from "./errors.js";
+export {
+  canonicalize,
+  checkCheckpointBinds,
+  checkReceiptBinds,
+  ed25519PublicKey,
+  EvidenceInvalid,
+  parseRecord,
+  sha256Hex,
+  transitionDigest,
+  verifyCheckpoint,
+  verifyReceipt,
+} from "./evidence.js";
+export type { Json, JsonObject, PublicKeys, Signed } from "./evidence.js";
+export * as v1 from "./gen/ztate/v1/transition_pb.js";
+export { ErrorReason } from "./gen/ztate/v1/errors_pb.js";
