@@ -20,7 +20,7 @@ NODE, NPM = shutil.which("node"), shutil.which("npm")
 @pytest.fixture(scope="module")
 def installed() -> Path:
     if NODE is None or NPM is None:
-        pytest.skip("Node.js and npm are not installed on this machine")
+        pytest.fail("Node.js and npm are required by the test suite (every CI machine has them)")
     if not (EXAMPLE / "node_modules" / "@grpc" / "grpc-js").exists():
         subprocess.run(
             [NPM, "ci", "--no-audit", "--no-fund", "--loglevel=error"],

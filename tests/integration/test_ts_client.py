@@ -39,7 +39,7 @@ def npm(folder: Path, *args: str) -> None:
 @pytest.fixture(scope="module")
 def installed() -> Path:
     if NODE is None or NPM is None:
-        pytest.skip("Node.js and npm are not installed on this machine")
+        pytest.fail("Node.js and npm are required by the test suite (every CI machine has them)")
     if not (PACKAGE / "node_modules" / "@connectrpc" / "connect-node").exists():
         npm(PACKAGE, "ci")
     npm(PACKAGE, "run", "build")
