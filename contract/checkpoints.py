@@ -20,12 +20,12 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ztate.contract.canonical import JsonObject, canonical_bytes, canonical_or_error
+from ztate.contract.canonical import JsonObject, canonical_bytes
 from ztate.contract.errors import CheckpointInvalid
-from ztate.contract.record import HEX_256, format_time, parse_time, shown
+from ztate.contract.record import HEX_256, format_time, parse_time
+from ztate.contract.signed import signed_object
 
 CHECKPOINT_FORMAT = 1
 KIND_CHECKPOINT = "checkpoint"
@@ -72,26 +72,16 @@ def verify_checkpoint(
     or the signature does not verify) or ``checkpoint.form``. Nothing unsigned is
     ever parsed.
     """
-    key = public_keys.get(signed.key_id)
-    if key is None:
-        raise CheckpointInvalid(
-            f"no checkpoint public key has id {shown(signed.key_id)}",
-            check="checkpoint.signature",
-        )
-    try:
-        key.verify(bytes.fromhex(signed.signature), signed.checkpoint)
-    except (InvalidSignature, ValueError, TypeError):
-        raise CheckpointInvalid(
-            "the Ed25519 signature does not verify", check="checkpoint.signature"
-        ) from None
-    try:
-        body = json.loads(signed.checkpoint)
-    except (ValueError, RecursionError):
-        raise CheckpointInvalid("the checkpoint is not JSON") from None
-    if not isinstance(body, dict) or body.keys() != MEMBERS:
-        raise CheckpointInvalid("the checkpoint does not have the members of format 1")
-    if canonical_or_error(body, CheckpointInvalid, "checkpoint.form") != signed.checkpoint:
-        raise CheckpointInvalid("the checkpoint is not in canonical (RFC 8785) form")
+    body = signed_object(
+        signed.checkpoint,
+        signed.signature,
+        signed.key_id,
+        public_keys,
+        what="checkpoint",
+        signer="checkpoint",
+        members=MEMBERS,
+        error=CheckpointInvalid,
+    )
     if (body["format"], body["kind"], body["key_id"]) != (
         CHECKPOINT_FORMAT,
         KIND_CHECKPOINT,

@@ -12,18 +12,17 @@ is the normative format; ``tests/vectors/receipt-v1.json`` holds fixed vectors a
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ztate.contract.canonical import JsonObject, canonical_bytes, canonical_or_error, sha256_hex
+from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
 from ztate.contract.errors import ReceiptExpired, ReceiptInvalid
 from ztate.contract.record import HEX_256, format_time, parse_time, shown, transition_digest
+from ztate.contract.signed import signed_object
 
 RECEIPT_FORMAT = 1
 KIND_RECEIPT = "approval_receipt"
@@ -102,25 +101,16 @@ def verify_receipt(
     digest, thread and base version against a parked transition or a record, and that
     its nonce is fresh) is for the caller to check.
     """
-    key = public_keys.get(signed.key_id)
-    if key is None:
-        raise ReceiptInvalid(
-            f"no approval public key has id {shown(signed.key_id)}", check="receipt.signature"
-        )
-    try:
-        key.verify(bytes.fromhex(signed.signature), signed.receipt_bytes)
-    except (InvalidSignature, ValueError, TypeError):
-        raise ReceiptInvalid(
-            "the receipt's Ed25519 signature does not verify", check="receipt.signature"
-        ) from None
-    try:
-        receipt = json.loads(signed.receipt_bytes)
-    except (ValueError, RecursionError):
-        raise ReceiptInvalid("the receipt is not JSON") from None
-    if not isinstance(receipt, dict) or receipt.keys() != RECEIPT_MEMBERS:
-        raise ReceiptInvalid("the receipt does not have the members of format 1")
-    if canonical_or_error(receipt, ReceiptInvalid, "receipt.form") != signed.receipt_bytes:
-        raise ReceiptInvalid("the receipt is not in canonical (RFC 8785) form")
+    receipt = signed_object(
+        signed.receipt_bytes,
+        signed.signature,
+        signed.key_id,
+        public_keys,
+        what="receipt",
+        signer="approval",
+        members=RECEIPT_MEMBERS,
+        error=ReceiptInvalid,
+    )
     if (receipt["format"], receipt["kind"]) != (RECEIPT_FORMAT, KIND_RECEIPT):
         raise ReceiptInvalid("unsupported receipt format or kind")
     if receipt["key_id"] != signed.key_id:

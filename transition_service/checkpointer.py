@@ -90,9 +90,17 @@ class Checkpointer:
 
     async def run_once(self) -> int:
         """Sign every head that has no checkpoint yet and extends the last head this
-        signer signed of its thread (up to a batch); returns how many were signed."""
+        signer signed of its thread; returns how many were signed. Heads are taken a
+        page at a time, so that refused heads (which stay unsigned) never crowd out
+        the others."""
         self._journal.refresh()
-        heads = await self._store.unsigned_heads(BATCH)
+        count, after = 0, ""
+        while heads := await self._store.unsigned_heads(BATCH, after):
+            count += await self._sign(heads)
+            after = heads[-1].thread_id
+        return count
+
+    async def _sign(self, heads: list[UnsignedHead]) -> int:
         now = datetime.now(UTC)
         signed: list[tuple[UnsignedHead, SignedCheckpoint, datetime]] = []
         for head in heads:

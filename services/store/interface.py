@@ -173,8 +173,9 @@ class TransitionStore(Protocol):
     async def latest_checkpoint(self, thread_id: str) -> CheckpointRow | None:
         """The checkpoint of the thread at its highest signed version."""
 
-    async def unsigned_heads(self, limit: int) -> list[UnsignedHead]:
-        """Up to ``limit`` thread heads with no checkpoint at their version."""
+    async def unsigned_heads(self, limit: int, after: str = "") -> list[UnsignedHead]:
+        """Up to ``limit`` thread heads with no checkpoint at their version, in thread id
+        order, of threads whose id sorts after ``after`` (a page cursor)."""
 
     async def save_checkpoints(
         self, checkpoints: Sequence[tuple[UnsignedHead, SignedCheckpoint, datetime]]

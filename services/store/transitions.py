@@ -140,6 +140,8 @@ SELECT t.thread_id, t.version, t.head_digest
   FROM ztate.threads t
  WHERE NOT EXISTS (SELECT 1 FROM ztate.checkpoints c
                     WHERE c.thread_id = t.thread_id AND c.version = t.version)
+   AND t.thread_id > $2
+ ORDER BY t.thread_id
  LIMIT $1
 """
 
@@ -388,8 +390,8 @@ class PostgresTransitionStore:
         return None if row is None else KeptState(row["state"])
 
     @translated
-    async def unsigned_heads(self, limit: int) -> list[UnsignedHead]:
-        rows = await self._pool.fetch(UNSIGNED_HEADS, limit)
+    async def unsigned_heads(self, limit: int, after: str = "") -> list[UnsignedHead]:
+        rows = await self._pool.fetch(UNSIGNED_HEADS, limit, after)
         return [UnsignedHead(r["thread_id"], r["version"], r["head_digest"]) for r in rows]
 
     @translated

@@ -281,6 +281,10 @@ async def test_unsigned_heads_are_listed_until_signed_and_signing_twice_is_harml
 
     [head] = await unsigned_here()
     assert head == UnsignedHead(thread_id, 0, genesis.digest)
+    # a page cursor: heads of threads whose id sorts after it, in thread id order
+    after = await store.unsigned_heads(100_000, after=thread_id)
+    assert all(h.thread_id > thread_id for h in after)
+    assert [h.thread_id for h in after] == sorted(h.thread_id for h in after)
     signed = sign_checkpoint(
         key, "ck1", thread_id=thread_id, version=0, head_digest=genesis.digest, signed_at=now
     )
