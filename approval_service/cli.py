@@ -3,59 +3,82 @@
 Reviewers list and read reviews and decide on them with their own certificate
 (``$ZTATE_HOME/certs/reviewer-<name>.*`` by default): the service knows who
 decided from that certificate alone, so there is no ``--as`` flag to trust.
-Exit codes: 0 done, 1 refused or failed (the reason code and message go to
-stderr), 2 wrong usage or unreadable credentials.
+Where they connect comes from the one connection context of every client command
+(services/cli/context.py: flags, ``ZTATE_APPROVAL_ADDRESS`` and ``ZTATE_CERT``/``KEY``/
+``CA``, the context file, ``ZTATE_APPROVAL_LISTEN``). Exit codes, as every command's
+(docs/cli.md): 0 done, 1 refused or failed (the reason code and message go to stderr),
+2 wrong usage or unreadable credentials, 3 no such review, 4 unreachable.
+
+Only argparse at import time: gRPC and the protos load when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import re
 import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
-from pydantic import ValidationError
+from ztate.services.cli.context import APPROVAL, add_connection_flags, run_client
+from ztate.services.cli.output import (
+    OK,
+    USAGE,
+    CliError,
+    Column,
+    add_output_flag,
+    emit_list,
+    emit_one,
+    rpc_error,
+    set_log_level,
+    usage,
+)
 
-from ztate.services.runtime.config import ApprovalSettings
-from ztate.v1 import approval_pb2, approval_pb2_grpc
+if TYPE_CHECKING:
+    from ztate.v1 import approval_pb2, approval_pb2_grpc
 
-DEFAULT_TARGET = "127.0.0.1:7444"
-DEFAULT_REVIEWER = "alice"
 DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
 PAGE_SIZE = 100
 CALL_TIMEOUT_SECONDS = 30.0
-OK, REFUSED, USAGE = 0, 1, 2
-
-STATUS_NAMES = {
-    "open": approval_pb2.REVIEW_STATUS_OPEN,
-    "approved": approval_pb2.REVIEW_STATUS_APPROVED,
-    "rejected": approval_pb2.REVIEW_STATUS_REJECTED,
-    "expired": approval_pb2.REVIEW_STATUS_EXPIRED,
-}
-STATUS_OF = {value: name for name, value in STATUS_NAMES.items()}
+REFUSED = 1
+STATUSES = ("open", "approved", "rejected", "expired")
+STATUS_ALIASES = {"pending": "open"}  # the ledger's word for a parked proposal
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
 
-class UsageError(Exception):
-    """The command line or the credentials it names are unusable."""
+def status_value(name: str) -> int:
+    """A review status name (``open``, ``pending``, ...) as the protocol's number."""
+    from ztate.v1 import approval_pb2
+
+    name = STATUS_ALIASES.get(name, name)
+    value: int = approval_pb2.ReviewStatus.Value(f"REVIEW_STATUS_{name.upper()}")
+    return value
+
+
+def status_name(value: int) -> str:
+    from ztate.v1 import approval_pb2
+
+    name: str = approval_pb2.ReviewStatus.Name(value).removeprefix("REVIEW_STATUS_").lower()
+    return name if name in STATUSES else "unspecified"
 
 
 # --- serving ----------------------------------------------------------------------------
 
 
-def cmd_approval_serve(_: argparse.Namespace) -> int:
+def cmd_approval_serve(args: argparse.Namespace) -> int:
     """Run the approval service from configuration (``ZTATE_APPROVAL_*``) until signalled."""
+    import asyncio
+
+    from pydantic import ValidationError
+
     from ztate.approval_service.app import serve
     from ztate.contract.errors import KeyFileError
+    from ztate.services.runtime.config import ApprovalSettings
     from ztate.services.runtime.telemetry import configure_logging
     from ztate.services.store.migrate import MigrationError
+    from ztate.services.store.waiting import DatabaseNotReady, wait_for_database
 
     try:
         settings = ApprovalSettings()
@@ -67,8 +90,15 @@ def cmd_approval_serve(_: argparse.Namespace) -> int:
         print(f"ztate: invalid approval configuration: {problems}", file=sys.stderr)
         return USAGE
     configure_logging(settings.log_format)
+    set_log_level(args.log_level)
     try:
+        if settings.database_url is not None:
+            asyncio.run(
+                wait_for_database(settings.database_url.get_secret_value(), args.wait_for_database)
+            )
         asyncio.run(serve(settings))
+    except DatabaseNotReady as exc:
+        raise CliError(str(exc), 4) from None
     except (KeyFileError, MigrationError, OSError, ValueError) as exc:
         print(f"ztate: cannot start the approval service: {exc}", file=sys.stderr)
         return USAGE
@@ -78,63 +108,37 @@ def cmd_approval_serve(_: argparse.Namespace) -> int:
 # --- the reviewer's client --------------------------------------------------------------
 
 
-def _home() -> Path:
-    return Path(os.environ.get("ZTATE_HOME", ".ztate"))
-
-
-def reviewer_channel(args: argparse.Namespace) -> grpc.aio.Channel:
-    """An mTLS channel to the approval service with the reviewer's certificate."""
-    from ztate.approval_service.app import MAX_MESSAGE_BYTES
-
-    certs = _home() / "certs"
-    stem = f"reviewer-{args.reviewer}"
-    cert = Path(args.cert) if args.cert else certs / f"{stem}.crt"
-    key = Path(args.key) if args.key else certs / f"{stem}.key"
-    ca = Path(args.ca) if args.ca else certs / "ca.crt"
-    try:
-        credentials = grpc.ssl_channel_credentials(
-            ca.read_bytes(), key.read_bytes(), cert.read_bytes()
-        )
-    except OSError as exc:
-        raise UsageError(f"cannot read credentials: {exc.filename}: {exc.strerror}") from None
-    options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    if args.server_name:
-        options.append(("grpc.ssl_target_name_override", args.server_name))
-    return grpc.aio.secure_channel(args.target, credentials, options=options)
-
-
 def _digest(text: str) -> str:
     if not DIGEST.match(text):
-        raise UsageError("DIGEST must be the 64 lower-case hex characters of a transition digest")
+        usage("DIGEST must be the 64 lower-case hex characters of a transition digest")
     return text
 
 
-Call = Callable[[approval_pb2_grpc.ApprovalServiceStub], Awaitable[int]]
+Call = Callable[["approval_pb2_grpc.ApprovalServiceStub"], Awaitable[int]]
 
 
 def _run(args: argparse.Namespace, call: Call) -> int:
     """Connect, make the call, and turn failures into exit codes."""
-    from ztate.approval_service.delivery import refusal_reason
+    import grpc
 
-    async def connected() -> int:
-        async with reviewer_channel(args) as channel:
+    from ztate.v1 import approval_pb2_grpc
+
+    async def connected(channel: Any) -> int:
+        try:
             return await call(approval_pb2_grpc.ApprovalServiceStub(channel))
+        except grpc.aio.AioRpcError as error:
+            from ztate.approval_service.delivery import refusal_reason
 
-    try:
-        return asyncio.run(connected())
-    except UsageError as exc:
-        print(f"ztate: {exc}", file=sys.stderr)
-        return USAGE
-    except grpc.aio.AioRpcError as error:
-        print(f"ztate: {refusal_reason(error)}: {error.details()}", file=sys.stderr)
-        return REFUSED
+            raise rpc_error(error, reason=refusal_reason(error)) from None
+
+    return run_client(args, connected, APPROVAL)
 
 
 def review_dict(review: approval_pb2.Review) -> dict[str, Any]:
     """A review as plain JSON, with its diff and receipt parsed."""
     found: dict[str, Any] = {
         "digest": review.digest,
-        "status": STATUS_OF.get(review.status, "unspecified"),
+        "status": status_name(review.status),
         "thread_id": review.thread_id,
         "base_version": review.base_version,
         "node_id": review.node_id,
@@ -180,79 +184,97 @@ def _progress(review: dict[str, Any]) -> str:
     return f"{len(review['approvers'])}/{review['required_approvals']}"
 
 
-def print_review(review: dict[str, Any]) -> None:
-    print(f"review        {review['digest']}")
-    print(f"status        {review['status']} ({_progress(review)} approvals)")
-    print(f"thread        {review['thread_id']} at base version {review['base_version']}")
-    print(f"proposed by   {review['node_id']}")
-    print(f"risk rules    {', '.join(review['risk_rules']) or '-'}")
-    print(f"approvals     {review['required_approvals']} required")
-    print(f"approvers     {', '.join(review['approvers']) or '-'}")
-    print(f"opened        {review['opened_at']}, expires {review['expires_at']}")
+def review_text(review: dict[str, Any]) -> str:
+    lines = [
+        f"review        {review['digest']}",
+        f"status        {review['status']} ({_progress(review)} approvals)",
+        f"thread        {review['thread_id']} at base version {review['base_version']}",
+        f"proposed by   {review['node_id']}",
+        f"risk rules    {', '.join(review['risk_rules']) or '-'}",
+        f"approvals     {review['required_approvals']} required",
+        f"approvers     {', '.join(review['approvers']) or '-'}",
+        f"opened        {review['opened_at']}, expires {review['expires_at']}",
+    ]
     if "receipt" in review:
         receipt = review["receipt"]["receipt"]
-        print(
+        lines.append(
             f"receipt       {receipt['decision']} by {', '.join(receipt['reviewers'])}; "
             f"nonce {receipt['nonce']}, key {receipt['key_id']}, valid until "
             f"{receipt['expires_at']}"
         )
     if review.get("outcome"):
-        print(f"outcome       {_outcome_text(review['outcome'])}")
-    print("changes (derived from the proposal and its base; sensitive values are keyed")
-    print("digests the approval service computes: equal values show equal digests):")
-    for line in diff_lines(review["redacted_diff"]):
-        print(line)
+        lines.append(f"outcome       {_outcome_text(review['outcome'])}")
+    lines.append("changes (derived from the proposal and its base; sensitive values are keyed")
+    lines.append("digests the approval service computes: equal values show equal digests):")
+    lines += diff_lines(review["redacted_diff"])
+    return "\n".join(lines)
+
+
+def print_review(review: dict[str, Any]) -> None:
+    print(review_text(review))
+
+
+REVIEW_COLUMNS: list[Column] = [
+    ("digest", lambda r: r["digest"]),
+    ("status", lambda r: r["status"]),
+    ("approvals", _progress),
+    ("thread", lambda r: r["thread_id"]),
+    ("base", lambda r: r["base_version"]),
+    ("node", lambda r: r["node_id"]),
+    ("rules", lambda r: r["risk_rules"]),
+]
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     """List reviews (open ones by default): oldest open first, decided ones newest first."""
+    from ztate.v1 import approval_pb2
+
+    reviews: list[dict[str, Any]] = []
 
     async def call(stub: approval_pb2_grpc.ApprovalServiceStub) -> int:
         request = approval_pb2.ListReviewsRequest(
-            status=STATUS_NAMES[args.status], thread_id=args.thread or "", page_size=PAGE_SIZE
+            status=status_value(args.status), thread_id=args.thread or "", page_size=PAGE_SIZE
         )
-        reviews: list[dict[str, Any]] = []
         while True:
             response = await stub.ListReviews(request, timeout=CALL_TIMEOUT_SECONDS)
-            reviews += [review_dict(review) for review in response.reviews]
+            reviews.extend(review_dict(review) for review in response.reviews)
             if not response.next_page_token or len(reviews) >= args.limit:
                 break
             request.page_token = response.next_page_token
-        for review in reviews[: args.limit]:
-            if args.json:
-                print(json.dumps(review, sort_keys=True))
-            else:
-                print(
-                    f"{review['digest']}  {review['status']:<8} {_progress(review):>5}  "
-                    f"{review['thread_id']}@{review['base_version']}  {review['node_id']}  "
-                    f"rules={','.join(review['risk_rules']) or '-'}"
-                )
-        if not reviews and not args.json:
-            print(f"no {args.status} reviews")
         return OK
 
-    return _run(args, call)
+    code = _run(args, call)
+    status = STATUS_ALIASES.get(args.status, args.status)
+    emit_list(reviews[: args.limit], args.output, REVIEW_COLUMNS, empty=f"no {status} reviews")
+    return code
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     """Show one review: the redacted diff and everything the decision binds to."""
+    from ztate.v1 import approval_pb2
+
+    digest = _digest(args.digest)
+    shown: list[dict[str, Any]] = []
 
     async def call(stub: approval_pb2_grpc.ApprovalServiceStub) -> int:
-        request = approval_pb2.GetReviewRequest(digest=_digest(args.digest))
+        request = approval_pb2.GetReviewRequest(digest=digest)
         response = await stub.GetReview(request, timeout=CALL_TIMEOUT_SECONDS)
-        review = review_dict(response.review)
-        if args.json:
-            print(json.dumps(review, sort_keys=True, indent=2))
-        else:
-            print_review(review)
+        shown.append(review_dict(response.review))
         return OK
 
-    return _run(args, call)
+    code = _run(args, call)
+    emit_one(shown[0], args.output, review_text)
+    return code
 
 
-def _decide(args: argparse.Namespace, decision: int, verb: str) -> int:
+def _decide(args: argparse.Namespace, approve: bool, verb: str) -> int:
+    from ztate.v1 import approval_pb2
+
+    digest = _digest(args.digest)
+    decision = approval_pb2.DECISION_APPROVE if approve else approval_pb2.DECISION_REJECT
+
     async def call(stub: approval_pb2_grpc.ApprovalServiceStub) -> int:
-        request = approval_pb2.DecideRequest(digest=_digest(args.digest), decision=decision)
+        request = approval_pb2.DecideRequest(digest=digest, decision=decision)
         response = await stub.Decide(request, timeout=CALL_TIMEOUT_SECONDS)
         review = review_dict(response.review)
         if review["status"] == "open":
@@ -265,7 +287,7 @@ def _decide(args: argparse.Namespace, decision: int, verb: str) -> int:
             print(f"{verb} {review['digest']}: review {review['status']}, receipt nonce {nonce}")
             outcome = await _delivered(stub, review["digest"], args.wait)
             print(f"  the transition service: {_outcome_text(outcome)}")
-            expected = "committed" if decision == approval_pb2.DECISION_APPROVE else "rejected"
+            expected = "committed" if approve else "rejected"
             if outcome not in (None, expected):
                 return REFUSED  # decided, but it did not take effect: say so by the exit code
         return OK
@@ -278,6 +300,10 @@ async def _delivered(
 ) -> str | None:
     """What the transition service did with the decision, once delivered (None: not yet
     within ``within`` seconds; it is delivered in the background and shown by ``show``)."""
+    import asyncio
+
+    from ztate.v1 import approval_pb2
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while True:
@@ -301,48 +327,54 @@ def _outcome_text(outcome: str | None) -> str:
 
 def cmd_approve(args: argparse.Namespace) -> int:
     """Approve the transition with this digest."""
-    return _decide(args, approval_pb2.DECISION_APPROVE, "approved")
+    return _decide(args, True, "approved")
 
 
 def cmd_reject(args: argparse.Namespace) -> int:
     """Reject the transition with this digest."""
-    return _decide(args, approval_pb2.DECISION_REJECT, "rejected")
+    return _decide(args, False, "rejected")
 
 
 def add_reviewer_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="host:port of the service")
+    """The connection flags (services/cli/context.py) and ``--reviewer``."""
     parser.add_argument(
         "--reviewer",
-        default=DEFAULT_REVIEWER,
-        help="picks $ZTATE_HOME/certs/reviewer-<name>.crt/.key (default %(default)s)",
+        metavar="NAME",
+        help="use $ZTATE_HOME/certs/reviewer-NAME.crt/.key (the development layout; "
+        "default: the context's certificate, else reviewer-alice)",
     )
-    parser.add_argument("--cert", help="reviewer certificate (PEM)")
-    parser.add_argument("--key", help="reviewer private key (PEM)")
-    parser.add_argument("--ca", help="CA certificate (PEM)")
-    parser.add_argument("--server-name", help="expected server name, if not the target host")
+    add_connection_flags(parser, APPROVAL)
 
 
 def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``approval-serve`` and ``approvals`` to the ``ztate`` command."""
-    subparsers.add_parser(
-        "approval-serve", help="run the approval service from configuration"
-    ).set_defaults(func=cmd_approval_serve)
+    from ztate.services.cli.main import group
 
-    approvals = subparsers.add_parser("approvals", help="review risky transitions")
-    commands = approvals.add_subparsers(dest="approvals_command", required=True)
+    serve = subparsers.add_parser(
+        "approval-serve", help="run the approval service from configuration"
+    )
+    add_service_flags(serve)
+    serve.set_defaults(func=cmd_approval_serve)
+
+    commands = group(subparsers, "approvals", "review risky transitions")
 
     listing = commands.add_parser("list", help="list reviews, open ones by default")
-    add_reviewer_flags(listing)
-    listing.add_argument("--status", choices=sorted(STATUS_NAMES), default="open")
+    listing.add_argument(
+        "--status",
+        choices=(*STATUSES, *STATUS_ALIASES),
+        default="open",
+        help="open (= pending, default), approved, rejected, expired",
+    )
     listing.add_argument("--thread", help="only reviews of this thread")
     listing.add_argument("--limit", type=int, default=1000, help="at most this many")
-    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_output_flag(listing)
+    add_reviewer_flags(listing)
     listing.set_defaults(func=cmd_list)
 
     show = commands.add_parser("show", help="show a review and its redacted diff")
+    show.add_argument("digest", metavar="DIGEST", help="the transition digest under review")
+    add_output_flag(show)
     add_reviewer_flags(show)
-    show.add_argument("digest", metavar="DIGEST")
-    show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_show)
 
     for name, func, text in (
@@ -350,7 +382,6 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
         ("reject", cmd_reject, "reject the transition with this digest"),
     ):
         decide = commands.add_parser(name, help=text)
-        add_reviewer_flags(decide)
         decide.add_argument("digest", metavar="DIGEST", help="the transition digest you reviewed")
         decide.add_argument(
             "--wait",
@@ -359,4 +390,26 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
             metavar="SECONDS",
             help="how long to wait for what the transition service did (default %(default)s)",
         )
+        add_reviewer_flags(decide)
         decide.set_defaults(func=func)
+
+
+def add_service_flags(parser: argparse.ArgumentParser, *, log_level: str = "info") -> None:
+    """The flags of the commands that run a service: ``--wait-for-database`` and
+    ``--log-level``."""
+    from ztate.services.store.waiting import wait_default
+
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default=log_level,
+        help="the least severe log line shown (default %(default)s)",
+    )
+    parser.add_argument(
+        "--wait-for-database",
+        type=float,
+        default=wait_default(),
+        metavar="SECONDS",
+        help="how long to wait, with backoff, for a database that is not up yet "
+        "(env ZTATE_DATABASE_WAIT_SECONDS; default %(default)s; 0: do not wait)",
+    )

@@ -7,38 +7,54 @@ core's ``ztate`` command finds them without importing the server.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
-import subprocess
 import sys
-import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import SecretStr
-
-from ztate.contract.errors import KeyFileError, KeyringError
 from ztate.services.cli.main import Subparsers, settings_or_exit
-from ztate.services.policy.model import PolicyError
-from ztate.services.runtime.config import ApprovalSettings, Settings
-from ztate.services.runtime.revocation import RevocationListError
-from ztate.services.runtime.telemetry import configure_logging
-from ztate.services.store.migrate import MigrationError
+from ztate.services.cli.output import UNREACHABLE, CliError, set_log_level
 
-log = logging.getLogger("ztate.run")
+if TYPE_CHECKING:
+    import subprocess
+    import threading
+
+    from ztate.services.runtime.config import Settings
 
 
 def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``run`` and ``serve`` to the ``ztate`` command."""
-    subparsers.add_parser(
-        "run", help="development: set up .ztate/ on first run, then serve"
-    ).set_defaults(func=cmd_run)
-    subparsers.add_parser("serve", help="serve from configuration only").set_defaults(
-        func=cmd_serve
+    from ztate.approval_service.cli import add_service_flags
+
+    run = subparsers.add_parser(
+        "run",
+        help="development: set up $ZTATE_HOME on first run, then serve both services",
+        description="Creates whatever is missing under $ZTATE_HOME (.ztate/): a CA, "
+        "certificates, keys, the default policy and, without DATABASE_URL, an embedded "
+        "Postgres (its log in $ZTATE_HOME/pg/log). Prints one banner; -v shows the "
+        "services' and Postgres's logs as they come.",
     )
+    run.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print the services' informational log lines and gRPC's own",
+    )
+    add_service_flags(run, log_level="warning")
+    run.set_defaults(func=cmd_run)
+    serve = subparsers.add_parser("serve", help="serve from configuration only")
+    add_service_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
 
-def _serve(settings: Settings) -> int:
+def _serve(settings: Settings, wait_seconds: float) -> int:
+    import asyncio
+
+    from ztate.contract.errors import KeyFileError, KeyringError
+    from ztate.services.policy.model import PolicyError
+    from ztate.services.runtime.revocation import RevocationListError
+    from ztate.services.store.migrate import MigrationError
+    from ztate.services.store.waiting import DatabaseNotReady, wait_for_database
     from ztate.transition_service.app import serve
 
     try:
@@ -48,7 +64,11 @@ def _serve(settings: Settings) -> int:
     except ImportError:
         pass
     try:
+        if settings.database_url is not None:
+            asyncio.run(wait_for_database(settings.database_url.get_secret_value(), wait_seconds))
         asyncio.run(serve(settings))
+    except DatabaseNotReady as exc:
+        raise CliError(f"cannot start: {exc}", UNREACHABLE) from None
     except (
         PolicyError,
         KeyringError,
@@ -62,21 +82,31 @@ def _serve(settings: Settings) -> int:
     return 0
 
 
-def _start_approval_process(settings: Settings, dsn: str) -> subprocess.Popen[bytes]:
+def _start_approval_process(settings: Settings, dsn: str, verbose: bool) -> subprocess.Popen[bytes]:
     """The approval service, as its own process, on the same (embedded) database."""
+    import subprocess
+
     env = dict(os.environ, DATABASE_URL=dsn, ZTATE_HOME=str(settings.home))
     env.setdefault("ZTATE_APPROVAL_TRANSITION_TARGET", settings.listen)
     ztate = Path(sys.executable).with_name("ztate")
-    return subprocess.Popen([str(ztate), "approval-serve"], env=env)
+    quiet = [] if verbose else ["--log-level", "warning"]
+    return subprocess.Popen([str(ztate), "approval-serve", *quiet], env=env)
 
 
-def cmd_run(_: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     """Development: create what is missing under .ztate/, then run both services."""
+    from pydantic import SecretStr
+
     from ztate.services.cli.devsetup import OPERATOR_NAME, REVIEWERS, ensure_dev_layout
+    from ztate.services.runtime.config import ApprovalSettings
+    from ztate.services.runtime.telemetry import configure_logging
     from ztate.services.store.embedded import start_embedded_postgres
 
+    if not args.verbose:  # raw gRPC core lines: only with -v (GRPC_VERBOSITY overrides)
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     settings = settings_or_exit()
     configure_logging(settings.log_format)
+    set_log_level("info" if args.verbose else args.log_level)
     layout = ensure_dev_layout(settings)
     approval = ApprovalSettings(home=settings.home, trust_domain=settings.trust_domain)
     database = (
@@ -117,10 +147,10 @@ Connect a worker:
 """,
         flush=True,
     )
-    approval_process = _start_approval_process(settings, dsn)
+    approval_process = _start_approval_process(settings, dsn, args.verbose)
     renewing = _renew_while_running(layout.ca_dir, layout.certs)
     try:
-        return _serve(settings)
+        return _serve(settings, args.wait_for_database)
     finally:
         renewing.set()
         approval_process.terminate()
@@ -130,7 +160,12 @@ Connect a worker:
 def _renew_while_running(ca_dir: Path, certs: Path) -> threading.Event:
     """Development certificates live a day: renew them while ``ztate run`` runs (both
     services reload their files). Set the returned event to stop."""
+    import logging
+    import threading
+
     from ztate.services.cli.devsetup import RENEW_INTERVAL_SECONDS, renew_near_expiry
+
+    log = logging.getLogger("ztate.run")
 
     stop = threading.Event()
 
@@ -147,8 +182,11 @@ def _port(listen: str) -> str:
     return listen.rsplit(":", 1)[1]
 
 
-def cmd_serve(_: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     """Production: serve from configuration only; create nothing."""
+    from ztate.services.runtime.telemetry import configure_logging
+
     settings = settings_or_exit()
     configure_logging(settings.log_format)
-    return _serve(settings)
+    set_log_level(args.log_level)
+    return _serve(settings, args.wait_for_database)

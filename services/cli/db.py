@@ -7,43 +7,54 @@ optional Citus layout (``services/store/optional/citus.sql``), which is never
 part of the numbered set: see docs/scale-out.md.
 
 The DSN is ``DATABASE_URL``; it is never printed, nor its password. Exit codes: 0
-done, 2 could not run (no DSN, a malformed one, an unreachable database, a
-migration refused), with one line that says why and no traceback.
+done, 2 could not run (no DSN, a malformed one, a migration refused), 4 the
+database could not be reached, with one line that says why and no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Awaitable, Callable
-from importlib.metadata import entry_points
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING
 
-import asyncpg
-from pydantic import ValidationError
+if TYPE_CHECKING:
+    from ztate.services.runtime.config import ApprovalSettings, Settings
 
-from ztate.services.runtime.config import ApprovalSettings, Settings, describe
-from ztate.services.store.migrate import MigrationError, migrate
-from ztate.services.store.optional import CitusError, apply_citus_layout
-
-OK, CANNOT_RUN = 0, 2
+OK, CANNOT_RUN, UNREACHABLE = 0, 2, 4
 CONNECT_TIMEOUT_SECONDS = 30.0
-FAILURES = (
-    MigrationError,
-    CitusError,
-    OSError,  # unreachable: refused, no route, unknown host
-    TimeoutError,  # the server did not answer in time
-    ValueError,  # a malformed DSN (asyncpg's ClientConfigurationError is one too)
-    asyncpg.InterfaceError,
-    asyncpg.PostgresError,
-)
-"""Why ``ztate db`` may be unable to run: reported in one line, exit 2."""
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """Why ``ztate db`` may be unable to run: reported in one line, exit 2 (4 when the
+    database cannot be reached)."""
+    import asyncpg
+
+    from ztate.services.store.migrate import MigrationError
+    from ztate.services.store.optional import CitusError
+
+    return (
+        MigrationError,
+        CitusError,
+        OSError,  # unreachable: refused, no route, unknown host
+        TimeoutError,  # the server did not answer in time
+        ValueError,  # a malformed DSN (asyncpg's ClientConfigurationError is one too)
+        asyncpg.InterfaceError,
+        asyncpg.PostgresError,
+    )
+
+
+def _code(failure: BaseException) -> int:
+    return UNREACHABLE if isinstance(failure, OSError | TimeoutError) else CANNOT_RUN
+
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
 
 def _dsn_and_settings() -> tuple[str, Settings, ApprovalSettings]:
+    from ztate.services.runtime.config import ApprovalSettings, Settings
+    from ztate.services.store.migrate import MigrationError
+
     settings, approval = Settings(), ApprovalSettings()
     if settings.database_url is None:
         raise MigrationError("DATABASE_URL is not set (an owner of the ztate schemas)")
@@ -52,6 +63,8 @@ def _dsn_and_settings() -> tuple[str, Settings, ApprovalSettings]:
 
 def _explain(failure: BaseException, dsn: str | None) -> str:
     """``failure`` in one line, with the DSN and its password (if it has one) masked."""
+    from urllib.parse import urlsplit
+
     text = str(failure) or "no answer in time"
     secrets = [dsn] if dsn else []
     if dsn:
@@ -66,12 +79,14 @@ def _explain(failure: BaseException, dsn: str | None) -> str:
 
 
 MIGRATION_GROUP = "ztate.migrations"
-ServiceMigration = Callable[[str, ApprovalSettings], Awaitable[list[str]]]
+ServiceMigration = Callable[[str, "ApprovalSettings"], Awaitable[list[str]]]
 
 
 def _service_migrations() -> dict[str, ServiceMigration]:
     """Each installed service's own migrations, by the name it registers them under in
     the ``ztate.migrations`` entry-point group (the core imports no server)."""
+    from importlib.metadata import entry_points
+
     return {e.name: e.load() for e in sorted(entry_points(group=MIGRATION_GROUP), key=str)}
 
 
@@ -79,6 +94,10 @@ async def _migrate(
     dsn: str, settings: Settings, approval: ApprovalSettings
 ) -> dict[str, list[str]]:
     """The migrations applied now, by service."""
+    import asyncpg
+
+    from ztate.services.store.migrate import migrate
+
     conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         transition = await migrate(conn, settings.db_role, settings.db_reader_role)
@@ -91,6 +110,10 @@ async def _migrate(
 
 
 async def _citus(dsn: str) -> list[str]:
+    import asyncpg
+
+    from ztate.services.store.optional import apply_citus_layout
+
     conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         return await apply_citus_layout(conn)
@@ -99,6 +122,12 @@ async def _citus(dsn: str) -> list[str]:
 
 
 def cmd_db_migrate(_: argparse.Namespace) -> int:
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from ztate.services.runtime.config import describe
+
     dsn = None
     try:
         dsn, settings, approval = _dsn_and_settings()
@@ -106,15 +135,21 @@ def cmd_db_migrate(_: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"ztate db migrate: invalid configuration: {describe(exc)}", file=sys.stderr)
         return CANNOT_RUN
-    except FAILURES as exc:
+    except _failures() as exc:
         print(f"ztate db migrate: {_explain(exc, dsn)}", file=sys.stderr)
-        return CANNOT_RUN
+        return _code(exc)
     for service, names in applied.items():
         print(f"{service}: {', '.join(names) if names else 'up to date'}")
     return OK
 
 
 def cmd_db_citus(_: argparse.Namespace) -> int:
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from ztate.services.runtime.config import describe
+
     dsn = None
     try:
         dsn, _settings, _approval = _dsn_and_settings()
@@ -122,11 +157,16 @@ def cmd_db_citus(_: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"ztate db citus: invalid configuration: {describe(exc)}", file=sys.stderr)
         return CANNOT_RUN
-    except FAILURES as exc:
+    except _failures() as exc:
         print(f"ztate db citus: {_explain(exc, dsn)}", file=sys.stderr)
-        return CANNOT_RUN
+        return _code(exc)
     print("\n".join(done))
     return OK
+
+
+def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``db`` to the ``ztate`` command."""
+    add_db_commands(subparsers)
 
 
 def add_db_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None:

@@ -8,40 +8,36 @@ one, so the probe runs inside the container as this command: it calls
 files the service serves with, read from the service's configuration
 (``ZTATE_TLS_*`` or ``ZTATE_APPROVAL_TLS_*``).
 
-Exit codes, as ``grpc_health_probe``'s: 0 SERVING; 1 the service answered but is
-not serving (starting, shutting down, unknown service name); 2 it could not be
-asked (unreachable, timed out, unreadable credentials, bad configuration).
+Exit codes, as every ``ztate`` command's (docs/cli.md): 0 SERVING; 1 the service
+answered but is not serving (starting, shutting down, unknown service name); 2 it
+could not be asked for want of configuration (unset or unreadable credentials, bad
+settings); 4 it could not be reached (refused, timed out, TLS handshake failed).
 
 ``--live`` is the liveness question instead: is the process answering at all?
 It exits 0 whatever status the server reports (NOT_SERVING while its database
 is down is a live process waiting for it, which a restart would not help) and
-2 when the server cannot be asked. Readiness keeps the serving check.
+2 or 4 when the server cannot be asked. Readiness keeps the serving check.
+
+The probe runs every few seconds in every container, so it imports only what it
+uses: gRPC, the health stubs and the settings, nothing of the servers, the policy
+engine or the database driver.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pydantic import ValidationError
-
-from ztate.services.runtime import tls
-from ztate.services.runtime.config import ApprovalSettings, Settings, describe
-
-SERVING, NOT_SERVING, CANNOT_ASK = 0, 1, 2
+SERVING, NOT_SERVING, CANNOT_ASK, UNREACHABLE = 0, 1, 2, 4
 TRANSITION_SERVICE = "ztate.v1.TransitionService"
 APPROVAL_SERVICE = "ztate.v1.ApprovalService"
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
 
-@dataclass(frozen=True)
-class Probe:
+class Probe(NamedTuple):
     """Where to ask, about which service, as which identity."""
 
     target: str
@@ -56,6 +52,10 @@ class Probe:
 async def check(probe: Probe) -> str:
     """The service's health status name, e.g. ``"SERVING"``; raises ``grpc.aio.AioRpcError``
     when the call fails and ``OSError`` when a credential file cannot be read."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ztate.services.runtime import tls
+
     async with tls.client_channel(
         probe.target, probe.cert, probe.key, probe.ca, server_name=probe.server_name
     ) as channel:
@@ -79,6 +79,8 @@ class MissingCredentials(ValueError):
 def probe_from_settings(args: argparse.Namespace) -> Probe:
     """The probe for the service configured in this environment (``--approval``: the
     approval service's settings), with the command line's overrides."""
+    from ztate.services.runtime.config import ApprovalSettings, Settings
+
     if args.approval:
         approval = ApprovalSettings()
         listen, service = approval.listen, APPROVAL_SERVICE
@@ -102,6 +104,13 @@ def probe_from_settings(args: argparse.Namespace) -> Probe:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+    from pydantic import ValidationError
+
+    from ztate.services.runtime.config import describe
+
     try:
         probe = probe_from_settings(args)
     except ValidationError as exc:
@@ -117,7 +126,7 @@ def cmd_health(args: argparse.Namespace) -> int:
             print(f"ztate health: {probe.service!r}: SERVICE_UNKNOWN", file=sys.stderr)
             return SERVING if args.live else NOT_SERVING
         print(f"ztate health: {probe.target}: {error.code().name}", file=sys.stderr)
-        return CANNOT_ASK
+        return UNREACHABLE
     except OSError as exc:
         print(f"ztate health: cannot read credentials: {exc.strerror}", file=sys.stderr)
         return CANNOT_ASK
@@ -125,13 +134,18 @@ def cmd_health(args: argparse.Namespace) -> int:
     return SERVING if args.live or status == "SERVING" else NOT_SERVING
 
 
+def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``health`` to the ``ztate`` command."""
+    add_health_command(subparsers)
+
+
 def add_health_command(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``health`` to the ``ztate`` command."""
     health = subparsers.add_parser(
         "health",
         help="gRPC health check of a running service over mTLS (container probes)",
-        description="Exit 0: SERVING; 1: answered, not serving; 2: could not ask. "
-        "With --live: 0 whenever the server answers (liveness), 2 when it cannot be asked.",
+        description="Exit 0: SERVING; 1: answered, not serving; 2: no usable configuration; "
+        "4: unreachable. With --live: 0 whenever the server answers (liveness).",
     )
     health.add_argument(
         "--live",

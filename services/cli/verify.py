@@ -16,39 +16,23 @@ the transition service need not run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import orjson
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from pydantic import ValidationError
+from ztate.services.cli.output import NOT_FOUND, CliError
 
-from ztate.contract.checkpoints import SignedCheckpoint, parse_checkpoint_line
-from ztate.contract.errors import CheckpointInvalid, KeyFileError, KeyringError
-from ztate.contract.keyring import Keyring, load_public_keys
-from ztate.services.policy.model import PolicyError, PolicySet
-from ztate.services.runtime.config import Settings, describe
-from ztate.services.verify.bundle import export_bundle, verify_bundle
-from ztate.services.verify.checks import (
-    EXIT_CANNOT_RUN,
-    Finding,
-    Report,
-    Summary,
-    Trust,
-    VerifyError,
-    counted,
-    no_such_thread,
-    verify_database,
-)
-from ztate.services.verify.parallel import (
-    jobs_wanted,
-    verify_bundle_parallel,
-    verify_database_parallel,
-)
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    from ztate.contract.checkpoints import SignedCheckpoint
+    from ztate.services.runtime.config import Settings
+    from ztate.services.verify.checks import Finding, Report, Summary, Trust
+
+EXIT_CANNOT_RUN = 2  # services.verify.checks.EXIT_CANNOT_RUN (a test holds them equal)
 MAX_JOBS = 256
 FLUSH_TIMEOUT_MILLIS = 5_000  # per signal, at exit
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
@@ -103,6 +87,8 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
 
 
 def _jobs(text: str) -> int:
+    from ztate.services.verify.parallel import jobs_wanted
+
     try:
         jobs = int(text)
     except ValueError:
@@ -110,6 +96,11 @@ def _jobs(text: str) -> int:
     if not 0 <= jobs <= MAX_JOBS:
         raise argparse.ArgumentTypeError(f"must be 0 (one per core) to {MAX_JOBS}")
     return jobs_wanted(jobs)
+
+
+def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``verify`` to the ``ztate`` command (``ledger export`` joins ``ledger``)."""
+    add_verify_commands(commands)
 
 
 def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -> None:
@@ -127,8 +118,12 @@ def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ztate.services.runtime.telemetry import Telemetry
+    from ztate.services.verify.bundle import verify_bundle
+    from ztate.services.verify.checks import VerifyError, counted, no_such_thread
+    from ztate.services.verify.parallel import verify_bundle_parallel
 
     telemetry = Telemetry()
+    ticking = _progress(enabled=not args.json and sys.stderr.isatty())
     try:
         settings = _settings()
         telemetry = Telemetry.from_settings(settings)  # ztate.verify.failures, when on
@@ -149,16 +144,36 @@ def cmd_verify(args: argparse.Namespace) -> int:
             and summary.threads == 0
             and args.thread not in trust.kept_checkpoints
         ):
-            raise no_such_thread(args.thread)
+            raise CliError(f"verify: {no_such_thread(args.thread)}", NOT_FOUND)
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     finally:
+        ticking.set()
         # bounded: a collector that is down must not hang the verdict
         if not telemetry.force_flush(FLUSH_TIMEOUT_MILLIS):
             print("ztate verify: telemetry not exported (collector unreachable)", file=sys.stderr)
     printer.summary(summary)
     return summary.exit_code
+
+
+def _progress(*, enabled: bool) -> threading.Event:
+    """On a terminal, a line on stderr every second while verification runs (how long,
+    so far); cleared at the end. Set the returned event to stop it."""
+    stop = threading.Event()
+    if not enabled:
+        return stop
+
+    def tick() -> None:
+        started = time.monotonic()
+        while not stop.wait(1.0):
+            sys.stderr.write(f"\rverifying... {time.monotonic() - started:.0f}s")
+            sys.stderr.flush()
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+
+    threading.Thread(target=tick, name="ztate-verify-progress", daemon=True).start()
+    return stop
 
 
 class _Printer:
@@ -185,11 +200,18 @@ class _Printer:
 
     @staticmethod
     def _line(doc: dict[str, Any]) -> None:
+        import orjson
+
         sys.stdout.write(orjson.dumps(doc).decode() + "\n")
         sys.stdout.flush()
 
 
 def _settings() -> Settings:
+    from pydantic import ValidationError
+
+    from ztate.services.runtime.config import Settings, describe
+    from ztate.services.verify.checks import VerifyError
+
     try:
         return Settings()
     except ValidationError as exc:
@@ -197,6 +219,11 @@ def _settings() -> Settings:
 
 
 def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
+    from ztate.contract.errors import KeyFileError, KeyringError
+    from ztate.contract.keyring import Keyring
+    from ztate.services.policy.model import PolicyError, PolicySet
+    from ztate.services.verify.checks import Trust, VerifyError
+
     try:
         keyring: Keyring | None = None
         if args.public_only:
@@ -221,6 +248,10 @@ def _kept_checkpoints(
 ) -> dict[str, dict[int, SignedCheckpoint]]:
     """The checkpoints of ``--checkpoints FILE``, by thread and version. Their
     signatures are checked where the chain meets them, as the database's are."""
+    from ztate.contract.checkpoints import parse_checkpoint_line
+    from ztate.contract.errors import CheckpointInvalid
+    from ztate.services.verify.checks import VerifyError
+
     if path is None:
         return {}
     if keys is None:
@@ -246,6 +277,9 @@ def _checkpoint_keys(
 ) -> dict[str, Ed25519PublicKey] | None:
     """Checkpoints are checked whenever their public keys are at hand; public-only
     verification needs them."""
+    from ztate.contract.keyring import load_public_keys
+    from ztate.services.verify.checks import VerifyError
+
     path = args.checkpoint_keys or settings.checkpoint_public_keys_file
     if path is not None and Path(path).exists():
         return load_public_keys(Path(path))
@@ -257,6 +291,8 @@ def _checkpoint_keys(
 def _approval_keys(path: Path | None, settings: Settings) -> dict[str, Ed25519PublicKey]:
     """Given keys must load; the configured default may be absent (no approvals yet),
     in which case any receipt in the ledger fails to verify, precisely."""
+    from ztate.contract.keyring import load_public_keys
+
     if path is not None:
         return load_public_keys(path)
     default = settings.approval_public_keys_file
@@ -272,12 +308,22 @@ def _approval_keys(path: Path | None, settings: Settings) -> dict[str, Ed25519Pu
 def _verify_database(
     settings: Settings, trust: Trust, report: Report, thread_id: str | None, jobs: int
 ) -> Summary:
+    import asyncio
+
+    from ztate.services.verify.checks import verify_database
+    from ztate.services.verify.parallel import verify_database_parallel
+
     dsn, _embedded = _database(settings)
     if jobs > 1:
         return asyncio.run(
             verify_database_parallel(dsn, trust, report, jobs=jobs, thread_id=thread_id)
         )
     return asyncio.run(verify_database(dsn, trust, report, thread_id=thread_id))
+
+
+def settings_or_verify_error() -> Settings:
+    """The service's settings, or ``VerifyError`` saying what is wrong in them."""
+    return _settings()
 
 
 def database_dsn(settings: Settings) -> tuple[str, Any]:
@@ -288,6 +334,8 @@ def database_dsn(settings: Settings) -> tuple[str, Any]:
 def _database(settings: Settings) -> tuple[str, Any]:
     """``DATABASE_URL``, or the embedded Postgres that ``ztate run`` keeps under the home.
     The second value keeps the embedded server alive while it is used."""
+    from ztate.services.verify.checks import VerifyError
+
     if settings.database_url is not None:
         return settings.database_url.get_secret_value(), None
     data = settings.home / "pg"
@@ -302,6 +350,11 @@ def _database(settings: Settings) -> tuple[str, Any]:
 
 
 def cmd_ledger_export(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ztate.services.verify.bundle import export_bundle
+    from ztate.services.verify.checks import VerifyError
+
     try:
         dsn, _embedded = _database(_settings())
         manifest = asyncio.run(export_bundle(dsn, args.out, args.thread))

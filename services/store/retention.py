@@ -53,9 +53,16 @@ class Limits:
 
 
 async def prune(
-    dsn: str, limits: Limits, *, thread_id: str | None = None, now: datetime | None = None
+    dsn: str,
+    limits: Limits,
+    *,
+    thread_id: str | None = None,
+    now: datetime | None = None,
+    dry_run: bool = False,
 ) -> int:
-    """Set to NULL the state bodies outside ``limits``; returns how many were pruned."""
+    """Set to NULL the state bodies outside ``limits``; returns how many were pruned.
+    ``dry_run``: the same statement in a transaction rolled back, so the count is exactly
+    what a real run would prune at this moment, and nothing changes."""
     cutoff = None
     if limits.older_than is not None:
         cutoff = (now or datetime.now(UTC)) - limits.older_than
@@ -67,7 +74,15 @@ async def prune(
             "apply its migrations"
         ) from None
     try:
-        status: str = await conn.execute(PRUNE, limits.keep_versions, cutoff, thread_id)
+        if dry_run:
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                status: str = await conn.execute(PRUNE, limits.keep_versions, cutoff, thread_id)
+            finally:
+                await transaction.rollback()
+        else:
+            status = await conn.execute(PRUNE, limits.keep_versions, cutoff, thread_id)
     finally:
         await conn.close()
     return int(status.rsplit(" ", 1)[-1])

@@ -1,0 +1,310 @@
+"""``ztate ca``, ``ztate keys`` and ``ztate policy``: offline administration.
+
+Nothing here talks to a service. Each command imports what it needs when it runs,
+so that ``ztate --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ztate.services.cli.output import USAGE, CliError, dumps, write
+
+if TYPE_CHECKING:
+    from ztate.services.cli import ca
+    from ztate.services.policy.model import PolicySet
+    from ztate.services.runtime.config import Settings
+
+Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
+ROLES = ("service", "node", "operator", "reviewer")  # runtime.identity.Role, unimported
+
+
+def _settings() -> Settings:
+    from ztate.services.cli.main import settings_or_exit
+
+    return settings_or_exit()
+
+
+def cmd_ca_init(args: argparse.Namespace) -> int:
+    from ztate.services.cli import ca
+
+    try:
+        path = ca.init_ca(Path(args.dir), args.trust_domain, days=args.days)
+    except FileExistsError as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    print(f"CA certificate: {path}\nCA key: {Path(args.dir) / ca.CA_KEY} (keep it offline)")
+    return 0
+
+
+def _ttl(args: argparse.Namespace) -> timedelta | None:
+    """``--ttl`` parsed, or None when not given; exits 2 with the rule when malformed."""
+    from ztate.services.cli import ca
+
+    if args.ttl is None:
+        return None
+    try:
+        return ca.parse_ttl(args.ttl)
+    except ValueError as exc:
+        raise CliError(f"--ttl: {exc}", USAGE) from None
+
+
+def _print_issued(spiffe_ids: tuple[str, ...], paths: ca.IssuedPaths) -> None:
+    from ztate.services.cli import ca
+    from ztate.services.runtime.revocation import serial_text
+
+    issued = ca.Issued.read(paths.cert)
+    print(", ".join(spiffe_ids) or paths.cert.stem)
+    print(f"  certificate {paths.cert}\n  key         {paths.key}\n  CA          {paths.ca_cert}")
+    print(f"  serial      {serial_text(issued.serial)}")
+    print(f"  valid until {issued.not_after.isoformat(timespec='seconds')}")
+
+
+def cmd_ca_issue(args: argparse.Namespace) -> int:
+    from ztate.services.cli import ca
+    from ztate.services.runtime.identity import NAME, Identity, Role
+
+    if not NAME.fullmatch(args.name):
+        print(f"ztate: name must match {NAME.pattern}", file=sys.stderr)
+        return 1
+    identity = Identity(args.trust_domain, Role(args.role), args.name)
+    ttl = _ttl(args) or ca.DEFAULT_TTL
+    try:
+        paths = ca.issue(
+            Path(args.ca_dir),
+            identity,
+            Path(args.out),
+            dns_names=tuple(args.dns),
+            ip_addresses=tuple(args.ip),
+            ttl=ttl,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ztate: cannot issue: {exc}", file=sys.stderr)
+        return 1
+    _print_issued((identity.spiffe_id,), paths)
+    return 0
+
+
+def cmd_ca_renew(args: argparse.Namespace) -> int:
+    """Issue the same identity again with a new key pair, replacing its files atomically."""
+    from ztate.services.cli import ca
+
+    if args.cert is not None:
+        cert = Path(args.cert)
+    elif args.role is not None and args.name is not None:
+        cert = Path(args.out) / f"{args.role}-{args.name}.crt"
+    else:
+        print("ztate ca renew: give --cert FILE, or --role and --name", file=sys.stderr)
+        return 2
+    ttl = _ttl(args)
+    try:
+        paths = ca.renew(Path(args.ca_dir), cert, ttl=ttl)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"ztate: cannot renew: {exc}", file=sys.stderr)
+        return 1
+    _print_issued(ca.Issued.read(paths.cert).uris, paths)
+    print("processes watching these files take the new pair at their next connection")
+    return 0
+
+
+def cmd_ca_revoke(args: argparse.Namespace) -> int:
+    """Add a certificate (by serial) or a whole identity (by SPIFFE ID) to the list."""
+    from ztate.services.cli import ca
+    from ztate.services.runtime.revocation import (
+        Entry,
+        RevocationListError,
+        now_text,
+        parse_serial,
+        revoke,
+        serial_text,
+    )
+
+    path = Path(args.list) if args.list else _settings().revocation_list_file
+    assert path is not None
+    try:
+        if args.spiffe_id is not None:
+            if not args.spiffe_id.startswith("spiffe://"):
+                raise RevocationListError(f"{args.spiffe_id!r} is not a SPIFFE ID")
+            entry = Entry(None, args.spiffe_id, now_text(), args.note)
+            what = f"identity {args.spiffe_id} (every certificate of it)"
+        else:
+            serial = (
+                parse_serial(args.serial)
+                if args.serial is not None
+                else ca.Issued.read(Path(args.cert)).serial
+            )
+            entry = Entry(serial, None, now_text(), args.note)
+            what = f"certificate {serial_text(serial)}"
+        added = revoke(path, entry)
+    except (OSError, ValueError) as exc:
+        print(f"ztate: cannot revoke: {exc}", file=sys.stderr)
+        return 1
+    if not added:
+        print(f"{what} was already revoked in {path}")
+        return 0
+    print(f"revoked {what} in {path}")
+    print("running services refuse it from their next call (IDENTITY_REVOKED)")
+    return 0
+
+
+def cmd_keys_init(args: argparse.Namespace) -> int:
+    from ztate.contract.keyring import generate_keyring_file
+
+    try:
+        generate_keyring_file(Path(args.file), args.key_id)
+    except FileExistsError:
+        print(f"ztate: {args.file} exists; it is never overwritten", file=sys.stderr)
+        return 1
+    print(f"HMAC keyring written to {args.file} (mode 0600)")
+    return 0
+
+
+def cmd_keys_rotate(args: argparse.Namespace) -> int:
+    """Add a new HMAC key and make it current; old keys stay to verify old records."""
+    from ztate.contract.errors import KeyringError
+    from ztate.contract.keyring import rotate_keyring_file
+
+    try:
+        key_id = rotate_keyring_file(Path(args.file), args.key_id)
+    except KeyringError as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    print(f"added key {key_id!r} to {args.file} and made it current (mode 0600)")
+    print("restart the transition service to sign new records under it")
+    return 0
+
+
+def cmd_keys_signing_key(args: argparse.Namespace) -> int:
+    """A new Ed25519 key for the approval service's receipts or the checkpoints."""
+    from ztate.contract.errors import KeyFileError
+    from ztate.contract.keyring import add_signing_key
+
+    try:
+        add_signing_key(args.private, args.public, args.key_id)
+    except KeyFileError as exc:
+        print(f"ztate: {exc}", file=sys.stderr)
+        return 1
+    print(f"Ed25519 signing key {args.key_id!r} written to {args.private} (mode 0600)")
+    print(f"its public half added to {args.public}: give that file to the verifiers")
+    return 0
+
+
+def _load_policies(path: Path) -> PolicySet | None:
+    from ztate.services.policy.model import PolicyError, PolicySet
+
+    try:
+        return PolicySet.load(path)
+    except PolicyError as exc:
+        print(f"ztate: invalid policy:\n{exc}", file=sys.stderr)
+        return None
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    """Validate a policy file or folder offline."""
+    policies = _load_policies(Path(args.path))
+    if policies is None:
+        return 1
+    for policy in policies.policies.values():
+        print(f"{policy.name}: valid, digest {policy.digest}")
+    return 0
+
+
+def cmd_policy_show(args: argparse.Namespace) -> int:
+    """Print the effective policy: every default filled in, with its digest."""
+    path = Path(args.path) if args.path else _settings().policy_path
+    assert path is not None
+    policies = _load_policies(path)
+    if policies is None:
+        return 1
+    for policy in policies.policies.values():
+        print(f"# policy {policy.name}, digest {policy.digest}")
+        write(dumps(policy.document.model_dump(mode="json")))
+    return 0
+
+
+def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``ca``, ``keys`` and ``policy`` to the ``ztate`` command."""
+    ca_parser = commands.add_parser("ca", help="a development certificate authority")
+    ca_sub = ca_parser.add_subparsers(dest="ca_command", required=True)
+    init = ca_sub.add_parser("init", help="create a CA")
+    init.add_argument("--dir", default=".ztate/ca")
+    init.add_argument("--trust-domain", default="ztate.local")
+    init.add_argument("--days", type=int, default=3650)
+    init.set_defaults(func=cmd_ca_init)
+    issue = ca_sub.add_parser("issue", help="issue a certificate for one identity")
+    issue.add_argument("--role", required=True, choices=ROLES)
+    issue.add_argument("--name", required=True)
+    issue.add_argument("--trust-domain", default="ztate.local")
+    issue.add_argument("--ca-dir", default=".ztate/ca")
+    issue.add_argument("--out", default=".ztate/certs")
+    issue.add_argument("--dns", action="append", default=[], help="DNS SAN (servers)")
+    issue.add_argument("--ip", action="append", default=[], help="IP SAN (servers)")
+    issue.add_argument(
+        "--ttl", help="how long it is valid: 90m, 24h, 7d (default 1d: renew with ztate ca renew)"
+    )
+    issue.set_defaults(func=cmd_ca_issue)
+    renew = ca_sub.add_parser(
+        "renew",
+        help="issue an identity again with a new key pair (files replaced atomically)",
+        description="Reads the certificate, issues one for the same SPIFFE ID and SANs with a "
+        "new key pair, and renames both files over the old ones: services and workers watching "
+        "them take the new pair at their next connection, without a restart.",
+    )
+    renew.add_argument("--cert", help="the certificate to renew (its .key beside it)")
+    renew.add_argument("--role", choices=ROLES, help="with --name, in --out")
+    renew.add_argument("--name")
+    renew.add_argument("--out", default=".ztate/certs")
+    renew.add_argument("--ca-dir", default=".ztate/ca")
+    renew.add_argument("--ttl", help="90m, 24h, 7d (default: the old certificate's lifetime)")
+    renew.set_defaults(func=cmd_ca_renew)
+    revoke_parser = ca_sub.add_parser(
+        "revoke",
+        help="refuse a certificate (by serial) or an identity (by SPIFFE ID) from now on",
+        description="Adds an entry to the revocation list (JSON, mode 0644, replaced "
+        "atomically; docs/operations.md). Both services read it again when it changes and "
+        "refuse the certificate or identity at its next call, on open connections too.",
+    )
+    revoked = revoke_parser.add_mutually_exclusive_group(required=True)
+    revoked.add_argument("--serial", help="hexadecimal, as openssl x509 -serial prints it")
+    revoked.add_argument("--cert", help="the certificate file whose serial to revoke")
+    revoked.add_argument("--spiffe-id", help="every certificate of this identity")
+    revoke_parser.add_argument(
+        "--list", help="the list file (default: ZTATE_REVOCATION_LIST_FILE, in $ZTATE_HOME/certs)"
+    )
+    revoke_parser.add_argument("--note", default="", help="why (kept in the list)")
+    revoke_parser.set_defaults(func=cmd_ca_revoke)
+
+    keys = commands.add_parser("keys", help="HMAC chain keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    keys_init = keys_sub.add_parser("init", help="write a new keyring file")
+    keys_init.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
+    keys_init.add_argument("--key-id", default="k1")
+    keys_init.set_defaults(func=cmd_keys_init)
+    keys_rotate = keys_sub.add_parser("rotate", help="add a new key and make it current")
+    keys_rotate.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
+    keys_rotate.add_argument("--key-id", help="default: the next free kN")
+    keys_rotate.set_defaults(func=cmd_keys_rotate)
+    signing = keys_sub.add_parser(
+        "signing-key",
+        help="a new Ed25519 signing key (approval receipts or checkpoints) and its public half",
+        description="Writes the private key (PEM, mode 0600; never overwritten) and adds its "
+        "public half to the public keyring file under --key-id (created if missing; old keys "
+        "stay, so rotating keeps old signatures verifiable).",
+    )
+    signing.add_argument("--private", required=True, type=Path, help="the new private key file")
+    signing.add_argument("--public", required=True, type=Path, help="the public keyring file")
+    signing.add_argument("--key-id", required=True, help="1-64 characters of [A-Za-z0-9._-]")
+    signing.set_defaults(func=cmd_keys_signing_key)
+
+    policy = commands.add_parser("policy", help="policies")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser("check", help="validate a policy file or folder offline")
+    check.add_argument("path")
+    check.set_defaults(func=cmd_policy_check)
+    show = policy_sub.add_parser("show", help="print the effective policy and its digest")
+    show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")
+    show.set_defaults(func=cmd_policy_show)
