@@ -322,11 +322,11 @@ async def serve(settings: Settings) -> None:
     """Run until SIGINT or SIGTERM, then shut down gracefully."""
     telemetry = Telemetry.from_settings(settings)
     telemetry.install_globals()
-    running = await start(settings, telemetry=telemetry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # before "listening" is logged: a
+        loop.add_signal_handler(signum, stop.set)  # SIGTERM right after it is graceful too
+    running = await start(settings, telemetry=telemetry)
     await stop.wait()
     log.info("shutting down: finishing in-flight calls")
     await running.stop()

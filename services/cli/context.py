@@ -238,10 +238,9 @@ def secure_channel(args: argparse.Namespace, service: str = TRANSITION) -> tuple
     import grpc
 
     connection = resolve(args, service)
-    try:
-        credentials = grpc.ssl_channel_credentials(
-            connection.ca.read_bytes(), connection.key.read_bytes(), connection.cert.read_bytes()
-        )
+    try:  # in the order people give them: the certificate first
+        cert, key = connection.cert.read_bytes(), connection.key.read_bytes()
+        credentials = grpc.ssl_channel_credentials(connection.ca.read_bytes(), key, cert)
     except OSError as exc:
         raise CliError(
             f"cannot read credentials: {exc.filename}: {exc.strerror} "

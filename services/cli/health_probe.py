@@ -49,22 +49,33 @@ class Probe(NamedTuple):
     timeout: float = 3.0
 
 
-async def check(probe: Probe) -> str:
-    """The service's health status name, e.g. ``"SERVING"``; raises ``grpc.aio.AioRpcError``
-    when the call fails and ``OSError`` when a credential file cannot be read."""
+def ask(probe: Probe) -> str:
+    """The service's health status name, e.g. ``"SERVING"``; raises ``grpc.RpcError``
+    when the call fails and ``OSError`` when a credential file cannot be read.
+
+    A blocking one-off call: no event loop, and the credentials handed to gRPC as read
+    (the server checks them; the probe need not parse certificates), which keeps the
+    probe's start-up cost to gRPC, its health stubs and the settings."""
+    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from ztate.services.runtime import tls
-
-    async with tls.client_channel(
-        probe.target, probe.cert, probe.key, probe.ca, server_name=probe.server_name
-    ) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        response = await stub.Check(
+    credentials = grpc.ssl_channel_credentials(
+        probe.ca.read_bytes(), probe.key.read_bytes(), probe.cert.read_bytes()
+    )
+    options = [("grpc.ssl_target_name_override", probe.server_name)] if probe.server_name else []
+    with grpc.secure_channel(probe.target, credentials, options=options) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=probe.service), timeout=probe.timeout
         )
     name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     return name
+
+
+async def check(probe: Probe) -> str:
+    """``ask``, for callers inside an event loop (it runs on a worker thread)."""
+    import asyncio
+
+    return await asyncio.to_thread(ask, probe)
 
 
 def _local(listen: str) -> str:
@@ -104,8 +115,6 @@ def probe_from_settings(args: argparse.Namespace) -> Probe:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    import asyncio
-
     import grpc
     from pydantic import ValidationError
 
@@ -120,8 +129,8 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"ztate health: invalid configuration: {exc}", file=sys.stderr)
         return CANNOT_ASK
     try:
-        status = asyncio.run(check(probe))
-    except grpc.aio.AioRpcError as error:
+        status = ask(probe)
+    except grpc.RpcError as error:
         if error.code() is grpc.StatusCode.NOT_FOUND:  # the server knows no such service
             print(f"ztate health: {probe.service!r}: SERVICE_UNKNOWN", file=sys.stderr)
             return SERVING if args.live else NOT_SERVING

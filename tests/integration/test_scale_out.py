@@ -130,7 +130,7 @@ async def wait_serving(replica: Replica, pki: Pki) -> None:
         try:
             if await check(probe) == "SERVING":
                 return
-        except grpc.aio.AioRpcError:
+        except grpc.RpcError:
             pass  # not listening yet
         assert loop.time() < deadline, f"replica on port {replica.port} never served"
         await asyncio.sleep(0.1)  # the polling interval of a deadline-bounded wait
