@@ -34,6 +34,7 @@ async def ztate(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
         str(ZTATE),
         *args,
         env=env,
+        stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -339,12 +339,12 @@ async def test_cli_list_show_and_history(target: str, pki: Pki, history: History
         run_cli(target, creds, "history", thread, "requested_action"),
     )
     rows = [json.loads(line) for line in listed.splitlines()]
-    assert [row.get("version") for row in rows] == ["4", "2", "1"]
+    assert [row["version"] for row in rows] == [4, 2, 1]
     assert {row["node_id"] for row in rows} == {PARSER}
     detail = json.loads(shown)
     assert detail["entry"]["digest"] == history.digests[3]
-    assert json.loads(detail["patch_json"]) == {"pending_transition": PLAN}
-    assert [json.loads(line).get("removed", False) for line in changes.splitlines()] == [
+    assert detail["patch"] == {"pending_transition": PLAN}
+    assert [json.loads(line)["removed"] for line in changes.splitlines()] == [
         False,
         False,
         True,
@@ -356,7 +356,8 @@ async def test_cli_list_show_and_history(target: str, pki: Pki, history: History
     )
     assert f"digest     {history.digests[3]}" in shown_text
     assert "receipt    none" in shown_text
-    lines = listed_text.splitlines()
+    header, *lines = listed_text.splitlines()
+    assert header.split()[:4] == ["AT", "STATUS", "THREAD", "VERSION"]
     assert len(lines) == 2
-    assert f"{thread}@4" in lines[0]
-    assert "keys=requested_action" in lines[0]
+    assert lines[0].split()[2:4] == [thread, "4"]
+    assert lines[0].split()[7] == "requested_action"

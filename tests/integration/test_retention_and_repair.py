@@ -157,6 +157,7 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
     process = await asyncio.create_subprocess_exec(
         ZTATE,
         *args,
+        stdin=asyncio.subprocess.DEVNULL,  # not a terminal: nobody to confirm a prune
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **(env or {})},
@@ -448,10 +449,25 @@ async def test_cli_prunes_the_database(world: World) -> None:
     thread_id = await world.thread(2)
     heads = await world.fetch("SELECT thread_id, version FROM ztate.threads")
     env = {"DATABASE_URL": world.dsn, "ZTATE_HOME": str(world.settings.home)}
-    code, out, err = await run_cli("ledger", "prune", "--keep-versions", "1", env=env)
+    before = await world.fetch("SELECT thread_id, version, state FROM ztate.transitions")
+    # --dry-run counts, changes nothing
+    code, out, err = await run_cli("ledger", "prune", "--keep-versions", "1", "--dry-run", env=env)
     assert (code, err) == (0, "")
-    assert out.startswith("pruned ")
-    assert out.endswith(" state bodies; every record, digest and signature is kept\n")
+    would = int(out.removeprefix("would prune ").split()[0])
+    assert would > 0
+    assert out == f"would prune {would} state bodies (dry run: nothing changed)\n"
+    assert await world.fetch("SELECT thread_id, version, state FROM ztate.transitions") == before
+    # irreversible: not on a terminal and without --yes, it refuses, and changes nothing
+    code, out, err = await run_cli("ledger", "prune", "--keep-versions", "1", env=env)
+    assert (code, out) == (2, "")
+    assert err == (
+        f"ztate: ledger prune would drop {would} state bodies for good: confirm with --yes "
+        "(or look first with --dry-run)\n"
+    )
+    assert await world.fetch("SELECT thread_id, version, state FROM ztate.transitions") == before
+    code, out, err = await run_cli("ledger", "prune", "--keep-versions", "1", "--yes", env=env)
+    assert (code, err) == (0, "")
+    assert out == f"pruned {would} state bodies; every record, digest and signature is kept\n"
     kept = await world.fetch(
         "SELECT thread_id, version FROM ztate.transitions WHERE state IS NOT NULL"
     )
@@ -459,4 +475,4 @@ async def test_cli_prunes_the_database(world: World) -> None:
     assert (await states(world, thread_id))[0] is None
     code, out, err = await run_cli("ledger", "prune", env=env)
     assert (code, out) == (2, "")
-    assert err == "ztate ledger prune: give --keep-versions, --older-than or both\n"
+    assert err == "ztate: ledger prune: give --keep-versions, --older-than or both\n"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -17,7 +16,6 @@ import pytest
 from tests.harness import USER
 from ztate.worker_sdk import AwaitingApproval, ZtateClient
 
-LISTENING = re.compile(rb"transition service listening on port (\d+)")
 START_TIMEOUT_SECONDS = 90
 
 
@@ -29,6 +27,8 @@ def free_port() -> int:
 
 
 async def start_run(home: Path, port: int, approval_port: int) -> asyncio.subprocess.Process:
+    """``ztate run`` as a new user starts it: quiet (the banner on stdout, nothing on
+    stderr), so readiness comes from ``ztate health`` of both services, not from logs."""
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL"}}
     env.update(
         ZTATE_HOME=str(home),
@@ -39,29 +39,30 @@ async def start_run(home: Path, port: int, approval_port: int) -> asyncio.subpro
     process = await asyncio.create_subprocess_exec(
         str(ztate), "run", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
-    assert process.stderr is not None
 
-    async def wait_until_listening() -> None:
-        assert process.stderr is not None
-        waiting = {b"transition service listening", b"approval service listening"}
-        while waiting:
-            line = await process.stderr.readline()
-            assert line, "ztate run exited before it listened"
-            waiting = {w for w in waiting if w not in line}
+    async def serving(*flags: str) -> bool:
+        probe = await asyncio.create_subprocess_exec(
+            str(ztate), "health", *flags, "--timeout", "2", env=env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        return await asyncio.wait_for(probe.wait(), 30) == 0
 
-    async def drain() -> None:  # keep reading, so logging never blocks on a full pipe
-        assert process.stderr is not None
-        while await process.stderr.readline():
-            pass
-
-    await asyncio.wait_for(wait_until_listening(), START_TIMEOUT_SECONDS)
-    asyncio.get_running_loop().create_task(drain())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + START_TIMEOUT_SECONDS
+    while not (await serving() and await serving("--approval")):
+        assert process.returncode is None, "ztate run exited before it served"
+        assert loop.time() < deadline, "ztate run never served"
+        await asyncio.sleep(0.2)  # polling both services' health, with a deadline
     return process
 
 
 async def stop(process: asyncio.subprocess.Process) -> int:
+    """SIGTERM; the exit status, once stderr (empty: the first run is quiet) is read."""
     process.send_signal(signal.SIGTERM)
-    return await asyncio.wait_for(process.wait(), 30)
+    _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    assert stderr == b"", stderr.decode(errors="replace")
+    assert process.returncode is not None
+    return process.returncode
 
 
 def connect(home: Path, port: int, identity: str) -> ZtateClient:
