@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ztate.services.cli.context import home
 from ztate.services.cli.output import USAGE, CliError, dumps, write
 
 if TYPE_CHECKING:
@@ -231,16 +232,30 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     ca_parser = commands.add_parser("ca", help="a development certificate authority")
     ca_sub = ca_parser.add_subparsers(dest="ca_command", required=True)
     init = ca_sub.add_parser("init", help="create a CA")
-    init.add_argument("--dir", default=".ztate/ca")
-    init.add_argument("--trust-domain", default="ztate.local")
-    init.add_argument("--days", type=int, default=3650)
+    init.add_argument(
+        "--dir", default=str(home() / "ca"), help="the CA's folder (default $ZTATE_HOME/ca)"
+    )
+    init.add_argument(
+        "--trust-domain", default="ztate.local", help="SPIFFE trust domain (default %(default)s)"
+    )
+    init.add_argument(
+        "--days", type=int, default=3650, help="how long the CA is valid (default %(default)s)"
+    )
     init.set_defaults(func=cmd_ca_init)
     issue = ca_sub.add_parser("issue", help="issue a certificate for one identity")
-    issue.add_argument("--role", required=True, choices=ROLES)
-    issue.add_argument("--name", required=True)
-    issue.add_argument("--trust-domain", default="ztate.local")
-    issue.add_argument("--ca-dir", default=".ztate/ca")
-    issue.add_argument("--out", default=".ztate/certs")
+    issue.add_argument("--role", required=True, choices=ROLES, help="what the identity is")
+    issue.add_argument("--name", required=True, help="its name: lower-case letters, digits, -")
+    issue.add_argument(
+        "--trust-domain", default="ztate.local", help="SPIFFE trust domain (default %(default)s)"
+    )
+    issue.add_argument(
+        "--ca-dir", default=str(home() / "ca"), help="the CA (default $ZTATE_HOME/ca)"
+    )
+    issue.add_argument(
+        "--out",
+        default=str(home() / "certs"),
+        help="where ROLE-NAME.crt/.key go (default $ZTATE_HOME/certs)",
+    )
     issue.add_argument("--dns", action="append", default=[], help="DNS SAN (servers)")
     issue.add_argument("--ip", action="append", default=[], help="IP SAN (servers)")
     issue.add_argument(
@@ -256,9 +271,15 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     )
     renew.add_argument("--cert", help="the certificate to renew (its .key beside it)")
     renew.add_argument("--role", choices=ROLES, help="with --name, in --out")
-    renew.add_argument("--name")
-    renew.add_argument("--out", default=".ztate/certs")
-    renew.add_argument("--ca-dir", default=".ztate/ca")
+    renew.add_argument("--name", help="with --role: the identity's name")
+    renew.add_argument(
+        "--out",
+        default=str(home() / "certs"),
+        help="where ROLE-NAME.crt is (default $ZTATE_HOME/certs)",
+    )
+    renew.add_argument(
+        "--ca-dir", default=str(home() / "ca"), help="the CA (default $ZTATE_HOME/ca)"
+    )
     renew.add_argument("--ttl", help="90m, 24h, 7d (default: the old certificate's lifetime)")
     renew.set_defaults(func=cmd_ca_renew)
     revoke_parser = ca_sub.add_parser(
@@ -281,11 +302,19 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     keys = commands.add_parser("keys", help="HMAC chain keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     keys_init = keys_sub.add_parser("init", help="write a new keyring file")
-    keys_init.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
-    keys_init.add_argument("--key-id", default="k1")
+    keys_init.add_argument(
+        "--file",
+        default=str(home() / "keys" / "hmac-keyring.json"),
+        help="the keyring (default $ZTATE_HOME/keys/hmac-keyring.json)",
+    )
+    keys_init.add_argument("--key-id", default="k1", help="the first key's id (default k1)")
     keys_init.set_defaults(func=cmd_keys_init)
     keys_rotate = keys_sub.add_parser("rotate", help="add a new key and make it current")
-    keys_rotate.add_argument("--file", default=".ztate/keys/hmac-keyring.json")
+    keys_rotate.add_argument(
+        "--file",
+        default=str(home() / "keys" / "hmac-keyring.json"),
+        help="the keyring (default $ZTATE_HOME/keys/hmac-keyring.json)",
+    )
     keys_rotate.add_argument("--key-id", help="default: the next free kN")
     keys_rotate.set_defaults(func=cmd_keys_rotate)
     signing = keys_sub.add_parser(
@@ -303,7 +332,7 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     policy = commands.add_parser("policy", help="policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
     check = policy_sub.add_parser("check", help="validate a policy file or folder offline")
-    check.add_argument("path")
+    check.add_argument("path", help="a policy file, or a folder of them")
     check.set_defaults(func=cmd_policy_check)
     show = policy_sub.add_parser("show", help="print the effective policy and its digest")
     show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")

@@ -60,15 +60,17 @@ def fish(parser: argparse.ArgumentParser) -> str:
         for action in node._actions:
             if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
                 continue
-            for option in action.option_strings:
-                flag = f"-l {option[2:]}" if option.startswith("--") else f"-s {option[1:]}"
-                takes = " -r" if action.nargs != 0 else ""
-                choices = (
-                    f" -a {_quote(' '.join(map(str, action.choices)))}" if action.choices else ""
-                )
-                where = f" -n {_quote(condition)}" if path else ""
-                described = _quote(action.help or "")
-                lines.append(f"complete -c ztate{where} {flag}{takes}{choices} -d {described}")
+            if not action.option_strings:
+                continue
+            names = " ".join(
+                f"-l {option[2:]}" if option.startswith("--") else f"-s {option[1:]}"
+                for option in action.option_strings
+            )
+            takes = " -r" if action.nargs != 0 else ""
+            choices = f" -a {_quote(' '.join(map(str, action.choices)))}" if action.choices else ""
+            where = f" -n {_quote(condition)}" if path else ""
+            described = _quote(action.help or "")
+            lines.append(f"complete -c ztate{where} {names}{takes}{choices} -d {described}")
         for name, child in children.items():
             walk(child, [*path, name])
 
