@@ -3,13 +3,18 @@ injected write is refused, and a stale writer is told where the head is.
 
 Run it against `make run` in another terminal:
 
-    .venv/bin/python examples/quickstart.py            # uses .ztate/certs and 127.0.0.1:7443
+    .venv/bin/python examples/quickstart.py
+
+It connects where `ztate run` listens: ZTATE_ADDRESS, else the port of ZTATE_LISTEN
+(default 127.0.0.1:7443) on localhost, with the certificates in $ZTATE_HOME/certs
+(default .ztate/certs), the same defaults as the `ztate` command (docs/cli.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import uuid
 from pathlib import Path
 
@@ -73,7 +78,18 @@ async def main(target: str, certs: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--target", default="127.0.0.1:7443")
-    parser.add_argument("--certs", type=Path, default=Path(".ztate/certs"))
+    listen = os.environ.get("ZTATE_LISTEN", "127.0.0.1:7443")
+    local = f"localhost:{listen.rpartition(':')[2]}"
+    parser.add_argument(
+        "--target",
+        default=os.environ.get("ZTATE_ADDRESS", local),
+        help="host:port of the transition service (default: ZTATE_ADDRESS, else ZTATE_LISTEN)",
+    )
+    parser.add_argument(
+        "--certs",
+        type=Path,
+        default=Path(os.environ.get("ZTATE_HOME", ".ztate")) / "certs",
+        help="the folder of the development certificates (default $ZTATE_HOME/certs)",
+    )
     args = parser.parse_args()
     asyncio.run(main(args.target, args.certs))

@@ -123,6 +123,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
     )
     certs = layout.certs.resolve()
+    pg_logs = (
+        f"Postgres in {settings.home.resolve()}/pg.log and pg/log"
+        if database.startswith("embedded")
+        else "Postgres: your server's"
+    )
 
     nodes = ", ".join(
         sorted(n for p in layout.policies.policies.values() for n in p.document.nodes)
@@ -144,6 +149,12 @@ Connect a worker:
   from ztate.worker_sdk import ZtateClient
   client = ZtateClient.from_files("{settings.listen}", cert="{certs}/node-input-parser.crt",
                                   key="{certs}/node-input-parser.key", ca="{certs}/ca.crt")
+
+Explore from another shell (docs/cli.md):
+  export ZTATE_HOME={settings.home.resolve()} ZTATE_LISTEN={settings.listen} \\
+         ZTATE_APPROVAL_LISTEN={approval.listen}
+  ztate ledger list; ztate approvals list; ztate context show
+Logs: ztate run -v (services); {pg_logs}
 """,
         flush=True,
     )

@@ -405,7 +405,9 @@ class Demo:
             say("(this run's home was temporary; run with --home DIR to keep it)")
         say(
             f"""  export ZTATE_HOME={home} PATH={Path(sys.executable).parent}:$PATH
+  export ZTATE_LISTEN=127.0.0.1:{self.port} ZTATE_APPROVAL_LISTEN=127.0.0.1:{self.approval_port}
   ztate run &                                     # the control plane on the kept data
+  ztate context show                              # where the commands below connect
   ztate ledger list                               # every transition, newest first
   ztate ledger show --thread request-3-refund --version 3   # the approved one, with its receipt
   ztate ledger rejections                         # refused proposals (the injection)
