@@ -161,11 +161,19 @@ def _quiet_broken_pipe() -> int:
     return BROKEN_PIPE
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def dispatch(args: argparse.Namespace) -> int:
+    """Run the parsed command; a ``CliError`` becomes its line on stderr and exit code."""
     try:
-        args = build_parser().parse_args(argv)
         result: int = args.func(args)
         return result
+    except CliError as error:
+        print(f"ztate: {error.message}", file=sys.stderr)
+        return error.code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return dispatch(build_parser().parse_args(argv))
     except CliError as error:
         print(f"ztate: {error.message}", file=sys.stderr)
         return error.code

@@ -38,6 +38,7 @@ from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.keyring import generate_signing_key, load_public_keys
 from ztate.contract.receipts import SignedReceipt, verify_receipt
 from ztate.services.cli import ca
+from ztate.services.cli.main import dispatch
 from ztate.services.cli.main import main as ztate
 from ztate.services.runtime.config import ApprovalSettings
 from ztate.services.runtime.identity import Identity, Role
@@ -725,8 +726,7 @@ def _run_cli(argv: list[str]) -> CliResult:
     add_approval_commands(parser.add_subparsers(dest="command", required=True))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        args = parser.parse_args(argv)
-        code = args.func(args)
+        code = dispatch(parser.parse_args(argv))
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
