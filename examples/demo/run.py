@@ -153,7 +153,13 @@ class Demo:
         self.dsn, self._postgres = start_embedded_postgres(self.home / "pg")
         log = (self.home / "control-plane.log").open("ab")
         self.control = await asyncio.create_subprocess_exec(
-            ZTATE, "run", env=self.env(), stdout=log, stderr=asyncio.subprocess.PIPE
+            # -v: the services' log lines, which say when each listens
+            ZTATE,
+            "run",
+            "-v",
+            env=self.env(),
+            stdout=log,
+            stderr=asyncio.subprocess.PIPE,
         )
         assert self.control.stderr is not None
         stderr = self.control.stderr
