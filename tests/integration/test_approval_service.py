@@ -779,6 +779,12 @@ async def test_the_cli_lists_shows_and_decides(
     bad = await asyncio.to_thread(cli, "show", "not-a-digest")
     assert bad.code == 2
     assert "DIGEST" in bad.err
+    unknown = await asyncio.to_thread(cli, "show", "0" * 64)
+    assert (unknown.code, unknown.out) == (3, "")  # not found (docs/cli.md)
+    assert "NOT_FOUND" in unknown.err
+    listed = await asyncio.to_thread(cli, "list", "--status", "rejected", "-o", "json")
+    assert listed.code == 0, listed.err
+    assert [(r["digest"], r["status"]) for r in json.loads(listed.out)] == [(digest, "rejected")]
 
 
 async def test_the_approval_service_exports_its_pool_saturation(
