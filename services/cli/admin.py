@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ztate.services.cli.context import home
-from ztate.services.cli.output import USAGE, CliError, dumps, write
+from ztate.services.cli.output import USAGE, CliError, add_output_flag, dumps, emit_list, write
 
 if TYPE_CHECKING:
     from ztate.services.cli import ca
@@ -209,8 +209,12 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     policies = _load_policies(Path(args.path))
     if policies is None:
         return 1
-    for policy in policies.policies.values():
-        print(f"{policy.name}: valid, digest {policy.digest}")
+    rows = [{"name": p.name, "digest": p.digest, "valid": True} for p in policies.policies.values()]
+    if args.output == "table":
+        for row in rows:
+            print(f"{row['name']}: valid, digest {row['digest']}")
+    else:
+        emit_list(rows, args.output, [("name", lambda r: r["name"])])
     return 0
 
 
@@ -221,9 +225,16 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
     policies = _load_policies(path)
     if policies is None:
         return 1
-    for policy in policies.policies.values():
-        print(f"# policy {policy.name}, digest {policy.digest}")
-        write(dumps(policy.document.model_dump(mode="json")))
+    rows = [
+        {"name": p.name, "digest": p.digest, "document": p.document.model_dump(mode="json")}
+        for p in policies.policies.values()
+    ]
+    if args.output != "table":
+        emit_list(rows, args.output, [("name", lambda r: r["name"])])
+        return 0
+    for row in rows:
+        print(f"# policy {row['name']}, digest {row['digest']}")
+        write(dumps(row["document"]))
     return 0
 
 
@@ -333,7 +344,9 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
     check = policy_sub.add_parser("check", help="validate a policy file or folder offline")
     check.add_argument("path", help="a policy file, or a folder of them")
+    add_output_flag(check)
     check.set_defaults(func=cmd_policy_check)
     show = policy_sub.add_parser("show", help="print the effective policy and its digest")
     show.add_argument("path", nargs="?", help="default: ZTATE_POLICY_PATH")
+    add_output_flag(show)
     show.set_defaults(func=cmd_policy_show)

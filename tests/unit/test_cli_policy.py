@@ -48,3 +48,16 @@ def test_show_prints_the_effective_policy_with_defaults_filled_in() -> None:
     assert shown["nodes"]["input-parser"]["max_patch_bytes"] == 4096
     assert shown["nodes"]["input-parser"]["read_records"] is False  # a default, filled in
     assert shown["nodes"]["db-writer"]["read_records"] is True
+
+
+def test_show_and_check_print_one_json_shape() -> None:
+    shown = run("policy", "show", str(DEFAULT), "-o", "json")
+    assert shown.returncode == 0, shown.stderr
+    [policy] = json.loads(shown.stdout)
+    assert (policy["name"], policy["digest"]) == ("pipeline", Policy.load(DEFAULT).digest)
+    assert policy["document"]["nodes"]["db-writer"]["read_records"] is True
+    checked = run("policy", "check", str(DEFAULT), "-o", "json")
+    assert checked.returncode == 0, checked.stderr
+    assert json.loads(checked.stdout) == [
+        {"name": "pipeline", "digest": policy["digest"], "valid": True}
+    ]
