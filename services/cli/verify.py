@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ztate.services.cli.output import NOT_FOUND, CliError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -144,7 +143,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             and summary.threads == 0
             and args.thread not in trust.kept_checkpoints
         ):
-            raise CliError(f"verify: {no_such_thread(args.thread)}", NOT_FOUND)
+            raise no_such_thread(args.thread)
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
