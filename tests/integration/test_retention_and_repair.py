@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pty
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -163,6 +164,24 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
         env={**os.environ, **(env or {})},
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def prune_on_a_terminal(env: dict[str, str], answer: bytes) -> tuple[int, str, str]:
+    """``ztate ledger prune --keep-versions 1`` with a terminal on stdin that answers."""
+    controller, terminal = pty.openpty()
+    try:
+        process = await asyncio.create_subprocess_exec(
+            ZTATE, "ledger", "prune", "--keep-versions", "1",
+            stdin=terminal, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **env},
+        )  # fmt: skip
+        os.write(controller, answer)  # read once the question is asked (the line waits)
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        os.close(terminal)
+        os.close(controller)
     assert process.returncode is not None
     return process.returncode, stdout.decode(), stderr.decode()
 
@@ -464,6 +483,12 @@ async def test_cli_prunes_the_database(world: World) -> None:
         f"ztate: ledger prune would drop {would} state bodies for good: confirm with --yes "
         "(or look first with --dry-run)\n"
     )
+    assert await world.fetch("SELECT thread_id, version, state FROM ztate.transitions") == before
+    # on a terminal it asks; "n" keeps everything
+    code, out, err = await prune_on_a_terminal(env, answer=b"n\n")
+    assert (code, out) == (0, "")
+    assert f"Prune {would} state bodies (records and digests stay)? [y/N]" in err
+    assert err.endswith("nothing pruned\n")
     assert await world.fetch("SELECT thread_id, version, state FROM ztate.transitions") == before
     code, out, err = await run_cli("ledger", "prune", "--keep-versions", "1", "--yes", env=env)
     assert (code, err) == (0, "")
