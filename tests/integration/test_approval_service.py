@@ -616,6 +616,39 @@ async def test_k_concurrent_approvals_sign_exactly_one_receipt(
     assert receipt["reviewers"] == [reviewer_id(n) for n in ("alice", "bob", "carol")]
 
 
+async def test_a_decision_answers_what_it_did_even_if_another_closes_the_review_next(
+    approval_target: str, pki: Pki, approval: RunningApproval, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's approval only counts (two are needed); Bob's closes the review right after
+    Alice's transaction commits. Alice is told "open, approved by alice", never "approved"
+    (under load, two of three concurrent approvers were once both told APPROVED)."""
+    proposal = parked(approvals=2)
+    await submitted(approval_target, pki, proposal)
+    store = approval.service._store
+    read_review = store.get
+    interleaved: list[approval_pb2.Review] = []
+    hooked = [True]
+
+    async def get_after_bob_decides(digest: str) -> Any:
+        if hooked.pop() if hooked else False:  # the first read after Alice's decision
+            interleaved.append(await decide(approval_target, pki, "bob", approve(digest)))
+        return await read_review(digest)
+
+    monkeypatch.setattr(store, "get", get_after_bob_decides)
+    alice = await decide(approval_target, pki, "alice", approve(proposal.digest))
+    monkeypatch.undo()
+    bob = interleaved[0] if interleaved else None
+    if bob is None:  # nothing read the review after Alice's decision: Bob decides now
+        bob = await decide(approval_target, pki, "bob", approve(proposal.digest))
+    assert (alice.status, list(alice.approvers)) == (
+        approval_pb2.REVIEW_STATUS_OPEN,
+        [reviewer_id("alice")],
+    )
+    assert not alice.HasField("receipt")
+    assert bob.status == approval_pb2.REVIEW_STATUS_APPROVED
+    assert bob.HasField("receipt")
+
+
 async def test_an_overdue_review_expires_and_takes_no_decision(
     approval_target: str, pki: Pki, approval: RunningApproval, database_dsn: str
 ) -> None:
