@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from ztate.langgraph import IsolatedGraph, NodeUpdateRefused, Parked
+from ztate.langgraph import IsolatedGraph, NodeUpdateNotApproved, NodeUpdateRefused, Parked
 from ztate.testing import TRUST_DOMAIN, LedgerSnapshot, ZtateEnvironment
 from ztate.worker_sdk import AwaitingApproval
 
@@ -47,6 +47,8 @@ class Approvals:
     ledger_when_parked: list[LedgerSnapshot] = field(default_factory=list)
     heads_when_parked: list[dict[str, Any]] = field(default_factory=list)
 
+    reject: bool = False  # the reviewer's decision on the next parked update
+
     async def __call__(self, parked: Parked) -> None:
         self.parked.append(parked)
         snapshot = await self.env.ledger.snapshot(parked.thread_id)
@@ -55,15 +57,14 @@ class Approvals:
         self.heads_when_parked.append(
             await self.env.ledger.record(parked.thread_id, snapshot.head_version)
         )
-        await self.env.approve(
-            AwaitingApproval(
-                parked.digest,
-                parked.thread_id,
-                parked.base_version,
-                parked.risk_rules,
-                parked.handle,
-            )
+        awaiting = AwaitingApproval(
+            parked.digest, parked.thread_id, parked.base_version, parked.risk_rules, parked.handle
         )
+        if self.reject:
+            self.reject = False
+            await self.env.reject(awaiting)
+        else:
+            await self.env.approve(awaiting)
 
 
 @dataclass
@@ -186,3 +187,25 @@ async def test_the_injected_parser_is_refused_and_the_ledger_is_unchanged(
     assert row["node_id"] == f"spiffe://{TRUST_DOMAIN}/node/input-parser"
     assert row["base_version"] == 0
     assert support_graph.ATTACKER not in row["message"]
+
+
+async def test_a_risky_update_the_reviewer_rejects_stops_the_run_and_commits_nothing(
+    running: Running,
+) -> None:
+    running.trace.write_text("")
+    running.approvals.reject = True
+    thread = f"lg-{uuid.uuid4().hex[:12]}"
+    with pytest.raises(NodeUpdateNotApproved) as stopped:
+        await running.graph.ainvoke(example.initial_state(example.HONEST), config(thread))
+
+    assert (stopped.value.node, stopped.value.status) == ("approval-gate", "rejected")
+    assert [p.thread_id for p in running.approvals.parked].count(thread) == 1
+    # the ledger stands at the planner's commit; the database writer never ran
+    snapshot = await running.env.ledger.snapshot(thread)
+    assert (snapshot.head_version, snapshot.transitions) == (2, 3)
+    assert [line["node"] for line in running.traced()] == [
+        "input-parser",
+        "planner",
+        "approval-gate",
+    ]
+    assert running.graph.steps[-1].status == "rejected"
