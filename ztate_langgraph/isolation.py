@@ -162,6 +162,7 @@ class _Worker:
         self.spec = spec
         self.process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
+        self._steps = 0
 
     async def start(
         self, target: str, server_name: str | None, cwd: Path, extra: dict[str, str]
@@ -195,7 +196,10 @@ class _Worker:
     async def _read(self) -> dict[str, Any]:
         assert self.process is not None
         assert self.process.stdout is not None
-        line = await self.process.stdout.readline()
+        try:
+            line = await self.process.stdout.readline()
+        except ValueError:  # a line over the stream's limit
+            raise NodeFailed(self.node, "PROTOCOL", "the worker sent an oversized line") from None
         if not line:
             code = await self.process.wait()
             raise NodeFailed(
@@ -204,7 +208,12 @@ class _Worker:
                 f"the worker process of {self.worker.identity!r} exited with code {code} "
                 "(its standard error says why)",
             )
-        message: dict[str, Any] = json.loads(line)
+        try:
+            message = json.loads(line)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            raise NodeFailed(self.node, "PROTOCOL", "the worker sent a line that is not a message")
         return message
 
     async def step(
@@ -213,11 +222,16 @@ class _Worker:
         assert self.process is not None
         assert self.process.stdin is not None
         async with self._lock:
-            request = {"thread_id": thread_id, "approval_wait": approval_wait}
+            # a step abandoned by a cancelled run may still answer: its replies carry
+            # its own id, and are skipped
+            self._steps += 1
+            request = {"id": self._steps, "thread_id": thread_id, "approval_wait": approval_wait}
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
             await self.process.stdin.drain()
             while True:
                 message = await self._read()
+                if message.get("id") != self._steps:
+                    continue
                 if message.get("event") == "parked":
                     if on_parked is not None:
                         parked = Parked(
@@ -331,6 +345,13 @@ class IsolatedGraph:
             committed = await self.operator.get_transition(
                 thread_id=thread_id, version=int(reply["version"])
             )
+            identity = self.workers[name].identity
+            if committed.node_id.rpartition("/node/")[2] != identity:
+                raise NodeFailed(
+                    name,
+                    "PROTOCOL",
+                    f"version {committed.version} of {thread_id} was not committed by {identity!r}",
+                )
             patch: dict[str, Any] = committed.record["patch"]
             return patch
         if status == "refused" and reason:

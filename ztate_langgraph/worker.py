@@ -79,6 +79,7 @@ async def step(
     def parked(awaiting: AwaitingApproval) -> None:
         protocol.send(
             {
+                "id": request.get("id"),
                 "event": "parked",
                 "handle": awaiting.handle,
                 "base_version": awaiting.base_version,
@@ -131,7 +132,7 @@ async def serve(node: str, spec: str, protocol: Protocol) -> None:
                 return  # the graph run closed our input: done
             request = json.loads(line)
             reply = await step(client, node, function, request, protocol)
-            protocol.send({"event": "done", **reply})
+            protocol.send({"id": request.get("id"), "event": "done", **reply})
 
 
 def main(argv: list[str] | None = None) -> int:
