@@ -17,14 +17,12 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from ztate.contract.keyring import Keyring, generate_keyring_file, generate_signing_key
-from ztate.contract.receipts import APPROVE, REJECT
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Role
 from ztate.testing._approval import deliver_approval
 from ztate.testing._ledger import Ledger, with_database
 from ztate.testing._pki import TRUST_DOMAIN, Credentials, Pki
 from ztate.transition_service.app import RunningService, start
-from ztate.v1 import transition_pb2
 from ztate.worker_sdk import AwaitingApproval, SyncZtateClient, Transition, ZtateClient
 
 PolicySource = Path | str | Mapping[str, Any]
@@ -249,17 +247,6 @@ class ZtateEnvironment:
     async def approve(self, parked: AwaitingApproval) -> Transition:
         """Approve a parked proposal as the approval service would (a signed receipt
         from reviewer ``alice``); returns the committed transition."""
-        applied = await self._decide(parked, APPROVE)
-        return Transition.from_message(applied.transition)
-
-    async def reject(self, parked: AwaitingApproval) -> None:
-        """Reject a parked proposal as the approval service would (a signed receipt
-        from reviewer ``alice``): nothing is committed, its outcome is "rejected"."""
-        await self._decide(parked, REJECT)
-
-    async def _decide(
-        self, parked: AwaitingApproval, decision: str
-    ) -> transition_pb2.ApplyDecisionResponse:
         thread_id, key = parked.handle.split("/", 1)
         conn = await asyncpg.connect(self.database_dsn)
         try:
@@ -273,12 +260,12 @@ class ZtateEnvironment:
             await conn.close()
         if digest is None:
             raise LookupError(f"no parked proposal {parked.handle!r}")
-        return await deliver_approval(
+        applied = await deliver_approval(
             self.target,
             self.pki,
             self.approval_signing_key,
             digest,
             thread_id,
             parked.base_version,
-            decision,
         )
+        return Transition.from_message(applied.transition)

@@ -3,16 +3,21 @@ four-node pipeline as a ``StateGraph``, each node a worker process of its own wi
 own certificate, against a real control plane (the testing kit: real Postgres, real
 mTLS). Isolated nodes see only their projections; the prompt-injected parser's update is
 refused whole (``KEY_NOT_WRITABLE``), leaving the ledger unchanged and a rejection row;
-the approval gate's risky update commits only after a reviewer approved it."""
+the approval gate's risky update commits only after a reviewer approved it through the
+approval service (its own process: the review opened by the transition service's outbox,
+the reviewer's decision over mTLS, the signed receipt delivered back)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +25,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from tests.faults import free_port
 from ztate.langgraph import IsolatedGraph, NodeUpdateNotApproved, NodeUpdateRefused, Parked
+from ztate.services.cli import ca
+from ztate.services.runtime.identity import Identity, Role
 from ztate.testing import TRUST_DOMAIN, LedgerSnapshot, ZtateEnvironment
-from ztate.worker_sdk import AwaitingApproval
+from ztate.testing._pki import secure_channel
+from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "langgraph_pipeline"
 sys.path.insert(0, str(EXAMPLE))
@@ -40,13 +49,15 @@ PROJECTIONS = {
 
 @dataclass
 class Approvals:
-    """What the test's reviewer saw and did when an update was parked."""
+    """The reviewer ``alice``: when an update is parked, she finds its review in the
+    approval service and decides it. What the ledger held at that moment is kept."""
 
     env: ZtateEnvironment
+    target: str
     parked: list[Parked] = field(default_factory=list)
     ledger_when_parked: list[LedgerSnapshot] = field(default_factory=list)
     heads_when_parked: list[dict[str, Any]] = field(default_factory=list)
-
+    reviews: list[Any] = field(default_factory=list)
     reject: bool = False  # the reviewer's decision on the next parked update
 
     async def __call__(self, parked: Parked) -> None:
@@ -57,14 +68,89 @@ class Approvals:
         self.heads_when_parked.append(
             await self.env.ledger.record(parked.thread_id, snapshot.head_version)
         )
-        awaiting = AwaitingApproval(
-            parked.digest, parked.thread_id, parked.base_version, parked.risk_rules, parked.handle
-        )
-        if self.reject:
+        alice = self.env.credentials(Role.REVIEWER, "alice")
+        async with secure_channel(self.target, alice) as channel:
+            reviews = approval_pb2_grpc.ApprovalServiceStub(channel)
+
+            async def opened() -> Any:
+                found = await reviews.ListReviews(
+                    approval_pb2.ListReviewsRequest(thread_id=parked.thread_id)
+                )
+                return found.reviews[0] if found.reviews else None
+
+            review = await eventually(opened)  # the outbox delivers it within a moment
+            self.reviews.append(review)
+            decision = (
+                approval_pb2.DECISION_REJECT if self.reject else approval_pb2.DECISION_APPROVE
+            )
             self.reject = False
-            await self.env.reject(awaiting)
-        else:
-            await self.env.approve(awaiting)
+            await reviews.Decide(
+                approval_pb2.DecideRequest(digest=review.digest, decision=decision)
+            )
+
+
+async def eventually(probe: Callable[[], Awaitable[Any]], within: float = 20.0) -> Any:
+    """Re-check a real condition until it holds (bounded), and return its value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while (value := await probe()) is None:
+        assert loop.time() < deadline, "condition did not hold in time"
+        await asyncio.sleep(0.05)
+    return value
+
+
+@contextlib.asynccontextmanager
+async def approval_service(env: ZtateEnvironment, port: int) -> AsyncIterator[str]:
+    """``ztate approval-serve`` in its own process, on the environment's database, CA and
+    approval signing key, delivering decisions to its transition service."""
+    certs = env.home / "approval-certs"
+    ca.issue(
+        env.pki.ca_dir,
+        Identity(TRUST_DOMAIN, Role.SERVICE, "approval"),
+        certs,
+        dns_names=("localhost",),
+        ip_addresses=("127.0.0.1",),
+    )
+    variables = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    variables.update(
+        DATABASE_URL=env.database_dsn,
+        ZTATE_HOME=str(env.home / "approval-home"),
+        ZTATE_TRUST_DOMAIN=TRUST_DOMAIN,
+        ZTATE_APPROVAL_LISTEN=f"127.0.0.1:{port}",
+        ZTATE_APPROVAL_TLS_CERT=str(certs / "service-approval.crt"),
+        ZTATE_APPROVAL_TLS_KEY=str(certs / "service-approval.key"),
+        ZTATE_APPROVAL_TLS_CA=str(certs / "ca.crt"),
+        ZTATE_APPROVAL_SIGNING_KEY_FILE=str(env.approval_signing_key),
+        ZTATE_APPROVAL_TRANSITION_TARGET=env.target,
+        ZTATE_APPROVAL_OUTBOX_INTERVAL_SECONDS="0.2",
+    )
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("ztate")),
+        "approval-serve",
+        env=variables,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    stderr = process.stderr
+
+    async def listening() -> None:
+        while b"approval service listening on port" not in (line := await stderr.readline()):
+            assert line, "the approval service exited before it listened"
+
+    async def drain() -> None:
+        while await stderr.readline():
+            pass
+
+    try:
+        await asyncio.wait_for(listening(), 60)
+        draining = asyncio.get_running_loop().create_task(drain())
+        yield f"localhost:{port}"
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 30)
+    await draining
 
 
 @dataclass
@@ -83,8 +169,16 @@ async def running(
     postgres_server_dsn: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Running]:
     trace = tmp_path_factory.mktemp("langgraph-isolation") / "trace.jsonl"
-    async with ZtateEnvironment.start(postgres_dsn=postgres_server_dsn) as env:
-        approvals = Approvals(env)
+    port = free_port()
+    async with (
+        ZtateEnvironment.start(
+            postgres_dsn=postgres_server_dsn,
+            approval_target=f"localhost:{port}",
+            outbox_interval_seconds=0.2,
+        ) as env,
+        approval_service(env, port) as target,
+    ):
+        approvals = Approvals(env, target)
         async with example.isolated(env, on_parked=approvals, trace=trace) as graph:
             yield Running(env, graph, approvals, trace)
 
@@ -144,6 +238,10 @@ async def test_isolated_nodes_see_their_projections_and_the_risky_step_waits_for
     assert [r is not None for r in receipts] == [False, False, False, True, False]
     assert receipts[3]["decision"] == "approve"
     assert receipts[3]["base_version"] == 2
+    assert receipts[3]["reviewers"] == [f"spiffe://{TRUST_DOMAIN}/reviewer/alice"]
+    review = running.approvals.reviews[index]
+    assert review.node_id == f"spiffe://{TRUST_DOMAIN}/node/approval-gate"
+    assert receipts[3]["transition_digest"] == review.digest
     assert [step.status for step in running.graph.steps[-4:]] == ["committed"] * 4
 
 
