@@ -47,6 +47,7 @@ from ztate.worker_sdk import ZtateClient
 WORKER_MODULE = "ztate.langgraph.worker"
 # what a worker process inherits of this one's environment (never credentials)
 INHERITED_ENV = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
+START_TIMEOUT_SECONDS = 60.0  # from spawning a worker to its "ready"
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +190,12 @@ class _Worker:
             env=env,
             limit=16 * 1024 * 1024,
         )
-        ready = await self._read()
+        try:
+            ready = await asyncio.wait_for(self._read(), START_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise NodeFailed(
+                self.node, "WORKER_START", f"not ready within {START_TIMEOUT_SECONDS:g} s"
+            ) from None
         if ready.get("event") != "ready":
             raise NodeFailed(self.node, "PROTOCOL", f"unexpected first message {ready!r}")
 
@@ -226,8 +232,15 @@ class _Worker:
             # its own id, and are skipped
             self._steps += 1
             request = {"id": self._steps, "thread_id": thread_id, "approval_wait": approval_wait}
-            self.process.stdin.write(json.dumps(request).encode() + b"\n")
-            await self.process.stdin.drain()
+            try:
+                self.process.stdin.write(json.dumps(request).encode() + b"\n")
+                await self.process.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                raise NodeFailed(
+                    self.node,
+                    "WORKER_EXITED",
+                    f"the worker process exited ({self.process.returncode})",
+                ) from None
             while True:
                 message = await self._read()
                 if message.get("id") != self._steps:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypedDict
 import pytest
 from langgraph.graph import END, START, StateGraph
 
-from ztate.langgraph import NodeWorker, isolate
+from ztate.langgraph import NodeFailed, NodeWorker, isolate
 from ztate.langgraph.isolation import function_spec
 from ztate.langgraph.worker import load_function
 
@@ -74,3 +74,19 @@ def test_a_module_level_function_is_found_again_by_its_spec() -> None:
     assert load_function(spec) is bump
     with pytest.raises(ValueError, match="module:function"):
         load_function("no-colon")
+
+
+async def test_a_worker_that_cannot_start_fails_the_entry_naming_its_node() -> None:
+    spec = f"{__name__}_absent:bump"  # no such module: the worker process exits at once
+    graph = isolate(
+        graph_of(State, bump),
+        {"bump": NodeWorker("bump", "node.crt", "node.key", "ca.crt", function=spec)},
+        target="localhost:1",
+        operator=None,  # type: ignore[arg-type]
+    )
+    with pytest.raises(NodeFailed) as failed:
+        async with graph:
+            pass
+    assert (failed.value.node, failed.value.reason) == ("bump", "WORKER_EXITED")
+    assert "exited with code 1" in str(failed.value)
+    assert graph.pids()["bump"] > 0
