@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -34,8 +35,20 @@ from ztate.testing._pki import secure_channel
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "langgraph_pipeline"
-sys.path.insert(0, str(EXAMPLE))
-example: Any = importlib.import_module("run")
+
+
+def load_example() -> Any:
+    """examples/langgraph_pipeline/run.py under a name of its own (it puts its folder on
+    sys.path, so its workers and this module import ``support_graph`` alike)."""
+    spec = importlib.util.spec_from_file_location("langgraph_pipeline_run", EXAMPLE / "run.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example: Any = load_example()
 support_graph: Any = importlib.import_module("support_graph")
 
 # what docs/policy.md's pipeline lets each node read, of the keys present in the run
