@@ -18,6 +18,7 @@ Security, in one place (docs/console.md):
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ HEADERS = {
     "Cross-Origin-Opener-Policy": "same-origin",
     "Cross-Origin-Resource-Policy": "same-origin",
 }
+LOG = logging.getLogger("ztate.console")
 MAX_THREAD_ID = 256
 MAX_FORM_BYTES = 16 * 1024
 STATIC = Path(__file__).with_name("static")
@@ -119,6 +121,10 @@ async def security_headers(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except web.HTTPException as exc:
         response = exc
+    except Exception as exc:
+        # the type only: a message could hold a hostile value or a path
+        LOG.error("console page %s failed: %s", request.method, type(exc).__name__)
+        response = refused(500, "Internal error", "The console failed on this page.")
     for name, value in HEADERS.items():
         response.headers[name] = value
     return response
