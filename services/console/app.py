@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import jinja2
 from aiohttp import web
@@ -102,6 +103,9 @@ class Console:
     last_verify: VerifyResult | None = None
 
 
+CONSOLE = web.AppKey("console", Console)
+
+
 def _templates() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.PackageLoader("ztate.services.console", "templates"),
@@ -120,7 +124,8 @@ async def security_headers(request: web.Request, handler: Handler) -> web.Stream
     try:
         response = await handler(request)
     except web.HTTPException as exc:
-        response = exc
+        exc.headers.update(HEADERS)  # a 404 of the router or of a handler
+        raise
     except Exception as exc:
         # the type only: a message could hold a hostile value or a path
         LOG.error("console page %s failed: %s", request.method, type(exc).__name__)
@@ -163,7 +168,6 @@ def guard_middleware(guard: Guard) -> Any:
                 "Open the URL that ztate console printed (its token works once), "
                 "or restart ztate console for a new one.",
             )
-        request["csrf"] = csrf
         if request.method not in ("GET", "HEAD"):
             if request.method != "POST":
                 return refused(405, "Method not allowed", "Only GET and POST are served.")
@@ -183,11 +187,11 @@ def guard_middleware(guard: Guard) -> Any:
 
 
 def _page(request: web.Request, template: str, code: int = 200, **values: Any) -> web.Response:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     body = (
         _templates()
         .get_template(template)
-        .render(csrf=request.get("csrf", ""), bundle=console.bundle, **values)
+        .render(csrf=console.guard.csrf_of(request) or "", bundle=console.bundle, **values)
     )
     return web.Response(status=code, text=body, content_type="text/html", charset="utf-8")
 
@@ -197,7 +201,7 @@ def _see(location: str) -> web.Response:
 
 
 async def index(request: web.Request) -> web.StreamResponse:
-    guard: Guard = request.app["console"].guard
+    guard: Guard = request.app[CONSOLE].guard
     if "token" in request.query:
         if guard.csrf_of(request) is not None:
             return _see("/reviews")  # already signed in (the token was spent here)
@@ -215,7 +219,7 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 
 async def reviews(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     status = request.query.get("status", "open")
     if status not in REVIEW_STATUSES:
         status = "open"
@@ -234,7 +238,7 @@ def _digest(request: web.Request) -> str:
 
 
 async def review(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     digest = _digest(request)
     decided = request.query.get("decided")
     try:
@@ -254,7 +258,7 @@ async def review(request: web.Request) -> web.StreamResponse:
 
 
 async def decide(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     digest = _digest(request)
     form = await request.post()
     decision = form.get("decision")
@@ -282,7 +286,10 @@ async def decide(request: web.Request) -> web.StreamResponse:
 
 
 async def threads(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
+    wanted = _thread_id(request.query.get("thread"))
+    if wanted is not None:
+        return _see(f"/threads/{quote(wanted, safe='')}")
     try:
         rows = await console.backend.threads()
     except CallFailed as failed:
@@ -299,7 +306,7 @@ def _thread_id(text: str | None) -> str | None:
 
 
 async def thread(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     thread_id = _thread_id(request.match_info["thread_id"])
     assert thread_id is not None
     try:
@@ -315,7 +322,7 @@ async def thread(request: web.Request) -> web.StreamResponse:
 
 
 async def rejections(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     thread_id = _thread_id(request.query.get("thread"))
     try:
         rows = await console.backend.rejections(thread_id)
@@ -325,12 +332,12 @@ async def rejections(request: web.Request) -> web.StreamResponse:
 
 
 async def verify_page(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     return _page(request, "verify.html", result=console.last_verify, error=None)
 
 
 async def verify_run(request: web.Request) -> web.StreamResponse:
-    console: Console = request.app["console"]
+    console: Console = request.app[CONSOLE]
     form = await request.post()
     offered = form.get("thread")
     thread_id = _thread_id(offered if isinstance(offered, str) else None)
@@ -344,7 +351,7 @@ def make_app(backend: Backend, port: int, *, bundle: Path | None = None) -> web.
     app = web.Application(
         middlewares=[security_headers, guard_middleware(guard)], client_max_size=MAX_FORM_BYTES
     )
-    app["console"] = Console(backend, guard, bundle)
+    app[CONSOLE] = Console(backend, guard, bundle)
     app.router.add_get("/", index)
     app.router.add_get("/reviews", reviews)
     app.router.add_get(r"/reviews/{digest}", review)
@@ -359,5 +366,5 @@ def make_app(backend: Backend, port: int, *, bundle: Path | None = None) -> web.
 
 
 def guard_of(app: web.Application) -> Guard:
-    console: Console = app["console"]
+    console: Console = app[CONSOLE]
     return console.guard

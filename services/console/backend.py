@@ -11,9 +11,11 @@ import argparse
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -26,6 +28,8 @@ CALL_TIMEOUT_SECONDS = 15.0
 PAGE_SIZE = 100
 MAX_ROWS = 500  # one page of the console never shows more than this
 DELIVERY_WAIT_SECONDS = 10.0
+TIMELINE_ROWS = 50  # the newest versions of a thread, each with its patch
+T = TypeVar("T")
 
 STATUS_NAMES = {
     "open": approval_pb2.REVIEW_STATUS_OPEN,
@@ -125,7 +129,18 @@ def review_view(review: approval_pb2.Review) -> dict[str, Any]:
         "changes": rows,
         "raw_diff": None if isinstance(changes, dict) else _compact(diff),
         "outcome": review.outcome or None,
+        "receipt": None,
     }
+    if review.HasField("receipt"):
+        receipt = _json_or_text(review.receipt.receipt_json)
+        if isinstance(receipt, dict):
+            view["receipt"] = {
+                "decision": str(receipt.get("decision", "")),
+                "reviewers": [str(r) for r in receipt.get("reviewers", []) or []],
+                "nonce": str(receipt.get("nonce", "")),
+                "expires_at": str(receipt.get("expires_at", "")),
+                "key_id": review.receipt.key_id,
+            }
     return view
 
 
@@ -133,8 +148,52 @@ def _compact(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
+def timeline_row(entry: ledger_pb2.LedgerEntry, detail: Any) -> dict[str, Any]:
+    """One version of a thread's timeline: who, when, which keys, and the patch."""
+    patch = _json_or_text(detail.patch_json)
+    changes = (
+        [(key, _compact(value)) for key, value in sorted(patch.items())]
+        if isinstance(patch, dict)
+        else [("(patch)", _compact(patch))]
+    )
+    return {
+        "version": entry.version,
+        "digest": entry.digest,
+        "node_id": entry.node_id,
+        "kind": entry.kind,
+        "at": entry.at.ToJsonString(),
+        "changed_keys": list(entry.changed_keys),
+        "has_receipt": entry.has_receipt,
+        "changes": changes,
+    }
+
+
+@asynccontextmanager
+async def _calling(identity: Identity) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel as ``identity`` for one page's calls; a failed call becomes ``CallFailed``."""
+    try:
+        async with identity.channel() as channel:
+            yield channel
+    except grpc.aio.AioRpcError as error:
+        raise _failed(error) from None
+
+
+async def _paged(
+    fetch: Callable[[Any], Awaitable[Any]], request: Any, rows: Callable[[Any], Iterable[T]]
+) -> list[T]:
+    """Follow ``next_page_token`` until MAX_ROWS rows or the last page."""
+    found: list[T] = []
+    while len(found) < MAX_ROWS:
+        response = await fetch(request)
+        found += rows(response)
+        if not response.next_page_token:
+            break
+        request.page_token = response.next_page_token
+    return found[:MAX_ROWS]
+
+
 class Backend:
-    """The calls the pages make. Each opens a channel for the call and closes it."""
+    """The calls the pages make. Each page opens a channel for its calls and closes it."""
 
     def __init__(self, operator: Identity, reviewer: Identity) -> None:
         self.operator = operator
@@ -144,146 +203,96 @@ class Backend:
 
     async def reviews(self, status: str) -> list[dict[str, Any]]:
         request = approval_pb2.ListReviewsRequest(status=STATUS_NAMES[status], page_size=PAGE_SIZE)
-        found: list[dict[str, Any]] = []
-        try:
-            async with self.reviewer.channel() as channel:
-                stub = approval_pb2_grpc.ApprovalServiceStub(channel)
-                while len(found) < MAX_ROWS:
-                    response = await stub.ListReviews(request, timeout=CALL_TIMEOUT_SECONDS)
-                    found += [review_view(review) for review in response.reviews]
-                    if not response.next_page_token:
-                        break
-                    request.page_token = response.next_page_token
-        except grpc.aio.AioRpcError as error:
-            raise _failed(error) from None
-        return found[:MAX_ROWS]
+        async with _calling(self.reviewer) as channel:
+            stub = approval_pb2_grpc.ApprovalServiceStub(channel)
+            return await _paged(
+                lambda r: stub.ListReviews(r, timeout=CALL_TIMEOUT_SECONDS),
+                request,
+                lambda response: map(review_view, response.reviews),
+            )
 
     async def review(self, digest: str) -> dict[str, Any]:
-        try:
-            async with self.reviewer.channel() as channel:
-                stub = approval_pb2_grpc.ApprovalServiceStub(channel)
-                response = await stub.GetReview(
-                    approval_pb2.GetReviewRequest(digest=digest), timeout=CALL_TIMEOUT_SECONDS
-                )
-        except grpc.aio.AioRpcError as error:
-            raise _failed(error) from None
+        async with _calling(self.reviewer) as channel:
+            stub = approval_pb2_grpc.ApprovalServiceStub(channel)
+            response = await stub.GetReview(
+                approval_pb2.GetReviewRequest(digest=digest), timeout=CALL_TIMEOUT_SECONDS
+            )
         return review_view(response.review)
 
     async def decide(self, digest: str, decision: str) -> dict[str, Any]:
         """Decide on exactly ``digest`` (as ``ztate approvals approve|reject DIGEST``), then
         wait a bounded time for what the transition service did with it."""
-        try:
-            async with self.reviewer.channel() as channel:
-                stub = approval_pb2_grpc.ApprovalServiceStub(channel)
-                response = await stub.Decide(
-                    approval_pb2.DecideRequest(digest=digest, decision=DECISIONS[decision]),
-                    timeout=CALL_TIMEOUT_SECONDS,
+        async with _calling(self.reviewer) as channel:
+            stub = approval_pb2_grpc.ApprovalServiceStub(channel)
+            response = await stub.Decide(
+                approval_pb2.DecideRequest(digest=digest, decision=DECISIONS[decision]),
+                timeout=CALL_TIMEOUT_SECONDS,
+            )
+            review = response.review
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + DELIVERY_WAIT_SECONDS
+            while STATUS_OF.get(review.status) != "open" and not review.outcome:
+                if loop.time() >= deadline:
+                    break
+                await asyncio.sleep(0.2)  # the review's delivery, bounded by the deadline
+                got = await stub.GetReview(
+                    approval_pb2.GetReviewRequest(digest=digest), timeout=CALL_TIMEOUT_SECONDS
                 )
-                review = response.review
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + DELIVERY_WAIT_SECONDS
-                while STATUS_OF.get(review.status) != "open" and not review.outcome:
-                    if loop.time() >= deadline:
-                        break
-                    await asyncio.sleep(0.2)  # the review's delivery, bounded by the deadline
-                    got = await stub.GetReview(
-                        approval_pb2.GetReviewRequest(digest=digest),
-                        timeout=CALL_TIMEOUT_SECONDS,
-                    )
-                    review = got.review
-        except grpc.aio.AioRpcError as error:
-            raise _failed(error) from None
+                review = got.review
         return review_view(review)
 
     # --- the ledger ---------------------------------------------------------------------
 
     async def _transitions(self, request: ledger_pb2.ListTransitionsRequest) -> list[Any]:
-        found: list[Any] = []
-        try:
-            async with self.operator.channel() as channel:
-                stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-                while len(found) < MAX_ROWS:
-                    response = await stub.ListTransitions(request, timeout=CALL_TIMEOUT_SECONDS)
-                    found += list(response.entries)
-                    if not response.next_page_token:
-                        break
-                    request.page_token = response.next_page_token
-        except grpc.aio.AioRpcError as error:
-            raise _failed(error) from None
-        return found[:MAX_ROWS]
+        async with _calling(self.operator) as channel:
+            stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+            return await _paged(
+                lambda r: stub.ListTransitions(r, timeout=CALL_TIMEOUT_SECONDS),
+                request,
+                lambda response: response.entries,
+            )
 
     async def threads(self) -> list[dict[str, Any]]:
         """Threads by their newest transitions (the ledger lists transitions, newest first)."""
         entries = await self._transitions(ledger_pb2.ListTransitionsRequest(page_size=PAGE_SIZE))
         threads: dict[str, dict[str, Any]] = {}
         for entry in entries:
-            row = threads.setdefault(
+            threads.setdefault(
                 entry.thread_id,
                 {
                     "thread_id": entry.thread_id,
                     "version": entry.version,
                     "at": entry.at.ToJsonString(),
                     "node_id": entry.node_id,
-                    "seen": 0,
                 },
             )
-            row["seen"] += 1
         return list(threads.values())
 
     async def timeline(self, thread_id: str) -> list[dict[str, Any]]:
-        """A thread's committed transitions, newest first, each with its patch."""
+        """A thread's newest committed transitions, newest first, each with its patch."""
         entries = await self._transitions(
-            ledger_pb2.ListTransitionsRequest(thread_id=thread_id, page_size=PAGE_SIZE)
+            ledger_pb2.ListTransitionsRequest(thread_id=thread_id, page_size=TIMELINE_ROWS)
         )
-        entries = entries[:50]
-        try:
-            async with self.operator.channel() as channel:
-                stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-                details = await asyncio.gather(
-                    *(
-                        stub.GetTransitionDetail(
-                            ledger_pb2.GetTransitionDetailRequest(digest=entry.digest),
-                            timeout=CALL_TIMEOUT_SECONDS,
-                        )
-                        for entry in entries
+        entries = entries[:TIMELINE_ROWS]
+        async with _calling(self.operator) as channel:
+            stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+            details = await asyncio.gather(
+                *(
+                    stub.GetTransitionDetail(
+                        ledger_pb2.GetTransitionDetailRequest(digest=entry.digest),
+                        timeout=CALL_TIMEOUT_SECONDS,
                     )
+                    for entry in entries
                 )
-        except grpc.aio.AioRpcError as error:
-            raise _failed(error) from None
-        rows: list[dict[str, Any]] = []
-        for entry, detail in zip(entries, details, strict=True):
-            patch = _json_or_text(detail.patch_json)
-            changes = (
-                [(key, _compact(value)) for key, value in sorted(patch.items())]
-                if isinstance(patch, dict)
-                else [("(patch)", _compact(patch))]
             )
-            rows.append(
-                {
-                    "version": entry.version,
-                    "digest": entry.digest,
-                    "node_id": entry.node_id,
-                    "kind": entry.kind,
-                    "at": entry.at.ToJsonString(),
-                    "changed_keys": list(entry.changed_keys),
-                    "has_receipt": entry.has_receipt,
-                    "changes": changes,
-                }
-            )
-        return rows
+        return [timeline_row(entry, detail) for entry, detail in zip(entries, details, strict=True)]
 
     async def rejections(self, thread_id: str | None) -> list[dict[str, Any]]:
         request = ledger_pb2.ListRejectionsRequest(thread_id=thread_id or "", page_size=PAGE_SIZE)
-        found: list[dict[str, Any]] = []
-        try:
-            async with self.operator.channel() as channel:
-                stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-                while len(found) < MAX_ROWS:
-                    response = await stub.ListRejections(request, timeout=CALL_TIMEOUT_SECONDS)
-                    found += [rejection_view(row) for row in response.rejections]
-                    if not response.next_page_token:
-                        break
-                    request.page_token = response.next_page_token
-        except grpc.aio.AioRpcError as error:
-            raise _failed(error) from None
-        return found[:MAX_ROWS]
+        async with _calling(self.operator) as channel:
+            stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+            return await _paged(
+                lambda r: stub.ListRejections(r, timeout=CALL_TIMEOUT_SECONDS),
+                request,
+                lambda response: map(rejection_view, response.rejections),
+            )

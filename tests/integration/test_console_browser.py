@@ -402,6 +402,7 @@ async def test_a_reviewer_approves_in_the_browser_and_the_parked_transition_comm
     done = await browser.click("#approve")
     assert "You decided: approve" in done
     assert "committed" in done
+    assert "approve by spiffe://ztate.test/reviewer/alice; nonce" in done  # the receipt
     record = await world.ledger.record(thread_id, 1)
     assert record["node_id"] == "spiffe://ztate.test/node/planner"
     assert record["patch"]["target_user_id"] == OTHER_USER
@@ -449,6 +450,9 @@ async def test_a_hostile_rejection_row_renders_as_text(
     await browser.screenshot("rejections")
     page = await browser.get(f"{alice_console.origin}/threads")
     assert thread_id in page
+    page = await browser.get(f"{alice_console.origin}/threads?thread={quote(thread_id)}")
+    assert f"Thread {thread_id}" in page  # the "open a thread" form's target
+    await browser.get(f"{alice_console.origin}/threads")
     await browser.screenshot("threads")
 
 
