@@ -17,6 +17,8 @@ Security, in one place (docs/console.md):
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 import logging
 import secrets
@@ -101,11 +103,13 @@ class Console:
     guard: Guard
     bundle: Path | None = None
     last_verify: VerifyResult | None = None
+    verifying: asyncio.Lock = field(default_factory=asyncio.Lock)  # one run at a time
 
 
 CONSOLE = web.AppKey("console", Console)
 
 
+@functools.cache
 def _templates() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.PackageLoader("ztate.services.console", "templates"),
@@ -341,7 +345,8 @@ async def verify_run(request: web.Request) -> web.StreamResponse:
     form = await request.post()
     offered = form.get("thread")
     thread_id = _thread_id(offered if isinstance(offered, str) else None)
-    console.last_verify = await run_verify(console.bundle, thread_id)
+    async with console.verifying:
+        console.last_verify = await run_verify(console.bundle, thread_id)
     return _see("/verify")
 
 
