@@ -198,3 +198,16 @@ async def test_a_large_form_is_refused(console: Running) -> None:
     status, _ = await console.post(f"/reviews/{DIGEST}/decide", form, Origin=console.base)
     assert status == 413
     assert console.backend.calls == []
+
+
+def test_the_command_refuses_unreadable_credentials(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ztate.services.cli.main import main
+
+    monkeypatch.setenv("ZTATE_HOME", str(tmp_path))
+    assert main(["console", "--port", "0"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("ztate console: cannot read ")
+    assert str(tmp_path / "certs" / "operator-admin.crt") in said
+    assert str(tmp_path / "certs" / "reviewer-alice.key") in said
