@@ -25,6 +25,7 @@ from urllib.parse import quote
 import asyncpg
 import pytest
 import pytest_asyncio
+from selenium.webdriver.common.by import By
 
 from tests.integration import test_approvals
 from tests.integration.test_approvals import OTHER_USER, World, eventually
@@ -116,14 +117,12 @@ class Browser:
         return await self.text()
 
     async def text(self) -> str:
-        from selenium.webdriver.common.by import By
 
         found: str = await self.run(lambda: self.driver.find_element(By.TAG_NAME, "body").text)
         return found
 
     async def click(self, css: str) -> str:
         """Click and wait for the page it leads to."""
-        from selenium.webdriver.common.by import By
 
         await self.script("window.__before = 1")
         await self.run(lambda: self.driver.find_element(By.CSS_SELECTOR, css).click())
@@ -401,7 +400,14 @@ async def test_a_reviewer_approves_in_the_browser_and_the_parked_transition_comm
 
     done = await browser.click("#approve")
     assert "You decided: approve" in done
-    assert "committed" in done
+
+    async def committed() -> bool | None:
+        return True if await world.pending_status(parked.digest) == "committed" else None
+
+    await eventually(committed)  # the console waits 10 s for it; a loaded machine may not
+    done = await browser.get(f"{alice_console.origin}/reviews/{parked.digest}")
+    outcome = await browser.run(lambda: browser.driver.find_element(By.ID, "outcome").text)
+    assert outcome == "committed"
     assert "approve by spiffe://ztate.test/reviewer/alice; nonce" in done  # the receipt
     record = await world.ledger.record(thread_id, 1)
     assert record["node_id"] == "spiffe://ztate.test/node/planner"
@@ -487,8 +493,6 @@ async def test_a_node_certificate_cannot_approve(
     listing = await browser.get(node_console.url)
     assert "PERMISSION_DENIED" in listing
     # the decision, made by hand with this session's own CSRF token: still refused
-    from selenium.webdriver.common.by import By
-
     verify_page = await browser.get(f"{node_console.origin}/verify")
     assert "Run verification" in verify_page, verify_page
     csrf = await browser.run(
