@@ -211,3 +211,20 @@ def test_the_command_refuses_unreadable_credentials(
     assert said.startswith("ztate console: cannot read ")
     assert str(tmp_path / "certs" / "operator-admin.crt") in said
     assert str(tmp_path / "certs" / "reviewer-alice.key") in said
+
+
+async def test_a_verification_that_cannot_run_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Verify page's run is ``ztate verify --json``: here without a keyring (exit 2),
+    shown as "could not run" with the verifier's own words."""
+    from ztate.services.console.verification import run_verify
+
+    monkeypatch.setenv("ZTATE_HOME", str(tmp_path / "home"))
+    for name in ("ZTATE_HMAC_KEYRING", "ZTATE_HMAC_KEYRING_FILE", "DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "bundle").mkdir()
+    result = await run_verify(tmp_path / "bundle", "t-1")
+    assert (result.exit_code, result.verdict, result.summary) == (2, "could not run", None)
+    assert result.error is not None
+    assert result.error.startswith("ztate verify: cannot verify:")
