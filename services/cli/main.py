@@ -24,6 +24,7 @@ from ztate.services.cli.db import add_db_commands
 from ztate.services.cli.health_probe import add_health_command
 from ztate.services.cli.operator_client import add_connection_flags, operator_channel
 from ztate.services.cli.verify import add_export_command, add_verify_commands
+from ztate.services.console.command import register as add_console_command
 from ztate.services.policy.model import PolicyError, PolicySet
 from ztate.services.runtime.config import Settings, describe
 from ztate.services.runtime.identity import NAME, Identity, Role
@@ -575,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_commands(sub)
     add_health_command(sub)
     add_db_commands(sub)
+    add_console_command(sub)
 
     ledger = sub.add_parser("ledger", help="query and export the ledger")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True)
