@@ -8,7 +8,7 @@ import inspect
 import json
 import os
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -241,8 +241,8 @@ class ZtateClient:
         reason, what a TLS connection of our own shows: a certificate the handshake
         refuses (``HandshakeFailed``), nothing answering (``Unreachable``), or neither."""
         if error.code() is grpc.StatusCode.UNAVAILABLE:
-            metadata = error.trailing_metadata() or ()
-            if not any(key == DETAILS_KEY for key, _ in metadata):  # type: ignore[misc]
+            metadata: Iterable[tuple[str, str | bytes]] = error.trailing_metadata() or ()  # type: ignore[assignment]
+            if not any(key == DETAILS_KEY for key, _ in metadata):
                 verdict = await asyncio.to_thread(diagnose, self._target, pems, self._server_name)
                 if verdict is not None:
                     return verdict
