@@ -35,7 +35,7 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
         server_version = "ztate"
         sys_version = ""
 
-        def do_GET(self) -> None:  # noqa: N802 (the name http.server dispatches to)
+        def do_GET(self) -> None:  # the name http.server dispatches to
             if self.path.partition("?")[0] != PATH:
                 self.send_error(404)
                 return
@@ -46,7 +46,7 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             return  # a request line is the caller's text: not logged
 
     return Scrape
