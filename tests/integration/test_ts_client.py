@@ -12,13 +12,18 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import INITIAL, Pki, client, new_thread_id
+from tests.harness import INITIAL, TRUST_DOMAIN, Pki, client, new_thread_id
+from ztate.services.cli import ca
+from ztate.services.cli.main import main as ztate
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Identity, Role
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "worker_sdk" / "typescript"
@@ -55,12 +60,22 @@ def example(installed: Path) -> Path:
 
 
 async def test_the_typescript_client_passes_its_suite_against_the_service(
-    installed: Path, target: str, pki: Pki
+    installed: Path, target: str, pki: Pki, settings: Settings, tmp_path: Path
 ) -> None:
-    thread_id = new_thread_id()
+    thread_id, runner_thread = new_thread_id(), new_thread_id()
     async with client(target, pki.operator()) as operator:
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        await operator.create_thread(runner_thread, INITIAL, policy="pipeline")
     creds, stranger = pki.node("input-parser"), pki.foreign("input-parser")
+    expired, planner = pki.expired("input-parser"), pki.node("planner")
+    # a certificate of its own, revoked by serial in the service's revocation list
+    revoked = ca.issue(pki.ca_dir, Identity(TRUST_DOMAIN, Role.NODE, "input-parser"), tmp_path)
+    assert settings.revocation_list_file is not None
+    listed = str(settings.revocation_list_file)
+    assert ztate(["ca", "revoke", "--cert", str(revoked.cert), "--list", listed]) == 0
+    with socket.socket() as probe:  # a loopback port that was just free: nothing listens
+        probe.bind(("127.0.0.1", 0))
+        down = f"localhost:{probe.getsockname()[1]}"
     assert NPM is not None
     process = await asyncio.create_subprocess_exec(
         NPM,
@@ -75,7 +90,16 @@ async def test_the_typescript_client_passes_its_suite_against_the_service(
             "ZTATE_CA": str(creds.ca),
             "ZTATE_FOREIGN_CERT": str(stranger.cert),
             "ZTATE_FOREIGN_KEY": str(stranger.key),
+            "ZTATE_FOREIGN_CA": str(pki.foreign_ca_dir / ca.CA_CERT),
+            "ZTATE_EXPIRED_CERT": str(expired.cert),
+            "ZTATE_EXPIRED_KEY": str(expired.key),
+            "ZTATE_REVOKED_CERT": str(revoked.cert),
+            "ZTATE_REVOKED_KEY": str(revoked.key),
+            "ZTATE_DOWN_TARGET": down,
+            "ZTATE_PLANNER_CERT": str(planner.cert),
+            "ZTATE_PLANNER_KEY": str(planner.key),
             "ZTATE_THREAD": thread_id,
+            "ZTATE_RUNNER_THREAD": runner_thread,
         },
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -86,7 +110,7 @@ async def test_the_typescript_client_passes_its_suite_against_the_service(
     counts = {m[0]: int(m[1]) for m in re.findall(r"^# (pass|fail|skipped) (\d+)$", report, re.M)}
     assert counts["fail"] == 0, report
     assert counts["skipped"] == 0, report
-    assert counts["pass"] >= 45, report
+    assert counts["pass"] >= 53, report
 
 
 async def test_the_typescript_example_worker_uses_only_the_package(

@@ -3,7 +3,16 @@
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { test } from "node:test";
-import { HandshakeFailed, StaleVersion, ZtateClient, ZtateError } from "../src/index.js";
+import {
+  HandshakeFailed,
+  IdentityRevoked,
+  NodeRunner,
+  StaleVersion,
+  Unreachable,
+  ZtateClient,
+  ZtateError,
+  type Step,
+} from "../src/index.js";
 import { Code } from "@connectrpc/connect";
 
 const env = process.env;
@@ -80,29 +89,137 @@ test("a node reads its view, proposes, and is refused typed", { skip: !live }, a
   });
 });
 
-test("a certificate of another CA gets a handshake hint, not 'server down'", { skip: !live }, async () => {
-  const stranger = ZtateClient.fromFiles({
-    target: env.ZTATE_TARGET!,
-    certFile: env.ZTATE_FOREIGN_CERT!,
-    keyFile: env.ZTATE_FOREIGN_KEY!,
-    caFile: env.ZTATE_CA!,
+// --- a certificate the handshake refuses is named, not "server down" (issue 14, item 5) ---
+
+function clientWith(files: { certFile?: string; keyFile?: string; caFile?: string; target?: string; serverName?: string }): ZtateClient {
+  return ZtateClient.fromFiles({
+    target: files.target ?? env.ZTATE_TARGET!,
+    certFile: files.certFile ?? env.ZTATE_CERT!,
+    keyFile: files.keyFile ?? env.ZTATE_KEY!,
+    caFile: files.caFile ?? env.ZTATE_CA!,
+    ...(files.serverName === undefined ? {} : { serverName: files.serverName }),
   });
-  await assert.rejects(stranger.getView(THREAD), (error: unknown) => {
-    assert.ok(error instanceof HandshakeFailed, String(error));
-    assert.match(error.hint, /certificate/);
-    return true;
-  });
+}
+
+/** What a proposal by `client` throws; the head is checked unchanged (nothing committed). */
+async function refusedProposal(client: ZtateClient): Promise<unknown> {
+  const before = (await node().getView(THREAD)).version;
+  let thrown: unknown;
+  await assert.rejects(
+    client.propose(THREAD, before, ACTION).then(
+      () => undefined,
+      (error: unknown) => {
+        thrown = error;
+        throw error;
+      },
+    ),
+  );
+  assert.equal((await node().getView(THREAD)).version, before, "nothing committed");
+  return thrown;
+}
+
+test("a certificate of another CA: the service refused our certificate", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ certFile: env.ZTATE_FOREIGN_CERT!, keyFile: env.ZTATE_FOREIGN_KEY! }));
+  assert.ok(error instanceof HandshakeFailed, String(error));
+  assert.equal(error.reason, "CERTIFICATE_REFUSED");
+  assert.equal(error.code, Code.Unavailable);
+  assert.match(error.hint, /^the service refused our certificate \(/);
+  assert.match(error.hint, /the client certificate is not issued by the CA file's CA/);
+});
+
+test("a CA that did not sign the service: our CA does not trust the server", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ caFile: env.ZTATE_FOREIGN_CA! }));
+  assert.ok(error instanceof HandshakeFailed, String(error));
+  assert.equal(error.reason, "SERVER_NOT_TRUSTED");
+  assert.match(error.hint, /^our CA does not trust the service's certificate \(/);
+});
+
+test("a server name the service's certificate does not hold", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ serverName: "elsewhere.example" }));
+  assert.ok(error instanceof HandshakeFailed, String(error));
+  assert.equal(error.reason, "SERVER_NAME_MISMATCH");
+  assert.match(error.hint, /does not name 'elsewhere.example'/);
+});
+
+test("a revoked certificate is named revoked", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ certFile: env.ZTATE_REVOKED_CERT!, keyFile: env.ZTATE_REVOKED_KEY! }));
+  assert.ok(error instanceof IdentityRevoked, String(error));
+  assert.equal(error.reason, "IDENTITY_REVOKED");
+  assert.equal(error.code, Code.Unauthenticated);
+  assert.match(error.hint, /^the service refused our certificate: it is revoked/);
+});
+
+test("an expired certificate is named before any call", { skip: !live }, () => {
+  assert.throws(
+    () => clientWith({ certFile: env.ZTATE_EXPIRED_CERT!, keyFile: env.ZTATE_EXPIRED_KEY! }),
+    (error: unknown) => {
+      assert.ok(error instanceof HandshakeFailed);
+      assert.equal(error.reason, "CERTIFICATE_EXPIRED");
+      assert.match(error.hint, /^the client certificate expired at /);
+      return true;
+    },
+  );
 });
 
 test("a key that is not the certificate's is caught before any call", { skip: !live }, () => {
   assert.throws(
-    () =>
-      ZtateClient.fromFiles({
-        target: env.ZTATE_TARGET!,
-        certFile: env.ZTATE_CERT!,
-        keyFile: env.ZTATE_FOREIGN_KEY!,
-        caFile: env.ZTATE_CA!,
-      }),
-    HandshakeFailed,
+    () => clientWith({ keyFile: env.ZTATE_FOREIGN_KEY! }),
+    (error: unknown) => error instanceof HandshakeFailed && error.reason === "KEY_MISMATCH",
   );
+});
+
+test("a service that is down is unreachable, not a certificate", { skip: !live }, async () => {
+  await assert.rejects(clientWith({ target: env.ZTATE_DOWN_TARGET! }).getView(THREAD), (error: unknown) => {
+    assert.ok(error instanceof Unreachable, String(error));
+    assert.ok(!(error instanceof HandshakeFailed));
+    assert.equal(error.reason, "UNREACHABLE");
+    assert.equal(error.code, Code.Unavailable);
+    assert.match(error.message, new RegExp(`^the service at ${env.ZTATE_DOWN_TARGET} is unreachable`));
+    return true;
+  });
+});
+
+// --- the runner: watch, handle, propose; never acts on its own commit (issue 14, item 6) ---
+
+test("NodeRunner acts once per change of others and never on its own commit", { skip: !live }, async () => {
+  const thread = env.ZTATE_RUNNER_THREAD!;
+  const planner = clientWith({ certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  const parser = node();
+  const handled: bigint[] = [];
+  let committed!: (step: Step) => void;
+  let firstStep = new Promise<Step>((resolve) => (committed = resolve));
+  const runner = new NodeRunner(
+    planner,
+    thread,
+    (view) => {
+      handled.push(view.version);
+      const requested = view.state.requested_action as { action: string; order_id: string } | undefined;
+      if (requested === undefined) return null;
+      // a naive watch-and-act loop would act again on its own commit: the view it gets
+      // there still holds this requested_action (a planner cannot read its own plan)
+      return { pending_transition: { action: "lookup", order_id: requested.order_id, reason: "looked up" } };
+    },
+    { nodeName: "planner", stopAfter: 2, onStep: (step) => committed(step) },
+  );
+  const running = runner.run();
+  const one = await parser.propose(thread, 0, { requested_action: { action: "lookup", order_id: "R-1" } });
+  assert.ok(one.kind === "committed" && one.transition.version === 1n);
+  const first = await firstStep;
+  assert.equal(first.status, "committed");
+  assert.equal(first.transition?.version, 2n);
+  firstStep = new Promise<Step>((resolve) => (committed = resolve));
+  const two = await parser.propose(thread, 2, { requested_action: { action: "lookup", order_id: "R-2" } });
+  assert.ok(two.kind === "committed" && two.transition.version === 3n);
+  const steps = await running;
+  assert.deepEqual(
+    steps.map((step) => [step.viewVersion, step.status, step.transition?.version]),
+    [
+      [1n, "committed", 2n],
+      [3n, "committed", 4n],
+    ],
+  );
+  assert.deepEqual(handled, [0n, 1n, 3n], "its own commits (2, 4) never reached the handler");
+  assert.equal(runner.seen, 4n);
+  const head = await planner.getView(thread);
+  assert.equal(head.version, 4n, "no extra proposal after its own commits");
 });
