@@ -4,8 +4,10 @@ import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { test } from "node:test";
 import {
+  EvidenceInvalid,
   HandshakeFailed,
   IdentityRevoked,
+  loadPublicKeys,
   NodeRunner,
   StaleVersion,
   Unreachable,
@@ -13,7 +15,10 @@ import {
   ZtateError,
   type Step,
 } from "../src/index.js";
-import { Code } from "@connectrpc/connect";
+import { readFileSync } from "node:fs";
+import { Code, createClient } from "@connectrpc/connect";
+import { createGrpcTransport } from "@connectrpc/connect-node";
+import { ApprovalService, Decision, ReviewStatus } from "../src/gen/ztate/v1/approval_pb.js";
 
 const env = process.env;
 const live = env.ZTATE_TARGET !== undefined;
@@ -223,3 +228,93 @@ test("NodeRunner acts once per change of others and never on its own commit", { 
   const head = await planner.getView(thread);
   assert.equal(head.version, 4n, "no extra proposal after its own commits");
 });
+
+// --- the check before acting, end to end: approved through the approval service ---
+
+/** Calls `probe` until it returns a value, within `ms`: a condition with a deadline. */
+async function until<T>(what: string, ms: number, probe: () => Promise<T | undefined>): Promise<T> {
+  const deadline = Date.now() + ms;
+  for (;;) {
+    const found = await probe();
+    if (found !== undefined) return found;
+    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms} ms`);
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+}
+
+test("a risky change approved through the approval service, verified before acting", { skip: !live }, async () => {
+  const target = env.ZTATE_PAIR_TARGET!;
+  const thread = env.ZTATE_APPROVAL_THREAD!;
+  const planner = clientWith({ target, certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  const writer = clientWith({ target, certFile: env.ZTATE_WRITER_CERT!, keyFile: env.ZTATE_WRITER_KEY! });
+  const NEW_USER = "9b2f3c4d-5e6f-4a1b-8c2d-3e4f5a6b7c8d";
+
+  // the planner changes the target user: the policy's risk rule parks it
+  const parked = await planner.propose(thread, 0, { target_user_id: NEW_USER });
+  assert.equal(parked.kind, "parked");
+  assert.ok(parked.kind === "parked");
+
+  // a reviewer approves it on the approval service, over its own mTLS identity
+  const reviewer = createClient(
+    ApprovalService,
+    createGrpcTransport({
+      baseUrl: `https://${env.ZTATE_APPROVAL_SERVICE!}`,
+      nodeOptions: {
+        cert: readFileSync(env.ZTATE_REVIEWER_CERT!),
+        key: readFileSync(env.ZTATE_REVIEWER_KEY!),
+        ca: readFileSync(env.ZTATE_CA!),
+      },
+    }),
+  );
+  const review = await until("the review reaches the approval service", 20_000, async () => {
+    const { reviews } = await reviewer.listReviews({ threadId: thread, status: ReviewStatus.OPEN });
+    return reviews[0];
+  });
+  await reviewer.decide({ digest: review.digest, decision: Decision.APPROVE });
+  const outcome = await planner.waitForOutcome(parked.handle, 30_000);
+  assert.equal(outcome.status, "committed");
+  assert.equal(outcome.transition?.version, 1n);
+
+  // the privileged worker: its view, then the head's checkpoint, then the check
+  const head = await writer.getView(thread);
+  assert.equal(head.version, 1n);
+  assert.match(head.headDigest, /^[0-9a-f]{64}$/, "a read_records node is told the digest");
+  await until("the head is checkpointed", 20_000, async () => {
+    const signed = await writer.getCheckpoint(thread);
+    return signed !== undefined && /"version":1[,}]/.test(new TextDecoder().decode(signed.checkpointJson)) ? signed : undefined;
+  });
+  const keys = {
+    receiptKeys: loadPublicKeys(env.ZTATE_RECEIPT_KEYS!),
+    checkpointKeys: loadPublicKeys(env.ZTATE_CHECKPOINT_KEYS!),
+  };
+  const verified = await writer.verifyHeadBeforeActing({
+    threadId: thread,
+    version: head.version,
+    headDigest: head.headDigest,
+    actingOn: { target_user_id: NEW_USER },
+    ...keys,
+  });
+  assert.equal(verified.version, 1n);
+  assert.equal(verified.digest, head.headDigest);
+  assert.equal(verified.receipt.transition_digest, review.digest, "the receipt binds the reviewed transition");
+  assert.equal(verified.receipt.decision, "approve");
+  assert.equal(verified.checkpoint.version, 1);
+
+  // and what it must refuse: a value the approval did not set, keys it does not trust
+  await assert.rejects(
+    writer.verifyHeadBeforeActing({ threadId: thread, version: 1n, headDigest: head.headDigest, actingOn: { target_user_id: USER_ELSE }, ...keys }),
+    (error: unknown) => error instanceof EvidenceInvalid && error.check === "record.patch",
+  );
+  await assert.rejects(
+    writer.verifyHeadBeforeActing({
+      threadId: thread,
+      version: 1n,
+      headDigest: head.headDigest,
+      actingOn: { target_user_id: NEW_USER },
+      receiptKeys: keys.checkpointKeys,
+      checkpointKeys: keys.checkpointKeys,
+    }),
+    (error: unknown) => error instanceof EvidenceInvalid && error.check.startsWith("receipt."),
+  );
+});
+const USER_ELSE = "00000000-0000-4000-8000-000000000000";
