@@ -22,6 +22,7 @@ import contextlib
 import os
 import socket
 import ssl
+import tempfile
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
@@ -83,14 +84,23 @@ def _issued_by_ca(pems: Pems) -> bool:
 
 @contextlib.contextmanager
 def _pem_path(content: bytes, name: str) -> Iterator[str]:
-    """A path ``ssl`` can load ``content`` from: an anonymous memory file (Linux), so the
-    key is never written to a disk."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    try:
-        os.write(fd, content)
-        yield f"/proc/self/fd/{fd}"
-    finally:
-        os.close(fd)
+    """A path ``ssl`` can load ``content`` from: an anonymous memory file on Linux, so the
+    key is never written to a disk; elsewhere a file only this user can read, in a
+    private folder, deleted at once."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.write(fd, content)
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="ztate-probe-") as folder:  # mode 0700
+        path = os.path.join(folder, name)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(content)
+        yield path
 
 
 def _split(target: str) -> tuple[str, int]:
