@@ -12,7 +12,8 @@ secret; so the label sets are bounded by the code, not by traffic. It is plain H
 without authentication, as scrapers expect: listen on an address only the scraper
 reaches (a pod's port, 127.0.0.1 behind a sidecar). Any other path is 404, any other
 method 501; nothing about a request is logged (a path is the caller's text); a
-connection idle for ``TIMEOUT_SECONDS`` is closed.
+connection idle for ``TIMEOUT_SECONDS`` is closed, and at most ``MAX_CONNECTIONS``
+are served at once (more are closed on arrival).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -27,6 +29,7 @@ from ztate.services.runtime.config import parse_listen
 
 PATH = "/metrics"
 TIMEOUT_SECONDS = 10.0
+MAX_CONNECTIONS = 8
 
 
 def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
@@ -53,7 +56,30 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
 
 
 class _Server(ThreadingHTTPServer):
+    """One thread per connection, at most ``MAX_CONNECTIONS`` at once: a connection
+    beyond them is closed at once (a scraper makes one at a time)."""
+
     daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Server6(_Server):

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.services.runtime.config import Settings
+from ztate.services.runtime.scrape import MAX_CONNECTIONS
 from ztate.transition_service.app import start
 
 
@@ -71,3 +74,54 @@ def test_a_listen_address_that_is_not_host_port_is_refused(settings: Settings) -
     for bad in ("9464", ":9464", "host:port", "host:70000"):
         with pytest.raises(ValueError, match="is not host:port"):
             Settings(**{**settings.model_dump(), "metrics_listen": bad})
+
+
+async def test_connections_beyond_the_bound_are_closed_and_the_endpoint_recovers(
+    settings: Settings, database_dsn: str
+) -> None:
+    """Idle connections cannot pile up threads: beyond MAX_CONNECTIONS a connection is
+    closed on arrival, and scraping works again once they go."""
+    running = await start(
+        settings.model_copy(update={"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0"}),
+        dsn=database_dsn,
+    )
+    try:
+        port = running.telemetry.metrics_port
+        assert port is not None
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
+        try:
+            # each idle connection holds a slot once accepted: wait until one is refused
+            def refused() -> bool:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+                    extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                    try:
+                        return extra.recv(1) == b""
+                    except ConnectionResetError:
+                        return True
+
+            assert await until(lambda: asyncio.to_thread(refused))
+        finally:
+            for connection in idle:
+                connection.close()
+        base = f"http://127.0.0.1:{port}/metrics"
+
+        async def scraped() -> bool:
+            try:
+                return (await asyncio.to_thread(scrape, base))[0] == 200
+            except OSError:
+                return False
+
+        assert await until(scraped)
+    finally:
+        await running.stop(grace=1.0)
+
+
+async def until(check: Callable[[], Awaitable[bool]], within: float = 10.0) -> bool:
+    """``check`` until it holds, for at most ``within`` seconds (a condition with a deadline)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await check():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
