@@ -280,6 +280,7 @@ async def _start_traced(
         port = server.add_secure_port(settings.listen, credentials)
         if port == 0:
             raise OSError(f"cannot listen on {settings.listen}")
+        telemetry.serve_metrics()  # ZTATE_METRICS_LISTEN: GET /metrics (docs/operations.md)
     except BaseException:
         await listener.close()
         await store.close()

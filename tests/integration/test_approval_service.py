@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import io
 import json
+import re
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -873,3 +875,19 @@ async def test_a_revoked_reviewer_decides_nothing_more(
         ).review
     assert review.status == approval_pb2.REVIEW_STATUS_OPEN
     assert list(review.approvers) == []
+
+
+async def test_the_approval_service_serves_its_metrics_for_prometheus(
+    approval_settings: ApprovalSettings, database_dsn: str, service: RunningService
+) -> None:
+    """ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics over real HTTP (docs/operations.md)."""
+    running = await start(
+        approval_settings.model_copy(update={"metrics_listen": "127.0.0.1:0"}), dsn=database_dsn
+    )
+    try:
+        url = f"http://127.0.0.1:{running.telemetry.metrics_port}/metrics"
+        with await asyncio.to_thread(urllib.request.urlopen, url, timeout=10) as reply:
+            body = reply.read().decode()
+    finally:
+        await running.stop(grace=1.0)
+    assert re.search(r'^ztate_db_pool_max\{[^}]*ztate_pool="approval"\} 4\.0$', body, re.M)

@@ -5,6 +5,7 @@
  * tests/vectors/ holds the files both implementations must agree on.
  */
 import { createHash, createPublicKey, verify, type KeyObject } from "node:crypto";
+import { readFileSync } from "node:fs";
 
 /** A check before acting failed; `check` names which (as the Python SDK's HeadNotVerified). */
 export class EvidenceInvalid extends Error {
@@ -106,6 +107,37 @@ export function ed25519PublicKey(raw: Uint8Array): KeyObject {
 
 /** Public keys by key id. */
 export type PublicKeys = ReadonlyMap<string, KeyObject>;
+
+const KEY_ID = /^[A-Za-z0-9._-]{1,64}$/;
+
+/**
+ * A public keyring file, as `ztate` writes them (keys/approval-public.json, the
+ * checkpoint public keys): `{"<key id>": "<base64 of the raw 32-byte Ed25519 key>"}`,
+ * non-empty. Throws EvidenceInvalid("keys.file") naming what is wrong.
+ */
+export function loadPublicKeys(path: string): PublicKeys {
+  let doc: unknown;
+  try {
+    doc = JSON.parse(readFileSync(path, "utf8"));
+  } catch {
+    throw new EvidenceInvalid("keys.file", `${path}: public keys must be a readable JSON object`);
+  }
+  if (typeof doc !== "object" || doc === null || Array.isArray(doc) || Object.keys(doc).length === 0) {
+    throw new EvidenceInvalid("keys.file", `${path}: public keys must be a non-empty JSON object`);
+  }
+  const keys = new Map<string, KeyObject>();
+  for (const [keyId, encoded] of Object.entries(doc)) {
+    if (!KEY_ID.test(keyId)) {
+      throw new EvidenceInvalid("keys.file", `${path}: key id ${JSON.stringify(keyId)} must be 1-64 characters of [A-Za-z0-9._-]`);
+    }
+    const raw = typeof encoded === "string" && /^[A-Za-z0-9+/]*={0,2}$/.test(encoded) ? Buffer.from(encoded, "base64") : null;
+    if (raw === null || raw.length !== 32) {
+      throw new EvidenceInvalid("keys.file", `${path}: key ${JSON.stringify(keyId)} is not a base64 Ed25519 public key`);
+    }
+    keys.set(keyId, ed25519PublicKey(raw));
+  }
+  return keys;
+}
 
 function checkSignature(
   data: Uint8Array,
