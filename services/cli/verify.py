@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from ztate.contract.checkpoints import SignedCheckpoint, parse_checkpoint_line
 from ztate.contract.errors import CheckpointInvalid, KeyFileError, KeyringError
 from ztate.contract.keyring import Keyring, load_public_keys
-from ztate.services.policy.model import PolicyError, PolicySet
+from ztate.services.policy.model import PolicyError, load_policy_versions
 from ztate.services.runtime.config import Settings, describe
 from ztate.services.verify.bundle import export_bundle, verify_bundle
 from ztate.services.verify.checks import (
@@ -210,7 +210,9 @@ def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
         checkpoint_keys = _checkpoint_keys(args, settings)
         kept = _kept_checkpoints(args.checkpoints, checkpoint_keys, args.jobs)
         assert settings.policy_path is not None
-        policies = PolicySet.load(args.policy or settings.policy_path)
+        # every version of every policy given, by digest: a folder may hold two
+        # versions of one policy (the database and bundles keep them as well)
+        policies = load_policy_versions(args.policy or settings.policy_path)
     except (KeyringError, KeyFileError, PolicyError) as exc:
         raise VerifyError(str(exc)) from None
     return Trust(keyring, approval_keys, policies, checkpoint_keys, kept)

@@ -38,6 +38,7 @@ import base64
 import binascii
 import hashlib
 import operator
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,7 +56,13 @@ from ztate.contract.checkpoints import (
 )
 from ztate.contract.errors import CheckpointInvalid
 from ztate.contract.record import format_time, shown
+from ztate.services.store.policies import StoredPolicy, stored_policy_versions
 from ztate.services.verify.checks import (
+    BUNDLE_CHECKPOINT,
+    BUNDLE_COUNT,
+    BUNDLE_HASH,
+    BUNDLE_LINE,
+    BUNDLE_ORDER,
     CHECKPOINT,
     Finding,
     Head,
@@ -66,24 +73,24 @@ from ztate.services.verify.checks import (
     Trust,
     Verification,
     VerifyError,
+    admit_policy_versions,
     check_policies_named,
     connect,
     no_such_thread,
     row_from_db,
 )
 
-BUNDLE_FORMAT = 2  # 2: with checkpoints.jsonl
-READABLE_FORMATS = (1, 2)
+BUNDLE_FORMAT = 3  # 2: with checkpoints.jsonl; 3: with policies.jsonl
+READABLE_FORMATS = (1, 2, 3)
 BUNDLE_KIND = "ztate-ledger-bundle"
 RECORDS = "records.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
+POLICIES = "policies.jsonl"
 MANIFEST = "manifest.json"
+POLICY_MEMBERS = ("policy_digest", "policy_name", "body")
+# a bundle holds full state bodies: only its owner may read it
+FILE_MODE, DIR_MODE = 0o600, 0o700
 
-BUNDLE_HASH = "bundle.file_hash"  # records.jsonl is not the file the manifest describes
-BUNDLE_COUNT = "bundle.count"  # lines or threads added or removed
-BUNDLE_LINE = "bundle.line"  # a line that is not a ledger row
-BUNDLE_ORDER = "bundle.order"  # a thread's lines are not together
-BUNDLE_CHECKPOINT = "bundle.checkpoint"  # a checkpoint line that is not one, or of no thread
 
 HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
 LINE_MEMBERS = (
@@ -125,6 +132,9 @@ class Manifest:
     # None: a format 1 bundle, which carries no checkpoints
     checkpoints: int | None = None
     checkpoints_sha256: str | None = None
+    # None: a bundle before format 3, which carries no policy versions
+    policies: int | None = None
+    policies_sha256: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -139,6 +149,8 @@ class Manifest:
             "heads": {thread: [v, d] for thread, (v, d) in self.heads.items()},
             "checkpoints": self.checkpoints,
             "checkpoints_sha256": self.checkpoints_sha256,
+            "policies": self.policies,
+            "policies_sha256": self.policies_sha256,
         }
 
 
@@ -193,6 +205,8 @@ async def _export_snapshot(
                     bytes(stored["checkpoint"]), stored["signature"], stored["key_id"]
                 ),
             )
+        for version in await stored_policy_versions(conn, writer.policy_digests):
+            writer.add_policy(version)
         return writer.finish(heads, thread_id=thread_id)
 
 
@@ -207,12 +221,15 @@ class BundleWriter:
     def __init__(self, out_dir: Path) -> None:
         self._records_path, self._manifest_path = out_dir / RECORDS, out_dir / MANIFEST
         self._checkpoints_path = out_dir / CHECKPOINTS
+        self._policies_path = out_dir / POLICIES
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            if not out_dir.exists():
+                out_dir.mkdir(parents=True, mode=DIR_MODE)
             if self._manifest_path.exists():
                 raise FileExistsError
-            self._out = self._records_path.open("xb")
-            self._checkpoints_out = self._checkpoints_path.open("xb")
+            self._out = _owner_only(self._records_path)
+            self._checkpoints_out = _owner_only(self._checkpoints_path)
+            self._policies_out = _owner_only(self._policies_path)
         except FileExistsError:
             raise BundleError(
                 f"{out_dir}: already holds a bundle; choose an empty folder"
@@ -223,6 +240,7 @@ class BundleWriter:
         self._records = self._threads = self._checkpoints = 0
         self._last_thread: str | None = None
         self._policy_digests: set[str] = set()
+        self._policy_hasher, self._policies = hashlib.sha256(), 0
 
     def __enter__(self) -> BundleWriter:
         return self
@@ -230,6 +248,22 @@ class BundleWriter:
     def __exit__(self, *_: object) -> None:
         self._out.close()
         self._checkpoints_out.close()
+        self._policies_out.close()
+
+    @property
+    def policy_digests(self) -> list[str]:
+        """The policy digests the records written so far name, sorted."""
+        return sorted(self._policy_digests)
+
+    def add_policy(self, version: StoredPolicy) -> None:
+        """One policy version (in digest order): its exact body, as the database keeps it."""
+        line = policy_line(version)
+        try:
+            self._policies_out.write(line)
+        except OSError as exc:
+            raise BundleError(f"{self._policies_path}: cannot write ({exc.strerror})") from None
+        self._policy_hasher.update(line)
+        self._policies += 1
 
     def add(self, row: LedgerRow) -> None:
         line = orjson.dumps(_line(row)) + b"\n"
@@ -255,13 +289,19 @@ class BundleWriter:
         self._checkpoints += 1
 
     def finish(
-        self, heads: dict[str, tuple[int, str]], *, thread_id: str | None = None
+        self,
+        heads: dict[str, tuple[int, str]],
+        *,
+        thread_id: str | None = None,
+        created_at: datetime | None = None,
     ) -> Manifest:
-        """Close the files and write the manifest, with the heads the source holds."""
+        """Close the files and write the manifest, with the heads the source holds
+        (``created_at``: now, unless a generator of fixed bundles gives it)."""
         self._out.close()
         self._checkpoints_out.close()
+        self._policies_out.close()
         manifest = Manifest(
-            created_at=format_time(datetime.now(UTC)),
+            created_at=format_time(created_at or datetime.now(UTC)),
             thread_id=thread_id,
             threads=self._threads,
             records=self._records,
@@ -270,14 +310,37 @@ class BundleWriter:
             heads=heads,
             checkpoints=self._checkpoints,
             checkpoints_sha256=self._checkpoint_hasher.hexdigest(),
+            policies=self._policies,
+            policies_sha256=self._policy_hasher.hexdigest(),
         )
         try:
-            self._manifest_path.write_bytes(
-                orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2)
-            )
+            with _owner_only(self._manifest_path) as out:
+                out.write(orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2))
         except OSError as exc:
             raise BundleError(f"{self._manifest_path}: cannot write ({exc.strerror})") from None
         return manifest
+
+
+def _owner_only(path: Path) -> BinaryIO:
+    """A new file only its owner may read or write (``FileExistsError`` if it exists)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # whatever the umask
+    return os.fdopen(fd, "wb")
+
+
+def policy_line(version: StoredPolicy) -> bytes:
+    """One line of ``policies.jsonl``: digest, name and the exact body (text, or
+    ``{"base64": ...}`` for bytes that are not UTF-8)."""
+    return (
+        orjson.dumps(
+            {
+                "policy_digest": version.digest,
+                "policy_name": version.name,
+                "body": _blob_out(version.body),
+            }
+        )
+        + b"\n"
+    )
 
 
 def _line(row: LedgerRow) -> dict[str, Any]:
@@ -362,6 +425,13 @@ def _manifest_from(doc: dict[str, Any]) -> Manifest:
             raise ValueError("checkpoints must be an integer")
         if not isinstance(checkpoints_sha256, str) or not HEX_256.match(checkpoints_sha256):
             raise ValueError("checkpoints_sha256 must be 64 lower-case hex characters")
+    policies, policies_sha256 = None, None
+    if doc["format"] >= 3:
+        policies, policies_sha256 = doc["policies"], doc["policies_sha256"]
+        if type(policies) is not int:
+            raise ValueError("policies must be an integer")
+        if not isinstance(policies_sha256, str) or not HEX_256.match(policies_sha256):
+            raise ValueError("policies_sha256 must be 64 lower-case hex characters")
     return Manifest(
         created_at=str(doc["created_at"]),
         thread_id=thread_id if isinstance(thread_id, str) else None,
@@ -372,6 +442,8 @@ def _manifest_from(doc: dict[str, Any]) -> Manifest:
         heads=heads,
         checkpoints=checkpoints,
         checkpoints_sha256=checkpoints_sha256,
+        policies=policies,
+        policies_sha256=policies_sha256,
     )
 
 
@@ -592,16 +664,62 @@ def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
 # --- verification -----------------------------------------------------------------------
 
 
-def usable_manifest(directory: Path, trust: Trust) -> Manifest:
-    """The bundle's manifest, if the bundle can be verified with ``trust`` at all."""
+def usable_manifest(directory: Path, run: Verification) -> Manifest:
+    """The bundle's manifest, if the bundle can be verified with ``run.trust`` at all;
+    ``run.trust`` then knows the policy versions the bundle carries."""
     manifest = read_manifest(directory)
-    if trust.keyring is None and manifest.checkpoints is None:
+    if run.trust.keyring is None and manifest.checkpoints is None:
         raise BundleError(
             f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
             "verification needs; export it again"
         )
-    check_policies_named(set(manifest.policy_digests), trust)
+    if manifest.policies is not None:
+        stored = read_policies(directory, manifest, run.finding)
+        run.trust = admit_policy_versions(run.trust, stored, run.finding)
+    stored_names = {policy.name for policy in run.trust.stored}
+    check_policies_named(set(manifest.policy_digests), run.trust, stored_names)
     return manifest
+
+
+def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[StoredPolicy]:
+    """The policy versions of ``policies.jsonl``; a line that is not one, and a file
+    the manifest does not describe, are reported."""
+    path = directory / POLICIES
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read the policies ({exc.strerror})") from None
+    found = hashlib.sha256(data).hexdigest()
+    if found != manifest.policies_sha256:
+        expected = f"{POLICIES} with SHA-256 {manifest.policies_sha256} (the manifest's)"
+        report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
+    lines = data.splitlines(keepends=True)
+    if len(lines) != manifest.policies:
+        expected = f"{manifest.policies} policy lines (the manifest's)"
+        report(Finding(None, None, BUNDLE_COUNT, expected, f"{len(lines)} lines"))
+    versions: list[StoredPolicy] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            versions.append(_policy_from_line(line))
+        except LineProblem as problem:
+            found = f"{POLICIES} line {number}: {problem}"
+            report(Finding(None, None, BUNDLE_LINE, "a policy version", found))
+    return versions
+
+
+def _policy_from_line(line: bytes) -> StoredPolicy:
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise LineProblem("not JSON") from None
+    if not isinstance(doc, dict) or doc.keys() != set(POLICY_MEMBERS):
+        raise LineProblem(f"not an object with exactly the members {', '.join(POLICY_MEMBERS)}")
+    if not isinstance(doc["policy_digest"], str) or not isinstance(doc["policy_name"], str):
+        raise LineProblem("policy_digest and policy_name must be strings")
+    body = _blob_in(doc["body"], "body")
+    if body is None:
+        raise LineProblem("body must not be null")
+    return StoredPolicy(doc["policy_digest"], doc["policy_name"], body)
 
 
 def verify_bundle(
@@ -611,8 +729,9 @@ def verify_bundle(
 
     Checkpoints are checked whenever the trust holds their public keys; public-only
     verification (no HMAC keyring) needs a bundle that carries them."""
-    manifest = usable_manifest(directory, trust)
     run = Verification(trust, report)
+    manifest = usable_manifest(directory, run)
+    trust = run.trust
     checkpoints = (
         CheckpointReader(directory, manifest, run.finding, thread_id=thread_id)
         if trust.checkpoint_keys is not None and manifest.checkpoints is not None
