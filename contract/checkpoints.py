@@ -158,3 +158,79 @@ def parse_checkpoint_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
             'checkpoint must be text or {"base64": ...}', check="checkpoint.line"
         )
     return doc["thread_id"], doc["version"], SignedCheckpoint(data, doc["signature"], doc["key_id"])
+
+
+# --- bundle manifests, signed with the checkpoint key -------------------------------------
+
+# The checkpoint key also signs the manifest of a bundle it exports (``ztate ledger
+# export`` where the key is at hand): the statement names the SHA-256 of the exact
+# manifest bytes, and the manifest names the SHA-256 of every other file, so the
+# signature covers the whole bundle. Its kind keeps it from being read as a checkpoint.
+KIND_MANIFEST = "bundle_manifest"
+MANIFEST_MEMBERS = frozenset({"format", "kind", "manifest_sha256", "signed_at", "key_id"})
+MANIFEST_SIGNATURE_MEMBERS = frozenset({"statement", "signature", "key_id"})
+
+
+def sign_manifest(
+    key: Ed25519PrivateKey, key_id: str, *, manifest_sha256: str, signed_at: datetime
+) -> bytes:
+    """``manifest.sig``: one JSON line ``{"statement", "signature", "key_id"}``, the
+    statement the canonical text of ``{"format": 1, "kind": "bundle_manifest",
+    "manifest_sha256", "signed_at", "key_id"}`` and the signature Ed25519 over it."""
+    statement = canonical_bytes(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "kind": KIND_MANIFEST,
+            "manifest_sha256": manifest_sha256,
+            "signed_at": format_time(signed_at),
+            "key_id": key_id,
+        }
+    )
+    line = {
+        "statement": statement.decode(),
+        "signature": key.sign(statement).hex(),
+        "key_id": key_id,
+    }
+    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
+
+
+def verify_manifest_signature(
+    data: bytes, manifest_sha256: str, public_keys: dict[str, Ed25519PublicKey]
+) -> JsonObject:
+    """The signed statement of a ``manifest.sig``, once it verifies under a checkpoint
+    key and names ``manifest_sha256``. Raises ``CheckpointInvalid`` saying why not."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise CheckpointInvalid("manifest.sig is not JSON", check="checkpoint.form") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.keys() != MANIFEST_SIGNATURE_MEMBERS
+        or not all(isinstance(doc[name], str) for name in MANIFEST_SIGNATURE_MEMBERS)
+    ):
+        raise CheckpointInvalid(
+            "manifest.sig is not {statement, signature, key_id} as strings",
+            check="checkpoint.form",
+        )
+    body = signed_object(
+        doc["statement"].encode("utf-8", "surrogatepass"),
+        doc["signature"],
+        doc["key_id"],
+        public_keys,
+        what="manifest signature",
+        signer="checkpoint",
+        members=MANIFEST_MEMBERS,
+        error=CheckpointInvalid,
+    )
+    if (body["format"], body["kind"], body["key_id"]) != (
+        CHECKPOINT_FORMAT,
+        KIND_MANIFEST,
+        doc["key_id"],
+    ):
+        raise CheckpointInvalid("unsupported manifest signature format, kind or key id")
+    if body["manifest_sha256"] != manifest_sha256:
+        raise CheckpointInvalid(
+            f"the signature covers a manifest with SHA-256 {body['manifest_sha256']}, "
+            f"not this one ({manifest_sha256})"
+        )
+    return body

@@ -48,11 +48,14 @@ from typing import Any, BinaryIO
 
 import asyncpg
 import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ztate.contract.checkpoints import (
     SignedCheckpoint,
     checkpoint_line,
     parse_checkpoint_line,
+    sign_manifest,
+    verify_manifest_signature,
 )
 from ztate.contract.errors import CheckpointInvalid
 from ztate.contract.record import format_time, shown
@@ -62,6 +65,7 @@ from ztate.services.verify.checks import (
     BUNDLE_COUNT,
     BUNDLE_HASH,
     BUNDLE_LINE,
+    BUNDLE_MANIFEST,
     BUNDLE_ORDER,
     CHECKPOINT,
     Finding,
@@ -87,6 +91,7 @@ RECORDS = "records.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
 POLICIES = "policies.jsonl"
 MANIFEST = "manifest.json"
+MANIFEST_SIG = "manifest.sig"  # the checkpoint key's signature over the manifest's SHA-256
 POLICY_MEMBERS = ("policy_digest", "policy_name", "body")
 # a bundle holds full state bodies: only its owner may read it
 FILE_MODE, DIR_MODE = 0o600, 0o700
@@ -171,12 +176,18 @@ SELECT thread_id, version, checkpoint, signature, key_id
 ORDER = ' ORDER BY thread_id COLLATE "C", version'
 
 
-async def export_bundle(dsn: str, out_dir: Path, thread_id: str | None = None) -> Manifest:
-    """Write every thread (or one) of the ledger at ``dsn`` as a bundle in ``out_dir``."""
+Signer = tuple[str, Ed25519PrivateKey]  # (key id, the checkpoint signing key)
+
+
+async def export_bundle(
+    dsn: str, out_dir: Path, thread_id: str | None = None, *, signer: Signer | None = None
+) -> Manifest:
+    """Write every thread (or one) of the ledger at ``dsn`` as a bundle in ``out_dir``,
+    its manifest signed with ``signer`` (the checkpoint key) when given."""
     conn = await connect(dsn)
     try:
         async with conn.transaction(readonly=True, isolation="repeatable_read"):
-            manifest = await _export_snapshot(conn, out_dir, thread_id)
+            manifest = await _export_snapshot(conn, out_dir, thread_id, signer)
     except asyncpg.UndefinedTableError:
         raise BundleError("the database holds no ztate ledger (schema ztate is missing)") from None
     except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -187,7 +198,7 @@ async def export_bundle(dsn: str, out_dir: Path, thread_id: str | None = None) -
 
 
 async def _export_snapshot(
-    conn: asyncpg.Connection, out_dir: Path, thread_id: str | None
+    conn: asyncpg.Connection, out_dir: Path, thread_id: str | None, signer: Signer | None
 ) -> Manifest:
     where, args = ("", ()) if thread_id is None else (" WHERE thread_id = $1", (thread_id,))
     heads = {
@@ -207,7 +218,7 @@ async def _export_snapshot(
             )
         for version in await stored_policy_versions(conn, writer.policy_digests):
             writer.add_policy(version)
-        return writer.finish(heads, thread_id=thread_id)
+        return writer.finish(heads, thread_id=thread_id, signer=signer)
 
 
 class BundleWriter:
@@ -294,14 +305,16 @@ class BundleWriter:
         *,
         thread_id: str | None = None,
         created_at: datetime | None = None,
+        signer: Signer | None = None,
     ) -> Manifest:
         """Close the files and write the manifest, with the heads the source holds
-        (``created_at``: now, unless a generator of fixed bundles gives it)."""
+        (``created_at``: now, unless a generator of fixed bundles gives it), and its
+        signature (``manifest.sig``) when ``signer`` is given."""
         self._out.close()
         self._checkpoints_out.close()
         self._policies_out.close()
         manifest = Manifest(
-            created_at=format_time(created_at or datetime.now(UTC)),
+            created_at=format_time(created_at := created_at or datetime.now(UTC)),
             thread_id=thread_id,
             threads=self._threads,
             records=self._records,
@@ -313,9 +326,20 @@ class BundleWriter:
             policies=self._policies,
             policies_sha256=self._policy_hasher.hexdigest(),
         )
+        data = orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2)
         try:
             with _owner_only(self._manifest_path) as out:
-                out.write(orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2))
+                out.write(data)
+            if signer is not None:
+                key_id, key = signer
+                line = sign_manifest(
+                    key,
+                    key_id,
+                    manifest_sha256=hashlib.sha256(data).hexdigest(),
+                    signed_at=created_at,
+                )
+                with _owner_only(self._manifest_path.with_name(MANIFEST_SIG)) as out:
+                    out.write(line)
         except OSError as exc:
             raise BundleError(f"{self._manifest_path}: cannot write ({exc.strerror})") from None
         return manifest
@@ -673,12 +697,40 @@ def usable_manifest(directory: Path, run: Verification) -> Manifest:
             f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
             "verification needs; export it again"
         )
+    check_manifest_signature(directory, run)
     if manifest.policies is not None:
         stored = read_policies(directory, manifest, run.finding)
         run.trust = admit_policy_versions(run.trust, stored, run.finding)
     stored_names = {policy.name for policy in run.trust.stored}
     check_policies_named(set(manifest.policy_digests), run.trust, stored_names)
     return manifest
+
+
+def check_manifest_signature(directory: Path, run: Verification) -> None:
+    """A ``manifest.sig`` must verify under a checkpoint key and name the manifest's
+    SHA-256 (checked whenever the checkpoint keys are at hand); its absence is a finding
+    only when the verifier requires one (``--signed-manifest``)."""
+    expected = f"a {MANIFEST} whose SHA-256 a checkpoint key signed ({MANIFEST_SIG})"
+    path = directory / MANIFEST_SIG
+    try:
+        signature = path.read_bytes()
+    except FileNotFoundError:
+        if run.trust.require_signed_manifest:
+            run.finding(Finding(None, None, BUNDLE_MANIFEST, expected, f"no {MANIFEST_SIG}"))
+        return
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read ({exc.strerror})") from None
+    keys = run.trust.checkpoint_keys
+    if keys is None:
+        return
+    try:
+        manifest_sha256 = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise BundleError(f"{directory / MANIFEST}: cannot read ({exc.strerror})") from None
+    try:
+        verify_manifest_signature(signature, manifest_sha256, dict(keys))
+    except CheckpointInvalid as exc:
+        run.finding(Finding(None, None, BUNDLE_MANIFEST, expected, exc.message))
 
 
 def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[StoredPolicy]:

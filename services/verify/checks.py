@@ -263,6 +263,8 @@ class Trust:
     # copy: ``ztate verify --checkpoints``), by thread and version; the chain must pass
     # through each, whatever the source holds or lost
     kept_checkpoints: Mapping[str, Mapping[int, SignedCheckpoint]] = field(default_factory=dict)
+    # a bundle without a signed manifest (manifest.sig) is a finding
+    require_signed_manifest: bool = False
     # the versions the verified source keeps (``ztate.policies``, a bundle's
     # policies.jsonl) whose body hashes to their digest (``with_versions``)
     stored: tuple[Policy, ...] = ()

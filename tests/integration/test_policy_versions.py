@@ -10,9 +10,12 @@ record naming a digest no source knows, are precise findings.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
 import stat
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +27,12 @@ import pytest_asyncio
 from tests.harness import Pki, client, fresh_database
 from tests.integration.test_verify import World, open_world, ztate
 from ztate.contract.canonical import sha256_hex
-from ztate.contract.keyring import load_public_keys
+from ztate.contract.keyring import generate_signing_key, load_public_keys
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.verify.bundle import (
     BUNDLE_HASH,
     MANIFEST,
+    MANIFEST_SIG,
     POLICIES,
     RECORDS,
     export_bundle,
@@ -109,6 +113,19 @@ async def edited(
     yield Edited(world, v1, v2, v2_dir, both, spanning, after)
 
 
+def cli_env(world: World) -> dict[str, str]:
+    """What ``ztate`` of test_verify runs with (the home the CLI reads keys from)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    env.update(
+        DATABASE_URL=world.dsn,
+        ZTATE_HOME=str(world.root / "cli-home"),
+        ZTATE_HMAC_KEYRING_FILE=str(world.settings.hmac_keyring_file),
+        ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(world.settings.approval_public_keys_file),
+        ZTATE_POLICY_PATH=str(world.settings.policy_path),
+    )
+    return env
+
+
 def where(findings: list[Finding]) -> list[tuple[str | None, int | None, str]]:
     return [(f.thread_id, f.version, f.check) for f in findings]
 
@@ -158,8 +175,25 @@ async def test_a_ledger_spanning_a_policy_edit_verifies_from_a_bundle(
     edited: Edited, tmp_path: Path
 ) -> None:
     folder = tmp_path / "bundle"
-    code, _, err = await ztate(edited.world, "ledger", "export", "--out", str(folder))
-    assert code == 0, err
+    # the export runs beside the checkpoint key: it signs the manifest
+    keys = edited.world.root / "cli-home" / "keys"
+    if not (keys / "checkpoint-signing.pem").exists():
+        generate_signing_key(
+            keys / "checkpoint-signing.pem", keys / "checkpoint-public.json", "checkpoint-k1"
+        )
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("ztate")),
+        "ledger",
+        "export",
+        "--out",
+        str(folder),
+        env={**cli_env(edited.world)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out_bytes, err_bytes = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err_bytes
+    assert "manifest signed with checkpoint key 'checkpoint-k1'" in out_bytes.decode()
     lines = [json.loads(line) for line in (folder / POLICIES).read_text().splitlines()]
     assert [(line["policy_digest"], line["policy_name"]) for line in lines] == sorted(
         [(edited.v1.digest, "pipeline"), (edited.v2.digest, "pipeline")]
@@ -181,11 +215,31 @@ async def test_a_ledger_spanning_a_policy_edit_verifies_from_a_bundle(
             str(folder),
             "--policy",
             str(edited.v2_only),
+            "--signed-manifest",
             "--jobs",
             jobs,
             "--json",
         )
         assert (code, out[-1]["failures"]) == (0, 0), (out, err)
+    # the manifest edited (a truncated bundle's packing list, say): its signature fails
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["records"] -= 1
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    code, out, _ = await ztate(edited.world, "verify", "--bundle", str(folder), "--json")
+    assert code == 1
+    assert [(f["thread_id"], f["version"], f["check"]) for f in out[:-1]] == [
+        (None, None, "bundle.manifest"),
+        (None, None, "bundle.count"),
+    ]
+    (folder / MANIFEST_SIG).unlink()
+    code, out, _ = await ztate(
+        edited.world, "verify", "--bundle", str(folder), "--signed-manifest", "--json"
+    )
+    assert [(f["thread_id"], f["version"], f["check"]) for f in out[:-1]] == [
+        (None, None, "bundle.manifest"),
+        (None, None, "bundle.count"),
+    ]
+    assert out[0]["found"] == "no manifest.sig"
 
 
 def v1_records(edited: Edited) -> list[tuple[str | None, int | None, str]]:

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -47,7 +48,7 @@ from ztate.contract.record import (
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import Policy
 from ztate.services.store.policies import StoredPolicy
-from ztate.services.verify.bundle import BundleWriter
+from ztate.services.verify.bundle import MANIFEST_SIG, BundleWriter
 from ztate.services.verify.checks import LedgerRow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -438,10 +439,32 @@ class Case:
     findings: list[Finding]
     form: int = 2
     args: tuple[str, ...] = ()
+    # manifest.sig: "none"; "own" (the checkpoint key signed this bundle's manifest, as
+    # ztate ledger export does beside the key); "honest" (the signature the untampered
+    # bundle was exported with, kept by an attacker who rewrote the manifest)
+    signature: str = "none"
 
 
 CASES: dict[str, Case] = {
-    "clean": Case("the ledger as the service wrote it", t_none, []),
+    "clean": Case(
+        "the ledger as the service wrote it, its manifest signed with the checkpoint key",
+        t_none,
+        [],
+        signature="own",
+    ),
+    "manifest-rewritten": Case(
+        "a record removed and the manifest rewritten to match: the signature over the"
+        " manifest, made at export, no longer covers it",
+        t_deleted,
+        [[A, 2, "version"], [None, None, "bundle.manifest"]],
+        signature="honest",
+    ),
+    "manifest-signature-removed": Case(
+        "the untampered ledger without its manifest.sig, verified with --signed-manifest",
+        t_none,
+        [[None, None, "bundle.manifest"]],
+        args=("--signed-manifest",),
+    ),
     "clean-format-1": Case(
         "the same ledger in record format 1 (no risk_rules): verifiers read both",
         t_none,
@@ -532,14 +555,15 @@ def public_keys(key_id: str, key: Ed25519PrivateKey) -> str:
     return json.dumps({key_id: base64.b64encode(raw).decode()}, indent=2) + "\n"
 
 
-def write_bundle(ledger: Ledger, folder: Path) -> None:
+def write_bundle(ledger: Ledger, folder: Path, *, signed: bool = False) -> None:
     with BundleWriter(folder) as writer:
         for row in ledger.rows():
             writer.add(row)
         for thread_id, version, checkpoint in sorted(ledger.checkpoints, key=lambda c: c[:2]):
             writer.add_checkpoint(thread_id, version, checkpoint)
         writer.add_policy(StoredPolicy(POLICY.digest, POLICY.name, POLICY.body))
-        writer.finish(ledger.heads(), created_at=CREATED_AT)
+        signer = (CHECKPOINT_KEY_ID, CHECKPOINT_KEY) if signed else None
+        writer.finish(ledger.heads(), created_at=CREATED_AT, signer=signer)
 
 
 def expected() -> dict[str, Any]:
@@ -579,10 +603,16 @@ def write(out: Path) -> None:
         public_keys(CHECKPOINT_KEY_ID, CHECKPOINT_KEY)
     )
     shutil.copyfile(POLICY_FILE, out / "policy.yaml")
+    with tempfile.TemporaryDirectory() as scratch:
+        write_bundle(honest(), Path(scratch) / "honest", signed=True)
+        honest_signature = (Path(scratch) / "honest" / MANIFEST_SIG).read_bytes()
     for name, case in CASES.items():
         ledger = honest(case.form)
         case.tamper(ledger)
-        write_bundle(ledger, out / "cases" / name)
+        folder = out / "cases" / name
+        write_bundle(ledger, folder, signed=case.signature == "own")
+        if case.signature == "honest":
+            (folder / MANIFEST_SIG).write_bytes(honest_signature)
     (out / "expected.json").write_text(json.dumps(expected(), indent=2) + "\n")
 
 
