@@ -214,7 +214,7 @@ def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
             keyring = Keyring.load(settings.hmac_keyring_file, env)
         approval_keys = _approval_keys(args.approval_keys, settings)
         checkpoint_keys = _checkpoint_keys(args, settings)
-        kept = _kept_checkpoints(args.checkpoints, checkpoint_keys, args.jobs)
+        kept = _kept_checkpoints(args.checkpoints, checkpoint_keys)
         assert settings.policy_path is not None
         # every version of every policy given, by digest: a folder may hold two
         # versions of one policy (the database and bundles keep them as well)
@@ -234,7 +234,7 @@ def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
 
 
 def _kept_checkpoints(
-    path: Path | None, keys: dict[str, Ed25519PublicKey] | None, jobs: int
+    path: Path | None, keys: dict[str, Ed25519PublicKey] | None
 ) -> dict[str, dict[int, SignedCheckpoint]]:
     """The checkpoints of ``--checkpoints FILE``, by thread and version. Their
     signatures are checked where the chain meets them, as the database's are."""
@@ -242,8 +242,6 @@ def _kept_checkpoints(
         return {}
     if keys is None:
         raise VerifyError("--checkpoints needs the checkpoint public keys (--checkpoint-keys)")
-    if jobs > 1:
-        raise VerifyError("--checkpoints verifies in one process: drop --jobs")
     kept: dict[str, dict[int, SignedCheckpoint]] = {}
     try:
         with path.open("rb") as handle:

@@ -389,6 +389,11 @@ class Verification:
             self._kept_seen.add(thread_id)
         return ThreadVerifier(thread_id, self)
 
+    def saw(self, thread_id: str) -> None:
+        """A thread with records, verified elsewhere (a worker of ``--jobs``)."""
+        if thread_id in self.trust.kept_checkpoints:
+            self._kept_seen.add(thread_id)
+
     def kept_threads_missing(self, thread_id: str | None) -> None:
         """Report every kept checkpoint of a thread the source held no record of (its
         records were removed, or the whole thread was), among ``thread_id`` or all."""

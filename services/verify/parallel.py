@@ -255,11 +255,19 @@ def verify_bundle_parallel(
         raise
     if checkpoints is not None:
         checkpoints.finish()
-    if thread_id is not None and thread_id not in seen and thread_id not in manifest.heads:
+    if (
+        thread_id is not None
+        and thread_id not in seen
+        and thread_id not in manifest.heads
+        and thread_id not in trust.kept_checkpoints
+    ):
         raise no_such_thread(thread_id)
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
         leader.headless(missing, head_of(manifest, missing))
+    for verified in seen:
+        leader.saw(verified)
+    leader.kept_threads_missing(thread_id)  # --checkpoints FILE: threads without records
     summary = leader.summary
     summary.threads += counted.threads
     summary.records += counted.records
@@ -396,6 +404,7 @@ async def _dispatch_database(
             if current is not None:
                 workers.send(worker, (_END, head or await head_from_db(conn, current)))
             current, head, worker, groups = owner, None, workers.assign(), groups + 1
+            leader.saw(owner)
             checkpoints = (
                 await checkpoints_from_db(conn, owner)
                 if leader.trust.checkpoint_keys is not None
@@ -409,5 +418,6 @@ async def _dispatch_database(
         workers.send(worker, (_END, head or await head_from_db(conn, current)))
     for orphan in await conn.fetch(HEADLESS, thread_id):
         leader.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
-    if thread_id is not None and groups == 0:
+    if thread_id is not None and groups == 0 and thread_id not in leader.trust.kept_checkpoints:
         raise no_such_thread(thread_id)
+    leader.kept_threads_missing(thread_id)  # --checkpoints FILE: threads without records
