@@ -19,8 +19,14 @@ INSERT INTO ztate.policies (policy_digest, policy_name, body)
 SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[])
 ON CONFLICT (policy_digest) DO NOTHING
 """
-READ = "SELECT policy_digest, policy_name, body FROM ztate.policies"
+READ = "SELECT policy_digest, policy_name, body, octet_length(body) AS size FROM ztate.policies"
 READ_NAMED = READ + " WHERE policy_digest = ANY($1::text[])"
+# a verifier bounds what it reads: a body above the bound stays in the database
+READ_BOUNDED = (
+    "SELECT policy_digest, policy_name, "
+    "CASE WHEN octet_length(body) <= $1 THEN body END AS body, octet_length(body) AS size "
+    "FROM ztate.policies"
+)
 ORDER = ' ORDER BY policy_digest COLLATE "C"'
 
 
@@ -30,7 +36,8 @@ class StoredPolicy:
 
     digest: str
     name: str
-    body: bytes
+    body: bytes  # empty when it was not read (``size`` above the reader's bound)
+    size: int | None = None  # the stored body's length, when known
 
 
 async def keep_policy_versions(pool: asyncpg.Pool, versions: Iterable[StoredPolicy]) -> int:
@@ -47,13 +54,25 @@ async def keep_policy_versions(pool: asyncpg.Pool, versions: Iterable[StoredPoli
 
 
 async def stored_policy_versions(
-    conn: asyncpg.Connection, digests: Iterable[str] | None = None
+    conn: asyncpg.Connection,
+    digests: Iterable[str] | None = None,
+    *,
+    max_body: int | None = None,
 ) -> list[StoredPolicy]:
-    """The stored versions (those of ``digests`` only, if given), by digest."""
-    if digests is None:
+    """The stored versions (those of ``digests`` only, if given), by digest; with
+    ``max_body``, a body longer than that is not read (``body`` empty, ``size`` says)."""
+    if max_body is not None:
+        rows = await conn.fetch(READ_BOUNDED + ORDER, max_body)
+    elif digests is None:
         rows = await conn.fetch(READ + ORDER)
     else:
         rows = await conn.fetch(READ_NAMED + ORDER, sorted(set(digests)))
     return [
-        StoredPolicy(row["policy_digest"], row["policy_name"], bytes(row["body"])) for row in rows
+        StoredPolicy(
+            row["policy_digest"],
+            row["policy_name"],
+            b"" if row["body"] is None else bytes(row["body"]),
+            row["size"],
+        )
+        for row in rows
     ]

@@ -68,6 +68,7 @@ from ztate.services.verify.checks import (
     BUNDLE_MANIFEST,
     BUNDLE_ORDER,
     CHECKPOINT,
+    MAX_POLICY_BODY,
     Finding,
     Head,
     LedgerRow,
@@ -93,6 +94,9 @@ POLICIES = "policies.jsonl"
 MANIFEST = "manifest.json"
 MANIFEST_SIG = "manifest.sig"  # the checkpoint key's signature over the manifest's SHA-256
 POLICY_MEMBERS = ("policy_digest", "policy_name", "body")
+# a policies.jsonl line longer than this holds no body the verifier reads (escaping may
+# double a body's length; checks.MAX_POLICY_BODY bounds the body itself)
+MAX_POLICY_LINE = 4 * MAX_POLICY_BODY
 # a bundle holds full state bodies: only its owner may read it
 FILE_MODE, DIR_MODE = 0o600, 0o700
 
@@ -734,28 +738,34 @@ def check_manifest_signature(directory: Path, run: Verification) -> None:
 
 
 def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[StoredPolicy]:
-    """The policy versions of ``policies.jsonl``; a line that is not one, and a file
-    the manifest does not describe, are reported."""
+    """The policy versions of ``policies.jsonl``, read line by line; a line that is not
+    one, and a file the manifest does not describe, are reported. A line too long to
+    hold a policy the verifier would read is kept by its length alone."""
     path = directory / POLICIES
+    hasher, lines = hashlib.sha256(), 0
+    versions: list[StoredPolicy] = []
     try:
-        data = path.read_bytes()
+        with path.open("rb") as handle:
+            for number, line in enumerate(handle, 1):
+                hasher.update(line)
+                lines += 1
+                if len(line) > MAX_POLICY_LINE:
+                    versions.append(StoredPolicy(f"line {number}", "?", b"", len(line)))
+                    continue
+                try:
+                    versions.append(_policy_from_line(line))
+                except LineProblem as problem:
+                    found = f"{POLICIES} line {number}: {problem}"
+                    report(Finding(None, None, BUNDLE_LINE, "a policy version", found))
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the policies ({exc.strerror})") from None
-    found = hashlib.sha256(data).hexdigest()
+    found = hasher.hexdigest()
     if found != manifest.policies_sha256:
         expected = f"{POLICIES} with SHA-256 {manifest.policies_sha256} (the manifest's)"
         report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
-    lines = data.splitlines(keepends=True)
-    if len(lines) != manifest.policies:
+    if lines != manifest.policies:
         expected = f"{manifest.policies} policy lines (the manifest's)"
-        report(Finding(None, None, BUNDLE_COUNT, expected, f"{len(lines)} lines"))
-    versions: list[StoredPolicy] = []
-    for number, line in enumerate(lines, 1):
-        try:
-            versions.append(_policy_from_line(line))
-        except LineProblem as problem:
-            found = f"{POLICIES} line {number}: {problem}"
-            report(Finding(None, None, BUNDLE_LINE, "a policy version", found))
+        report(Finding(None, None, BUNDLE_COUNT, expected, f"{lines} lines"))
     return versions
 
 
@@ -771,7 +781,7 @@ def _policy_from_line(line: bytes) -> StoredPolicy:
     body = _blob_in(doc["body"], "body")
     if body is None:
         raise LineProblem("body must not be null")
-    return StoredPolicy(doc["policy_digest"], doc["policy_name"], body)
+    return StoredPolicy(doc["policy_digest"], doc["policy_name"], body, len(body))
 
 
 def verify_bundle(

@@ -306,6 +306,11 @@ class Trust:
         return self if not added else replace(self, stored=self.stored + added)
 
 
+# a stored policy body longer than this is a finding, never parsed (policy files are
+# kilobytes; whoever controls the store must not make the verifier compile megabytes)
+MAX_POLICY_BODY = 1024 * 1024
+
+
 def admit_policy_versions(trust: Trust, stored: Iterable[StoredPolicy], report: Report) -> Trust:
     """``trust`` knowing each stored policy version whose body is the policy its
     digest names: the digest is signed inside every record that names it, so a body
@@ -313,8 +318,13 @@ def admit_policy_versions(trust: Trust, stored: Iterable[StoredPolicy], report: 
     reported (check ``policy.body``, no thread, no version) and not used."""
     admitted: list[Policy] = []
     for version in stored:
-        found = sha256_hex(version.body)
         expected = f"a policy body hashing to its digest {shown(version.digest)}"
+        size = version.size if version.size is not None else len(version.body)
+        if size > MAX_POLICY_BODY:
+            found = f"a body of {size} bytes (more than {MAX_POLICY_BODY}: not read)"
+            report(Finding(None, None, POLICY_BODY, expected, found))
+            continue
+        found = sha256_hex(version.body)
         if found != version.digest:
             report(Finding(None, None, POLICY_BODY, expected, f"a body hashing to {found}"))
             continue
@@ -1106,7 +1116,7 @@ async def with_stored_policies(conn: asyncpg.Connection, trust: Trust, report: R
     migration 0014; a database without the table keeps none)."""
     try:
         async with conn.transaction():  # a savepoint: a missing table leaves the snapshot usable
-            stored = await stored_policy_versions(conn)
+            stored = await stored_policy_versions(conn, max_body=MAX_POLICY_BODY)
     except asyncpg.UndefinedTableError:
         return trust
     return admit_policy_versions(trust, stored, report)

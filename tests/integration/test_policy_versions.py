@@ -38,7 +38,14 @@ from ztate.services.verify.bundle import (
     export_bundle,
     verify_bundle,
 )
-from ztate.services.verify.checks import POLICY, POLICY_BODY, Finding, Trust, verify_database
+from ztate.services.verify.checks import (
+    MAX_POLICY_BODY,
+    POLICY,
+    POLICY_BODY,
+    Finding,
+    Trust,
+    verify_database,
+)
 from ztate.transition_service.app import start
 
 VERSIONS_BEFORE_EDIT = 5  # what World.thread writes
@@ -321,3 +328,30 @@ async def test_an_altered_or_missing_policy_version_in_the_database_is_a_precise
             (edited.v1.digest, "pipeline", edited.v1.body),
         ),
     )
+
+
+async def test_a_stored_policy_too_large_to_read_is_a_finding_not_a_burden(
+    edited: Edited,
+) -> None:
+    """Whoever controls the database must not make the verifier parse megabytes."""
+    world = edited.world
+    huge = b"x" * (MAX_POLICY_BODY + 1)
+    digest = sha256_hex(huge)
+    await world.tamper(
+        edited.spanning,
+        (
+            "INSERT INTO ztate.policies (policy_digest, policy_name, body) VALUES ($1, $2, $3)",
+            (digest, "pipeline", huge),
+        ),
+    )
+    try:
+        findings: list[Finding] = []
+        await verify_database(world.dsn, edited.trust(), findings.append)
+        assert where(findings) == [(None, None, POLICY_BODY)]
+        assert findings[0].found == (
+            f"a body of {MAX_POLICY_BODY + 1} bytes (more than {MAX_POLICY_BODY}: not read)"
+        )
+    finally:
+        await world.tamper(
+            edited.spanning, ("DELETE FROM ztate.policies WHERE policy_digest = $1", (digest,))
+        )
