@@ -34,16 +34,21 @@ test-citus: $(STAMP)
 dist: $(STAMP)
 	$(PY) -m pip wheel --quiet --no-deps -w dist ./worker_sdk .
 
-## proto: regenerate the Python code from proto/ (never edit *_pb2*.py by hand)
+## proto: regenerate the Python code from proto/ (never edit *_pb2*.py by hand), and the
+## descriptor set with the protos' comments that server reflection serves
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
 		--grpc_python_out=proto $(PROTOS)
+	$(PY) -m grpc_tools.protoc -I proto --include_imports --include_source_info \
+		-o proto/ztate/v1/descriptors.binpb $(PROTOS)
 
 ## proto-check: fail if the generated code is stale
 proto-check: $(STAMP)
 	@tmp=$$(mktemp -d) && \
 	$(PY) -m grpc_tools.protoc -I proto --python_out=$$tmp --pyi_out=$$tmp \
 		--grpc_python_out=$$tmp $(PROTOS) && \
+	$(PY) -m grpc_tools.protoc -I proto --include_imports --include_source_info \
+		-o $$tmp/ztate/v1/descriptors.binpb $(PROTOS) && \
 	diff -r -x '__init__.py' -x '__pycache__' -x '*.proto' $$tmp/ztate/v1 proto/ztate/v1 \
 		|| { echo "generated code is stale: run 'make proto' and commit"; rm -rf $$tmp; exit 1; }; \
 	rm -rf $$tmp

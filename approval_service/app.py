@@ -223,6 +223,7 @@ async def _serve_on(
     port = server.add_secure_port(settings.listen, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {settings.listen}")
+    telemetry.serve_metrics()  # ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics
     await server.start()
     delivery = ReceiptDelivery(
         service=service,

@@ -306,6 +306,10 @@ class ApprovalService:
                 raise errors.ReviewNotFound("no review has this digest")
             before = locked.review
             verdict = await self._decide_locked(locked, caller, decision, now)
+            # The answer is what this decision did, read before the lock is released: a
+            # reviewer whose approval only counted must not be told "approved" because
+            # another reviewer closed the review in between.
+            after = await locked.reread() if verdict is not Verdict.EXPIRED else before
         if verdict is Verdict.EXPIRED:
             await self._notify("review.expired", before, now)
             raise errors.ReviewClosed("the review expired before this decision")
@@ -319,9 +323,7 @@ class ApprovalService:
         if verdict is Verdict.CLOSED:
             self._decided.set()
             await self._notify("review.decided", before, now)
-        review = await self._store.get(digest)
-        assert review is not None  # reviews are never deleted
-        return review
+        return after
 
     async def _decide_locked(
         self, locked: LockedReview, caller: Identity, decision: str, now: datetime

@@ -171,12 +171,26 @@ class OutboxEntry:
         return cls(row["digest"], receipt)
 
 
+async def _read_review(conn: PoolConnectionProxy[Any], digest: str) -> StoredReview | None:
+    row = await conn.fetchrow(
+        f"SELECT {REVIEW_COLUMNS} FROM {REVIEWS} WHERE r.digest = $1",  # noqa: S608
+        digest,
+    )
+    return StoredReview.from_row(row) if row else None
+
+
 class LockedReview:
     """One review, its row locked until the surrounding transaction ends."""
 
     def __init__(self, conn: PoolConnectionProxy[Any], review: StoredReview) -> None:
         self._conn = conn
         self.review = review
+
+    async def reread(self) -> StoredReview:
+        """The review as this transaction leaves it (its decisions, status and receipt)."""
+        review = await _read_review(self._conn, self.review.digest)
+        assert review is not None  # reviews are never deleted
+        return review
 
     async def record_decision(self, reviewer: str, decision: str, at: datetime) -> bool:
         """Record a reviewer's decision; False if this reviewer already decided."""
@@ -304,11 +318,8 @@ class ReviewStore:
             await conn.execute(
                 "SELECT 1 FROM ztate_approval.reviews WHERE digest = $1 FOR UPDATE", digest
             )
-            row = await conn.fetchrow(
-                f"SELECT {REVIEW_COLUMNS} FROM {REVIEWS} WHERE r.digest = $1",  # noqa: S608
-                digest,
-            )
-            yield LockedReview(conn, StoredReview.from_row(row)) if row else None
+            review = await _read_review(conn, digest)
+            yield LockedReview(conn, review) if review else None
 
     async def expire_open(self, now: datetime) -> list[ExpiredReview]:
         """Close every open review whose deadline passed; returns those closed now."""

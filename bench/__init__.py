@@ -34,8 +34,12 @@ threads (``bench/memory.py``).
 
 The same run then measures, each in a database of its own, verification
 throughput against a hashing floor (``bench/verify.py``) and operator query
-latency on a ledger of 1,000,000 transitions (``bench/ledger_queries.py``);
-``--only end-to-end|verify|ledger-queries`` runs one part alone.
+latency on a ledger of 1,000,000 transitions (``bench/ledger_queries.py``), and
+LangGraph on ztate (``bench/langgraph_graph.py``): checkpoint put/get through
+``ZtateCheckpointSaver`` against ``AsyncPostgresSaver``, and the per-step cost of the
+four-node pipeline as a graph run in memory, on either saver, and isolated (each node
+a worker process); ``--only end-to-end|verify|ledger-queries|langgraph`` runs one part
+alone.
 
 The targets tracked: ztate >= 0.6 x the gRPC ceiling at concurrency 32, and at
 most 50 µs of pipeline CPU for a 1 KB patch. The verdicts are printed as measured.

@@ -32,7 +32,13 @@ from ztate.worker_sdk import ZtateClient
 
 
 def service_environment(
-    *, dsn: str, port: int, home: Path, pki: Pki, keyring_file: Path
+    *,
+    dsn: str,
+    port: int,
+    home: Path,
+    pki: Pki,
+    keyring_file: Path,
+    policy_path: Path = DEFAULT_POLICY,
 ) -> dict[str, str]:
     """This process's environment without any ztate setting, plus the run's own."""
     inherited = {
@@ -48,18 +54,27 @@ def service_environment(
         "ZTATE_TLS_CERT": str(pki.server.cert),
         "ZTATE_TLS_KEY": str(pki.server.key),
         "ZTATE_TLS_CA": str(pki.server.ca),
-        "ZTATE_POLICY_PATH": str(DEFAULT_POLICY),
+        "ZTATE_POLICY_PATH": str(policy_path),
         "ZTATE_HMAC_KEYRING_FILE": str(keyring_file),
     }
 
 
 @contextmanager
 def ztate_service(
-    *, dsn: str, home: Path, pki: Pki, keyring_file: Path, log: Path
+    *,
+    dsn: str,
+    home: Path,
+    pki: Pki,
+    keyring_file: Path,
+    log: Path,
+    policy_path: Path = DEFAULT_POLICY,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[ChildServer]:
     """``ztate serve`` (the console script's module, run by this interpreter)."""
     port = free_port()
-    env = service_environment(dsn=dsn, port=port, home=home, pki=pki, keyring_file=keyring_file)
+    env = service_environment(
+        dsn=dsn, port=port, home=home, pki=pki, keyring_file=keyring_file, policy_path=policy_path
+    ) | dict(extra_env or {})
     with child_server(
         "ztate serve", ["-m", "ztate.services.cli.main", "serve"], port=port, log=log, env=env
     ) as child:

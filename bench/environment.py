@@ -104,25 +104,26 @@ def temporary_folder() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def issue_identity(root: Path, role: Role, name: str, *, server: bool = False) -> Credentials:
+    """A certificate for ``role``/``name`` from the run's CA under ``root`` (made by
+    ``make_pki``)."""
+    paths = ca.issue(
+        root / "ca",
+        Identity(TRUST_DOMAIN, role, name),
+        root / "certs",
+        dns_names=("localhost",) if server else (),
+        ip_addresses=("127.0.0.1",) if server else (),
+    )
+    return Credentials(paths.cert, paths.key, paths.ca_cert)
+
+
 def make_pki(root: Path) -> Pki:
     """A CA, the server's certificate (localhost, 127.0.0.1), an operator and a worker."""
-    ca_dir, certs = root / "ca", root / "certs"
-    ca.init_ca(ca_dir, TRUST_DOMAIN)
-
-    def issue(role: Role, name: str, *, server: bool = False) -> Credentials:
-        paths = ca.issue(
-            ca_dir,
-            Identity(TRUST_DOMAIN, role, name),
-            certs,
-            dns_names=("localhost",) if server else (),
-            ip_addresses=("127.0.0.1",) if server else (),
-        )
-        return Credentials(paths.cert, paths.key, paths.ca_cert)
-
+    ca.init_ca(root / "ca", TRUST_DOMAIN)
     return Pki(
-        server=issue(Role.SERVICE, "transition", server=True),
-        operator=issue(Role.OPERATOR, OPERATOR_NAME),
-        worker=issue(Role.NODE, WRITER_NODE),
+        server=issue_identity(root, Role.SERVICE, "transition", server=True),
+        operator=issue_identity(root, Role.OPERATOR, OPERATOR_NAME),
+        worker=issue_identity(root, Role.NODE, WRITER_NODE),
     )
 
 

@@ -36,6 +36,7 @@ from bench.environment import (
     wait_until_serving,
 )
 from bench.floor import CommitPayload, commit_payload, measure_floor
+from bench.langgraph_graph import measure as measure_langgraph_graph
 from bench.langgraph_saver import measure_langgraph
 from bench.ledger_queries import measure_ledger_queries
 from bench.machine import describe
@@ -84,10 +85,12 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     parser.add_argument("--patch-bytes", type=int, default=1024, help="patch size (1024)")
     parser.add_argument(
         "--only",
-        choices=["end-to-end", "verify", "ledger-queries"],
+        choices=["end-to-end", "verify", "ledger-queries", "langgraph"],
         help="run one part alone: end-to-end (commits/s against the floor, the ceiling and "
         "LangGraph, pipeline CPU, memory at 10,000 threads), verify (verification "
-        "throughput), ledger-queries (operator query latency on 1,000,000 transitions)",
+        "throughput), ledger-queries (operator query latency on 1,000,000 transitions), langgraph "
+        "(checkpoint put/get and per-step cost of a graph run: the ztate checkpointer and "
+        "node isolation against AsyncPostgresSaver)",
     )
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.warmup < 0 or args.rounds < 1 or min(args.concurrency) < 1:
@@ -291,6 +294,16 @@ async def run_ledger_queries() -> list[str]:
     ]
 
 
+async def run_langgraph() -> list[str]:
+    """``--only langgraph``: LangGraph on ztate against AsyncPostgresSaver, in a database
+    and a ``ztate serve`` of its own."""
+    current = asyncio.current_task()
+    assert current is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current.cancel)
+    machine = describe()
+    return [*machine.lines(), "", *await measure_langgraph_graph(progress)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the suite (or one part) and print the report; 130 when interrupted."""
     options = parse_args(argv)
@@ -301,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(["", *uvloop.run(run_verify())]), flush=True)
         if options.only in (None, "ledger-queries"):
             print("\n".join(["", *uvloop.run(run_ledger_queries())]), flush=True)
+        if options.only in (None, "langgraph"):
+            print("\n".join(["", *uvloop.run(run_langgraph())]), flush=True)
     except (KeyboardInterrupt, asyncio.CancelledError):
         progress("interrupted; everything started was stopped")
         return 130

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime
 
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from ztate.contract.canonical import JsonObject, canonical_bytes
 from ztate.contract.errors import CheckpointInvalid
-from ztate.contract.record import HEX_256, format_time, parse_time
+from ztate.contract.record import HEX_256, format_time, parse_time, shown
 from ztate.contract.signed import signed_object
 
 CHECKPOINT_FORMAT = 1
@@ -158,3 +161,163 @@ def parse_checkpoint_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
             'checkpoint must be text or {"base64": ...}', check="checkpoint.line"
         )
     return doc["thread_id"], doc["version"], SignedCheckpoint(data, doc["signature"], doc["key_id"])
+
+
+# --- bundle manifests, signed with the checkpoint key -------------------------------------
+
+# The checkpoint key also signs the manifest of a bundle it exports (``ztate ledger
+# export`` where the key is at hand): the statement names the SHA-256 of the exact
+# manifest bytes, and the manifest names the SHA-256 of every other file, so the
+# signature covers the whole bundle. Its kind keeps it from being read as a checkpoint.
+KIND_MANIFEST = "bundle_manifest"
+MANIFEST_MEMBERS = frozenset({"format", "kind", "manifest_sha256", "signed_at", "key_id"})
+MANIFEST_SIGNATURE_MEMBERS = frozenset({"statement", "signature", "key_id"})
+
+
+def sign_manifest(
+    key: Ed25519PrivateKey, key_id: str, *, manifest_sha256: str, signed_at: datetime
+) -> bytes:
+    """``manifest.sig``: one JSON line ``{"statement", "signature", "key_id"}``, the
+    statement the canonical text of ``{"format": 1, "kind": "bundle_manifest",
+    "manifest_sha256", "signed_at", "key_id"}`` and the signature Ed25519 over it."""
+    statement = canonical_bytes(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "kind": KIND_MANIFEST,
+            "manifest_sha256": manifest_sha256,
+            "signed_at": format_time(signed_at),
+            "key_id": key_id,
+        }
+    )
+    line = {
+        "statement": statement.decode(),
+        "signature": key.sign(statement).hex(),
+        "key_id": key_id,
+    }
+    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
+
+
+def verify_manifest_signature(
+    data: bytes, manifest_sha256: str, public_keys: dict[str, Ed25519PublicKey]
+) -> JsonObject:
+    """The signed statement of a ``manifest.sig``, once it verifies under a checkpoint
+    key and names ``manifest_sha256``. Raises ``CheckpointInvalid`` saying why not."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise CheckpointInvalid("manifest.sig is not JSON", check="checkpoint.form") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.keys() != MANIFEST_SIGNATURE_MEMBERS
+        or not all(isinstance(doc[name], str) for name in MANIFEST_SIGNATURE_MEMBERS)
+    ):
+        raise CheckpointInvalid(
+            "manifest.sig is not {statement, signature, key_id} as strings",
+            check="checkpoint.form",
+        )
+    body = signed_object(
+        doc["statement"].encode("utf-8", "surrogatepass"),
+        doc["signature"],
+        doc["key_id"],
+        public_keys,
+        what="manifest signature",
+        signer="checkpoint",
+        members=MANIFEST_MEMBERS,
+        error=CheckpointInvalid,
+    )
+    if (body["format"], body["kind"], body["key_id"]) != (
+        CHECKPOINT_FORMAT,
+        KIND_MANIFEST,
+        doc["key_id"],
+    ):
+        raise CheckpointInvalid("unsupported manifest signature format, kind or key id")
+    if body["manifest_sha256"] != manifest_sha256:
+        raise CheckpointInvalid(
+            f"the signature covers a manifest with SHA-256 {body['manifest_sha256']}, "
+            f"not this one ({manifest_sha256})"
+        )
+    return body
+
+
+# --- the same head as a C2SP signed note ------------------------------------------------
+
+# A checkpoint can also travel as a signed note (https://github.com/C2SP/C2SP/blob/main/
+# signed-note.md), the envelope transparency-log tooling verifies (Go's
+# golang.org/x/mod/sumdb/note, for one). Its text is shaped like a tlog-checkpoint:
+#
+#     <origin>\n<size>\n<base64 head digest>\n
+#
+# with origin "<authority>/ztate/thread/<thread id>", size the number of records (version
+# + 1) and the third line the head record's digest, base64 as tlog-checkpoint writes its
+# root hash. It is NOT a Merkle tree head: a thread is a hash chain, so there are no
+# inclusion or consistency proofs, and a witness that checks tlog consistency cannot
+# cosign it; a verifier checks consistency by walking the records (ztate verify
+# --checkpoints). docs/verification.md says so.
+NOTE_ALGORITHM_ED25519 = 0x01
+_EM_DASH = "\u2014"
+
+
+def note_text(body: JsonObject, authority: str) -> bytes:
+    """The text of a checkpoint's signed note, from a verified checkpoint ``body``."""
+    if not authority or any(c.isspace() or c == "+" for c in authority):
+        raise ValueError("the note's authority must be a non-empty name without spaces or '+'")
+    digest = base64.b64encode(bytes.fromhex(body["head_digest"])).decode()
+    origin = f"{authority}/ztate/thread/{body['thread_id']}"
+    return f"{origin}\n{body['version'] + 1}\n{digest}\n".encode()
+
+
+def note_key_hash(name: str, public_key: Ed25519PublicKey) -> bytes:
+    """The 4-byte key hash of signed-note: SHA-256(name || 0x0A || 0x01 || key)[:4]."""
+    raw = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return hashlib.sha256(name.encode() + b"\n" + bytes([NOTE_ALGORITHM_ED25519]) + raw).digest()[
+        :4
+    ]
+
+
+def note_verifier_key(name: str, public_key: Ed25519PublicKey) -> str:
+    """The verifier key as note tooling reads it: ``<name>+<hash hex>+<base64(0x01||key)>``."""
+    raw = public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    encoded = base64.b64encode(bytes([NOTE_ALGORITHM_ED25519]) + raw).decode()
+    return f"{name}+{note_key_hash(name, public_key).hex()}+{encoded}"
+
+
+def sign_note(text: bytes, name: str, key: Ed25519PrivateKey) -> bytes:
+    """The signed note: ``text``, a blank line, and one signature line
+    ``— <name> <base64(key hash || Ed25519 signature over text)>``."""
+    if not text.endswith(b"\n") or b"\n\n" in text:
+        raise ValueError("a note's text is non-empty lines, each ending in a newline")
+    signature = note_key_hash(name, key.public_key()) + key.sign(text)
+    line = f"{_EM_DASH} {name} {base64.b64encode(signature).decode()}\n"
+    return text + b"\n" + line.encode()
+
+
+def verify_note(note: bytes, name: str, public_key: Ed25519PublicKey) -> bytes:
+    """The text of ``note`` once a signature line by ``name`` verifies under
+    ``public_key`` (other signers' lines are ignored, as signed-note says).
+    Raises ``CheckpointInvalid`` otherwise."""
+    text, separator, signatures = note.rpartition(b"\n\n")
+    if not separator or not signatures.endswith(b"\n"):
+        raise CheckpointInvalid("not a signed note (no blank line before its signatures)")
+    text += b"\n"
+    wanted = note_key_hash(name, public_key)
+    for line in signatures[:-1].split(b"\n"):
+        parts = line.decode("utf-8", "replace").split(" ")
+        if len(parts) != 3 or parts[0] != _EM_DASH or parts[1] != name:
+            continue
+        try:
+            signature = base64.b64decode(parts[2], validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        if signature[:4] != wanted:
+            continue
+        try:
+            public_key.verify(signature[4:], text)
+        except InvalidSignature:
+            raise CheckpointInvalid(
+                f"the note's signature by {shown(name)} does not verify",
+                check="checkpoint.signature",
+            ) from None
+        return text
+    raise CheckpointInvalid(
+        f"the note carries no signature by {shown(name)}", check="checkpoint.signature"
+    )

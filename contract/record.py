@@ -23,7 +23,13 @@ from ztate.contract.canonical import JsonObject, canonical_bytes, canonical_or_e
 from ztate.contract.errors import RecordInvalid
 from ztate.contract.keyring import Keyring
 
-RECORD_FORMAT = 1
+# the format ztate writes: 2 carries the matched risk rule names ("risk_rules"), so
+# that a receipt's binding is checked offline with no CEL evaluator; verifiers read
+# format 1 (no risk_rules) alongside it
+RECORD_FORMAT = 2
+RECORD_FORMATS = (1, 2)
+# what a reviewer approves keeps format 1: the transition digest is unchanged
+PROPOSAL_FORMAT = 1
 GENESIS_PARENT = "0" * 64
 KIND_GENESIS = "genesis"
 KIND_TRANSITION = "transition"
@@ -52,6 +58,10 @@ MEMBER_TYPES: dict[str, tuple[type, ...]] = {
     "committed_at": (str,),
 }
 RECORD_MEMBERS = frozenset(MEMBER_TYPES)
+# format 2: the same members and the matched risk rule names, a sorted list of
+# distinct strings (the order of the transition digest's risk_rules)
+RECORD_MEMBERS_2 = RECORD_MEMBERS | {"risk_rules"}
+MEMBERS_OF_FORMAT = {1: RECORD_MEMBERS, 2: RECORD_MEMBERS_2}
 _TYPED_MEMBERS = operator.itemgetter(*MEMBER_TYPES)
 # the member types of a well-typed record, with and without a receipt digest: one
 # comparison instead of twelve on the verifier's path
@@ -112,10 +122,14 @@ def build_record(
     receipt_digest: str | None,
     key_id: str,
     committed_at: datetime,
+    risk_rules: Iterable[str] | None = None,
 ) -> JsonObject:
-    """The record of one transition, as docs/ledger-format.md defines it."""
-    return {
-        "format": RECORD_FORMAT,
+    """The record of one transition, as docs/ledger-format.md defines it: format 2
+    with the names of the risk rules the transition matched (sorted; empty for a
+    genesis, a revert and a transition that matched none), or format 1 when
+    ``risk_rules`` is None (what ztate wrote before; kept for vectors and tests)."""
+    record: JsonObject = {
+        "format": 1 if risk_rules is None else RECORD_FORMAT,
         "kind": kind,
         "thread_id": thread_id,
         "version": version,
@@ -128,6 +142,9 @@ def build_record(
         "key_id": key_id,
         "committed_at": format_time(committed_at),
     }
+    if risk_rules is not None:
+        record["risk_rules"] = sorted(set(risk_rules))
+    return record
 
 
 def sign_digest(key: bytes, digest_hex: str) -> str:
@@ -151,13 +168,20 @@ def kind_fits(kind: object, version: int) -> bool:
 
 
 def record_problems(record: JsonObject) -> list[str]:
-    """What keeps a parsed object from being a format-1 record: its members, their
-    types, its format, its kind at its version, its digests' and time's shapes
-    (docs/ledger-format.md, "Checks"). Empty when it is one."""
-    if record.keys() != RECORD_MEMBERS:
+    """What keeps a parsed object from being a format-1 or format-2 record: its
+    format, its members, their types, its kind at its version, its digests' and
+    time's shapes, its risk rule names (docs/ledger-format.md, "Checks"). Empty when
+    it is one. The format decides the members: format 1 without ``risk_rules``,
+    format 2 with it; a format that is not the integer 1 or 2 is the only problem."""
+    _integers_by_value(record)
+    form = record.get("format")
+    if type(form) is not int or form not in MEMBERS_OF_FORMAT:
+        return [f"format {shown(form)} (1 or 2, an integer)"]
+    members = MEMBERS_OF_FORMAT[form]
+    if record.keys() != members:
         return [
-            f"missing members {sorted(RECORD_MEMBERS - record.keys())}, "
-            f"unexpected {[shown(k) for k in sorted(record.keys() - RECORD_MEMBERS)]}"
+            f"missing members {sorted(members - record.keys())}, "
+            f"unexpected {[shown(k) for k in sorted(record.keys() - members)]}"
         ]
     if tuple(map(type, _TYPED_MEMBERS(record))) not in _WELL_TYPED:
         return [
@@ -166,8 +190,8 @@ def record_problems(record: JsonObject) -> list[str]:
             if type(record[name]) not in types
         ]
     problems: list[str] = []
-    if record["format"] != RECORD_FORMAT:
-        problems.append(f"format {record['format']}")
+    if form == 2:
+        problems += risk_rules_problems(record["risk_rules"])
     version = record["version"]
     if version < 0:
         problems.append(f"version {version} is negative")
@@ -184,6 +208,34 @@ def record_problems(record: JsonObject) -> list[str]:
     return problems
 
 
+def _integers_by_value(record: JsonObject) -> None:
+    """``format`` and ``version`` are compared by value, as a reader that parses every
+    number as a double sees them: ``1.0`` is the integer 1 here. How the number is
+    spelled is the canonical check's concern (RFC 8785 writes 1.0 as ``1``, so
+    non-canonical bytes spelled ``1.0`` fail that check, never this one)."""
+    for name in ("format", "version"):
+        value = record.get(name)
+        if type(value) is float and value.is_integer():
+            record[name] = int(value)
+
+
+def risk_rules_problems(rules: object) -> list[str]:
+    """Why a format-2 record's ``risk_rules`` is not a list of distinct strings in
+    ascending code point order (empty when it is)."""
+    if type(rules) is not list or any(type(rule) is not str for rule in rules):
+        return ["risk_rules is not a list of strings"]
+    if rules != sorted(set(rules)):
+        return ["risk_rules is not sorted by name without repeats"]
+    return []
+
+
+def record_risk_rules(record: JsonObject) -> list[str] | None:
+    """The risk rules a well-formed record says its transition matched (format 2),
+    or None when it does not say (format 1)."""
+    rules = record.get("risk_rules")
+    return list(rules) if record["format"] >= 2 and isinstance(rules, list) else None
+
+
 def _canonical_record(parsed: JsonObject) -> bytes:
     try:
         return canonical_bytes(parsed)
@@ -194,7 +246,7 @@ def _canonical_record(parsed: JsonObject) -> bytes:
 
 
 def parse_record(record_bytes: bytes) -> JsonObject:
-    """Record bytes that must be canonical JSON of a format-1 record, parsed.
+    """Record bytes that must be canonical JSON of a format-1 or format-2 record, parsed.
 
     Raises ``RecordInvalid`` with check ``record.form``: not JSON of an object in its
     own RFC 8785 form, or one of ``record_problems``.
@@ -280,7 +332,7 @@ def build_proposal(
     binds to; docs/policy.md defines it. ``risk_rules`` are sorted by name.
     """
     return {
-        "format": RECORD_FORMAT,
+        "format": PROPOSAL_FORMAT,
         "kind": KIND_PROPOSAL,
         "thread_id": thread_id,
         "base_version": base_version,
@@ -293,9 +345,16 @@ def build_proposal(
     }
 
 
-def transition_digest(record: JsonObject, risk_rules: Iterable[str]) -> str:
+def transition_digest(record: JsonObject, risk_rules: Iterable[str] | None = None) -> str:
     """The transition digest a reviewer approved, rebuilt from the committed record
-    and the risk rules its proposal matched (docs/policy.md, "the transition digest")."""
+    and the risk rules its proposal matched (docs/policy.md, "the transition digest").
+
+    A format-2 record carries its risk rules, and they are used when ``risk_rules``
+    is None; a format-1 record needs them given (re-derived from the policy)."""
+    if risk_rules is None:
+        risk_rules = record_risk_rules(record)
+        if risk_rules is None:
+            raise ValueError("a format 1 record carries no risk rules: pass them")
     proposal = build_proposal(
         thread_id=record["thread_id"],
         base_version=record["version"] - 1,

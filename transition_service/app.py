@@ -30,6 +30,7 @@ from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.embedded import start_embedded_postgres
 from ztate.services.store.ledger import LedgerQueries
 from ztate.services.store.migrate import TRANSITION_MIGRATIONS, migrate, verify_migrations
+from ztate.services.store.policies import StoredPolicy, keep_policy_versions
 from ztate.services.store.transitions import PostgresTransitionStore
 from ztate.transition_service.checkpointer import Checkpointer
 from ztate.transition_service.decisions import DecisionPipeline
@@ -189,6 +190,13 @@ async def _start_traced(
         dsn, role=settings.db_role, pool_size=settings.db_pool_size, metrics=telemetry.metrics
     )
     await store.ping()
+    # every policy version a record will name is retrievable before the first record
+    new = await keep_policy_versions(
+        store.pool,
+        (StoredPolicy(p.digest, p.name, p.body) for p in policies.policies.values()),
+    )
+    if new:
+        log.info("kept %d new policy versions in ztate.policies", new)
     queries = await LedgerQueries.open(dsn, role=settings.db_reader_role)
     pipeline = TransitionPipeline(
         store=store,
@@ -280,6 +288,7 @@ async def _start_traced(
         port = server.add_secure_port(settings.listen, credentials)
         if port == 0:
             raise OSError(f"cannot listen on {settings.listen}")
+        telemetry.serve_metrics()  # ZTATE_METRICS_LISTEN: GET /metrics (docs/operations.md)
     except BaseException:
         await listener.close()
         await store.close()

@@ -59,6 +59,7 @@ class CreateThread(UseCase):
                 receipt_digest=None,
                 key_id=self._keyring.current,
                 committed_at=now,
+                risk_rules=(),  # risk rules are not checked at genesis
             ),
             self._keyring,
         )

@@ -243,6 +243,9 @@ class DecisionPipeline:
                 receipt_digest=signed.digest,
                 key_id=self._keyring.current,
                 committed_at=now,
+                # the rules the approved proposal matched: the receipt's binding
+                # checks offline from the record alone (format 2)
+                risk_rules=proposal["risk_rules"],
             ),
             self._keyring,
         )

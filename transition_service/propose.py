@@ -117,6 +117,7 @@ class Propose(UseCase):
                 receipt_digest=None,
                 key_id=self._keyring.current,
                 committed_at=now,
+                risk_rules=(),  # it matched none, or it would be parked
             ),
             self._keyring,
         )

@@ -71,6 +71,7 @@ class RevertThread(UseCase):
                 receipt_digest=None,
                 key_id=self._keyring.current,
                 committed_at=now,
+                risk_rules=(),  # an operator's repair: no risk rule applies
             ),
             self._keyring,
         )

@@ -31,6 +31,7 @@ from ztate.worker_sdk.errors import (
     AlreadyExists,
     AwaitingApproval,
     FailedPrecondition,
+    HandshakeFailed,
     IdentityRevoked,
     InvalidRequest,
     InvariantViolated,
@@ -45,6 +46,7 @@ from ztate.worker_sdk.errors import (
     TooManyStreams,
     Unauthenticated,
     Unavailable,
+    Unreachable,
     ZtateError,
 )
 from ztate.worker_sdk.sync import SyncZtateClient
@@ -55,6 +57,7 @@ __all__ = [
     "Checkpoint",
     "FailedPrecondition",
     "Handler",
+    "HandshakeFailed",
     "HeadNotVerified",
     "HeadRecord",
     "IdentityRevoked",
@@ -77,6 +80,7 @@ __all__ = [
     "Transition",
     "Unauthenticated",
     "Unavailable",
+    "Unreachable",
     "VerifiedHead",
     "View",
     "WatchEvent",

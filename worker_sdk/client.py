@@ -8,7 +8,7 @@ import inspect
 import json
 import os
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -19,12 +19,16 @@ import grpc
 
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk._credentials import CertificateFiles, Pems
+from ztate.worker_sdk._handshake import check_own_certificate, diagnose
 from ztate.worker_sdk._tracing import client_interceptors
 from ztate.worker_sdk.errors import (
+    DETAILS_KEY,
     AwaitingApproval,
+    HandshakeFailed,
     RecordWithheld,
     StaleVersion,
     Unavailable,
+    ZtateError,
     from_rpc_error,
 )
 
@@ -171,6 +175,7 @@ class _Connection:
 
     channel: grpc.aio.Channel
     stub: transition_pb2_grpc.TransitionServiceStub
+    pems: Pems
     calls: int = 0
     retired: bool = field(default=False)
 
@@ -212,6 +217,9 @@ class ZtateClient:
         ]
         if server_name:
             self._options.append(("grpc.ssl_target_name_override", server_name))
+        self._server_name = server_name
+        # files the handshake can only refuse fail here, with what to fix (HandshakeFailed)
+        check_own_certificate(Pems(cert_pem, key_pem, ca_pem))
         # Traced when OpenTelemetry is configured (or ``tracer_provider`` is given).
         self._interceptors = client_interceptors(tracer_provider) or None
         self._files = certificate_files
@@ -226,7 +234,19 @@ class ZtateClient:
         channel = grpc.aio.secure_channel(
             self._target, credentials, options=self._options, interceptors=self._interceptors
         )
-        return _Connection(channel, transition_pb2_grpc.TransitionServiceStub(channel))
+        return _Connection(channel, transition_pb2_grpc.TransitionServiceStub(channel), pems)
+
+    async def _diagnosed(self, error: grpc.aio.AioRpcError, pems: Pems) -> ZtateError:
+        """The typed error for a failed call; for a transport failure without a ztate
+        reason, what a TLS connection of our own shows: a certificate the handshake
+        refuses (``HandshakeFailed``), nothing answering (``Unreachable``), or neither."""
+        if error.code() is grpc.StatusCode.UNAVAILABLE:
+            metadata: Iterable[tuple[str, str | bytes]] = error.trailing_metadata() or ()  # type: ignore[assignment]
+            if not any(key == DETAILS_KEY for key, _ in metadata):
+                verdict = await asyncio.to_thread(diagnose, self._target, pems, self._server_name)
+                if verdict is not None:
+                    return verdict
+        return from_rpc_error(error)
 
     @property
     def _stub(self) -> transition_pb2_grpc.TransitionServiceStub:
@@ -281,12 +301,18 @@ class ZtateClient:
         transport failures; each attempt on the newest channel."""
         attempt = 0
         while True:
+            pems = self._connection.pems
             try:
                 async with self._connected() as connection:
+                    pems = connection.pems
                     return await method(connection.stub)(request, timeout=self._timeout)
             except grpc.aio.AioRpcError as error:
-                if error.code() not in RETRYABLE or attempt >= self._retries:
+                if error.code() not in RETRYABLE:
                     raise from_rpc_error(error) from None
+                failure = await self._diagnosed(error, pems)
+                # the same files fail the same way: a certificate problem is not retried
+                if isinstance(failure, HandshakeFailed) or attempt >= self._retries:
+                    raise failure from None
             await asyncio.sleep(self._backoff * 2**attempt)
             attempt += 1
 
@@ -501,8 +527,15 @@ class ZtateClient:
                         if connection.retired:
                             break  # new certificate files: resume on the new channel
                 except grpc.aio.AioRpcError as error:
-                    if error.code() not in RETRYABLE or failures >= reconnects:
+                    if error.code() not in RETRYABLE:
                         raise from_rpc_error(error) from None
+                    failure = (
+                        from_rpc_error(error)
+                        if received
+                        else await self._diagnosed(error, connection.pems)
+                    )
+                    if isinstance(failure, HandshakeFailed) or failures >= reconnects:
+                        raise failure from None
                 else:
                     if received or loop.time() - opened >= NORMAL_END_SECONDS:
                         continue  # a normal end of a stream that served: resume now
@@ -527,11 +560,13 @@ class ZtateClient:
         outcome means the time ran out first.
         """
         request = wait_request(parked)
+        pems = self._connection.pems
         try:
             async with self._connected() as connection:
+                pems = connection.pems
                 response = await connection.stub.WaitForOutcome(request, timeout=within)
         except grpc.aio.AioRpcError as error:
-            raise from_rpc_error(error) from None
+            raise await self._diagnosed(error, pems) from None
         status = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()
         transition = (
             Transition.from_message(response.transition)

@@ -15,6 +15,9 @@ DETAILS_KEY = "grpc-status-details-bin"
 class ZtateError(Exception):
     """A call the control plane refused, with the server's reason and details."""
 
+    # what to check, for the refusals a worker's operator can act on ("" otherwise)
+    hint: str = ""
+
     def __init__(
         self,
         code: grpc.StatusCode,
@@ -47,6 +50,12 @@ class IdentityRevoked(Unauthenticated):
     """Our certificate, or our whole identity, is in the service's revocation list
     (IDENTITY_REVOKED): no retry with this certificate will succeed. A revoked
     certificate needs a new one (``ztate ca renew``); a revoked identity, an operator."""
+
+    hint = (
+        "the service refused our certificate: it is revoked (the service's revocation "
+        "list names its serial or its identity); a revoked certificate needs a new one "
+        "(ztate ca renew), a revoked identity needs an operator"
+    )
 
 
 class PermissionDenied(ZtateError):
@@ -103,6 +112,31 @@ class AlreadyExists(ZtateError):
 
 class Unavailable(ZtateError):
     """The control plane could not be reached or could not reach its database."""
+
+
+class Unreachable(Unavailable):
+    """Nothing answers at the service's address (reason ``UNREACHABLE``, set by this
+    client, not the server): the service is down, or the address is wrong."""
+
+
+class HandshakeFailed(Unavailable):
+    """The TLS handshake with the service failed for a certificate reason, which gRPC
+    alone reports as UNAVAILABLE, like a service that is down. ``reason`` says which
+    (set by this client, not the server) and ``hint`` what to check:
+
+    - ``KEY_MISMATCH``, ``CERTIFICATE_EXPIRED``, ``CERTIFICATE_NOT_YET_VALID``: our own
+      files, checked before any call;
+    - ``CERTIFICATE_REFUSED``: the service refused our certificate (another CA, or
+      unknown to the service);
+    - ``SERVER_NOT_TRUSTED``: our CA file does not verify the service's certificate;
+    - ``SERVER_NAME_MISMATCH``: the service's certificate does not name the host dialed.
+
+    Not retried: the same files fail the same way.
+    """
+
+    def __init__(self, code: grpc.StatusCode, reason: str, hint: str) -> None:
+        super().__init__(code, reason, hint)
+        self.hint = hint
 
 
 _BY_CODE: dict[grpc.StatusCode, type[ZtateError]] = {

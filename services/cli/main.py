@@ -37,6 +37,7 @@ def _core_commands() -> list[Register]:
     """The core's command groups, in the order ``--help`` lists them. Add a module here
     with one line (its ``register`` takes the top-level subparsers)."""
     from ztate.services.cli import admin, completion, context, db, health_probe, ledger, verify
+    from ztate.services.console import command as console
 
     return [
         context.register,
@@ -44,6 +45,7 @@ def _core_commands() -> list[Register]:
         verify.register,
         health_probe.register,
         db.register,
+        console.register,
         admin.register,
         completion.register,
     ]

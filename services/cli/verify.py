@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
 
     from ztate.contract.checkpoints import SignedCheckpoint
     from ztate.services.runtime.config import Settings
@@ -72,6 +75,12 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
         metavar="FILE",
         help="signed checkpoints kept outside the database (the signer's journal, "
         "ZTATE_CHECKPOINT_JOURNAL_FILE, or a copy): the chain must pass through each",
+    )
+    verify.add_argument(
+        "--signed-manifest",
+        action="store_true",
+        help="a bundle must carry manifest.sig, the checkpoint key's signature over its "
+        "manifest (checked whenever present and the checkpoint keys are at hand)",
     )
     verify.add_argument(
         "--jobs",
@@ -219,7 +228,7 @@ def _settings() -> Settings:
 def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
     from ztate.contract.errors import KeyFileError, KeyringError
     from ztate.contract.keyring import Keyring
-    from ztate.services.policy.model import PolicyError, PolicySet
+    from ztate.services.policy.model import PolicyError, load_policy_versions
     from ztate.services.verify.checks import Trust, VerifyError
 
     try:
@@ -233,16 +242,27 @@ def _trust(args: argparse.Namespace, settings: Settings) -> Trust:
             keyring = Keyring.load(settings.hmac_keyring_file, env)
         approval_keys = _approval_keys(args.approval_keys, settings)
         checkpoint_keys = _checkpoint_keys(args, settings)
-        kept = _kept_checkpoints(args.checkpoints, checkpoint_keys, args.jobs)
+        kept = _kept_checkpoints(args.checkpoints, checkpoint_keys)
         assert settings.policy_path is not None
-        policies = PolicySet.load(args.policy or settings.policy_path)
+        # every version of every policy given, by digest: a folder may hold two
+        # versions of one policy (the database and bundles keep them as well)
+        policies = load_policy_versions(args.policy or settings.policy_path)
     except (KeyringError, KeyFileError, PolicyError) as exc:
         raise VerifyError(str(exc)) from None
-    return Trust(keyring, approval_keys, policies, checkpoint_keys, kept)
+    if args.signed_manifest and checkpoint_keys is None:
+        raise VerifyError("--signed-manifest needs the checkpoint public keys (--checkpoint-keys)")
+    return Trust(
+        keyring,
+        approval_keys,
+        policies,
+        checkpoint_keys,
+        kept,
+        require_signed_manifest=args.signed_manifest,
+    )
 
 
 def _kept_checkpoints(
-    path: Path | None, keys: dict[str, Ed25519PublicKey] | None, jobs: int
+    path: Path | None, keys: dict[str, Ed25519PublicKey] | None
 ) -> dict[str, dict[int, SignedCheckpoint]]:
     """The checkpoints of ``--checkpoints FILE``, by thread and version. Their
     signatures are checked where the chain meets them, as the database's are."""
@@ -254,8 +274,6 @@ def _kept_checkpoints(
         return {}
     if keys is None:
         raise VerifyError("--checkpoints needs the checkpoint public keys (--checkpoint-keys)")
-    if jobs > 1:
-        raise VerifyError("--checkpoints verifies in one process: drop --jobs")
     kept: dict[str, dict[int, SignedCheckpoint]] = {}
     try:
         with path.open("rb") as handle:
@@ -354,16 +372,39 @@ def cmd_ledger_export(args: argparse.Namespace) -> int:
     from ztate.services.verify.checks import VerifyError
 
     try:
-        dsn, _embedded = _database(_settings())
-        manifest = asyncio.run(export_bundle(dsn, args.out, args.thread))
+        settings = _settings()
+        signer = _manifest_signer(settings)
+        dsn, _embedded = _database(settings)
+        manifest = asyncio.run(export_bundle(dsn, args.out, args.thread, signer=signer))
     except VerifyError as exc:
         print(f"ztate ledger export: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    signed = (
+        f"manifest signed with checkpoint key {signer[0]!r}"
+        if signer is not None
+        else f"manifest NOT signed: no checkpoint key at {settings.checkpoint_key_file}"
+    )
     print(
         f"exported {manifest.records} records of {manifest.threads} threads to {args.out} "
-        f"(records.jsonl sha256 {manifest.records_sha256})"
+        f"(records.jsonl sha256 {manifest.records_sha256}; {signed})"
     )
     return 0
+
+
+def _manifest_signer(settings: Settings) -> tuple[str, Ed25519PrivateKey] | None:
+    """The checkpoint signing key, where the export runs beside it (the service's host):
+    it signs the bundle's manifest. Absent: the bundle is exported unsigned."""
+    path = settings.checkpoint_key_file
+    if path is None or not Path(path).exists():
+        return None
+    from ztate.contract.errors import KeyFileError
+    from ztate.contract.keyring import load_signing_key
+    from ztate.services.verify.checks import VerifyError
+
+    try:
+        return settings.checkpoint_key_id, load_signing_key(Path(path))
+    except KeyFileError as exc:
+        raise VerifyError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,10 @@ its patch size limit), CEL invariants every candidate state must satisfy, and
 risk rules whose matches are parked for approval. It is validated whole when
 loaded: a bad policy stops start-up with messages naming the offending entry and
 its line, and is never half-applied. Its digest, recorded in every ledger
-record, is SHA-256 over the RFC 8785 form of the document as written.
+record, is SHA-256 over its body: the RFC 8785 bytes of the document as parsed
+(YAML 1.1 through PyYAML's safe loader, or JSON), with nothing normalised or
+defaulted. The body is what the service keeps in ``ztate.policies`` and bundles
+carry, so that every policy version a record names can be retrieved and checked.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.canonical import canonical_bytes, parse_object, sha256_hex
+from ztate.contract.errors import ContractError
 from ztate.services.policy.rules import Expression, ExpressionError, merge_reads
 from ztate.services.policy.schema import (
     MAX_TYPE_DEPTH,
@@ -285,13 +289,16 @@ class Policy:
     def __init__(
         self,
         document: PolicyDocument,
-        digest: str,
+        body: bytes,
         invariants: list[Invariant],
         risk_rules: list[RiskRule],
     ) -> None:
         self.document = document
         self.name = document.name
-        self.digest = digest
+        # the RFC 8785 bytes of the document as written, and their SHA-256: the one
+        # definition of the policy digest (docs/ledger-format.md, "The policy digest")
+        self.body = body
+        self.digest = sha256_hex(body)
         self.keys = frozenset(document.keys)
         self.invariants = tuple(invariants)
         self.risk_rules = tuple(risk_rules)
@@ -344,10 +351,24 @@ class Policy:
         if problems:
             raise PolicyError(_describe(source, problems, lines))
         try:
-            digest = sha256_hex(canonical_bytes(raw))
+            body = canonical_bytes(raw)
         except (ValueError, TypeError):
             raise PolicyError(f"{source}: holds values JSON cannot represent") from None
-        return cls(document, digest, invariants, rules)
+        return cls(document, body, invariants, rules)
+
+    @classmethod
+    def from_body(cls, body: bytes, *, source: str) -> Policy:
+        """A policy from its body (the RFC 8785 bytes its digest is taken over, as
+        ``ztate.policies`` and bundles keep it). ``PolicyError`` when the bytes are
+        not the canonical JSON of a valid policy."""
+        try:
+            raw = parse_object(body, what=source, max_depth=MAX_BODY_DEPTH)
+        except ContractError as exc:
+            raise PolicyError(exc.message) from None
+        policy = cls.from_mapping(raw, source=source)
+        if policy.body != body:
+            raise PolicyError(f"{source}: not in its RFC 8785 (canonical) form")
+        return policy
 
     @classmethod
     def load(cls, path: Path) -> Policy:
@@ -408,6 +429,30 @@ def _describe(source: str, problems: list[Problem], lines: yaml.Node | None) -> 
     return "\n".join(parts)
 
 
+MAX_BODY_DEPTH = 64  # a policy's types nest; deeper than any MAX_TYPE_DEPTH allows
+
+
+def load_policy_versions(path: Path) -> list[Policy]:
+    """Every policy of a file or folder, several versions of one name allowed (what
+    ``ztate verify --policy`` reads: a ledger that spans a policy edit names each
+    version by its digest). Versions with the same digest count once."""
+    files = _policy_files(path) if path.is_dir() else [path]
+    by_digest: dict[str, Policy] = {}
+    for file in files:
+        policy = Policy.load(file)
+        by_digest.setdefault(policy.digest, policy)
+    return list(by_digest.values())
+
+
+def _policy_files(folder: Path) -> list[Path]:
+    files = sorted(
+        p for p in folder.iterdir() if p.suffix in {".yaml", ".yml", ".json"} and p.is_file()
+    )
+    if not files:
+        raise PolicyError(f"{folder}: no policy files (.yaml, .yml, .json)")
+    return files
+
+
 class PolicySet:
     """All loaded policies; each node is registered in exactly one."""
 
@@ -444,10 +489,5 @@ class PolicySet:
     def load(cls, path: Path) -> PolicySet:
         """One policy file, or every .yaml/.yml/.json file of a folder."""
         if path.is_dir():
-            files = sorted(
-                p for p in path.iterdir() if p.suffix in {".yaml", ".yml", ".json"} and p.is_file()
-            )
-            if not files:
-                raise PolicyError(f"{path}: no policy files (.yaml, .yml, .json)")
-            return cls(Policy.load(p) for p in files)
+            return cls(Policy.load(p) for p in _policy_files(path))
         return cls([Policy.load(path)])

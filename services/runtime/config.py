@@ -10,12 +10,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TelemetryMode = Literal["off", "otlp", "console"]
 REVOCATION_LIST = "revocations.json"  # beside ca.crt in the development layout
 LogFormat = Literal["text", "json"]
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``host:port`` (``[::1]:9464`` for IPv6; port 0 picks a free one)."""
+    host, colon, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port")
+    return host, int(port)
 
 
 class TelemetrySettings(BaseSettings):
@@ -48,6 +64,18 @@ class TelemetrySettings(BaseSettings):
     metrics_interval_seconds: float = Field(
         default=15.0, gt=0, validation_alias=AliasChoices("ZTATE_METRICS_INTERVAL_SECONDS")
     )
+    metrics_listen: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("ZTATE_METRICS_LISTEN"),
+        description="host:port of a Prometheus scrape endpoint (GET /metrics only); unset: none",
+    )
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, value: str | None) -> str | None:
+        if value:
+            parse_listen(value)
+        return value or None
 
     @model_validator(mode="after")
     def _check_telemetry(self) -> TelemetrySettings:
@@ -212,6 +240,11 @@ class ApprovalSettings(TelemetrySettings):
         env_prefix="ZTATE_APPROVAL_", extra="ignore", frozen=True, populate_by_name=True
     )
 
+    metrics_listen: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("ZTATE_APPROVAL_METRICS_LISTEN", "ZTATE_METRICS_LISTEN"),
+        description="host:port of a Prometheus scrape endpoint (GET /metrics only); unset: none",
+    )
     home: Path = Field(default=Path(".ztate"), validation_alias=_shared("home"))
     database_url: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("DATABASE_URL", "ZTATE_DATABASE_URL")

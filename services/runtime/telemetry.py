@@ -49,6 +49,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Status
 
 from ztate.services.runtime.config import ApprovalSettings, LogFormat, Settings
+from ztate.services.runtime.scrape import ScrapeEndpoint
 
 log = logging.getLogger("ztate.telemetry")
 
@@ -376,21 +377,55 @@ class Telemetry:
     _asyncpg: Any = field(default=None, repr=False)
     pending: PendingApprovals | None = field(default=None, repr=False)
     _handler: logging.Handler | None = field(default=None, repr=False)
+    # the Prometheus scrape endpoint (ZTATE_METRICS_LISTEN): its address and registry,
+    # and the endpoint once ``serve_metrics`` started it
+    scrape_listen: str | None = field(default=None, repr=False)
+    _scrape_registry: Any = field(default=None, repr=False)
+    scrape: ScrapeEndpoint | None = field(default=None, repr=False)
 
     @property
     def enabled(self) -> bool:
+        """Traces, logs and metrics exported (OTLP or console)."""
         return self.tracer_provider is not None
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the scrape endpoint, once serving."""
+        return None if self.scrape is None else self.scrape.port
 
     @classmethod
     def from_settings(cls, settings: Settings | ApprovalSettings) -> Telemetry:
-        mode = settings.telemetry_mode
-        if mode == "off":
+        mode, listen = settings.telemetry_mode, settings.metrics_listen
+        if mode == "off" and not listen:
             return cls()
         from opentelemetry.sdk._logs import LoggerProvider
         from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 
+        resource = Resource.create(
+            {"service.name": settings.service_name, "service.version": _version()}
+        )
+        readers: list[MetricReader] = []
+        registry = None
+        if listen:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import CollectorRegistry
+
+            # a registry of this service's own: two services of one process (tests)
+            # never show each other's metrics
+            registry = CollectorRegistry(auto_describe=True)
+            readers.append(PrometheusMetricReader(registry=registry))
+        if mode == "off":  # metrics for the scrape endpoint only
+            meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+            return cls(
+                None,
+                meter_provider,
+                None,
+                Metrics(meter_provider.get_meter("ztate", _version())),
+                scrape_listen=listen,
+                _scrape_registry=registry,
+            )
         if mode == "otlp":
             if not settings.otlp_endpoint:
                 raise ValueError("ZTATE_TELEMETRY=otlp needs ZTATE_OTLP_ENDPOINT")
@@ -412,15 +447,14 @@ class Telemetry:
             points = ConsoleMetricExporter(out=sys.stderr)
             records = ConsoleLogRecordExporter(out=sys.stderr)
 
-        resource = Resource.create(
-            {"service.name": settings.service_name, "service.version": _version()}
-        )
         tracer_provider = TracerProvider(resource=resource, sampler=SAMPLER)
         tracer_provider.add_span_processor(BatchSpanProcessor(_Redacting(spans)))
-        reader = PeriodicExportingMetricReader(
-            points, export_interval_millis=settings.metrics_interval_seconds * 1000
+        readers.append(
+            PeriodicExportingMetricReader(
+                points, export_interval_millis=settings.metrics_interval_seconds * 1000
+            )
         )
-        meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         logger_provider = LoggerProvider(resource=resource)
         logger_provider.add_log_record_processor(BatchLogRecordProcessor(records))
         return cls(
@@ -428,7 +462,15 @@ class Telemetry:
             meter_provider,
             logger_provider,
             Metrics(meter_provider.get_meter("ztate", _version())),
+            scrape_listen=listen,
+            _scrape_registry=registry,
         )
+
+    def serve_metrics(self) -> None:
+        """Start the scrape endpoint, if one is configured (binds now: a port in use
+        fails the start-up). The services call this; ``ztate verify`` does not."""
+        if self.scrape_listen and self.scrape is None:
+            self.scrape = ScrapeEndpoint(self.scrape_listen, self._scrape_registry)
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
         """Server spans, continuing the caller's trace (W3C trace context)."""
@@ -459,7 +501,7 @@ class Telemetry:
 
     def watch_pools(self, pools: Mapping[str, asyncpg.Pool]) -> None:
         """Pool saturation, as observable gauges (read from the pools, no query)."""
-        if not self.enabled:
+        if self.meter_provider is None:
             return
         meter: Meter = self.meter_provider.get_meter("ztate", _version())
         meter.create_observable_gauge(
@@ -484,7 +526,7 @@ class Telemetry:
     ) -> None:
         """Pool saturation and, sampled through ``pending_from`` (the store's
         ``pending_summary``), pending approvals."""
-        if not self.enabled:
+        if self.meter_provider is None:
             return
         self.watch_pools(pools)
         meter: Meter = self.meter_provider.get_meter("ztate", _version())
@@ -518,12 +560,13 @@ class Telemetry:
         Only the ``ztate`` hierarchy: other libraries' records may carry anything
         (a driver's error text, a peer's address), so they stay on stderr.
         """
-        if not self.enabled:
-            return
         from opentelemetry import _logs, metrics
 
+        if self.meter_provider is not None:
+            metrics.set_meter_provider(self.meter_provider)
+        if not self.enabled:
+            return
         trace.set_tracer_provider(self.tracer_provider)  # type: ignore[arg-type]
-        metrics.set_meter_provider(self.meter_provider)
         _logs.set_logger_provider(self.logger_provider)
         self.attach_logs()
 
@@ -556,6 +599,9 @@ class Telemetry:
         flushed even if sampling ended in an error.
         """
         try:
+            if self.scrape is not None:
+                scrape, self.scrape = self.scrape, None
+                await asyncio.to_thread(scrape.stop)
             await self.stop_sampling()
         finally:
             if self._handler is not None:

@@ -38,6 +38,7 @@ import base64
 import binascii
 import hashlib
 import operator
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,16 +48,27 @@ from typing import Any, BinaryIO
 
 import asyncpg
 import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ztate.contract.checkpoints import (
     SignedCheckpoint,
     checkpoint_line,
     parse_checkpoint_line,
+    sign_manifest,
+    verify_manifest_signature,
 )
 from ztate.contract.errors import CheckpointInvalid
 from ztate.contract.record import format_time, shown
+from ztate.services.store.policies import StoredPolicy, stored_policy_versions
 from ztate.services.verify.checks import (
+    BUNDLE_CHECKPOINT,
+    BUNDLE_COUNT,
+    BUNDLE_HASH,
+    BUNDLE_LINE,
+    BUNDLE_MANIFEST,
+    BUNDLE_ORDER,
     CHECKPOINT,
+    MAX_POLICY_BODY,
     Finding,
     Head,
     LedgerRow,
@@ -66,24 +78,28 @@ from ztate.services.verify.checks import (
     Trust,
     Verification,
     VerifyError,
+    admit_policy_versions,
     check_policies_named,
     connect,
     no_such_thread,
     row_from_db,
 )
 
-BUNDLE_FORMAT = 2  # 2: with checkpoints.jsonl
-READABLE_FORMATS = (1, 2)
+BUNDLE_FORMAT = 3  # 2: with checkpoints.jsonl; 3: with policies.jsonl
+READABLE_FORMATS = (1, 2, 3)
 BUNDLE_KIND = "ztate-ledger-bundle"
 RECORDS = "records.jsonl"
 CHECKPOINTS = "checkpoints.jsonl"
+POLICIES = "policies.jsonl"
 MANIFEST = "manifest.json"
+MANIFEST_SIG = "manifest.sig"  # the checkpoint key's signature over the manifest's SHA-256
+POLICY_MEMBERS = ("policy_digest", "policy_name", "body")
+# a policies.jsonl line longer than this holds no body the verifier reads (escaping may
+# double a body's length; checks.MAX_POLICY_BODY bounds the body itself)
+MAX_POLICY_LINE = 4 * MAX_POLICY_BODY
+# a bundle holds full state bodies: only its owner may read it
+FILE_MODE, DIR_MODE = 0o600, 0o700
 
-BUNDLE_HASH = "bundle.file_hash"  # records.jsonl is not the file the manifest describes
-BUNDLE_COUNT = "bundle.count"  # lines or threads added or removed
-BUNDLE_LINE = "bundle.line"  # a line that is not a ledger row
-BUNDLE_ORDER = "bundle.order"  # a thread's lines are not together
-BUNDLE_CHECKPOINT = "bundle.checkpoint"  # a checkpoint line that is not one, or of no thread
 
 HEX_256 = re.compile(r"^[0-9a-f]{64}\Z")
 LINE_MEMBERS = (
@@ -125,6 +141,9 @@ class Manifest:
     # None: a format 1 bundle, which carries no checkpoints
     checkpoints: int | None = None
     checkpoints_sha256: str | None = None
+    # None: a bundle before format 3, which carries no policy versions
+    policies: int | None = None
+    policies_sha256: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -139,6 +158,8 @@ class Manifest:
             "heads": {thread: [v, d] for thread, (v, d) in self.heads.items()},
             "checkpoints": self.checkpoints,
             "checkpoints_sha256": self.checkpoints_sha256,
+            "policies": self.policies,
+            "policies_sha256": self.policies_sha256,
         }
 
 
@@ -159,12 +180,18 @@ SELECT thread_id, version, checkpoint, signature, key_id
 ORDER = ' ORDER BY thread_id COLLATE "C", version'
 
 
-async def export_bundle(dsn: str, out_dir: Path, thread_id: str | None = None) -> Manifest:
-    """Write every thread (or one) of the ledger at ``dsn`` as a bundle in ``out_dir``."""
+Signer = tuple[str, Ed25519PrivateKey]  # (key id, the checkpoint signing key)
+
+
+async def export_bundle(
+    dsn: str, out_dir: Path, thread_id: str | None = None, *, signer: Signer | None = None
+) -> Manifest:
+    """Write every thread (or one) of the ledger at ``dsn`` as a bundle in ``out_dir``,
+    its manifest signed with ``signer`` (the checkpoint key) when given."""
     conn = await connect(dsn)
     try:
         async with conn.transaction(readonly=True, isolation="repeatable_read"):
-            manifest = await _export_snapshot(conn, out_dir, thread_id)
+            manifest = await _export_snapshot(conn, out_dir, thread_id, signer)
     except asyncpg.UndefinedTableError:
         raise BundleError("the database holds no ztate ledger (schema ztate is missing)") from None
     except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -175,7 +202,7 @@ async def export_bundle(dsn: str, out_dir: Path, thread_id: str | None = None) -
 
 
 async def _export_snapshot(
-    conn: asyncpg.Connection, out_dir: Path, thread_id: str | None
+    conn: asyncpg.Connection, out_dir: Path, thread_id: str | None, signer: Signer | None
 ) -> Manifest:
     where, args = ("", ()) if thread_id is None else (" WHERE thread_id = $1", (thread_id,))
     heads = {
@@ -193,7 +220,9 @@ async def _export_snapshot(
                     bytes(stored["checkpoint"]), stored["signature"], stored["key_id"]
                 ),
             )
-        return writer.finish(heads, thread_id=thread_id)
+        for version in await stored_policy_versions(conn, writer.policy_digests):
+            writer.add_policy(version)
+        return writer.finish(heads, thread_id=thread_id, signer=signer)
 
 
 class BundleWriter:
@@ -207,12 +236,15 @@ class BundleWriter:
     def __init__(self, out_dir: Path) -> None:
         self._records_path, self._manifest_path = out_dir / RECORDS, out_dir / MANIFEST
         self._checkpoints_path = out_dir / CHECKPOINTS
+        self._policies_path = out_dir / POLICIES
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            if not out_dir.exists():
+                out_dir.mkdir(parents=True, mode=DIR_MODE)
             if self._manifest_path.exists():
                 raise FileExistsError
-            self._out = self._records_path.open("xb")
-            self._checkpoints_out = self._checkpoints_path.open("xb")
+            self._out = _owner_only(self._records_path)
+            self._checkpoints_out = _owner_only(self._checkpoints_path)
+            self._policies_out = _owner_only(self._policies_path)
         except FileExistsError:
             raise BundleError(
                 f"{out_dir}: already holds a bundle; choose an empty folder"
@@ -223,6 +255,7 @@ class BundleWriter:
         self._records = self._threads = self._checkpoints = 0
         self._last_thread: str | None = None
         self._policy_digests: set[str] = set()
+        self._policy_hasher, self._policies = hashlib.sha256(), 0
 
     def __enter__(self) -> BundleWriter:
         return self
@@ -230,6 +263,22 @@ class BundleWriter:
     def __exit__(self, *_: object) -> None:
         self._out.close()
         self._checkpoints_out.close()
+        self._policies_out.close()
+
+    @property
+    def policy_digests(self) -> list[str]:
+        """The policy digests the records written so far name, sorted."""
+        return sorted(self._policy_digests)
+
+    def add_policy(self, version: StoredPolicy) -> None:
+        """One policy version (in digest order): its exact body, as the database keeps it."""
+        line = policy_line(version)
+        try:
+            self._policies_out.write(line)
+        except OSError as exc:
+            raise BundleError(f"{self._policies_path}: cannot write ({exc.strerror})") from None
+        self._policy_hasher.update(line)
+        self._policies += 1
 
     def add(self, row: LedgerRow) -> None:
         line = orjson.dumps(_line(row)) + b"\n"
@@ -255,13 +304,21 @@ class BundleWriter:
         self._checkpoints += 1
 
     def finish(
-        self, heads: dict[str, tuple[int, str]], *, thread_id: str | None = None
+        self,
+        heads: dict[str, tuple[int, str]],
+        *,
+        thread_id: str | None = None,
+        created_at: datetime | None = None,
+        signer: Signer | None = None,
     ) -> Manifest:
-        """Close the files and write the manifest, with the heads the source holds."""
+        """Close the files and write the manifest, with the heads the source holds
+        (``created_at``: now, unless a generator of fixed bundles gives it), and its
+        signature (``manifest.sig``) when ``signer`` is given."""
         self._out.close()
         self._checkpoints_out.close()
+        self._policies_out.close()
         manifest = Manifest(
-            created_at=format_time(datetime.now(UTC)),
+            created_at=format_time(created_at := created_at or datetime.now(UTC)),
             thread_id=thread_id,
             threads=self._threads,
             records=self._records,
@@ -270,14 +327,48 @@ class BundleWriter:
             heads=heads,
             checkpoints=self._checkpoints,
             checkpoints_sha256=self._checkpoint_hasher.hexdigest(),
+            policies=self._policies,
+            policies_sha256=self._policy_hasher.hexdigest(),
         )
+        data = orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2)
         try:
-            self._manifest_path.write_bytes(
-                orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2)
-            )
+            with _owner_only(self._manifest_path) as out:
+                out.write(data)
+            if signer is not None:
+                key_id, key = signer
+                line = sign_manifest(
+                    key,
+                    key_id,
+                    manifest_sha256=hashlib.sha256(data).hexdigest(),
+                    signed_at=created_at,
+                )
+                with _owner_only(self._manifest_path.with_name(MANIFEST_SIG)) as out:
+                    out.write(line)
         except OSError as exc:
             raise BundleError(f"{self._manifest_path}: cannot write ({exc.strerror})") from None
         return manifest
+
+
+def _owner_only(path: Path) -> BinaryIO:
+    """A new file only its owner may read or write (``FileExistsError`` if it exists)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # whatever the umask
+    return os.fdopen(fd, "wb")
+
+
+def policy_line(version: StoredPolicy) -> bytes:
+    """One line of ``policies.jsonl``: digest, name and the exact body (text, or
+    ``{"base64": ...}`` for bytes that are not UTF-8)."""
+    return (
+        orjson.dumps(
+            {
+                "policy_digest": version.digest,
+                "policy_name": version.name,
+                "body": _blob_out(version.body),
+            }
+        )
+        + b"\n"
+    )
 
 
 def _line(row: LedgerRow) -> dict[str, Any]:
@@ -362,6 +453,13 @@ def _manifest_from(doc: dict[str, Any]) -> Manifest:
             raise ValueError("checkpoints must be an integer")
         if not isinstance(checkpoints_sha256, str) or not HEX_256.match(checkpoints_sha256):
             raise ValueError("checkpoints_sha256 must be 64 lower-case hex characters")
+    policies, policies_sha256 = None, None
+    if doc["format"] >= 3:
+        policies, policies_sha256 = doc["policies"], doc["policies_sha256"]
+        if type(policies) is not int:
+            raise ValueError("policies must be an integer")
+        if not isinstance(policies_sha256, str) or not HEX_256.match(policies_sha256):
+            raise ValueError("policies_sha256 must be 64 lower-case hex characters")
     return Manifest(
         created_at=str(doc["created_at"]),
         thread_id=thread_id if isinstance(thread_id, str) else None,
@@ -372,6 +470,8 @@ def _manifest_from(doc: dict[str, Any]) -> Manifest:
         heads=heads,
         checkpoints=checkpoints,
         checkpoints_sha256=checkpoints_sha256,
+        policies=policies,
+        policies_sha256=policies_sha256,
     )
 
 
@@ -592,16 +692,96 @@ def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
 # --- verification -----------------------------------------------------------------------
 
 
-def usable_manifest(directory: Path, trust: Trust) -> Manifest:
-    """The bundle's manifest, if the bundle can be verified with ``trust`` at all."""
+def usable_manifest(directory: Path, run: Verification) -> Manifest:
+    """The bundle's manifest, if the bundle can be verified with ``run.trust`` at all;
+    ``run.trust`` then knows the policy versions the bundle carries."""
     manifest = read_manifest(directory)
-    if trust.keyring is None and manifest.checkpoints is None:
+    if run.trust.keyring is None and manifest.checkpoints is None:
         raise BundleError(
             f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
             "verification needs; export it again"
         )
-    check_policies_named(set(manifest.policy_digests), trust)
+    check_manifest_signature(directory, run)
+    if manifest.policies is not None:
+        stored = read_policies(directory, manifest, run.finding)
+        run.trust = admit_policy_versions(run.trust, stored, run.finding)
+    stored_names = {policy.name for policy in run.trust.stored}
+    check_policies_named(set(manifest.policy_digests), run.trust, stored_names)
     return manifest
+
+
+def check_manifest_signature(directory: Path, run: Verification) -> None:
+    """A ``manifest.sig`` must verify under a checkpoint key and name the manifest's
+    SHA-256 (checked whenever the checkpoint keys are at hand); its absence is a finding
+    only when the verifier requires one (``--signed-manifest``)."""
+    expected = f"a {MANIFEST} whose SHA-256 a checkpoint key signed ({MANIFEST_SIG})"
+    path = directory / MANIFEST_SIG
+    try:
+        signature = path.read_bytes()
+    except FileNotFoundError:
+        if run.trust.require_signed_manifest:
+            run.finding(Finding(None, None, BUNDLE_MANIFEST, expected, f"no {MANIFEST_SIG}"))
+        return
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read ({exc.strerror})") from None
+    keys = run.trust.checkpoint_keys
+    if keys is None:
+        return
+    try:
+        manifest_sha256 = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise BundleError(f"{directory / MANIFEST}: cannot read ({exc.strerror})") from None
+    try:
+        verify_manifest_signature(signature, manifest_sha256, dict(keys))
+    except CheckpointInvalid as exc:
+        run.finding(Finding(None, None, BUNDLE_MANIFEST, expected, exc.message))
+
+
+def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[StoredPolicy]:
+    """The policy versions of ``policies.jsonl``, read line by line; a line that is not
+    one, and a file the manifest does not describe, are reported. A line too long to
+    hold a policy the verifier would read is kept by its length alone."""
+    path = directory / POLICIES
+    hasher, lines = hashlib.sha256(), 0
+    versions: list[StoredPolicy] = []
+    try:
+        with path.open("rb") as handle:
+            for number, line in enumerate(handle, 1):
+                hasher.update(line)
+                lines += 1
+                if len(line) > MAX_POLICY_LINE:
+                    versions.append(StoredPolicy(f"line {number}", "?", b"", len(line)))
+                    continue
+                try:
+                    versions.append(_policy_from_line(line))
+                except LineProblem as problem:
+                    found = f"{POLICIES} line {number}: {problem}"
+                    report(Finding(None, None, BUNDLE_LINE, "a policy version", found))
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read the policies ({exc.strerror})") from None
+    found = hasher.hexdigest()
+    if found != manifest.policies_sha256:
+        expected = f"{POLICIES} with SHA-256 {manifest.policies_sha256} (the manifest's)"
+        report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
+    if lines != manifest.policies:
+        expected = f"{manifest.policies} policy lines (the manifest's)"
+        report(Finding(None, None, BUNDLE_COUNT, expected, f"{lines} lines"))
+    return versions
+
+
+def _policy_from_line(line: bytes) -> StoredPolicy:
+    try:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        raise LineProblem("not JSON") from None
+    if not isinstance(doc, dict) or doc.keys() != set(POLICY_MEMBERS):
+        raise LineProblem(f"not an object with exactly the members {', '.join(POLICY_MEMBERS)}")
+    if not isinstance(doc["policy_digest"], str) or not isinstance(doc["policy_name"], str):
+        raise LineProblem("policy_digest and policy_name must be strings")
+    body = _blob_in(doc["body"], "body")
+    if body is None:
+        raise LineProblem("body must not be null")
+    return StoredPolicy(doc["policy_digest"], doc["policy_name"], body, len(body))
 
 
 def verify_bundle(
@@ -611,8 +791,9 @@ def verify_bundle(
 
     Checkpoints are checked whenever the trust holds their public keys; public-only
     verification (no HMAC keyring) needs a bundle that carries them."""
-    manifest = usable_manifest(directory, trust)
     run = Verification(trust, report)
+    manifest = usable_manifest(directory, run)
+    trust = run.trust
     checkpoints = (
         CheckpointReader(directory, manifest, run.finding, thread_id=thread_id)
         if trust.checkpoint_keys is not None and manifest.checkpoints is not None

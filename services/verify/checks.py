@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -45,10 +46,12 @@ from ztate.contract.receipts import APPROVE, SignedReceipt, verify_receipt
 from ztate.contract.record import (
     GENESIS_PARENT,
     HEX_256,
+    KIND_GENESIS,
     KIND_REVERT,
-    RECORD_FORMAT,
+    KIND_TRANSITION,
     format_time,
     record_problems,
+    record_risk_rules,
     shown,
     sign_digest,
     transition_digest,
@@ -57,37 +60,104 @@ from ztate.contract.record import (
 # The risk semantics must be exactly the transition service's, so they are reused
 # rather than re-implemented: a verifier that disagreed would cry wolf or miss.
 from ztate.services.policy.changes import Change, apply_patch, matched_risk_rules
-from ztate.services.policy.model import Policy, PolicySet
+from ztate.services.policy.model import Policy, PolicyError, PolicySet
 from ztate.services.policy.rules import Reads, bind, merge_reads
+from ztate.services.store.policies import StoredPolicy, stored_policy_versions
 
 EXIT_VERIFIED, EXIT_FAILURES, EXIT_CANNOT_RUN = 0, 1, 2
 
-# The checks, as findings name them (docs: ``ztate verify``).
-DIGEST = "digest"  # sha256(record bytes) differs from the stored digest
-CANONICAL = "canonical"  # the record bytes are not RFC 8785 JSON of an object
-FORMAT = "format"  # members, types, format or kind of the record
-KEY_ID = "key_id"  # the keyring holds no key with the record's key id
-SIGNATURE = "signature"  # the HMAC does not verify
-VERSION = "version"  # a gap, a repeated or misplaced version
-PARENT = "parent"  # the record does not link to the previous record (a fork)
-THREAD = "thread_id"  # the record names another thread
-COLUMN = "column"  # prefix: an unsigned column disagrees with the record
-STATE = "state"  # a kept state body does not hash to the record's state_digest
-REPLAY = "replay"  # the state replayed from the patches does not hash to state_digest
-POLICY = "policy"  # the policy digest names no known policy, or another policy
-RISK = "risk"  # a transition matching a risk rule carries no receipt
-REVERT = "revert"  # a revert not by an operator, or not restoring an earlier state
-RISK_UNCHECKED = "risk.unchecked"  # the risk rules could not be evaluated
-RECEIPT_MISSING = "receipt.missing"  # the record names a receipt that is not stored
-RECEIPT_UNBOUND = "receipt.unbound"  # a stored receipt the record does not name
-RECEIPT_DIGEST = "receipt.digest"  # sha256(receipt bytes) differs from receipt_digest
-RECEIPT_SIGNATURE = "receipt.signature"  # unknown key or Ed25519 signature invalid
-RECEIPT_FORM = "receipt.form"  # members, canonical form or values of the receipt
-RECEIPT_EXPIRED = "receipt.expired"  # not valid at the record's committed_at
-RECEIPT_BINDING = "receipt.binding"  # binds another transition, thread, version or decision
-HEAD = "head"  # the threads row disagrees with the last record
-HEAD_STATE = "head.state"  # the head state does not hash to the last record's state_digest
-CHECKPOINT = "checkpoint"  # a signed head does not verify, or the chain misses it
+# The checks, as findings name them: the one table (docs/verification.md, "Check
+# names", lists exactly these, in this order; tests/unit/test_verify_checks.py compares).
+DIGEST = "digest"
+CANONICAL = "canonical"
+FORMAT = "format"
+KEY_ID = "key_id"
+SIGNATURE = "signature"
+THREAD = "thread_id"
+VERSION = "version"
+COLUMN = "column"  # a prefix: column.<name>
+ROLE = "role"
+POLICY = "policy"
+STATE = "state"
+PARENT = "parent"
+REPLAY = "replay"
+REVERT = "revert"
+RISK_UNCHECKED = "risk.unchecked"
+RISK_RULES = "risk.rules"
+RISK = "risk"
+RECEIPT_UNBOUND = "receipt.unbound"
+RECEIPT_MISSING = "receipt.missing"
+RECEIPT_DIGEST = "receipt.digest"
+RECEIPT_SIGNATURE = "receipt.signature"
+RECEIPT_FORM = "receipt.form"
+RECEIPT_EXPIRED = "receipt.expired"
+RECEIPT_BINDING = "receipt.binding"
+CHECKPOINT = "checkpoint"
+HEAD = "head"
+HEAD_STATE = "head.state"
+POLICY_BODY = "policy.body"
+BUNDLE_HASH = "bundle.file_hash"
+BUNDLE_COUNT = "bundle.count"
+BUNDLE_LINE = "bundle.line"
+BUNDLE_ORDER = "bundle.order"
+BUNDLE_CHECKPOINT = "bundle.checkpoint"
+BUNDLE_MANIFEST = "bundle.manifest"
+
+# check -> what fails it (one line each; docs/verification.md says when each runs and
+# which version it names)
+CHECKS: dict[str, str] = {
+    DIGEST: "sha256 of the record bytes is not the stored digest",
+    CANONICAL: "the record bytes are not JSON of an object, or not their own RFC 8785 form",
+    FORMAT: "format, members, member types, kind at its version, digest/time/rule shapes",
+    KEY_ID: "the keyring holds no key with the record's key_id",
+    SIGNATURE: "the HMAC of the digest does not verify under the record's key",
+    THREAD: "the record names another thread than the one it is stored under",
+    VERSION: "a missing, repeated or misplaced version",
+    f"{COLUMN}.<name>": "an unsigned column (parent_digest, node_id, key_id, committed_at) "
+    "disagrees with the record",
+    ROLE: "the identity's role does not fit the record's kind",
+    POLICY: "the policy digest names no known policy version, or another policy's",
+    STATE: "a kept state body is not canonical or does not hash to state_digest",
+    PARENT: "parent_digest is not the previous record's digest (64 zeros at genesis)",
+    REPLAY: "the state replayed from the patches does not hash to state_digest",
+    REVERT: "a revert's state is no earlier version's state",
+    RISK_UNCHECKED: "the policy's risk rules could not be evaluated on the replayed states",
+    RISK_RULES: "a format-2 record's risk_rules are not what its policy's rules match",
+    RISK: "a transition matching risk rules carries no receipt",
+    RECEIPT_UNBOUND: "a receipt is stored but the record's receipt_digest is null",
+    RECEIPT_MISSING: "the record names a receipt that is not stored",
+    RECEIPT_DIGEST: "sha256 of the stored receipt is not the record's receipt_digest",
+    RECEIPT_SIGNATURE: "unknown approval key id, or the Ed25519 signature does not verify",
+    RECEIPT_FORM: "the receipt is not a canonical format-1 receipt",
+    RECEIPT_EXPIRED: "the receipt was not valid at the record's committed_at",
+    RECEIPT_BINDING: "the receipt binds another thread, base version, decision or transition",
+    CHECKPOINT: "a signed head does not verify, or the chain does not pass through it",
+    HEAD: "the thread's head is not its last record (or is missing)",
+    HEAD_STATE: "the head state does not hash to the last record's state_digest",
+    POLICY_BODY: "a stored policy version is not the policy its digest names",
+    BUNDLE_HASH: "a bundle file's SHA-256 is not the manifest's",
+    BUNDLE_COUNT: "a bundle file's line or thread count is not the manifest's",
+    BUNDLE_LINE: "a line of a bundle file that is not what the file holds",
+    BUNDLE_ORDER: "a thread's lines are not together, or checkpoints out of order",
+    BUNDLE_CHECKPOINT: "a checkpoint line that is not one",
+    BUNDLE_MANIFEST: "the manifest is not the one its signature covers",
+}
+
+
+# The role of the identity (``spiffe://<trust domain>/<role>/<name>``) each kind of
+# record needs (docs/ledger-format.md, section 1).
+ROLES_OF_KIND: dict[str, tuple[str, ...]] = {
+    KIND_GENESIS: ("operator", "service"),
+    KIND_TRANSITION: ("node",),
+    KIND_REVERT: ("operator",),
+}
+_SPIFFE = re.compile(r"^spiffe://[^/]+/([^/]+)/[^/]+\Z")
+
+
+def role_of(node_id: str) -> str | None:
+    """The role segment of a SPIFFE ID ``spiffe://<trust domain>/<role>/<name>``."""
+    match = _SPIFFE.match(node_id)
+    return match.group(1) if match else None
 
 
 # Through the process's meter provider: exported when telemetry is on (``ztate verify``
@@ -184,13 +254,21 @@ class Trust:
 
     keyring: Keyring | None  # None: public-only, no HMAC check
     approval_keys: Mapping[str, Ed25519PublicKey]
-    policies: PolicySet
+    # the policy versions given (``--policy``): a folder may hold several versions
+    # of one policy, indexed by digest
+    policies: PolicySet | Sequence[Policy]
     # the transition service's checkpoint public keys; None: checkpoints not checked
     checkpoint_keys: Mapping[str, Ed25519PublicKey] | None = None
     # checkpoints kept outside the verified source (the signer's journal, a witness's
     # copy: ``ztate verify --checkpoints``), by thread and version; the chain must pass
     # through each, whatever the source holds or lost
     kept_checkpoints: Mapping[str, Mapping[int, SignedCheckpoint]] = field(default_factory=dict)
+    # a bundle without a signed manifest (manifest.sig) is a finding
+    require_signed_manifest: bool = False
+    # the versions the verified source keeps (``ztate.policies``, a bundle's
+    # policies.jsonl) whose body hashes to their digest (``with_versions``)
+    stored: tuple[Policy, ...] = ()
+    # every version known, given or stored, by digest (a given one wins)
     by_digest: dict[str, Policy] = field(init=False)
     # what each policy's risk expressions read (by policy digest): only these are
     # bound to re-derive the risk rules, not what its invariants read
@@ -199,7 +277,8 @@ class Trust:
     risk_inputs: dict[str, Reads] = field(init=False)
 
     def __post_init__(self) -> None:
-        by_digest = {policy.digest: policy for policy in self.policies.policies.values()}
+        by_digest = {policy.digest: policy for policy in self.stored}
+        by_digest.update((policy.digest, policy) for policy in self.given_policies)
         object.__setattr__(self, "by_digest", by_digest)
         risk_reads = {
             digest: merge_reads(
@@ -212,6 +291,55 @@ class Trust:
             digest: _with_keys(risk_reads[digest], policy) for digest, policy in by_digest.items()
         }
         object.__setattr__(self, "risk_inputs", risk_inputs)
+
+    @property
+    def given_policies(self) -> list[Policy]:
+        """The policy versions given to the verifier."""
+        if isinstance(self.policies, PolicySet):
+            return list(self.policies.policies.values())
+        return list(self.policies)
+
+    def with_versions(self, versions: Iterable[Policy]) -> Trust:
+        """This trust, knowing the stored ``versions`` too (a digest already known
+        keeps its policy)."""
+        added = tuple(p for p in versions if p.digest not in self.by_digest)
+        return self if not added else replace(self, stored=self.stored + added)
+
+
+# a stored policy body longer than this is a finding, never parsed (policy files are
+# kilobytes; whoever controls the store must not make the verifier compile megabytes)
+MAX_POLICY_BODY = 1024 * 1024
+
+
+def admit_policy_versions(trust: Trust, stored: Iterable[StoredPolicy], report: Report) -> Trust:
+    """``trust`` knowing each stored policy version whose body is the policy its
+    digest names: the digest is signed inside every record that names it, so a body
+    that hashes to it is that policy, whoever stored it. Any other stored version is
+    reported (check ``policy.body``, no thread, no version) and not used."""
+    admitted: list[Policy] = []
+    for version in stored:
+        expected = f"a policy body hashing to its digest {shown(version.digest)}"
+        size = version.size if version.size is not None else len(version.body)
+        if size > MAX_POLICY_BODY:
+            found = f"a body of {size} bytes (more than {MAX_POLICY_BODY}: not read)"
+            report(Finding(None, None, POLICY_BODY, expected, found))
+            continue
+        found = sha256_hex(version.body)
+        if found != version.digest:
+            report(Finding(None, None, POLICY_BODY, expected, f"a body hashing to {found}"))
+            continue
+        try:
+            policy = Policy.from_body(version.body, source=f"policy {version.digest[:16]}")
+        except PolicyError as exc:
+            found = f"no valid policy: {shown(str(exc))}"
+            report(Finding(None, None, POLICY_BODY, expected, found))
+            continue
+        if policy.name != version.name:
+            found = f"a body of policy {shown(policy.name)} stored as {shown(version.name)}"
+            report(Finding(None, None, POLICY_BODY, expected, found))
+            continue
+        admitted.append(policy)
+    return trust.with_versions(admitted)
 
 
 def _with_keys(reads: Reads, policy: Policy) -> Reads:
@@ -270,6 +398,11 @@ class Verification:
         if thread_id in self.trust.kept_checkpoints:
             self._kept_seen.add(thread_id)
         return ThreadVerifier(thread_id, self)
+
+    def saw(self, thread_id: str) -> None:
+        """A thread with records, verified elsewhere (a worker of ``--jobs``)."""
+        if thread_id in self.trust.kept_checkpoints:
+            self._kept_seen.add(thread_id)
 
     def kept_threads_missing(self, thread_id: str | None) -> None:
         """Report every kept checkpoint of a thread the source held no record of (its
@@ -438,7 +571,7 @@ class ThreadVerifier:
             self._fail(version, CANONICAL, "the record's RFC 8785 form", problem)
         problems = record_problems(record)
         if problems:
-            self._fail(version, FORMAT, f"a format {RECORD_FORMAT} record", "; ".join(problems))
+            self._fail(version, FORMAT, "a format 1 or 2 record", "; ".join(problems))
             if self._trust.keyring is not None:
                 self._check_hmac(row, row.key_id, recomputed)
             return None
@@ -454,6 +587,7 @@ class ThreadVerifier:
                 f"the record says version {record['version']}",
             )
         self._check_columns(row, record)
+        self._check_role(version, record)
         self._check_policy(version, record)
         return _Parsed(record, fast and not problem)
 
@@ -494,6 +628,17 @@ class ThreadVerifier:
                     f"{shown(signed)} (the record's)",
                     shown(column),
                 )
+
+    def _check_role(self, version: int, record: JsonObject) -> None:
+        """The identity that wrote a record has the role its kind needs: an operator (or
+        a service) creates a thread, a node proposes a transition, an operator reverts."""
+        roles = ROLES_OF_KIND.get(record["kind"])
+        if roles is None:
+            return  # a kind the format check already reported
+        role = role_of(record["node_id"])
+        if role not in roles:
+            expected = f"an identity of role {' or '.join(roles)} (a {record['kind']} record)"
+            self._fail(version, ROLE, expected, shown(record["node_id"]))
 
     def _check_policy(self, version: int, record: JsonObject) -> None:
         digest = record["policy_digest"]
@@ -573,13 +718,19 @@ class ThreadVerifier:
                     f"{replayed} (replayed from the patches)",
                 )
                 state = None
-        matched = None
+        derived = None
         if record["kind"] == KIND_REVERT:
             # an operator's repair: no risk rule applies (the service checks none), so
             # no receipt is expected; it must be an operator's, restoring an earlier state
             self._check_revert(version, record)
         elif version > 0 and old is not None and state is not None and policy is not None:
-            matched = self._risk_rules(version, policy, old, state, record)
+            derived = self._risk_rules(version, policy, old, state, record)
+        carried = record_risk_rules(record)  # format 2: what the service matched
+        if carried is None:
+            matched = derived
+        else:
+            self._check_carried_rules(version, record, carried, derived)
+            matched = carried  # the receipt's binding needs no CEL evaluator
         self._check_receipt(row, record, matched)
         self._earlier_states.add(record["state_digest"])
         self._parent = row.digest
@@ -588,12 +739,24 @@ class ThreadVerifier:
         else:
             self._state, self._state_fast = _kept_state(row.state, record)
 
+    def _check_carried_rules(
+        self, version: int, record: JsonObject, carried: list[str], derived: list[str] | None
+    ) -> None:
+        """A format-2 record's risk_rules must be what its policy's risk rules match on
+        the replayed states (when they could be evaluated); a genesis and a revert
+        match none."""
+        if version == 0 or record["kind"] == KIND_REVERT:
+            expected: list[str] | None = []
+            why = "none (a genesis or a revert matches no risk rule)"
+        else:
+            expected = None if derived is None else sorted(derived)
+            why = f"{expected} (re-derived from the policy on the replayed states)"
+        if expected is not None and carried != expected:
+            self._fail(version, RISK_RULES, why, f"{carried} (the record's risk_rules)")
+
     def _check_revert(self, version: int, record: JsonObject) -> None:
-        """What a revert must carry (docs/ledger-format.md): an operator's identity, and a
-        resulting state that the thread had at an earlier version."""
-        role = str(record["node_id"]).rsplit("/", 2)[-2] if "/" in record["node_id"] else ""
-        if role != "operator":
-            self._fail(version, REVERT, "an operator identity", f"{shown(record['node_id'])}")
+        """What a revert must restore (docs/ledger-format.md): a state the thread had at
+        an earlier version (that it is an operator's is the ``role`` check's)."""
         if record["state_digest"] not in self._earlier_states:
             self._fail(
                 version,
@@ -921,32 +1084,50 @@ async def check_policies_are_the_ledgers(
 ) -> None:
     """Policies none of whose digests a thread of the ledger names are a configuration
     mistake (exit 2), not a ledger with every record failing its policy check."""
-    named = {
-        row["policy_digest"]
-        for row in await conn.fetch(
-            "SELECT DISTINCT policy_digest FROM ztate.threads "
-            "WHERE $1::text IS NULL OR thread_id = $1",
-            thread_id,
-        )
-    }
-    check_policies_named(named, trust)
+    rows = await conn.fetch(
+        "SELECT DISTINCT policy_name, policy_digest FROM ztate.threads "
+        "WHERE $1::text IS NULL OR thread_id = $1",
+        thread_id,
+    )
+    # threads.policy_digest is the version the thread was created under: after a
+    # policy edit, today's version is given by name
+    check_policies_named(
+        {row["policy_digest"] for row in rows}, trust, {row["policy_name"] for row in rows}
+    )
 
 
-def check_policies_named(named: set[str], trust: Trust) -> None:
-    """``named``: the policy digests a ledger's threads (or a bundle's manifest) name."""
-    if named and not named & trust.by_digest.keys():
-        loaded = ", ".join(f"{p.name} ({p.digest[:12]})" for p in trust.by_digest.values())
+def check_policies_named(named: set[str], trust: Trust, names: Iterable[str] = ()) -> None:
+    """``named``: the policy digests a ledger's threads (or a bundle's manifest) name.
+    At least one must be a policy given to the verifier: the versions the source
+    keeps verify the records that name them, but cannot stand in for a ``--policy``
+    that names another ledger's policies."""
+    given = {policy.digest: policy for policy in trust.given_policies}
+    given_names = {policy.name for policy in given.values()}
+    if named and not named & given.keys() and not given_names & set(names):
+        loaded = ", ".join(f"{p.name} ({p.digest[:12]})" for p in given.values())
         raise VerifyError(
             f"the policies given are not this ledger's: no thread names {loaded or 'them'}; "
             "check --policy (or ZTATE_POLICY_PATH)"
         )
 
 
+async def with_stored_policies(conn: asyncpg.Connection, trust: Trust, report: Report) -> Trust:
+    """``trust`` knowing the policy versions the database keeps (``ztate.policies``,
+    migration 0014; a database without the table keeps none)."""
+    try:
+        async with conn.transaction():  # a savepoint: a missing table leaves the snapshot usable
+            stored = await stored_policy_versions(conn, max_body=MAX_POLICY_BODY)
+    except asyncpg.UndefinedTableError:
+        return trust
+    return admit_policy_versions(trust, stored, report)
+
+
 async def _verify_snapshot(
     conn: asyncpg.Connection, trust: Trust, report: Report, thread_id: str | None
 ) -> Summary:
-    await check_policies_are_the_ledgers(conn, trust, thread_id)
     run = Verification(trust, report)
+    trust = run.trust = await with_stored_policies(conn, trust, run.finding)
+    await check_policies_are_the_ledgers(conn, trust, thread_id)
     current: ThreadVerifier | None = None
     head: Head | None = None
     query, args = (ALL_ROWS, ()) if thread_id is None else (THREAD_ROWS, (thread_id,))

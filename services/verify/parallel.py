@@ -34,7 +34,6 @@ import asyncpg
 
 from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.services.verify.bundle import (
-    BUNDLE_ORDER,
     CheckpointReader,
     LineProblem,
     Manifest,
@@ -47,6 +46,7 @@ from ztate.services.verify.bundle import (
 )
 from ztate.services.verify.checks import (
     ALL_ROWS,
+    BUNDLE_ORDER,
     HEADLESS,
     PREFETCH,
     THREAD_ROWS,
@@ -64,6 +64,7 @@ from ztate.services.verify.checks import (
     head_from_db,
     no_such_thread,
     row_from_db,
+    with_stored_policies,
 )
 
 BATCH = 256  # items per message to a worker
@@ -237,8 +238,9 @@ def verify_bundle_parallel(
     directory: Path, trust: Trust, report: Report, *, jobs: int, thread_id: str | None = None
 ) -> Summary:
     """``ztate.services.verify.bundle.verify_bundle`` on ``jobs`` worker processes."""
-    manifest = usable_manifest(directory, trust)
     leader = Verification(trust, report)  # the leader's own findings and headless threads
+    manifest = usable_manifest(directory, leader)
+    trust = leader.trust  # with the bundle's policy versions, before the workers fork
     checkpoints = (
         CheckpointReader(directory, manifest, leader.finding, thread_id=thread_id)
         if trust.checkpoint_keys is not None and manifest.checkpoints is not None
@@ -253,11 +255,19 @@ def verify_bundle_parallel(
         raise
     if checkpoints is not None:
         checkpoints.finish()
-    if thread_id is not None and thread_id not in seen and thread_id not in manifest.heads:
+    if (
+        thread_id is not None
+        and thread_id not in seen
+        and thread_id not in manifest.heads
+        and thread_id not in trust.kept_checkpoints
+    ):
         raise no_such_thread(thread_id)
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
         leader.headless(missing, head_of(manifest, missing))
+    for verified in seen:
+        leader.saw(verified)
+    leader.kept_threads_missing(thread_id)  # --checkpoints FILE: threads without records
     summary = leader.summary
     summary.threads += counted.threads
     summary.records += counted.records
@@ -339,8 +349,9 @@ async def verify_database_parallel(
 ) -> Summary:
     """``ztate.services.verify.checks.verify_database`` on ``jobs`` worker processes: the leader
     streams one snapshot and hands out thread groups as rows."""
-    workers = _Workers(trust, report, jobs)  # forked before any connection exists
     leader = Verification(trust, report)
+    trust = leader.trust = await _stored_policies(dsn, leader)  # before the workers fork
+    workers = _Workers(trust, report, jobs)  # forked while no connection is open
     try:
         conn = await connect(dsn)
         try:
@@ -366,6 +377,20 @@ async def verify_database_parallel(
     return summary
 
 
+async def _stored_policies(dsn: str, leader: Verification) -> Trust:
+    """The leader's trust with the policy versions the database keeps, read on a
+    connection closed again before any worker forks. A version stored after this
+    read (a restart with an edited policy during verification) is unknown to the
+    run: the records naming it are reported, and a second run verifies them."""
+    conn = await connect(dsn)
+    try:
+        return await with_stored_policies(conn, leader.trust, leader.finding)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise VerifyError(f"reading the ledger failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        await conn.close()
+
+
 async def _dispatch_database(
     conn: asyncpg.Connection, leader: Verification, workers: _Workers, thread_id: str | None
 ) -> None:
@@ -379,6 +404,7 @@ async def _dispatch_database(
             if current is not None:
                 workers.send(worker, (_END, head or await head_from_db(conn, current)))
             current, head, worker, groups = owner, None, workers.assign(), groups + 1
+            leader.saw(owner)
             checkpoints = (
                 await checkpoints_from_db(conn, owner)
                 if leader.trust.checkpoint_keys is not None
@@ -392,5 +418,6 @@ async def _dispatch_database(
         workers.send(worker, (_END, head or await head_from_db(conn, current)))
     for orphan in await conn.fetch(HEADLESS, thread_id):
         leader.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
-    if thread_id is not None and groups == 0:
+    if thread_id is not None and groups == 0 and thread_id not in leader.trust.kept_checkpoints:
         raise no_such_thread(thread_id)
+    leader.kept_threads_missing(thread_id)  # --checkpoints FILE: threads without records

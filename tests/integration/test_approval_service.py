@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import io
 import json
+import re
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -617,6 +619,39 @@ async def test_k_concurrent_approvals_sign_exactly_one_receipt(
     assert receipt["reviewers"] == [reviewer_id(n) for n in ("alice", "bob", "carol")]
 
 
+async def test_a_decision_answers_what_it_did_even_if_another_closes_the_review_next(
+    approval_target: str, pki: Pki, approval: RunningApproval, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's approval only counts (two are needed); Bob's closes the review right after
+    Alice's transaction commits. Alice is told "open, approved by alice", never "approved"
+    (under load, two of three concurrent approvers were once both told APPROVED)."""
+    proposal = parked(approvals=2)
+    await submitted(approval_target, pki, proposal)
+    store = approval.service._store
+    read_review = store.get
+    interleaved: list[approval_pb2.Review] = []
+    hooked = [True]
+
+    async def get_after_bob_decides(digest: str) -> Any:
+        if hooked.pop() if hooked else False:  # the first read after Alice's decision
+            interleaved.append(await decide(approval_target, pki, "bob", approve(digest)))
+        return await read_review(digest)
+
+    monkeypatch.setattr(store, "get", get_after_bob_decides)
+    alice = await decide(approval_target, pki, "alice", approve(proposal.digest))
+    monkeypatch.undo()
+    bob = interleaved[0] if interleaved else None
+    if bob is None:  # nothing read the review after Alice's decision: Bob decides now
+        bob = await decide(approval_target, pki, "bob", approve(proposal.digest))
+    assert (alice.status, list(alice.approvers)) == (
+        approval_pb2.REVIEW_STATUS_OPEN,
+        [reviewer_id("alice")],
+    )
+    assert not alice.HasField("receipt")
+    assert bob.status == approval_pb2.REVIEW_STATUS_APPROVED
+    assert bob.HasField("receipt")
+
+
 async def test_an_overdue_review_expires_and_takes_no_decision(
     approval_target: str, pki: Pki, approval: RunningApproval, database_dsn: str
 ) -> None:
@@ -846,3 +881,19 @@ async def test_a_revoked_reviewer_decides_nothing_more(
         ).review
     assert review.status == approval_pb2.REVIEW_STATUS_OPEN
     assert list(review.approvers) == []
+
+
+async def test_the_approval_service_serves_its_metrics_for_prometheus(
+    approval_settings: ApprovalSettings, database_dsn: str, service: RunningService
+) -> None:
+    """ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics over real HTTP (docs/operations.md)."""
+    running = await start(
+        approval_settings.model_copy(update={"metrics_listen": "127.0.0.1:0"}), dsn=database_dsn
+    )
+    try:
+        url = f"http://127.0.0.1:{running.telemetry.metrics_port}/metrics"
+        with await asyncio.to_thread(urllib.request.urlopen, url, timeout=10) as reply:
+            body = reply.read().decode()
+    finally:
+        await running.stop(grace=1.0)
+    assert re.search(r'^ztate_db_pool_max\{[^}]*ztate_pool="approval"\} 4\.0$', body, re.M)

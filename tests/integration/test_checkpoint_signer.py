@@ -27,6 +27,7 @@ from ztate.contract.record import seal
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import PolicySet
 from ztate.services.verify.checks import Finding, Trust, verify_database
+from ztate.services.verify.parallel import verify_database_parallel
 from ztate.transition_service.app import RunningService
 from ztate.transition_service.checkpointer import Checkpointer
 from ztate.transition_service.journal import CheckpointJournal
@@ -183,6 +184,12 @@ async def test_a_consistent_rewrite_with_the_key_and_deleted_checkpoints_is_refu
     for trust in (signer.trust(keyring=keyring, kept=True), signer.trust(kept=True)):
         caught = await findings(database_dsn, thread_id, trust)
         assert [(f.thread_id, f.version, f.check) for f in caught] == [(thread_id, 2, "checkpoint")]
+        # and on worker processes (--jobs), which read the journal as one process does
+        caught = []
+        await verify_database_parallel(
+            database_dsn, trust, caught.append, jobs=2, thread_id=thread_id
+        )
+        assert [(f.thread_id, f.version, f.check) for f in caught] == [(thread_id, 2, "checkpoint")]
 
 
 async def test_a_rewrite_after_the_last_checkpoint_without_the_key_is_refused(
@@ -283,25 +290,28 @@ async def test_the_cli_takes_the_journal_and_reports_a_deleted_thread(
         await conn.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
     env.update(DATABASE_URL=database_dsn, ZTATE_HOME=str(tmp_path), ZTATE_POLICY_PATH=str(POLICY))
-    process = await asyncio.create_subprocess_exec(
-        str(Path(sys.executable).with_name("ztate")),
-        "verify",
-        "--public-only",
-        "--checkpoint-keys",
-        str(signer.public),
-        "--checkpoints",
-        str(signer.journal),
-        "--thread",
-        thread_id,
-        "--json",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode == 1, err.decode()
-    lines = [json.loads(line) for line in out.splitlines()]
-    assert [(d["thread_id"], d["version"], d["check"]) for d in lines[:-1]] == [
-        (thread_id, 2, "checkpoint")
-    ]
-    assert lines[-1]["type"] == "summary"
+    for jobs in ("1", "2"):  # the journal works on worker processes too
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).with_name("ztate")),
+            "verify",
+            "--public-only",
+            "--checkpoint-keys",
+            str(signer.public),
+            "--checkpoints",
+            str(signer.journal),
+            "--thread",
+            thread_id,
+            "--jobs",
+            jobs,
+            "--json",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 1, err.decode()
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert [(d["thread_id"], d["version"], d["check"]) for d in lines[:-1]] == [
+            (thread_id, 2, "checkpoint")
+        ]
+        assert lines[-1]["type"] == "summary"

@@ -4,6 +4,7 @@ and a checkpoint altered in storage refused on load, never deserialised."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from uuid import uuid4
 
@@ -150,3 +151,36 @@ async def test_a_state_graph_runs_and_resumes_on_the_ztate_saver(env: ZtateEnvir
     snapshot = await again.aget_state(config)  # type: ignore[arg-type]
     assert snapshot.values == {"count": 2}
     assert await env.ledger.verify(ledger_thread_id(config["configurable"]["thread_id"])) > 2
+
+
+async def test_a_deleted_thread_pruned_keeps_its_bodies_only_in_the_signed_records(
+    env: ZtateEnvironment,
+) -> None:
+    """A deletion is a signed record plus pruned bodies: after ``delete_thread`` and
+    ``ztate ledger prune``, no state copy holds a checkpoint, the saver serves none, and
+    every record and digest stays and verifies. The records' own patches still hold the
+    bodies (the digest covers them): the residual gap stated in docs/langgraph.md."""
+    from ztate.services.store.retention import Limits, prune
+
+    thread = str(uuid4())
+    ledger_id = ledger_thread_id(thread)
+    saver = saver_of(env)
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    for step in range(2):
+        checkpoint = empty_checkpoint()
+        checkpoint["channel_values"] = {"answer": f"refund {step}"}
+        config = await saver.aput(config, checkpoint, {"step": step}, {})  # type: ignore[arg-type]
+    await saver.adelete_thread(thread)
+
+    assert await prune(env.database_dsn, Limits(keep_versions=1), thread_id=ledger_id) == 3
+    rows = await env.ledger.rows(ledger_id)
+    assert [row["state"] is None for row in rows] == [True, True, True, False]
+    head_entry = json.loads(json.loads(rows[-1]["state"])["entry"])
+    assert head_entry["kind"] == "delete"
+    assert "checkpoint" not in head_entry
+    assert await saver_of(env).aget_tuple(config) is None  # type: ignore[arg-type]
+    assert await env.ledger.verify(ledger_id) == 4
+
+    # the residual gap: the signed records still carry the bodies in their patches
+    record = await env.ledger.record(ledger_id, 1)
+    assert json.loads(record["patch"]["entry"])["kind"] == "checkpoint"

@@ -63,7 +63,7 @@ async def test_proposal_commits_view_moves_and_record_verifies(
     assert (committed.version, committed.digest, committed.record_json) == (1, "", b"")
     state_after = {**INITIAL, "requested_action": act("refund")}
     assert record == {
-        "format": 1,
+        "format": 2,  # with the risk rules it matched: none
         "kind": "transition",
         "thread_id": thread_id,
         "version": 1,
@@ -75,6 +75,7 @@ async def test_proposal_commits_view_moves_and_record_verifies(
         "receipt_digest": None,
         "key_id": "test-k1",
         "committed_at": record["committed_at"],
+        "risk_rules": [],
     }
     assert bytes(row["state"]) == canonical_bytes(state_after)
     assert rows[0]["parent_digest"] == GENESIS_PARENT

@@ -704,8 +704,8 @@ async def test_a_revert_not_by_an_operator_is_reported(world: World) -> None:
         ),
     )
     findings, _ = await world.verify(thread_id)
-    assert [(f.version, f.check) for f in findings] == [(version, "revert")]
-    assert "an operator identity" in findings[0].expected
+    assert [(f.version, f.check) for f in findings] == [(version, "role")]
+    assert findings[0].expected == "an identity of role operator (a revert record)"
 
 
 async def test_a_revert_to_a_state_the_thread_never_had_is_reported(world: World) -> None:

@@ -66,7 +66,7 @@ def test_vector_keyring_base64_and_hex_agree() -> None:
 
 
 def test_vectors_form_one_thread_from_genesis() -> None:
-    assert VECTORS["format"] == RECORD_FORMAT == 1
+    assert VECTORS["format"] == 1 == RECORD_FORMAT - 1
     assert len(RECORDS) >= 3
     parent = GENESIS_PARENT
     for version, vector in enumerate(RECORDS):
@@ -319,14 +319,16 @@ def test_a_non_hex_signature_is_refused() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"format": 2}, "format 2"),
+        ({"format": 2}, "missing members ['risk_rules'], unexpected []"),
+        ({"format": 3}, "format 3 (1 or 2, an integer)"),
+        ({"format": True}, "format True (1 or 2, an integer)"),
         ({"kind": "transition"}, "kind transition at version 0"),
         ({"kind": "revert"}, "kind revert at version 0"),
         ({"version": "0"}, "version is a str"),
         ({"extra": 1}, "missing members [], unexpected ['extra']"),
     ],
 )
-def test_records_outside_format_1_are_refused(change: dict[str, Any], message: str) -> None:
+def test_records_outside_formats_1_and_2_are_refused(change: dict[str, Any], message: str) -> None:
     record = {**RECORDS[0]["record"], **change}
     text = canonical_bytes(record)
     digest = sha256_hex(text)

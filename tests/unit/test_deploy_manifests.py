@@ -238,6 +238,7 @@ DNS: Pod = ("kube-system", {"k8s-app": "kube-dns"})
 WORKER: Pod = ("ztate-workers", {"ztate.dev/role": "worker"})
 REVIEWER: Pod = ("ztate-workers", {"ztate.dev/role": "reviewer"})
 OPERATOR: Pod = ("ztate-workers", {"ztate.dev/role": "operator"})
+PROMETHEUS: Pod = ("observability", {"app.kubernetes.io/name": "prometheus"})
 
 
 def selects(selector: Doc, labels: dict[str, str]) -> bool:
@@ -332,6 +333,13 @@ def reachable(source: Pod, destination: Pod, port: int, protocol: str = "TCP") -
         (("ztate-workers", {}), TRANSITION, 7443, False),
         # a pod calling itself a worker outside a clients namespace is not let in
         (("elsewhere", {"ztate.dev/role": "worker"}), TRANSITION, 7443, False),
+        # the scrape endpoints: Prometheus only, and only there
+        (PROMETHEUS, TRANSITION, 9464, True),
+        (PROMETHEUS, APPROVAL, 9464, True),
+        (PROMETHEUS, TRANSITION, 7443, False),
+        (COLLECTOR, TRANSITION, 9464, False),
+        (WORKER, TRANSITION, 9464, False),
+        (OPERATOR, TRANSITION, 9464, False),
     ],
 )
 def test_network_policies_let_each_party_reach_only_its_peers(

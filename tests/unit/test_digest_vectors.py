@@ -34,6 +34,7 @@ def test_there_is_a_file_per_way_to_be_wrong_and_one_right() -> None:
 def test_the_rebuilt_digest_agrees_with_each_claim_as_the_file_says(path: Path) -> None:
     case = load(path)
     record = parse_record(case["record_json"].encode())
+    # null: a format-2 record carries its rules, and they are taken from it
     rebuilt = transition_digest(record, case["risk_rules"])
     assert rebuilt == sha256_hex(case["proposal_json"].encode())
     assert (rebuilt == case["transition_digest"]) is case["valid"], case["why"]

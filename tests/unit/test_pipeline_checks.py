@@ -88,7 +88,7 @@ def _unchecked_policy() -> Policy:
             "nodes": {"n": {"layer": "working", "write": ["c", "s", "w"]}},
         }
     )
-    return Policy(document, "0" * 64, [], [])
+    return Policy(document, b"{}", [], [])  # the body: what its digest is taken over
 
 
 @pytest.mark.parametrize(

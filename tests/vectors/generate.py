@@ -1,4 +1,9 @@
-"""How ``tests/vectors/ledger-v1.json`` was made. Kept as documentation, not run by tests.
+"""How ``tests/vectors/ledger-v1.json`` and ``ledger-v2.json`` were made.
+
+``ledger-v1.json`` is record format 1; ``ledger-v2.json`` the same thread in
+format 2, whose records carry the names of the risk rules each transition matched
+(``--format 2``). The v1 file was made once, kept as documentation; the v2 file is
+compared with this script's output by tests/unit/test_chain_v2.py.
 
 The vectors were generated once with this script and then cross-checked with tools
 that share no code with ztate (a JavaScript JCS written from RFC 8785 section 3.2,
@@ -10,10 +15,11 @@ expectations.
 Print the vectors (to diff against the committed file)::
 
     .venv/bin/python -m tests.vectors.generate | diff - tests/vectors/ledger-v1.json
+    .venv/bin/python -m tests.vectors.generate --format 2 | diff - tests/vectors/ledger-v2.json
 
-Rewrite the file (only when the record format changes, as a new format version)::
+Rewrite a file (only when the record format changes, as a new format version)::
 
-    .venv/bin/python -m tests.vectors.generate --write
+    .venv/bin/python -m tests.vectors.generate [--format 2] --write
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ from ztate.contract.record import (
 )
 from ztate.services.policy.changes import apply_patch
 
-OUT = Path(__file__).with_name("ledger-v1.json")
+OUT = {1: Path(__file__).with_name("ledger-v1.json"), 2: Path(__file__).with_name("ledger-v2.json")}
+# format 2: the risk rules each step matched, by version (as a server lists them:
+# unsorted; records carry them sorted)
+RISK_RULES = {0: [], 1: [], 2: ["budget-over-limit", "auto-approve-flag"]}
 THREAD_ID = "vector-thread-1"
 # Opaque to a verifier: any 64 lower-case hex characters.
 POLICY_DIGEST = sha256_hex(b"ztate ledger-v1 test vector policy")
@@ -94,7 +103,7 @@ def keyring_document(current: str) -> dict[str, Any]:
     }
 
 
-def build() -> dict[str, Any]:
+def build(form: int = 1) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     state: dict[str, Any] = {}
     parent = GENESIS_PARENT
@@ -116,6 +125,7 @@ def build() -> dict[str, Any]:
                 receipt_digest=None,
                 key_id=key_id,
                 committed_at=committed_at,
+                risk_rules=None if form == 1 else RISK_RULES[version],
             ),
             keyring,
         )
@@ -135,25 +145,26 @@ def build() -> dict[str, Any]:
         parent = sealed.digest
     return {
         "description": (
-            "ztate ledger record format 1 (docs/ledger-format.md): one thread of three"
+            f"ztate ledger record format {form} (docs/ledger-format.md): one thread of three"
             " records with their canonical bytes, digests, HMAC signatures and states,"
-            " plus invalid variants a verifier must refuse. Made by tests/vectors/generate.py."
+            " plus invalid variants a verifier must refuse. Made by tests/vectors/generate.py"
+            + ("." if form == 1 else " --format 2.")
         ),
-        "format": 1,
+        "format": form,
         "keyring": {
             "document": keyring_document("vector-k2"),
             "keys_hex": {key_id: key.hex() for key_id, key in KEYS.items()},
         },
         "thread_id": THREAD_ID,
         "records": records,
-        "invalid": invalid(records),
+        "invalid": invalid(records, form),
     }
 
 
-def invalid(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def invalid(records: list[dict[str, Any]], form: int = 1) -> list[dict[str, Any]]:
     """Stored rows that must not verify, each with the first check that fails."""
     genesis, first = records[0], records[1]
-    spaced = genesis["canonical"].replace('"format":1', '"format": 1', 1).encode()
+    spaced = genesis["canonical"].replace(f'"format":{form}', f'"format": {form}', 1).encode()
     spaced_digest = sha256_hex(spaced)
     flipped = first["canonical"].replace('"version":1', '"version":2', 1)
     return [
@@ -181,17 +192,59 @@ def invalid(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "signature": genesis["signature"],
             "error": "HMAC signature does not verify under key 'vector-k1'",
         },
-    ]
+    ] + (invalid_v2(records) if form == 2 else [])
 
 
-def render() -> str:
-    return json.dumps(build(), indent=2, ensure_ascii=True) + "\n"
+def invalid_v2(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Format-2 records whose risk_rules are not a sorted list of distinct names,
+    correctly hashed and signed: refused for their form."""
+    risky = records[2]
+    cases = []
+    for description, rules in (
+        ("record 2 with its risk_rules out of order", sorted(RISK_RULES[2], reverse=True)),
+        ("record 2 with a risk rule named twice", sorted(RISK_RULES[2] * 2)),
+        ("record 2 with a risk rule that is not a string", [1]),
+    ):
+        record = {**risky["record"], "risk_rules": rules}
+        data = canonical_bytes(record)
+        digest = sha256_hex(data)
+        cases.append(
+            {
+                "description": description,
+                "version": 2,
+                "canonical": data.decode(),
+                "digest": digest,
+                "signature": sign_digest(KEYS["vector-k2"], digest),
+                "error": "risk_rules is not",
+            }
+        )
+    record = {key: value for key, value in risky["record"].items() if key != "risk_rules"}
+    data = canonical_bytes(record)
+    digest = sha256_hex(data)
+    cases.append(
+        {
+            "description": "record 2 of format 2 without risk_rules",
+            "version": 2,
+            "canonical": data.decode(),
+            "digest": digest,
+            "signature": sign_digest(KEYS["vector-k2"], digest),
+            "error": "missing members ['risk_rules']",
+        }
+    )
+    return cases
+
+
+def render(form: int = 1) -> str:
+    return json.dumps(build(form), indent=2, ensure_ascii=True) + "\n"
 
 
 def main(argv: list[str]) -> None:
-    text = render()
+    form = 1
+    if argv[:2] == ["--format", "2"]:
+        form, argv = 2, argv[2:]
+    text = render(form)
     if argv == ["--write"]:
-        OUT.write_text(text, encoding="ascii")
+        OUT[form].write_text(text, encoding="ascii")
     else:
         sys.stdout.write(text)
 

@@ -10,6 +10,10 @@ them), ``risk_rules`` (as GetTransitionResponse.risk_rules lists them), ``propos
 (the canonical proposal a correct rebuild makes, as text), ``transition_digest`` (the
 digest claimed, as a receipt's ``transition_digest`` holds it: in the wrong cases, what a
 plausible mistake computes) and ``valid`` (whether a correct rebuild equals the claim).
+
+The ``format-2-*`` files hold a format-2 record, which carries its matched risk rules
+(sorted): their ``risk_rules`` is null, and the rebuild takes the rules from the record,
+with no CEL evaluator and no server's list.
 """
 
 from __future__ import annotations
@@ -39,6 +43,19 @@ RECORD = build_record(
     committed_at=datetime(2026, 1, 2, 3, 5, 0, 7, tzinfo=UTC),
 )
 RECORD_BYTES = canonical_bytes(RECORD)
+# the same transition, as the service writes it since record format 2
+RECORD_2 = build_record(
+    **{
+        name: RECORD[name]
+        for name in (
+            "kind", "thread_id", "version", "parent_digest", "node_id", "patch",
+            "state_digest", "policy_digest", "receipt_digest", "key_id",
+        )
+    },
+    committed_at=datetime(2026, 1, 2, 3, 5, 0, 7, tzinfo=UTC),
+    risk_rules=RULES,
+)  # fmt: skip
+RECORD_2_BYTES = canonical_bytes(RECORD_2)
 
 
 def proposal(**changes: Any) -> dict[str, Any]:
@@ -60,12 +77,18 @@ CORRECT = canonical_bytes(proposal())
 
 
 def case(
-    name: str, why: str, claimed: str, *, valid: bool, rules: list[str] = RULES
+    name: str,
+    why: str,
+    claimed: str,
+    *,
+    valid: bool,
+    rules: list[str] | None = RULES,
+    record: bytes = RECORD_BYTES,
 ) -> dict[str, Any]:
     return {
         "name": name,
         "why": why,
-        "record_json": RECORD_BYTES.decode(),
+        "record_json": record.decode(),
         "risk_rules": rules,
         "proposal_json": CORRECT.decode(),
         "transition_digest": claimed,
@@ -148,6 +171,22 @@ CASES = [
         "the right digest written in upper-case hex (digests are lower-case)",
         sha256_hex(CORRECT).upper(),
         valid=False,
+    ),
+    case(
+        "format-2-valid",
+        "a format-2 record: the rules it carries, sorted, make the same digest",
+        sha256_hex(CORRECT),
+        valid=True,
+        rules=None,
+        record=RECORD_2_BYTES,
+    ),
+    case(
+        "format-2-rules-ignored",
+        "the claim ignored the rules the format-2 record carries (hashed none)",
+        digest_of(risk_rules=[]),
+        valid=False,
+        rules=None,
+        record=RECORD_2_BYTES,
     ),
 ]
 

@@ -25,7 +25,7 @@ DISTRIBUTED = (
     "watched_threads",
 )
 REFERENCE = ("receipts",)
-COORDINATOR_LOCAL = ("rejections",)
+COORDINATOR_LOCAL = ("rejections", "policies")
 
 
 class CitusError(RuntimeError):

@@ -45,6 +45,11 @@ BEGIN
                     WHERE logicalrelid = 'ztate.rejections'::regclass) THEN
         PERFORM citus_add_local_table_to_metadata('ztate.rejections');
     END IF;
+    -- the policy versions (migration 0014): read by verifiers, written at start-up
+    IF NOT EXISTS (SELECT 1 FROM pg_dist_partition
+                    WHERE logicalrelid = 'ztate.policies'::regclass) THEN
+        PERFORM citus_add_local_table_to_metadata('ztate.policies');
+    END IF;
 END;
 $$;
 

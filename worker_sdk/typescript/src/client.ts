@@ -5,7 +5,7 @@ import { connect as tlsConnect } from "node:tls";
 import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
-import { decodeError, HandshakeFailed, type ZtateError } from "./errors.js";
+import { decodeError, HandshakeFailed, Unreachable, type ZtateError } from "./errors.js";
 import {
   canonicalize,
   checkCheckpointBinds,
@@ -21,6 +21,7 @@ import {
 } from "./evidence.js";
 import {
   GetTransitionRequestSchema,
+  Outcome as OutcomeKind,
   TransitionService,
   type GetTransitionResponse,
   type SignedCheckpoint,
@@ -40,6 +41,8 @@ export interface ClientFiles {
   keyFile: string;
   /** PEM CA certificate that signed the service's certificate. */
   caFile: string;
+  /** The name the service's certificate must hold, when not the target's host. */
+  serverName?: string;
   /** Default deadline of each unary call, in ms (10 s). */
   timeoutMs?: number;
 }
@@ -83,6 +86,17 @@ export interface WatchEvent {
   digest: string;
 }
 
+/**
+ * What became of a parked proposal: "pending", "committed", "rejected", "expired",
+ * "stale" or "refused" (approved, but the policy in force no longer allowed it:
+ * `reason` says why); `transition` once committed.
+ */
+export interface Outcome {
+  status: string;
+  transition?: Transition;
+  reason?: string;
+}
+
 /** What `verifyHeadBeforeActing` proved. */
 export interface VerifiedHead {
   threadId: string;
@@ -94,22 +108,40 @@ export interface VerifiedHead {
 }
 
 /**
- * Catches what the handshake would refuse before a call is made, with a message that
- * says so (instead of UNAVAILABLE): a key that is not the certificate's, or a
+ * Catches what the handshake can only refuse before a call is made, with a message
+ * that says so (instead of UNAVAILABLE): a key that is not the certificate's, or a
  * certificate outside its validity period.
  */
 function checkOwnCertificate(cert: Buffer, key: Buffer): void {
   const x509 = new X509Certificate(cert);
   if (!x509.checkPrivateKey(createPrivateKey(key))) {
-    throw new HandshakeFailed("the key file is not the private key of the certificate file", Code.Unauthenticated);
+    throw new HandshakeFailed("KEY_MISMATCH", "the key file is not the private key of the certificate file", Code.Unavailable);
   }
   const now = Date.now();
-  if (now < Date.parse(x509.validFrom) || now >= Date.parse(x509.validTo)) {
+  if (now >= Date.parse(x509.validTo)) {
     throw new HandshakeFailed(
-      `the client certificate is valid from ${x509.validFrom} to ${x509.validTo}: the service refuses it in the TLS handshake`,
-      Code.Unauthenticated,
+      "CERTIFICATE_EXPIRED",
+      `the client certificate expired at ${new Date(x509.validTo).toISOString()}: the service refuses it in the TLS handshake; renew it (ztate ca renew)`,
+      Code.Unavailable,
     );
   }
+  if (now < Date.parse(x509.validFrom)) {
+    throw new HandshakeFailed(
+      "CERTIFICATE_NOT_YET_VALID",
+      `the client certificate is valid only from ${new Date(x509.validFrom).toISOString()} (is this machine's clock right?): the service refuses it until then`,
+      Code.Unavailable,
+    );
+  }
+}
+
+/** Whether a certificate of the CA file signed the client certificate. */
+function issuedByCa(cert: Buffer, ca: Buffer): boolean {
+  const mine = new X509Certificate(cert);
+  const pems = ca.toString("latin1").match(/-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/g) ?? [];
+  return pems.some((pem) => {
+    const authority = new X509Certificate(pem);
+    return mine.checkIssued(authority) && mine.verify(authority.publicKey);
+  });
 }
 
 // The HTTP/2 client preface and an empty SETTINGS frame: a gRPC server that accepted the
@@ -118,29 +150,68 @@ const H2_PREFACE = Buffer.concat([
   Buffer.from("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
   Buffer.from([0, 0, 0, 4, 0, 0, 0, 0, 0]),
 ]);
+// Node's codes for a server certificate this client's CA does not verify.
+const UNTRUSTED = new Set([
+  "UNABLE_TO_VERIFY_LEAF_SIGNATURE",
+  "UNABLE_TO_GET_ISSUER_CERT",
+  "UNABLE_TO_GET_ISSUER_CERT_LOCALLY",
+  "SELF_SIGNED_CERT_IN_CHAIN",
+  "DEPTH_ZERO_SELF_SIGNED_CERT",
+  "CERT_SIGNATURE_FAILURE",
+  "CERT_UNTRUSTED",
+  "CERT_HAS_EXPIRED",
+  "CERT_NOT_YET_VALID",
+]);
+const UNREACHABLE = new Set(["ECONNREFUSED", "ENOTFOUND", "EHOSTUNREACH", "ENETUNREACH", "EAI_AGAIN", "ETIMEDOUT"]);
+
+type TlsFiles = { cert: Buffer; key: Buffer; ca: Buffer };
 
 /**
- * Why the service's TLS refuses this client, or null if it accepts it. With TLS 1.3 the
- * server checks the client certificate after the client's handshake has completed, so
- * its refusal reaches an HTTP/2 client only as a closed stream; a connection of its
- * own shows whether the server closes it (or alerts) instead of answering HTTP/2.
+ * What one TLS connection of our own says about the service, after a call failed in
+ * transport without a ztate reason: a typed error naming the likely reason, or null
+ * when the handshake and HTTP/2 work (not a certificate problem). With TLS 1.3 the
+ * server checks the client certificate after the client's handshake has completed,
+ * so its refusal reaches an HTTP/2 client only as a closed stream; this connection
+ * sees whether the server closes it (or alerts) instead of answering HTTP/2.
  */
-function handshakeVerdict(target: string, tlsFiles: { cert: Buffer; key: Buffer; ca: Buffer }): Promise<string | null> {
+function diagnose(target: string, tlsFiles: TlsFiles, serverName: string | undefined, code: Code): Promise<ZtateError | null> {
   const colon = target.lastIndexOf(":");
   const host = target.slice(0, colon).replace(/^\[|\]$/g, "");
+  const name = serverName ?? host;
+  const refused = (detail: string): HandshakeFailed => {
+    const why = issuedByCa(tlsFiles.cert, tlsFiles.ca)
+      ? "the service does not trust this certificate: its CA is unknown to the service, or the service revoked it at the TLS layer"
+      : `the client certificate is not issued by the CA file's CA (its issuer is ${new X509Certificate(tlsFiles.cert).issuer.replace(/\n/g, ", ")}): the service trusts only certificates of its own CA`;
+    return new HandshakeFailed("CERTIFICATE_REFUSED", `the service refused our certificate (${detail}): ${why}`, code);
+  };
   return new Promise((resolve) => {
-    const socket = tlsConnect({ host, port: Number(target.slice(colon + 1)), servername: host, ALPNProtocols: ["h2"], ...tlsFiles });
-    const done = (verdict: string | null) => {
+    let secure = false;
+    const socket = tlsConnect({ host, port: Number(target.slice(colon + 1)), servername: name, ALPNProtocols: ["h2"], ...tlsFiles });
+    const done = (verdict: ZtateError | null) => {
       clearTimeout(bound);
       socket.destroy();
       resolve(verdict);
     };
     // a bound on the diagnosis, not a synchronisation: no verdict means "not the certificate"
     const bound = setTimeout(() => done(null), 5_000);
-    socket.once("secureConnect", () => socket.write(H2_PREFACE));
+    socket.once("secureConnect", () => {
+      secure = true;
+      socket.write(H2_PREFACE);
+    });
     socket.once("data", () => done(null));
-    socket.once("error", (error) => done(error.message));
-    socket.once("close", () => done("the service closed the connection after the TLS handshake"));
+    socket.once("error", (error: Error & { code?: string }) => {
+      const errorCode = error.code ?? "";
+      if (!secure && UNREACHABLE.has(errorCode)) {
+        done(new Unreachable(`the service at ${target} is unreachable (${errorCode}): is it running, and is this its address?`, code, "UNREACHABLE"));
+      } else if (errorCode === "ERR_TLS_CERT_ALTNAME_INVALID") {
+        done(new HandshakeFailed("SERVER_NAME_MISMATCH", `the service's certificate does not name '${name}': connect with the name in its certificate, or pass serverName`, code));
+      } else if (UNTRUSTED.has(errorCode)) {
+        done(new HandshakeFailed("SERVER_NOT_TRUSTED", `our CA does not trust the service's certificate (${errorCode}): the CA file is not the CA that signed the service's certificate`, code));
+      } else {
+        done(refused(errorCode || error.message));
+      }
+    });
+    socket.once("close", () => done(refused("connection closed after the handshake")));
   });
 }
 
@@ -153,18 +224,21 @@ export class ZtateClient {
   readonly #client: Client<typeof TransitionService>;
   readonly #timeoutMs: number;
   readonly #target: string;
-  readonly #tls: { cert: Buffer; key: Buffer; ca: Buffer };
+  readonly #tls: TlsFiles;
+  readonly #serverName: string | undefined;
 
   private constructor(
     client: Client<typeof TransitionService>,
     timeoutMs: number,
     target: string,
-    tls: { cert: Buffer; key: Buffer; ca: Buffer },
+    tls: TlsFiles,
+    serverName: string | undefined,
   ) {
     this.#client = client;
     this.#timeoutMs = timeoutMs;
     this.#target = target;
     this.#tls = tls;
+    this.#serverName = serverName;
   }
 
   /** A client authenticated by the certificate, key and CA files (PEM). */
@@ -175,31 +249,31 @@ export class ZtateClient {
     checkOwnCertificate(cert, key);
     const transport = createGrpcTransport({
       baseUrl: `https://${files.target}`,
-      nodeOptions: { cert, key, ca },
+      nodeOptions: files.serverName === undefined ? { cert, key, ca } : { cert, key, ca, servername: files.serverName },
       // a reply may hold a state up to the server's limit (docs/api.md, "Limits")
       readMaxBytes: 72 * 1024 * 1024 + 64 * 1024,
     });
-    return new ZtateClient(createClient(TransitionService, transport), files.timeoutMs ?? 10_000, files.target, {
-      cert,
-      key,
-      ca,
-    });
+    return new ZtateClient(
+      createClient(TransitionService, transport),
+      files.timeoutMs ?? 10_000,
+      files.target,
+      { cert, key, ca },
+      files.serverName,
+    );
   }
 
-  /** The error to throw for a failed call: with a handshake hint when the TLS layer refused us. */
+  /**
+   * The error to throw for a failed call. A transport failure without a ztate reason
+   * is diagnosed by a TLS connection of our own: a certificate the handshake refuses
+   * (HandshakeFailed, with its reason and hint), nothing answering (Unreachable), or
+   * neither (the decoded error).
+   */
   async #failure(error: unknown): Promise<ZtateError> {
     const decoded = decodeError(error);
     const transport = [Code.Unavailable, Code.Canceled, Code.Internal, Code.Unknown].includes(decoded.code);
-    if (decoded instanceof HandshakeFailed || decoded.reason !== "" || !transport) return decoded;
-    const verdict = await handshakeVerdict(this.#target, this.#tls);
-    if (verdict === null) return decoded;
-    return new HandshakeFailed(
-      `the service refused this client's TLS connection (${verdict}): it refuses a client ` +
-        "certificate that is missing, expired, revoked at the TLS layer, or not signed by its CA. " +
-        "Check the cert and key files (ztate certificates are signed by the service's CA).",
-      decoded.code,
-      { cause: error },
-    );
+    if (!transport || (decoded.reason !== "" && !(decoded instanceof HandshakeFailed))) return decoded;
+    // whatever grpc-js made of it (a closed stream is CANCELLED), a refused handshake is UNAVAILABLE
+    return (await diagnose(this.#target, this.#tls, this.#serverName, Code.Unavailable)) ?? decoded;
   }
 
   async #call<T>(call: () => Promise<T>): Promise<T> {
@@ -282,6 +356,23 @@ export class ZtateClient {
       if (signal?.aborted) return;
       throw await this.#failure(error);
     }
+  }
+
+  /**
+   * Waits until a parked proposal is decided, or `withinMs` pass: `handle` is
+   * Parked.handle (or, for operators and read_records nodes, the transition digest).
+   * The server answers as soon as the outcome is known; "pending" means the time ran
+   * out first.
+   */
+  async waitForOutcome(handle: string, withinMs: number = 60_000): Promise<Outcome> {
+    const request = handle.includes("/") ? { handle } : { digest: handle };
+    const reply = await this.#call(() => this.#client.waitForOutcome(request, { timeoutMs: withinMs }));
+    const status = (OutcomeKind[reply.outcome] ?? "UNSPECIFIED").toLowerCase();
+    return {
+      status,
+      ...(reply.transition === undefined ? {} : { transition: reply.transition }),
+      ...(reply.reason === "" ? {} : { reason: reply.reason }),
+    };
   }
 
   /** One ledger record with its receipt and risk rules (read_records nodes and operators). */

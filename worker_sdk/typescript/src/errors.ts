@@ -38,20 +38,46 @@ export class StaleVersion extends ZtateError {
 }
 
 /**
- * The TLS handshake failed for a certificate reason: the service refuses a client with
- * no certificate, one from another CA or an expired one during the handshake, which
- * gRPC reports as UNAVAILABLE, like a server that is down (docs/api.md, "Refusals
- * before any RPC"). `hint` says what to check.
+ * The TLS handshake failed for a certificate reason: the service verifies client
+ * certificates in the handshake, which gRPC reports as UNAVAILABLE, like a server that
+ * is down (docs/api.md, "Refusals before any RPC"). `reason` (set by this client, not
+ * the server) says which, `hint` what to check:
+ *
+ * - KEY_MISMATCH, CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID: our own files,
+ *   checked before any call (`ZtateClient.fromFiles` throws);
+ * - CERTIFICATE_REFUSED: the service refused our certificate (another CA, or unknown
+ *   to the service);
+ * - SERVER_NOT_TRUSTED: our CA file does not verify the service's certificate;
+ * - SERVER_NAME_MISMATCH: the service's certificate does not name the host dialed;
+ * - HANDSHAKE_FAILED: Node's TLS layer failed with no more precise verdict.
  */
 export class HandshakeFailed extends ZtateError {
   override name = "HandshakeFailed";
   constructor(
+    reason: string,
     readonly hint: string,
     code: Code,
     options?: { cause?: unknown },
   ) {
-    super(hint, code, "", [], 0, 0n, 0n, [], options);
+    super(hint, code, reason, [], 0, 0n, 0n, [], options);
   }
+}
+
+/** Nothing answers at the service's address (reason UNREACHABLE, set by this client). */
+export class Unreachable extends ZtateError {
+  override name = "Unreachable";
+}
+
+/**
+ * IDENTITY_REVOKED: the service's revocation list names our certificate or our whole
+ * identity; no retry with this certificate succeeds.
+ */
+export class IdentityRevoked extends ZtateError {
+  override name = "IdentityRevoked";
+  readonly hint =
+    "the service refused our certificate: it is revoked (the service's revocation list " +
+    "names its serial or its identity); a revoked certificate needs a new one (ztate ca " +
+    "renew), a revoked identity needs an operator";
 }
 
 // What Node's TLS stack says when a handshake fails on a certificate (client or server).
@@ -79,6 +105,7 @@ export function decodeError(error: unknown): ZtateError {
       TLS_FAILURE.test(text)
     ) {
       return new HandshakeFailed(
+        "HANDSHAKE_FAILED",
         `the TLS handshake with the service failed (${connect.rawMessage}): the service ` +
           "refuses a client certificate that is missing, expired, or not signed by its CA, " +
           "and this client refuses a server certificate not signed by the CA it was given. " +
@@ -90,7 +117,7 @@ export function decodeError(error: unknown): ZtateError {
     return new ZtateError(connect.rawMessage, connect.code, "", [], 0, 0n, 0n, [], { cause: error });
   }
   const reason = info?.reason ?? (detail === undefined ? "" : (ErrorReason[detail.reason] ?? ""));
-  const Kind = reason === "STALE_VERSION" ? StaleVersion : ZtateError;
+  const Kind = reason === "STALE_VERSION" ? StaleVersion : reason === "IDENTITY_REVOKED" ? IdentityRevoked : ZtateError;
   return new Kind(
     connect.rawMessage,
     connect.code,

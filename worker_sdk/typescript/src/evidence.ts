@@ -5,6 +5,7 @@
  * tests/vectors/ holds the files both implementations must agree on.
  */
 import { createHash, createPublicKey, verify, type KeyObject } from "node:crypto";
+import { readFileSync } from "node:fs";
 
 /** A check before acting failed; `check` names which (as the Python SDK's HeadNotVerified). */
 export class EvidenceInvalid extends Error {
@@ -107,6 +108,37 @@ export function ed25519PublicKey(raw: Uint8Array): KeyObject {
 /** Public keys by key id. */
 export type PublicKeys = ReadonlyMap<string, KeyObject>;
 
+const KEY_ID = /^[A-Za-z0-9._-]{1,64}$/;
+
+/**
+ * A public keyring file, as `ztate` writes them (keys/approval-public.json, the
+ * checkpoint public keys): `{"<key id>": "<base64 of the raw 32-byte Ed25519 key>"}`,
+ * non-empty. Throws EvidenceInvalid("keys.file") naming what is wrong.
+ */
+export function loadPublicKeys(path: string): PublicKeys {
+  let doc: unknown;
+  try {
+    doc = JSON.parse(readFileSync(path, "utf8"));
+  } catch {
+    throw new EvidenceInvalid("keys.file", `${path}: public keys must be a readable JSON object`);
+  }
+  if (typeof doc !== "object" || doc === null || Array.isArray(doc) || Object.keys(doc).length === 0) {
+    throw new EvidenceInvalid("keys.file", `${path}: public keys must be a non-empty JSON object`);
+  }
+  const keys = new Map<string, KeyObject>();
+  for (const [keyId, encoded] of Object.entries(doc)) {
+    if (!KEY_ID.test(keyId)) {
+      throw new EvidenceInvalid("keys.file", `${path}: key id ${JSON.stringify(keyId)} must be 1-64 characters of [A-Za-z0-9._-]`);
+    }
+    const raw = typeof encoded === "string" && /^[A-Za-z0-9+/]*={0,2}$/.test(encoded) ? Buffer.from(encoded, "base64") : null;
+    if (raw === null || raw.length !== 32) {
+      throw new EvidenceInvalid("keys.file", `${path}: key ${JSON.stringify(keyId)} is not a base64 Ed25519 public key`);
+    }
+    keys.set(keyId, ed25519PublicKey(raw));
+  }
+  return keys;
+}
+
 function checkSignature(
   data: Uint8Array,
   signatureHex: string,
@@ -130,13 +162,25 @@ const RECORD_MEMBERS = [
   "state_digest", "policy_digest", "receipt_digest", "key_id", "committed_at",
 ] as const;
 
-/** Ledger record bytes (Transition.record_json), parsed once their form checks out. */
+/** Format 2 adds the names of the risk rules the transition matched, sorted. */
+const RECORD_MEMBERS_2 = [...RECORD_MEMBERS, "risk_rules"] as const;
+
+function sortedDistinctNames(rules: Json | undefined): boolean {
+  if (!Array.isArray(rules) || !rules.every((rule) => typeof rule === "string")) return false;
+  const names = rules as string[];
+  return names.every((name, i) => i === 0 || (names[i - 1] as string) < name);
+}
+
+/**
+ * Ledger record bytes (Transition.record_json), parsed once their form checks out:
+ * format 1, or format 2 with the matched risk rule names (docs/ledger-format.md).
+ */
 export function parseRecord(recordJson: Uint8Array): JsonObject {
   const record = parseCanonical(recordJson, "record.form", "record");
   const r = record;
   const ok =
-    hasExactly(r, RECORD_MEMBERS) &&
-    r.format === 1 &&
+    ((r.format === 1 && hasExactly(r, RECORD_MEMBERS)) ||
+      (r.format === 2 && hasExactly(r, RECORD_MEMBERS_2) && sortedDistinctNames(r.risk_rules))) &&
     isInt(r.version) &&
     r.version >= 0 &&
     typeof r.kind === "string" &&
@@ -150,16 +194,26 @@ export function parseRecord(recordJson: Uint8Array): JsonObject {
     typeof r.state_digest === "string" && HEX_256.test(r.state_digest) &&
     (r.receipt_digest === null || (typeof r.receipt_digest === "string" && HEX_256.test(r.receipt_digest))) &&
     parseTime(r.committed_at) !== null;
-  if (!ok) throw new EvidenceInvalid("record.form", "the record does not have the form of format 1");
+  if (!ok) throw new EvidenceInvalid("record.form", "the record does not have the form of format 1 or 2");
   return record;
 }
 
 /**
  * The transition digest a reviewer approved, rebuilt from a committed record and the
  * risk rules its proposal matched (GetTransitionResponse.risk_rules, in any order:
- * they are sorted here), as docs/policy.md defines it.
+ * they are sorted here), as docs/policy.md defines it. A format-2 record carries its
+ * rules: pass null (or nothing) to take them from the record.
  */
-export function transitionDigest(record: JsonObject, riskRules: readonly string[]): string {
+export function transitionDigest(
+  record: JsonObject,
+  riskRules: readonly string[] | null = null,
+): string {
+  if (riskRules === null) {
+    if (record.format !== 2 || !Array.isArray(record.risk_rules)) {
+      throw new EvidenceInvalid("record.form", "a format 1 record carries no risk rules: pass them");
+    }
+    riskRules = record.risk_rules as string[];
+  }
   const proposal: JsonObject = {
     format: 1,
     kind: "proposal",

@@ -3,8 +3,22 @@
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { test } from "node:test";
-import { HandshakeFailed, StaleVersion, ZtateClient, ZtateError } from "../src/index.js";
-import { Code } from "@connectrpc/connect";
+import {
+  EvidenceInvalid,
+  HandshakeFailed,
+  IdentityRevoked,
+  loadPublicKeys,
+  NodeRunner,
+  StaleVersion,
+  Unreachable,
+  ZtateClient,
+  ZtateError,
+  type Step,
+} from "../src/index.js";
+import { readFileSync } from "node:fs";
+import { Code, createClient } from "@connectrpc/connect";
+import { createGrpcTransport } from "@connectrpc/connect-node";
+import { ApprovalService, Decision, ReviewStatus } from "../src/gen/ztate/v1/approval_pb.js";
 
 const env = process.env;
 const live = env.ZTATE_TARGET !== undefined;
@@ -80,29 +94,227 @@ test("a node reads its view, proposes, and is refused typed", { skip: !live }, a
   });
 });
 
-test("a certificate of another CA gets a handshake hint, not 'server down'", { skip: !live }, async () => {
-  const stranger = ZtateClient.fromFiles({
-    target: env.ZTATE_TARGET!,
-    certFile: env.ZTATE_FOREIGN_CERT!,
-    keyFile: env.ZTATE_FOREIGN_KEY!,
-    caFile: env.ZTATE_CA!,
+// --- a certificate the handshake refuses is named, not "server down" (issue 14, item 5) ---
+
+function clientWith(files: { certFile?: string; keyFile?: string; caFile?: string; target?: string; serverName?: string }): ZtateClient {
+  return ZtateClient.fromFiles({
+    target: files.target ?? env.ZTATE_TARGET!,
+    certFile: files.certFile ?? env.ZTATE_CERT!,
+    keyFile: files.keyFile ?? env.ZTATE_KEY!,
+    caFile: files.caFile ?? env.ZTATE_CA!,
+    ...(files.serverName === undefined ? {} : { serverName: files.serverName }),
   });
-  await assert.rejects(stranger.getView(THREAD), (error: unknown) => {
-    assert.ok(error instanceof HandshakeFailed, String(error));
-    assert.match(error.hint, /certificate/);
-    return true;
-  });
+}
+
+/** What a proposal by `client` throws; the head is checked unchanged (nothing committed). */
+async function refusedProposal(client: ZtateClient): Promise<unknown> {
+  const before = (await node().getView(THREAD)).version;
+  let thrown: unknown;
+  await assert.rejects(
+    client.propose(THREAD, before, ACTION).then(
+      () => undefined,
+      (error: unknown) => {
+        thrown = error;
+        throw error;
+      },
+    ),
+  );
+  assert.equal((await node().getView(THREAD)).version, before, "nothing committed");
+  return thrown;
+}
+
+test("a certificate of another CA: the service refused our certificate", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ certFile: env.ZTATE_FOREIGN_CERT!, keyFile: env.ZTATE_FOREIGN_KEY! }));
+  assert.ok(error instanceof HandshakeFailed, String(error));
+  assert.equal(error.reason, "CERTIFICATE_REFUSED");
+  assert.equal(error.code, Code.Unavailable);
+  assert.match(error.hint, /^the service refused our certificate \(/);
+  assert.match(error.hint, /the client certificate is not issued by the CA file's CA/);
+});
+
+test("a CA that did not sign the service: our CA does not trust the server", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ caFile: env.ZTATE_FOREIGN_CA! }));
+  assert.ok(error instanceof HandshakeFailed, String(error));
+  assert.equal(error.reason, "SERVER_NOT_TRUSTED");
+  assert.match(error.hint, /^our CA does not trust the service's certificate \(/);
+});
+
+test("a server name the service's certificate does not hold", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ serverName: "elsewhere.example" }));
+  assert.ok(error instanceof HandshakeFailed, String(error));
+  assert.equal(error.reason, "SERVER_NAME_MISMATCH");
+  assert.match(error.hint, /does not name 'elsewhere.example'/);
+});
+
+test("a revoked certificate is named revoked", { skip: !live }, async () => {
+  const error = await refusedProposal(clientWith({ certFile: env.ZTATE_REVOKED_CERT!, keyFile: env.ZTATE_REVOKED_KEY! }));
+  assert.ok(error instanceof IdentityRevoked, String(error));
+  assert.equal(error.reason, "IDENTITY_REVOKED");
+  assert.equal(error.code, Code.Unauthenticated);
+  assert.match(error.hint, /^the service refused our certificate: it is revoked/);
+});
+
+test("an expired certificate is named before any call", { skip: !live }, () => {
+  assert.throws(
+    () => clientWith({ certFile: env.ZTATE_EXPIRED_CERT!, keyFile: env.ZTATE_EXPIRED_KEY! }),
+    (error: unknown) => {
+      assert.ok(error instanceof HandshakeFailed);
+      assert.equal(error.reason, "CERTIFICATE_EXPIRED");
+      assert.match(error.hint, /^the client certificate expired at /);
+      return true;
+    },
+  );
 });
 
 test("a key that is not the certificate's is caught before any call", { skip: !live }, () => {
   assert.throws(
-    () =>
-      ZtateClient.fromFiles({
-        target: env.ZTATE_TARGET!,
-        certFile: env.ZTATE_CERT!,
-        keyFile: env.ZTATE_FOREIGN_KEY!,
-        caFile: env.ZTATE_CA!,
-      }),
-    HandshakeFailed,
+    () => clientWith({ keyFile: env.ZTATE_FOREIGN_KEY! }),
+    (error: unknown) => error instanceof HandshakeFailed && error.reason === "KEY_MISMATCH",
   );
 });
+
+test("a service that is down is unreachable, not a certificate", { skip: !live }, async () => {
+  await assert.rejects(clientWith({ target: env.ZTATE_DOWN_TARGET! }).getView(THREAD), (error: unknown) => {
+    assert.ok(error instanceof Unreachable, String(error));
+    assert.ok(!(error instanceof HandshakeFailed));
+    assert.equal(error.reason, "UNREACHABLE");
+    assert.equal(error.code, Code.Unavailable);
+    assert.match(error.message, new RegExp(`^the service at ${env.ZTATE_DOWN_TARGET} is unreachable`));
+    return true;
+  });
+});
+
+// --- the runner: watch, handle, propose; never acts on its own commit (issue 14, item 6) ---
+
+test("NodeRunner acts once per change of others and never on its own commit", { skip: !live }, async () => {
+  const thread = env.ZTATE_RUNNER_THREAD!;
+  const planner = clientWith({ certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  const parser = node();
+  const handled: bigint[] = [];
+  let committed!: (step: Step) => void;
+  let firstStep = new Promise<Step>((resolve) => (committed = resolve));
+  const runner = new NodeRunner(
+    planner,
+    thread,
+    (view) => {
+      handled.push(view.version);
+      const requested = view.state.requested_action as { action: string; order_id: string } | undefined;
+      if (requested === undefined) return null;
+      // a naive watch-and-act loop would act again on its own commit: the view it gets
+      // there still holds this requested_action (a planner cannot read its own plan)
+      return { pending_transition: { action: "lookup", order_id: requested.order_id, reason: "looked up" } };
+    },
+    { nodeName: "planner", stopAfter: 2, onStep: (step) => committed(step) },
+  );
+  const running = runner.run();
+  const one = await parser.propose(thread, 0, { requested_action: { action: "lookup", order_id: "R-1" } });
+  assert.ok(one.kind === "committed" && one.transition.version === 1n);
+  const first = await firstStep;
+  assert.equal(first.status, "committed");
+  assert.equal(first.transition?.version, 2n);
+  firstStep = new Promise<Step>((resolve) => (committed = resolve));
+  const two = await parser.propose(thread, 2, { requested_action: { action: "lookup", order_id: "R-2" } });
+  assert.ok(two.kind === "committed" && two.transition.version === 3n);
+  const steps = await running;
+  assert.deepEqual(
+    steps.map((step) => [step.viewVersion, step.status, step.transition?.version]),
+    [
+      [1n, "committed", 2n],
+      [3n, "committed", 4n],
+    ],
+  );
+  assert.deepEqual(handled, [0n, 1n, 3n], "its own commits (2, 4) never reached the handler");
+  assert.equal(runner.seen, 4n);
+  const head = await planner.getView(thread);
+  assert.equal(head.version, 4n, "no extra proposal after its own commits");
+});
+
+// --- the check before acting, end to end: approved through the approval service ---
+
+/** Calls `probe` until it returns a value, within `ms`: a condition with a deadline. */
+async function until<T>(what: string, ms: number, probe: () => Promise<T | undefined>): Promise<T> {
+  const deadline = Date.now() + ms;
+  for (;;) {
+    const found = await probe();
+    if (found !== undefined) return found;
+    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms} ms`);
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+}
+
+test("a risky change approved through the approval service, verified before acting", { skip: !live }, async () => {
+  const target = env.ZTATE_PAIR_TARGET!;
+  const thread = env.ZTATE_APPROVAL_THREAD!;
+  const planner = clientWith({ target, certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  const writer = clientWith({ target, certFile: env.ZTATE_WRITER_CERT!, keyFile: env.ZTATE_WRITER_KEY! });
+  const NEW_USER = "9b2f3c4d-5e6f-4a1b-8c2d-3e4f5a6b7c8d";
+
+  // the planner changes the target user: the policy's risk rule parks it
+  const parked = await planner.propose(thread, 0, { target_user_id: NEW_USER });
+  assert.equal(parked.kind, "parked");
+  assert.ok(parked.kind === "parked");
+
+  // a reviewer approves it on the approval service, over its own mTLS identity
+  const reviewer = createClient(
+    ApprovalService,
+    createGrpcTransport({
+      baseUrl: `https://${env.ZTATE_APPROVAL_SERVICE!}`,
+      nodeOptions: {
+        cert: readFileSync(env.ZTATE_REVIEWER_CERT!),
+        key: readFileSync(env.ZTATE_REVIEWER_KEY!),
+        ca: readFileSync(env.ZTATE_CA!),
+      },
+    }),
+  );
+  const review = await until("the review reaches the approval service", 20_000, async () => {
+    const { reviews } = await reviewer.listReviews({ threadId: thread, status: ReviewStatus.OPEN });
+    return reviews[0];
+  });
+  await reviewer.decide({ digest: review.digest, decision: Decision.APPROVE });
+  const outcome = await planner.waitForOutcome(parked.handle, 30_000);
+  assert.equal(outcome.status, "committed");
+  assert.equal(outcome.transition?.version, 1n);
+
+  // the privileged worker: its view, then the head's checkpoint, then the check
+  const head = await writer.getView(thread);
+  assert.equal(head.version, 1n);
+  assert.match(head.headDigest, /^[0-9a-f]{64}$/, "a read_records node is told the digest");
+  await until("the head is checkpointed", 20_000, async () => {
+    const signed = await writer.getCheckpoint(thread);
+    return signed !== undefined && /"version":1[,}]/.test(new TextDecoder().decode(signed.checkpointJson)) ? signed : undefined;
+  });
+  const keys = {
+    receiptKeys: loadPublicKeys(env.ZTATE_RECEIPT_KEYS!),
+    checkpointKeys: loadPublicKeys(env.ZTATE_CHECKPOINT_KEYS!),
+  };
+  const verified = await writer.verifyHeadBeforeActing({
+    threadId: thread,
+    version: head.version,
+    headDigest: head.headDigest,
+    actingOn: { target_user_id: NEW_USER },
+    ...keys,
+  });
+  assert.equal(verified.version, 1n);
+  assert.equal(verified.digest, head.headDigest);
+  assert.equal(verified.receipt.transition_digest, review.digest, "the receipt binds the reviewed transition");
+  assert.equal(verified.receipt.decision, "approve");
+  assert.equal(verified.checkpoint.version, 1);
+
+  // and what it must refuse: a value the approval did not set, keys it does not trust
+  await assert.rejects(
+    writer.verifyHeadBeforeActing({ threadId: thread, version: 1n, headDigest: head.headDigest, actingOn: { target_user_id: USER_ELSE }, ...keys }),
+    (error: unknown) => error instanceof EvidenceInvalid && error.check === "record.patch",
+  );
+  await assert.rejects(
+    writer.verifyHeadBeforeActing({
+      threadId: thread,
+      version: 1n,
+      headDigest: head.headDigest,
+      actingOn: { target_user_id: NEW_USER },
+      receiptKeys: keys.checkpointKeys,
+      checkpointKeys: keys.checkpointKeys,
+    }),
+    (error: unknown) => error instanceof EvidenceInvalid && error.check.startsWith("receipt."),
+  );
+});
+const USER_ELSE = "00000000-0000-4000-8000-000000000000";

@@ -1,0 +1,375 @@
+"""The console's web application (aiohttp, Jinja2 with autoescaping everywhere).
+
+Security, in one place (docs/console.md):
+
+- It answers only to ``Host: 127.0.0.1:<port>`` (a DNS-rebinding page names another host).
+- The URL printed at start holds a one-time token; the first visit exchanges it for a
+  session cookie (HttpOnly, SameSite=Strict) and the token is dead from then on.
+- Every state-changing request is a POST that must carry the session's CSRF token
+  (synchronizer token, compared in constant time) and come from this origin (``Origin``).
+- Every response has a strict Content-Security-Policy (no inline script, no eval, no
+  framing, forms only to itself), ``nosniff``, ``no-referrer`` and ``no-store``.
+- State values and rejection texts are hostile agent output: the templates escape every
+  value (autoescape, never ``|safe``) and the pages carry no script of their own.
+- Nothing secret is logged: no access log (URLs carry the token), and errors show
+  status, reason and message only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+from aiohttp import web
+
+from ztate.services.console.backend import DIGEST, Backend, CallFailed
+from ztate.services.console.verification import VerifyResult, run_verify
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+    "Pragma": "no-cache",
+    "X-Frame-Options": "DENY",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+}
+LOG = logging.getLogger("ztate.console")
+MAX_THREAD_ID = 256
+MAX_FORM_BYTES = 16 * 1024
+STATIC = Path(__file__).with_name("static")
+REVIEW_STATUSES = ("open", "approved", "rejected", "expired")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Guard:
+    """The one-time token and the sessions it opened (in memory: a restart logs out)."""
+
+    port: int
+    token: str | None = field(default_factory=lambda: secrets.token_urlsafe(32))
+    sessions: dict[str, str] = field(default_factory=dict)  # session id -> CSRF token
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def cookie(self) -> str:
+        """The session cookie's name: cookies do not tell ports apart, consoles do."""
+        return f"ztate_console_{self.port}"
+
+    @property
+    def origin(self) -> str:
+        return f"http://{self.host}"
+
+    def exchange(self, offered: str) -> str | None:
+        """A new session id for the one-time token (once), else None."""
+        token = self.token
+        if token is None or not hmac.compare_digest(offered.encode(), token.encode()):
+            return None
+        self.token = None  # dead from now on, used or not by this browser
+        session = secrets.token_urlsafe(32)
+        self.sessions[session] = secrets.token_urlsafe(32)
+        return session
+
+    def csrf_of(self, request: web.Request) -> str | None:
+        """The CSRF token of the request's session, or None without a valid session."""
+        session = request.cookies.get(self.cookie, "")
+        for known, csrf in self.sessions.items():
+            if hmac.compare_digest(session.encode(), known.encode()):
+                return csrf
+        return None
+
+
+@dataclass
+class Console:
+    backend: Backend
+    guard: Guard
+    bundle: Path | None = None
+    last_verify: VerifyResult | None = None
+    verifying: asyncio.Lock = field(default_factory=asyncio.Lock)  # one run at a time
+
+
+CONSOLE = web.AppKey("console", Console)
+
+
+@functools.cache
+def _templates() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("ztate.services.console", "templates"),
+        autoescape=True,  # every template, every value
+        undefined=jinja2.StrictUndefined,
+    )
+
+
+def refused(status: int, title: str, text: str) -> web.Response:
+    body = _templates().get_template("refused.html").render(title=title, text=text)
+    return web.Response(status=status, text=body, content_type="text/html", charset="utf-8")
+
+
+@web.middleware
+async def security_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        exc.headers.update(HEADERS)  # a 404 of the router or of a handler
+        raise
+    except Exception as exc:
+        # the type only: a message could hold a hostile value or a path
+        LOG.error("console page %s failed: %s", request.method, type(exc).__name__)
+        response = refused(500, "Internal error", "The console failed on this page.")
+    for name, value in HEADERS.items():
+        response.headers[name] = value
+    return response
+
+
+def same_origin(request: web.Request, guard: Guard) -> bool:
+    """Whether a POST comes from the console's own pages.
+
+    ``Origin`` must be this origin. Under ``Referrer-Policy: no-referrer`` Chromium sends
+    ``Origin: null`` for a form post; then ``Sec-Fetch-Site`` (set by the browser, which no
+    page can forge) must say ``same-origin``. Any other ``Sec-Fetch-Site`` is refused.
+    """
+    origin = request.headers.get("Origin")
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    if fetch_site is not None and fetch_site != "same-origin":
+        return False
+    if origin == guard.origin:
+        return True
+    return origin == "null" and fetch_site == "same-origin"
+
+
+def guard_middleware(guard: Guard) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.headers.get("Host") != guard.host:
+            return refused(421, "Wrong host", f"The console answers only to {guard.host}.")
+        if request.path.startswith("/static/"):
+            return await handler(request)
+        if request.path == "/" and "token" in request.query:
+            return await handler(request)  # the exchange checks it
+        csrf = guard.csrf_of(request)
+        if csrf is None:
+            return refused(
+                401,
+                "Not signed in",
+                "Open the URL that ztate console printed (its token works once), "
+                "or restart ztate console for a new one.",
+            )
+        if request.method not in ("GET", "HEAD"):
+            if request.method != "POST":
+                return refused(405, "Method not allowed", "Only GET and POST are served.")
+            if not same_origin(request, guard):
+                return refused(403, "Cross-origin request refused", "Nothing was done.")
+            form = await request.post()
+            offered = form.get("csrf")
+            if not isinstance(offered, str) or not hmac.compare_digest(
+                offered.encode(), csrf.encode()
+            ):
+                return refused(
+                    403, "CSRF token missing or wrong", "The form was refused; nothing was done."
+                )
+        return await handler(request)
+
+    return check
+
+
+def _page(request: web.Request, template: str, code: int = 200, **values: Any) -> web.Response:
+    console: Console = request.app[CONSOLE]
+    body = (
+        _templates()
+        .get_template(template)
+        .render(csrf=console.guard.csrf_of(request) or "", bundle=console.bundle, **values)
+    )
+    return web.Response(status=code, text=body, content_type="text/html", charset="utf-8")
+
+
+def _see(location: str) -> web.Response:
+    return web.Response(status=303, headers={"Location": location})
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    guard: Guard = request.app[CONSOLE].guard
+    if "token" in request.query:
+        if guard.csrf_of(request) is not None:
+            return _see("/reviews")  # already signed in (the token was spent here)
+        session = guard.exchange(request.query["token"])
+        if session is None:
+            return refused(
+                403,
+                "Token refused",
+                "This token is wrong or was already used. Restart ztate console for a new one.",
+            )
+        response = _see("/reviews")
+        response.set_cookie(guard.cookie, session, httponly=True, samesite="Strict", path="/")
+        return response
+    return _see("/reviews")
+
+
+async def reviews(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    status = request.query.get("status", "open")
+    if status not in REVIEW_STATUSES:
+        status = "open"
+    try:
+        rows = await console.backend.reviews(status)
+    except CallFailed as failed:
+        return _page(request, "reviews.html", 502, status=status, rows=[], error=failed)
+    return _page(request, "reviews.html", status=status, rows=rows, error=None)
+
+
+def _digest(request: web.Request) -> str:
+    digest = request.match_info["digest"]
+    if not DIGEST.fullmatch(digest):
+        raise web.HTTPNotFound(text="not a transition digest")
+    return digest
+
+
+async def review(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    digest = _digest(request)
+    decided = request.query.get("decided")
+    try:
+        found = await console.backend.review(digest)
+    except CallFailed as failed:
+        return _page(
+            request, "review.html", 502, digest=digest, review=None, error=failed, decided=None
+        )
+    return _page(
+        request,
+        "review.html",
+        digest=digest,
+        review=found,
+        error=None,
+        decided=decided if decided in ("approve", "reject") else None,
+    )
+
+
+async def decide(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    digest = _digest(request)
+    form = await request.post()
+    decision = form.get("decision")
+    if form.get("digest") != digest or decision not in ("approve", "reject"):
+        return refused(
+            400, "Decision refused", "The form does not name this digest; nothing was decided."
+        )
+    try:
+        await console.backend.decide(digest, str(decision))
+    except CallFailed as failed:
+        try:
+            found: dict[str, Any] | None = await console.backend.review(digest)
+        except CallFailed:
+            found = None
+        return _page(
+            request,
+            "review.html",
+            403 if failed.code == "PERMISSION_DENIED" else 409,
+            digest=digest,
+            review=found,
+            error=failed,
+            decided=None,
+        )
+    return _see(f"/reviews/{digest}?decided={decision}")
+
+
+async def threads(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    wanted = _thread_id(request.query.get("thread"))
+    if wanted is not None:
+        return _see(f"/threads/{quote(wanted, safe='')}")
+    try:
+        rows = await console.backend.threads()
+    except CallFailed as failed:
+        return _page(request, "threads.html", 502, rows=[], error=failed)
+    return _page(request, "threads.html", rows=rows, error=None)
+
+
+def _thread_id(text: str | None) -> str | None:
+    if text is None or text == "":
+        return None
+    if len(text) > MAX_THREAD_ID or not text.isprintable():
+        raise web.HTTPNotFound(text="not a thread id")
+    return text
+
+
+async def thread(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    thread_id = _thread_id(request.match_info["thread_id"])
+    assert thread_id is not None
+    try:
+        rows = await console.backend.timeline(thread_id)
+        refusals = await console.backend.rejections(thread_id)
+    except CallFailed as failed:
+        return _page(
+            request, "thread.html", 502, thread_id=thread_id, rows=[], refusals=[], error=failed
+        )
+    return _page(
+        request, "thread.html", thread_id=thread_id, rows=rows, refusals=refusals, error=None
+    )
+
+
+async def rejections(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    thread_id = _thread_id(request.query.get("thread"))
+    try:
+        rows = await console.backend.rejections(thread_id)
+    except CallFailed as failed:
+        return _page(request, "rejections.html", 502, thread_id=thread_id, rows=[], error=failed)
+    return _page(request, "rejections.html", thread_id=thread_id, rows=rows, error=None)
+
+
+async def verify_page(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    return _page(request, "verify.html", result=console.last_verify, error=None)
+
+
+async def verify_run(request: web.Request) -> web.StreamResponse:
+    console: Console = request.app[CONSOLE]
+    form = await request.post()
+    offered = form.get("thread")
+    thread_id = _thread_id(offered if isinstance(offered, str) else None)
+    async with console.verifying:
+        console.last_verify = await run_verify(console.bundle, thread_id)
+    return _see("/verify")
+
+
+def make_app(backend: Backend, port: int, *, bundle: Path | None = None) -> web.Application:
+    """The console for ``backend``, answering at 127.0.0.1:``port``."""
+    guard = Guard(port)
+    app = web.Application(
+        middlewares=[security_headers, guard_middleware(guard)], client_max_size=MAX_FORM_BYTES
+    )
+    app[CONSOLE] = Console(backend, guard, bundle)
+    app.router.add_get("/", index)
+    app.router.add_get("/reviews", reviews)
+    app.router.add_get(r"/reviews/{digest}", review)
+    app.router.add_post(r"/reviews/{digest}/decide", decide)
+    app.router.add_get("/threads", threads)
+    app.router.add_get(r"/threads/{thread_id}", thread)
+    app.router.add_get("/rejections", rejections)
+    app.router.add_get("/verify", verify_page)
+    app.router.add_post("/verify", verify_run)
+    app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
+    return app
+
+
+def guard_of(app: web.Application) -> Guard:
+    console: Console = app[CONSOLE]
+    return console.guard

@@ -1,0 +1,230 @@
+"""The console's HTTP guard without a browser or a service: the token, the session,
+CSRF, the origin and Host checks, and the headers on every answer, including refusals.
+
+The backend here records the calls the pages make (it stands for the gRPC services, which
+the browser test, tests/integration/test_console_browser.py, runs for real), so each
+refusal can assert that nothing was called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import ClientSession, CookieJar, web
+
+from ztate.services.console.app import CSP, Guard, guard_of, make_app
+from ztate.services.console.backend import Backend, Identity
+
+DIGEST = "ab" * 32
+NOBODY = Identity("127.0.0.1:1", Path("none"), Path("none"), Path("none"))
+
+
+class Recording(Backend):
+    """Pages' calls recorded; a decision answers as an approved review would."""
+
+    def __init__(self) -> None:
+        super().__init__(NOBODY, NOBODY)
+        self.calls: list[tuple[str, Any]] = []
+
+    async def reviews(self, status: str) -> list[dict[str, Any]]:
+        self.calls.append(("reviews", status))
+        return []
+
+    async def decide(self, digest: str, decision: str) -> dict[str, Any]:
+        self.calls.append(("decide", (digest, decision)))
+        return {}
+
+
+class Running:
+    def __init__(self, backend: Recording, guard: Guard, session: ClientSession) -> None:
+        self.backend, self.guard, self.session = backend, guard, session
+
+    @property
+    def base(self) -> str:
+        return self.guard.origin
+
+    async def sign_in(self) -> str:
+        """Exchange the token; the Set-Cookie header it answered with."""
+        assert self.guard.token is not None
+        async with self.session.get(
+            f"{self.base}/?token={self.guard.token}", allow_redirects=False
+        ) as got:
+            assert (got.status, got.headers["Location"]) == (303, "/reviews")
+            return got.headers["Set-Cookie"]
+
+    async def post(self, path: str, form: dict[str, str], **headers: str) -> tuple[int, str]:
+        async with self.session.post(
+            f"{self.base}{path}", data=form, headers=headers, allow_redirects=False
+        ) as got:
+            return got.status, await got.text()
+
+
+@pytest_asyncio.fixture
+async def console() -> AsyncIterator[Running]:
+    backend = Recording()
+    app = make_app(backend, 0)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    assert site._server is not None
+    guard = guard_of(app)
+    guard.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
+        yield Running(backend, guard, session)
+    await runner.cleanup()
+
+
+def csrf_of(console: Running) -> str:
+    [csrf] = console.guard.sessions.values()
+    return csrf
+
+
+async def test_the_token_opens_one_session_once(console: Running) -> None:
+    token = console.guard.token
+    assert token is not None
+    assert len(token) >= 43  # 256 bits, URL-safe base64
+    async with console.session.get(f"{console.base}/reviews") as got:
+        assert got.status == 401
+    async with console.session.get(f"{console.base}/?token=x{token[1:]}") as got:
+        assert (got.status, console.guard.token) == (403, token)  # a wrong one spends nothing
+    cookie = await console.sign_in()
+    assert console.guard.token is None
+    [session] = console.guard.sessions
+    assert cookie.startswith(f"{console.guard.cookie}={session};")
+    assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= {a.strip() for a in cookie.split(";")}
+    async with (
+        ClientSession(cookie_jar=CookieJar(unsafe=True)) as other,
+        other.get(f"{console.base}/?token={token}") as got,
+    ):
+        assert got.status == 403
+        assert "Token refused" in await got.text()
+    assert len(console.guard.sessions) == 1
+
+
+@pytest.mark.parametrize(
+    ("headers", "why"),
+    [
+        ({}, "no Origin, no Sec-Fetch-Site"),
+        ({"Origin": "http://evil.example"}, "another origin"),
+        ({"Origin": "null"}, "null origin without Sec-Fetch-Site"),
+        ({"Origin": "null", "Sec-Fetch-Site": "cross-site"}, "cross-site"),
+        ({"Origin": "ORIGIN", "Sec-Fetch-Site": "same-site"}, "a sibling site"),
+    ],
+)
+async def test_a_post_from_elsewhere_decides_nothing(
+    console: Running, headers: dict[str, str], why: str
+) -> None:
+    await console.sign_in()
+    headers = {k: v.replace("ORIGIN", console.base) for k, v in headers.items()}
+    form = {"csrf": csrf_of(console), "digest": DIGEST, "decision": "approve"}
+    status, text = await console.post(f"/reviews/{DIGEST}/decide", form, **headers)
+    assert (status, "Cross-origin request refused" in text) == (403, True), why
+    assert console.backend.calls == []
+
+
+async def test_the_csrf_token_is_required_and_compared(console: Running) -> None:
+    await console.sign_in()
+    path = f"/reviews/{DIGEST}/decide"
+    for form in (
+        {"digest": DIGEST, "decision": "approve"},
+        {"csrf": "", "digest": DIGEST, "decision": "approve"},
+        {"csrf": csrf_of(console)[:-1] + "_", "digest": DIGEST, "decision": "approve"},
+    ):
+        status, text = await console.post(path, form, Origin=console.base)
+        assert (status, "CSRF token missing or wrong" in text) == (403, True)
+    assert console.backend.calls == []
+    # with it, from this origin (or null with same-origin, as Chromium sends): decided
+    form = {"csrf": csrf_of(console), "digest": DIGEST, "decision": "approve"}
+    status, _ = await console.post(path, form, Origin=console.base)
+    assert status == 303
+    status, _ = await console.post(
+        path, form, **{"Origin": "null", "Sec-Fetch-Site": "same-origin"}
+    )
+    assert status == 303
+    assert console.backend.calls == [("decide", (DIGEST, "approve"))] * 2
+
+
+async def test_a_decision_must_name_the_page_digest(console: Running) -> None:
+    await console.sign_in()
+    csrf = csrf_of(console)
+    for form in (
+        {"csrf": csrf, "digest": "cd" * 32, "decision": "approve"},
+        {"csrf": csrf, "digest": DIGEST, "decision": "approve-all"},
+        {"csrf": csrf, "decision": "reject"},
+    ):
+        status, text = await console.post(f"/reviews/{DIGEST}/decide", form, Origin=console.base)
+        assert (status, "nothing was decided" in text) == (400, True)
+    status, _ = await console.post(
+        "/reviews/not-hex/decide", {"csrf": csrf, "digest": "not-hex"}, Origin=console.base
+    )
+    assert status == 404
+    assert console.backend.calls == []
+
+
+async def test_another_host_is_refused_and_every_answer_has_the_headers(
+    console: Running,
+) -> None:
+    await console.sign_in()
+    for host, status in (
+        (f"localhost:{console.guard.port}", 421),
+        (f"rebind.example:{console.guard.port}", 421),
+        (f"127.0.0.1:{console.guard.port}", 200),
+    ):
+        async with console.session.get(f"{console.base}/reviews", headers={"Host": host}) as got:
+            assert got.status == status
+            assert got.headers["Content-Security-Policy"] == CSP
+            assert got.headers["X-Content-Type-Options"] == "nosniff"
+            assert got.headers["Referrer-Policy"] == "no-referrer"
+            assert got.headers["Cache-Control"] == "no-store"
+            assert got.headers["X-Frame-Options"] == "DENY"
+    assert console.backend.calls == [("reviews", "open")]
+    for path in ("/static/console.css", "/no-such-page", f"/threads/{'x' * 300}"):
+        async with console.session.get(f"{console.base}{path}") as got:
+            assert got.headers["Content-Security-Policy"] == CSP, path
+    async with console.session.get(f"{console.base}/static/console.css") as got:
+        assert (got.status, got.content_type) == (200, "text/css")
+    async with console.session.get(f"{console.base}/static/../app.py") as got:
+        assert got.status in (403, 404)
+
+
+async def test_a_large_form_is_refused(console: Running) -> None:
+    await console.sign_in()
+    form = {"csrf": csrf_of(console), "digest": DIGEST, "padding": "x" * 100_000}
+    status, _ = await console.post(f"/reviews/{DIGEST}/decide", form, Origin=console.base)
+    assert status == 413
+    assert console.backend.calls == []
+
+
+def test_the_command_refuses_unreadable_credentials(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ztate.services.cli.main import main
+
+    monkeypatch.setenv("ZTATE_HOME", str(tmp_path))
+    assert main(["console", "--port", "0"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("ztate console: cannot read ")
+    assert str(tmp_path / "certs" / "operator-admin.crt") in said
+    assert str(tmp_path / "certs" / "reviewer-alice.key") in said
+
+
+async def test_a_verification_that_cannot_run_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Verify page's run is ``ztate verify --json``: here without a keyring (exit 2),
+    shown as "could not run" with the verifier's own words."""
+    from ztate.services.console.verification import run_verify
+
+    monkeypatch.setenv("ZTATE_HOME", str(tmp_path / "home"))
+    for name in ("ZTATE_HMAC_KEYRING", "ZTATE_HMAC_KEYRING_FILE", "DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "bundle").mkdir()
+    result = await run_verify(tmp_path / "bundle", "t-1")
+    assert (result.exit_code, result.verdict, result.summary) == (2, "could not run", None)
+    assert result.error is not None
+    assert result.error.startswith("ztate verify: cannot verify:")

@@ -1,0 +1,119 @@
+"""The conformance suite for ledger verifiers (tests/vectors/ledger/): ``ztate verify``
+on every named bundle gives exactly the exit code and findings ``expected.json``
+names, and the generator rebuilds every byte of the suite.
+
+Another implementation runs the same folders with the same key files and compares
+its findings the same way (docs/verification.md, "Conformance suite")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vectors import generate_ledger_cases
+
+pytestmark = pytest.mark.unit
+
+SUITE = Path(__file__).resolve().parents[1] / "vectors" / "ledger"
+EXPECTED: dict[str, Any] = json.loads((SUITE / "expected.json").read_text())["cases"]
+ZTATE = str(Path(sys.executable).with_name("ztate"))
+
+
+def arguments(name: str) -> list[str]:
+    case = EXPECTED[name]
+    keys = SUITE / "keys"
+    args = ["verify", "--bundle", str(SUITE / "cases" / name)]
+    if "--public-only" not in case["args"]:
+        args += ["--keyring", str(keys / "hmac-keyring.json")]
+    args += [
+        "--approval-keys",
+        str(keys / "approval-public.json"),
+        "--checkpoint-keys",
+        str(keys / "checkpoint-public.json"),
+        "--policy",
+        str(SUITE / "policy.yaml"),
+        "--json",
+        *case["args"],
+    ]
+    return args
+
+
+def findings_of(stdout: str) -> list[list[Any]]:
+    """Each thread's findings in order, then those of no thread sorted by check: what
+    two implementations must agree on."""
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert lines[-1]["type"] == "summary"
+    found = [[f["thread_id"], f["version"], f["check"]] for f in lines if f["type"] == "finding"]
+    by_thread = sorted((f for f in found if f[0] is not None), key=lambda f: f[0])  # stable
+    return by_thread + sorted((f for f in found if f[0] is None), key=lambda f: f[2])
+
+
+@pytest.fixture
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No configuration but the command line: a fresh home, no ZTATE_* variables."""
+    for name in list(os.environ):
+        if name.startswith("ZTATE_") or name == "DATABASE_URL":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ZTATE_HOME", str(tmp_path / "home"))
+
+
+def test_the_suite_names_every_way_to_be_wrong_the_issue_lists() -> None:
+    assert {
+        "clean",
+        "state",
+        "patch",
+        "node-id",
+        "parent",
+        "signature-bit",
+        "deleted",
+        "forked",
+        "swapped",
+        "replaced-receipt",
+        "expired-receipt",
+        "wrong-key-id",
+        "rewrite-without-key",
+        "rewrite-with-key",
+        "non-canonical",
+        "role-kind",
+        "manifest-rewritten",
+    } <= set(EXPECTED)
+    assert sorted(p.name for p in (SUITE / "cases").iterdir()) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_ztate_verify_reports_exactly_the_expected_findings(
+    name: str, isolated: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ztate.services.cli.verify import main
+
+    code = main(arguments(name))
+    out = capsys.readouterr().out
+    assert (code, findings_of(out)) == (EXPECTED[name]["exit"], EXPECTED[name]["findings"])
+
+
+def test_the_installed_command_agrees_on_a_clean_and_a_tampered_case(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    env["ZTATE_HOME"] = str(tmp_path / "home")
+    for name in ("clean", "rewrite-with-key"):
+        done = subprocess.run(
+            [ZTATE, *arguments(name)], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert (done.returncode, findings_of(done.stdout)) == (
+            EXPECTED[name]["exit"],
+            EXPECTED[name]["findings"],
+        ), done.stderr
+
+
+def test_the_generator_rebuilds_every_byte(tmp_path: Path) -> None:
+    rebuilt = tmp_path / "ledger"
+    generate_ledger_cases.write(rebuilt)
+    committed = sorted(p.relative_to(SUITE) for p in SUITE.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(rebuilt) for p in rebuilt.rglob("*") if p.is_file()) == committed
+    for path in committed:
+        assert (rebuilt / path).read_bytes() == (SUITE / path).read_bytes(), path

@@ -1,0 +1,461 @@
+"""Node isolation: each node of a LangGraph ``StateGraph`` a ztate worker of its own.
+
+``isolate(builder, workers, target=..., operator=...)`` returns an ``IsolatedGraph``: the
+same graph (its schema, edges and routing) whose nodes run in separate processes
+(``python -m ztate.langgraph.worker``), one per node, each with its own certificate.
+In the graph run, a node's step is: its worker reads its view of the ztate thread (the
+projection its policy allows, not the graph's whole state), calls the node's function
+with it, and proposes the returned update under its own identity. What the ledger
+committed (the record's patch, read back by the operator) is what the graph run's
+state receives, so LangGraph's channels follow the ztate thread's keys.
+
+* A refused update (``KEY_NOT_WRITABLE``, a schema or an invariant violation, ...)
+  stops the run with ``NodeUpdateRefused`` naming the node, the reason and the keys;
+  nothing was committed and the service wrote a rejection row.
+* An update that matches a risk rule is parked: ``on_parked`` is called with
+  ``Parked`` (the handle a reviewer's decision is waited on) and the run blocks until
+  it is decided, up to ``approval_wait`` seconds. Approved, it commits and the run
+  continues; otherwise ``NodeUpdateNotApproved``.
+
+LangGraph thread = ztate thread: ``config["configurable"]["thread_id"]`` is the ztate
+thread id; channels = keys: every channel of the state schema must be a last-value
+channel (a patch sets a key; reducers do not exist in ztate). The graph's ``input`` is
+the thread's initial state, created by ``operator`` under ``policy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import inspect
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.channels.last_value import LastValue
+from langgraph.graph import StateGraph
+
+from ztate.worker_sdk import ZtateClient
+
+WORKER_MODULE = "ztate.langgraph.worker"
+# what a worker process inherits of this one's environment (never credentials)
+INHERITED_ENV = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
+START_TIMEOUT_SECONDS = 60.0  # from spawning a worker to its "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeWorker:
+    """The ztate identity a graph node runs under: ``identity`` is the node's name in the
+    policy (``spiffe://<domain>/node/<identity>``), ``cert``/``key``/``ca`` its files.
+    ``function`` is ``module:function``; by default, the graph node's own function
+    (which must then be importable: a module-level function)."""
+
+    identity: str
+    cert: Path | str
+    key: Path | str
+    ca: Path | str
+    function: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    """An update a reviewer must approve before the run goes on."""
+
+    node: str
+    thread_id: str
+    handle: str
+    base_version: int
+    digest: str
+    risk_rules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStep:
+    """What one node step became: ``seen`` the keys its view held, ``status`` one of
+    "committed", "noop" (it returned no update), "refused", "failed" or an
+    approval's outcome ("rejected", "expired", "stale", "pending")."""
+
+    node: str
+    thread_id: str
+    status: str
+    seen: tuple[str, ...]
+    version: int | None = None
+    keys: tuple[str, ...] = ()
+    reason: str | None = None
+
+
+class IsolationError(Exception):
+    """A node step of an isolated graph did not commit."""
+
+
+class NodeUpdateRefused(IsolationError):
+    """The control plane refused a node's update: nothing was committed, and the
+    refusal is in the rejections ledger."""
+
+    def __init__(self, node: str, reason: str, keys: tuple[str, ...], message: str) -> None:
+        named = f" (keys: {', '.join(keys)})" if keys else ""
+        super().__init__(f"node {node!r}: update refused, {reason}{named}: {message}")
+        self.node = node
+        self.reason = reason
+        self.keys = keys
+
+
+class NodeUpdateNotApproved(IsolationError):
+    """A node's update was parked for approval and not committed (``status``: rejected,
+    expired, stale, refused, or pending when ``approval_wait`` ran out)."""
+
+    def __init__(self, node: str, status: str) -> None:
+        super().__init__(f"node {node!r}: update parked for approval and not committed: {status}")
+        self.node = node
+        self.status = status
+
+
+class NodeFailed(IsolationError):
+    """A node's worker failed (its function raised, or it could not reach ztate)."""
+
+    def __init__(self, node: str, reason: str, message: str) -> None:
+        super().__init__(f"node {node!r} failed: {reason}: {message}")
+        self.node = node
+        self.reason = reason
+
+
+OnParked = Callable[[Parked], Awaitable[None] | None]
+
+
+def function_spec(function: Any) -> str:
+    """``module:qualname`` of a module-level function (what a worker process imports)."""
+    module = getattr(function, "__module__", None)
+    name = getattr(function, "__qualname__", "")
+    if not module or not name or "<" in name:
+        raise ValueError(
+            f"{function!r} is not a module-level function: give NodeWorker(function=...)"
+        )
+    if module == "__main__":
+        raise ValueError(
+            f"{name} is defined in __main__, which a worker process cannot import: move it "
+            "to a module or give NodeWorker(function='module:function')"
+        )
+    return f"{module}:{name}"
+
+
+def _node_function(builder: StateGraph[Any], name: str) -> Any:
+    runnable = builder.nodes[name].runnable
+    for attribute in ("func", "afunc"):
+        found = getattr(runnable, attribute, None)
+        if found is not None:
+            return found
+    raise ValueError(f"node {name!r} is not a function: give NodeWorker(function=...)")
+
+
+class _Worker:
+    """One worker process and its protocol; one step at a time."""
+
+    def __init__(self, node: str, worker: NodeWorker, spec: str) -> None:
+        self.node = node
+        self.worker = worker
+        self.spec = spec
+        self.process: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+        self._steps = 0
+
+    async def start(
+        self, target: str, server_name: str | None, cwd: Path, extra: dict[str, str]
+    ) -> None:
+        env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
+        env |= extra
+        env |= {
+            "ZTATE_WORKER_TARGET": target,
+            "ZTATE_WORKER_CERT": str(self.worker.cert),
+            "ZTATE_WORKER_KEY": str(self.worker.key),
+            "ZTATE_WORKER_CA": str(self.worker.ca),
+        }
+        if server_name:
+            env["ZTATE_WORKER_SERVER_NAME"] = server_name
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            WORKER_MODULE,
+            self.worker.identity,
+            self.spec,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            limit=16 * 1024 * 1024,
+        )
+        try:
+            ready = await asyncio.wait_for(self._read(), START_TIMEOUT_SECONDS)
+        except TimeoutError:
+            raise NodeFailed(
+                self.node, "WORKER_START", f"not ready within {START_TIMEOUT_SECONDS:g} s"
+            ) from None
+        if ready.get("event") != "ready":
+            raise NodeFailed(self.node, "PROTOCOL", f"unexpected first message {ready!r}")
+
+    async def _read(self) -> dict[str, Any]:
+        assert self.process is not None
+        assert self.process.stdout is not None
+        try:
+            line = await self.process.stdout.readline()
+        except ValueError:  # a line over the stream's limit
+            raise NodeFailed(self.node, "PROTOCOL", "the worker sent an oversized line") from None
+        if not line:
+            code = await self.process.wait()
+            raise NodeFailed(
+                self.node,
+                "WORKER_EXITED",
+                f"the worker process of {self.worker.identity!r} exited with code {code} "
+                "(its standard error says why)",
+            )
+        try:
+            message = json.loads(line)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            raise NodeFailed(self.node, "PROTOCOL", "the worker sent a line that is not a message")
+        return message
+
+    async def step(
+        self, thread_id: str, approval_wait: float, on_parked: OnParked | None
+    ) -> dict[str, Any]:
+        assert self.process is not None
+        assert self.process.stdin is not None
+        async with self._lock:
+            # a step abandoned by a cancelled run may still answer: its replies carry
+            # its own id, and are skipped
+            self._steps += 1
+            request = {"id": self._steps, "thread_id": thread_id, "approval_wait": approval_wait}
+            try:
+                self.process.stdin.write(json.dumps(request).encode() + b"\n")
+                await self.process.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                raise NodeFailed(
+                    self.node,
+                    "WORKER_EXITED",
+                    f"the worker process exited ({self.process.returncode})",
+                ) from None
+            while True:
+                message = await self._read()
+                if message.get("id") != self._steps:
+                    continue
+                if message.get("event") == "parked":
+                    if on_parked is not None:
+                        parked = Parked(
+                            self.node,
+                            thread_id,
+                            str(message["handle"]),
+                            int(message["base_version"]),
+                            str(message.get("digest", "")),
+                            tuple(message.get("risk_rules", ())),
+                        )
+                        called = on_parked(parked)
+                        if inspect.isawaitable(called):
+                            await called
+                    continue
+                return message
+
+    async def stop(self, grace: float = 5.0) -> None:
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            await asyncio.wait_for(process.wait(), grace)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+@dataclass
+class IsolatedGraph:
+    """A graph whose nodes run as ztate workers; use it as an async context manager
+    (the worker processes start on entry and stop on exit)."""
+
+    builder: StateGraph[Any]
+    workers: Mapping[str, NodeWorker]
+    target: str
+    operator: ZtateClient
+    policy: str = ""
+    server_name: str | None = None
+    approval_wait: float = 300.0
+    on_parked: OnParked | None = None
+    cwd: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    compile_options: Mapping[str, Any] = field(default_factory=dict)
+    steps: list[NodeStep] = field(default_factory=list)
+    _processes: dict[str, _Worker] = field(default_factory=dict, init=False, repr=False)
+    _graph: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        nodes = set(self.builder.nodes)
+        if set(self.workers) != nodes:
+            missing, unknown = nodes - set(self.workers), set(self.workers) - nodes
+            raise ValueError(
+                f"one NodeWorker per graph node: missing {sorted(missing)}, "
+                f"unknown {sorted(unknown)}"
+            )
+        reducers = [
+            name
+            for name, channel in self.builder.channels.items()
+            if not isinstance(channel, LastValue)
+        ]
+        if reducers:
+            raise ValueError(
+                f"channels {sorted(reducers)} have reducers: under ztate a channel is a key "
+                "that a patch sets (last value), so reducers are not supported"
+            )
+        for name, worker in self.workers.items():
+            spec = worker.function or function_spec(_node_function(self.builder, name))
+            self._processes[name] = _Worker(name, worker, spec)
+        self._graph = self._compile()
+
+    def _compile(self) -> Any:
+        proxies: StateGraph[Any] = StateGraph(self.builder.state_schema)
+        for name in self.builder.nodes:
+            proxies.add_node(name, self._proxy(name))
+        isolated = copy.copy(self.builder)
+        isolated.nodes = {
+            name: dataclasses.replace(spec, runnable=proxies.nodes[name].runnable)
+            for name, spec in self.builder.nodes.items()
+        }
+        return isolated.compile(**dict(self.compile_options))
+
+    def _proxy(self, name: str) -> Callable[..., Awaitable[dict[str, Any]]]:
+        async def run_in_worker(state: Any, config: RunnableConfig) -> dict[str, Any]:
+            del state  # the worker reads its own projection from ztate
+            return await self._step(name, _thread_of(config))
+
+        run_in_worker.__name__ = f"ztate_{name}"
+        return run_in_worker
+
+    async def _step(self, name: str, thread_id: str) -> dict[str, Any]:
+        reply = await self._processes[name].step(thread_id, self.approval_wait, self.on_parked)
+        status = str(reply.get("status"))
+        keys = tuple(str(k) for k in reply.get("keys", ()))
+        reason = reply.get("reason")
+        self.steps.append(
+            NodeStep(
+                name,
+                thread_id,
+                status,
+                tuple(reply.get("seen", ())),
+                reply.get("version"),
+                keys,
+                reason,
+            )
+        )
+        if status == "noop":
+            return {}
+        if status == "committed":
+            committed = await self.operator.get_transition(
+                thread_id=thread_id, version=int(reply["version"])
+            )
+            identity = self.workers[name].identity
+            if committed.node_id.rpartition("/node/")[2] != identity:
+                raise NodeFailed(
+                    name,
+                    "PROTOCOL",
+                    f"version {committed.version} of {thread_id} was not committed by {identity!r}",
+                )
+            patch: dict[str, Any] = committed.record["patch"]
+            return patch
+        if status == "refused" and reason:
+            raise NodeUpdateRefused(name, str(reason), keys, str(reply.get("message", "")))
+        if status == "failed":
+            raise NodeFailed(name, str(reason), str(reply.get("message", "")))
+        raise NodeUpdateNotApproved(name, status)
+
+    async def __aenter__(self) -> IsolatedGraph:
+        cwd = self.cwd or Path.cwd()
+        try:
+            await asyncio.gather(
+                *(
+                    worker.start(self.target, self.server_name, cwd, dict(self.env))
+                    for worker in self._processes.values()
+                )
+            )
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every worker process (their input closes; killed after a grace period)."""
+        await asyncio.gather(*(worker.stop() for worker in self._processes.values()))
+
+    @property
+    def graph(self) -> Any:
+        """The compiled graph whose nodes are the workers."""
+        return self._graph
+
+    def pids(self) -> dict[str, int]:
+        """The worker process of each node."""
+        return {
+            name: worker.process.pid
+            for name, worker in self._processes.items()
+            if worker.process is not None
+        }
+
+    async def ainvoke(
+        self, input: Mapping[str, Any] | None, config: RunnableConfig, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Run the graph on ztate thread ``config["configurable"]["thread_id"]``:
+        ``input`` is the initial state of a new thread (created by the operator); with
+        ``None`` the thread exists and the run starts from its head."""
+        thread_id = _thread_of(config)
+        if input is not None:
+            await self.operator.create_thread(thread_id, dict(input), policy=self.policy)
+            start: dict[str, Any] = dict(input)
+        else:
+            start = (await self.operator.get_view(thread_id)).state
+        result: dict[str, Any] = await self._graph.ainvoke(start, config, **kwargs)
+        return result
+
+
+def _thread_of(config: RunnableConfig) -> str:
+    thread_id = (config.get("configurable") or {}).get("thread_id")
+    if not isinstance(thread_id, str) or not thread_id:
+        raise ValueError('an isolated graph runs on config["configurable"]["thread_id"]')
+    return thread_id
+
+
+def isolate(
+    builder: StateGraph[Any],
+    workers: Mapping[str, NodeWorker],
+    *,
+    target: str,
+    operator: ZtateClient,
+    **options: Any,
+) -> IsolatedGraph:
+    """Run ``builder``'s nodes as ztate workers (see ``IsolatedGraph``): ``workers``
+    names each graph node's identity and certificate."""
+    return IsolatedGraph(builder, workers, target, operator, **options)
+
+
+__all__ = [
+    "IsolatedGraph",
+    "IsolationError",
+    "NodeFailed",
+    "NodeStep",
+    "NodeUpdateNotApproved",
+    "NodeUpdateRefused",
+    "NodeWorker",
+    "Parked",
+    "isolate",
+]
