@@ -17,12 +17,19 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import uvloop
 
 from bench import cpu
-from bench.ceiling import echo_once, echo_server, measure_ceiling
+from bench.ceiling import (
+    echo_once,
+    echo_server,
+    measure_ceiling,
+    measure_structural,
+    structural_once,
+    structural_server,
+)
 from bench.end_to_end import health_check, measure_ztate, ztate_service
 from bench.environment import (
     ChildServer,
@@ -41,7 +48,17 @@ from bench.ledger_queries import measure_ledger_queries
 from bench.machine import describe
 from bench.memory import measure_memory
 from bench.pipeline_cpu import CpuTable, measure_pipeline_cpu
-from bench.report import CEILING, FLOOR, LANGGRAPH, ZTATE, Measured, Report, render
+from bench.report import (
+    CEILING,
+    FLOOR,
+    LANGGRAPH,
+    LANGGRAPH_SHARED,
+    STRUCTURAL,
+    ZTATE,
+    Measured,
+    Report,
+    render,
+)
 from bench.verify import measure_verification
 from bench.workload import DEFAULT_POLICY, INITIAL_STATE, WRITTEN_KEY, receipt_patch
 from ztate.contract.keyring import Keyring
@@ -65,10 +82,16 @@ class Options:
     only: str | None = None  # one part of the suite ("verify"), or None for all of it
 
 
+class Window(TypedDict):
+    warmup: float
+    duration: float
+
+
 @dataclass(frozen=True)
 class Servers:
     echo: ChildServer
     ztate: ChildServer
+    structural: ChildServer
 
 
 def parse_args(argv: Sequence[str] | None) -> Options:
@@ -110,6 +133,16 @@ async def start_servers(
     stack: AsyncExitStack, root: Path, database: Database, pki: Pki, keyring_file: Path
 ) -> Servers:
     echo = stack.enter_context(echo_server(pki, root / "echo-server.log"))
+    structural = stack.enter_context(
+        structural_server(
+            pki,
+            root / "structural-server.log",
+            dsn=database.dsn,
+            role=DB_ROLE,
+            pool_size=SERVICE_POOL_SIZE,
+            keyring_file=keyring_file,
+        )
+    )
     ztate = stack.enter_context(
         ztate_service(
             dsn=database.dsn,
@@ -121,7 +154,8 @@ async def start_servers(
     )
     await wait_until_serving(echo, lambda: echo_once(echo.target, pki.worker))
     await wait_until_serving(ztate, lambda: health_check(ztate.target, pki.operator))
-    return Servers(echo, ztate)
+    await wait_until_serving(structural, lambda: structural_once(structural.target, pki.worker))
+    return Servers(echo, ztate, structural)
 
 
 async def measure_at(
@@ -135,12 +169,13 @@ async def measure_at(
     patch_json: bytes,
     state: dict[str, Any],
 ) -> list[Measured]:
-    """Floor, ceiling and ztate at one concurrency, one after the other."""
+    """Floor, ceiling, structural ceiling, ztate and LangGraph (a saver per worker, then
+    one shared saver) at one concurrency, one after the other."""
     client = {"client": cpu.this_process()}
     postgres = (
         {"postgres": cpu.process_tree(database.postmaster_pid)} if database.postmaster_pid else {}
     )
-    window = {"warmup": options.warmup, "duration": options.duration}
+    window = Window(warmup=options.warmup, duration=options.duration)
     floor = await measure_floor(
         database.dsn,
         payload,
@@ -156,6 +191,17 @@ async def measure_at(
         patch_json,
         concurrency=concurrency,
         meters=client | {"server": cpu.process(servers.echo.process.pid)},
+        **window,
+    )
+    structural = await measure_structural(
+        servers.structural,
+        pki.worker,
+        database.dsn,
+        payload,
+        patch_json,
+        role=DB_ROLE,
+        concurrency=concurrency,
+        meters=client | {"server": cpu.process(servers.structural.process.pid)} | postgres,
         **window,
     )
     ztate = await measure_ztate(
@@ -175,11 +221,23 @@ async def measure_at(
         meters=client | postgres,
         **window,
     )
+    langgraph_shared = await measure_langgraph(
+        database.dsn,
+        state,
+        WRITTEN_KEY,
+        pool_size=SERVICE_POOL_SIZE,
+        shared=True,
+        concurrency=concurrency,
+        meters=client | postgres,
+        **window,
+    )
     return [
         Measured(FLOOR, floor),
         Measured(CEILING, ceiling),
+        Measured(STRUCTURAL, structural),
         Measured(ZTATE, ztate),
         Measured(LANGGRAPH, langgraph),
+        Measured(LANGGRAPH_SHARED, langgraph_shared),
     ]
 
 
@@ -192,8 +250,10 @@ def setup_lines(options: Options, database: Database, patch_json: bytes) -> list
         f"patch and echo payload {len(patch_json):,} B; one mTLS channel per worker",
         f"service   ztate serve with its defaults: db pool {SERVICE_POOL_SIZE}, head cache "
         f"{SERVICE_HEAD_CACHE}; floor pool {SERVICE_POOL_SIZE}, same role and reset hook",
-        f"langgraph AsyncPostgresSaver.aput of the same state, one saver per worker over one "
-        f"psycopg pool of {SERVICE_POOL_SIZE} (a shared saver serialises its writes)",
+        f"structural grpc.aio mTLS server whose handler runs the store's COMMIT statement "
+        f"(pool {SERVICE_POOL_SIZE}) and answers: one RPC + one commit, nothing of ztate",
+        f"langgraph AsyncPostgresSaver.aput of the same state over one psycopg pool of "
+        f"{SERVICE_POOL_SIZE}: a saver per worker, and one shared saver (its default wiring)",
     ]
 
 
