@@ -22,6 +22,8 @@ from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.contract.record import SealedRecord
 from ztate.services.runtime.telemetry import NO_METRICS, Metrics
 from ztate.services.store.boundary import translated
+from ztate.services.store.group_commit import CommitArgs, GroupCommitter
+from ztate.services.store.group_commit import Outcome as CommitOutcome
 from ztate.services.store.interface import (
     Commit,
     Creation,
@@ -47,6 +49,10 @@ from ztate.services.store.rows import (
 # announces the commit (announce_commit).
 WATCHED = "EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = $1)"
 COMMIT_CHANNEL = "ztate_commits"
+# Commit statements in flight at once; the commits that arrive while all are busy leave
+# together in the next free one (group_commit). Up to MAX_BATCH rows a statement.
+COMMIT_SLOTS = 4
+MAX_BATCH = 64
 
 COMMIT = f"""
 WITH head AS (
@@ -202,9 +208,19 @@ ON CONFLICT DO NOTHING
 class PostgresTransitionStore:
     """The transition store on Postgres (or Citus), through a least-privilege role."""
 
-    def __init__(self, pool: asyncpg.Pool, metrics: Metrics = NO_METRICS) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        metrics: Metrics = NO_METRICS,
+        *,
+        commit_slots: int = COMMIT_SLOTS,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
         self._pool = pool
         self._metrics = metrics
+        self._committer = GroupCommitter(
+            pool, self._commit_alone, max_in_flight=commit_slots, max_batch=max_batch
+        )
 
     @classmethod
     async def open(
@@ -312,12 +328,12 @@ class PostgresTransitionStore:
         idempotency_key: str,
         request_digest: str,
     ) -> Commit:
-        """In one statement: the compare-and-swap and the ledger insert."""
+        """In one statement: the compare-and-swap and the ledger insert; with the commits
+        that arrive meanwhile, when every commit slot is busy (``group_commit``)."""
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
-        try:
-            row = await self._pool.fetchrow(
-                COMMIT,
+        outcome = await self._committer.commit(
+            (
                 record["thread_id"],
                 expected_version,
                 record["version"],
@@ -332,16 +348,22 @@ class PostgresTransitionStore:
                 idempotency_key,
                 request_digest,
             )
+        )
+        self._metrics.commit_duration.record(time.perf_counter() - started)
+        if outcome.commit is Commit.COMMITTED and outcome.watched:
+            await announce_commit(self._pool, record["thread_id"])
+        return outcome.commit
+
+    async def _commit_alone(self, args: CommitArgs) -> CommitOutcome:
+        """The one-row statement (``COMMIT``)."""
+        try:
+            row = await self._pool.fetchrow(COMMIT, *args)
         except asyncpg.UniqueViolationError:
             # the whole statement, head update included, rolled back
-            self._metrics.commit_duration.record(time.perf_counter() - started)
-            return Commit.KEY_TAKEN
-        self._metrics.commit_duration.record(time.perf_counter() - started)
+            return CommitOutcome(Commit.KEY_TAKEN, watched=False)
         if row is None:
-            return Commit.HEAD_MOVED
-        if row["watched"]:
-            await announce_commit(self._pool, record["thread_id"])
-        return Commit.COMMITTED
+            return CommitOutcome(Commit.HEAD_MOVED, watched=False)
+        return CommitOutcome(Commit.COMMITTED, watched=row["watched"])
 
     @translated
     async def find_by_idempotency_key(
