@@ -24,6 +24,7 @@ from ztate.services.runtime.config import ApprovalSettings, Settings
 from ztate.services.runtime.revocation import RevocationListError
 from ztate.services.runtime.telemetry import configure_logging
 from ztate.services.store.migrate import MigrationError
+from ztate.transition_service.workers import WORKER_FLAG, default_workers, supervise
 
 log = logging.getLogger("ztate.run")
 
@@ -33,12 +34,20 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     subparsers.add_parser(
         "run", help="development: set up .ztate/ on first run, then serve"
     ).set_defaults(func=cmd_run)
-    subparsers.add_parser("serve", help="serve from configuration only").set_defaults(
-        func=cmd_serve
+    serve = subparsers.add_parser("serve", help="serve from configuration only")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes sharing the listening port, one per core at most (default 1; 0: one "
+        "per core); needs DATABASE_URL",
     )
+    serve.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    serve.set_defaults(func=cmd_serve)
 
 
-def _serve(settings: Settings) -> int:
+def _serve(settings: Settings, *, share_port: bool = False) -> int:
     from ztate.transition_service.app import serve
 
     try:
@@ -48,7 +57,7 @@ def _serve(settings: Settings) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(serve(settings))
+        asyncio.run(serve(settings, share_port=share_port))
     except (
         PolicyError,
         KeyringError,
@@ -147,8 +156,24 @@ def _port(listen: str) -> str:
     return listen.rsplit(":", 1)[1]
 
 
-def cmd_serve(_: argparse.Namespace) -> int:
-    """Production: serve from configuration only; create nothing."""
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Production: serve from configuration only; create nothing. With ``--workers N``,
+    N processes on one port (``ztate.transition_service.workers``)."""
     settings = settings_or_exit()
     configure_logging(settings.log_format)
-    return _serve(settings)
+    if args.worker_of_group:
+        return _serve(settings, share_port=True)
+    workers = args.workers if args.workers > 0 else default_workers()
+    if workers < 0 or args.workers < 0:
+        print("ztate: --workers must be 0 (one per core) or more", file=sys.stderr)
+        return 2
+    if workers == 1:
+        return _serve(settings)
+    if settings.database_url is None:
+        print(
+            "ztate: --workers needs DATABASE_URL (each worker would start its own embedded "
+            "Postgres)",
+            file=sys.stderr,
+        )
+        return 2
+    return supervise(workers, settings.listen)

@@ -51,7 +51,7 @@ WATCHED = "EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = $1)
 COMMIT_CHANNEL = "ztate_commits"
 # Commit statements in flight at once; the commits that arrive while all are busy leave
 # together in the next free one (group_commit). Up to MAX_BATCH rows a statement.
-COMMIT_SLOTS = 4
+COMMIT_SLOTS = 2
 MAX_BATCH = 64
 
 COMMIT = f"""
