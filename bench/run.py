@@ -80,6 +80,7 @@ class Options:
     rounds: int
     patch_bytes: int
     only: str | None = None  # one part of the suite ("verify"), or None for all of it
+    ztate_workers: int = 1
 
 
 class Window(TypedDict):
@@ -112,6 +113,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         "LangGraph, pipeline CPU, memory at 10,000 threads), verify (verification "
         "throughput), ledger-queries (operator query latency on 1,000,000 transitions)",
     )
+    parser.add_argument("--ztate-workers", type=int, default=1, help="ztate serve --workers N (1)")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.warmup < 0 or args.rounds < 1 or min(args.concurrency) < 1:
         parser.error("duration must be > 0, warm-up >= 0, rounds and concurrencies >= 1")
@@ -122,6 +124,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         args.rounds,
         args.patch_bytes,
         args.only,
+        max(1, args.ztate_workers),
     )
 
 
@@ -130,7 +133,12 @@ def progress(message: str) -> None:
 
 
 async def start_servers(
-    stack: AsyncExitStack, root: Path, database: Database, pki: Pki, keyring_file: Path
+    stack: AsyncExitStack,
+    root: Path,
+    database: Database,
+    pki: Pki,
+    keyring_file: Path,
+    workers: int = 1,
 ) -> Servers:
     echo = stack.enter_context(echo_server(pki, root / "echo-server.log"))
     structural = stack.enter_context(
@@ -150,6 +158,7 @@ async def start_servers(
             pki=pki,
             keyring_file=keyring_file,
             log=root / "ztate-serve.log",
+            workers=workers,
         )
     )
     await wait_until_serving(echo, lambda: echo_once(echo.target, pki.worker))
@@ -209,7 +218,7 @@ async def measure_at(
         pki,
         patch_json,
         concurrency=concurrency,
-        meters=client | {"server": cpu.process(servers.ztate.process.pid)} | postgres,
+        meters=client | {"server": cpu.process_tree(servers.ztate.process.pid)} | postgres,
         **window,
     )
     langgraph = await measure_langgraph(
@@ -248,7 +257,8 @@ def setup_lines(options: Options, database: Database, patch_json: bytes) -> list
         f"method    closed loop per worker, {options.warmup:g} s warm-up then "
         f"{options.duration:g} s measured, best of {options.rounds} interleaved rounds; "
         f"patch and echo payload {len(patch_json):,} B; one mTLS channel per worker",
-        f"service   ztate serve with its defaults: db pool {SERVICE_POOL_SIZE}, head cache "
+        f"service   ztate serve --workers {options.ztate_workers}, otherwise its defaults: db "
+        f"pool {SERVICE_POOL_SIZE}, head cache "
         f"{SERVICE_HEAD_CACHE}; floor pool {SERVICE_POOL_SIZE}, same role and reset hook",
         f"structural grpc.aio mTLS server whose handler runs the store's COMMIT statement "
         f"(pool {SERVICE_POOL_SIZE}) and answers: one RPC + one commit, nothing of ztate",
@@ -277,7 +287,9 @@ async def run(options: Options) -> Report:
             bench_database(server_dsn, postmaster_pid, DB_ROLE)
         )
         pki = make_pki(root / "pki")
-        servers = await start_servers(stack, root, database, pki, keyring_file)
+        servers = await start_servers(
+            stack, root, database, pki, keyring_file, options.ztate_workers
+        )
 
         patch = receipt_patch(options.patch_bytes)
         patch_json = encode_json(patch)
@@ -296,11 +308,14 @@ async def run(options: Options) -> Report:
                     patch_json=patch_json,
                     state=INITIAL_STATE | patch,
                 )
-        progress("memory at 10,000 active threads")
-        memory = await measure_memory(servers.ztate, pki, SERVICE_HEAD_CACHE)
+        memory_lines: list[str] = []
+        if options.ztate_workers == 1:  # the resident set of one process
+            progress("memory at 10,000 active threads")
+            memory = await measure_memory(servers.ztate, pki, SERVICE_HEAD_CACHE)
+            memory_lines = memory.lines()
         progress("stopping servers")
     return Report(
-        machine, setup_lines(options, database, patch_json), measured, pipeline, memory.lines()
+        machine, setup_lines(options, database, patch_json), measured, pipeline, memory_lines
     )
 
 
