@@ -127,6 +127,7 @@ class GroupCommitter:
         self._on_batch = on_batch
         self._in_flight = 0
         self._queue: list[_Waiting] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
 
     async def commit(self, args: CommitArgs) -> Outcome:
         answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
@@ -140,6 +141,7 @@ class GroupCommitter:
         if batch:
             self._in_flight += 1
             task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._tasks.add(task)
             task.add_done_callback(self._sent)
 
     def _take(self) -> list[_Waiting]:
@@ -159,7 +161,8 @@ class GroupCommitter:
         self._queue = later
         return batch
 
-    def _sent(self, _task: asyncio.Task[None]) -> None:
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
         self._in_flight -= 1
         if self._queue:
             self._start()
