@@ -69,15 +69,16 @@ def ztate_service(
     log: Path,
     policy_path: Path = DEFAULT_POLICY,
     extra_env: Mapping[str, str] | None = None,
+    workers: int = 1,
 ) -> Iterator[ChildServer]:
-    """``ztate serve`` (the console script's module, run by this interpreter)."""
+    """``ztate serve --workers N`` (the console script's module, run by this interpreter);
+    with several workers the server's CPU is the supervisor's and its children's."""
     port = free_port()
     env = service_environment(
         dsn=dsn, port=port, home=home, pki=pki, keyring_file=keyring_file, policy_path=policy_path
     ) | dict(extra_env or {})
-    with child_server(
-        "ztate serve", ["-m", "ztate.services.cli.main", "serve"], port=port, log=log, env=env
-    ) as child:
+    argv = ["-m", "ztate.services.cli.main", "serve", "--workers", str(workers)]
+    with child_server("ztate serve", argv, port=port, log=log, env=env) as child:
         yield child
 
 

@@ -73,52 +73,65 @@ def commit_payload(patch: dict[str, object], keyring: Keyring, policy_digest: st
 class HeadWriter:
     """One worker: commits version after version on its own thread."""
 
-    def __init__(self, pool: asyncpg.Pool, thread_id: str, payload: CommitPayload) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool | asyncpg.Connection, thread_id: str, payload: CommitPayload
+    ) -> None:
         self._pool = pool
         self._thread_id = thread_id
         self._payload = payload
         self._version = 0
-        self._digest = _digest(thread_id, 0)
+
+    @property
+    def thread_id(self) -> str:
+        return self._thread_id
 
     async def create(self) -> None:
         await self._pool.execute(
             INSERT_HEAD,
             self._thread_id,
-            self._digest,
+            _digest(self._thread_id, 0),
             canonical_bytes(INITIAL_STATE),
             self._payload.policy_digest,
         )
 
     async def commit(self) -> None:
-        version = self._version + 1
-        digest = _digest(self._thread_id, version)
-        payload = self._payload
         committed = await self._pool.fetchval(
-            COMMIT,
-            self._thread_id,
-            self._version,
-            version,
-            digest,
-            payload.state_bytes,
-            self._digest,
-            payload.node_id,
-            payload.key_id,
-            payload.signature,
-            datetime.now(UTC),
-            payload.record_bytes,
-            digest[:32],
-            digest[32:],
+            COMMIT, *commit_args(self._payload, self._thread_id, self._version, datetime.now(UTC))
         )
         if committed is None:
             raise RuntimeError(f"floor: compare-and-swap lost on {self._thread_id}, a bench bug")
-        self._version, self._digest = version, digest
+        self._version += 1
+
+
+def commit_args(
+    payload: CommitPayload, thread_id: str, expected_version: int, now: datetime
+) -> tuple[object, ...]:
+    """``COMMIT``'s parameters for version ``expected_version + 1`` of ``thread_id``: only
+    the digests change from one commit to the next (each unique in the ledger)."""
+    version = expected_version + 1
+    digest = _digest(thread_id, version)
+    return (
+        thread_id,
+        expected_version,
+        version,
+        digest,
+        payload.state_bytes,
+        _digest(thread_id, expected_version),
+        payload.node_id,
+        payload.key_id,
+        payload.signature,
+        now,
+        payload.record_bytes,
+        digest[:32],
+        digest[32:],
+    )
 
 
 def _digest(thread_id: str, version: int) -> str:
     return hashlib.sha256(f"{thread_id}/{version}".encode()).hexdigest()
 
 
-async def _keep_session(_conn: asyncpg.Connection) -> None:
+async def keep_session(_conn: asyncpg.Connection) -> None:
     """No reset query on release, as ``TransitionStore`` does."""
 
 
@@ -138,7 +151,7 @@ async def measure_floor(
         dsn,
         min_size=pool_size,
         max_size=pool_size,
-        reset=_keep_session,
+        reset=keep_session,
         server_settings={"role": role, "application_name": "ztate-bench-floor"},
     )
     try:

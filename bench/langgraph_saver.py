@@ -10,7 +10,12 @@ write behind an asyncio lock (PERF_NOTES: 1,520/s against 3,490/s at c=32), so
 this is LangGraph at its fastest.
 
 It does what LangGraph does: no authentication, no validation, no
-compare-and-swap on a version and no signature. The tables are LangGraph's own
+compare-and-swap on a version and no signature.
+
+(f) The same with LangGraph's default wiring: one saver, compiled into the graph,
+shared by every worker (``shared=True``); it serialises its writes behind its lock.
+
+The tables are LangGraph's own
 (``saver.setup()``), in the run's database, written as its owner.
 """
 
@@ -24,6 +29,7 @@ from bench import cpu
 from bench.loadgen import Operation, Sample, closed_loop
 
 LABEL = "langgraph: AsyncPostgresSaver"
+SHARED_LABEL = "langgraph: one shared saver"
 
 
 class SaverWriter:
@@ -59,12 +65,14 @@ async def measure_langgraph(
     key: str,
     *,
     pool_size: int,
+    shared: bool = False,
     concurrency: int,
     warmup: float,
     duration: float,
     meters: Mapping[str, cpu.CpuMeter],
 ) -> Sample:
-    """One closed-loop run of ``aput``, ``concurrency`` workers on fresh threads."""
+    """One closed-loop run of ``aput``, ``concurrency`` workers on fresh threads, each with
+    a saver of its own or (``shared``) all through one."""
     from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
     from psycopg.rows import dict_row
     from psycopg_pool import AsyncConnectionPool
@@ -78,13 +86,15 @@ async def measure_langgraph(
     )
     await pool.open(wait=True)
     try:
-        await AsyncPostgresSaver(pool).setup()
+        one = AsyncPostgresSaver(pool)
+        await one.setup()
         prefix = f"langgraph-{uuid.uuid4().hex[:8]}"
         writers = [
-            SaverWriter(AsyncPostgresSaver(pool), f"{prefix}-{n}", state, key)
+            SaverWriter(one if shared else AsyncPostgresSaver(pool), f"{prefix}-{n}", state, key)
             for n in range(concurrency)
         ]
         operations: list[Operation] = [writer.commit for writer in writers]
-        return await closed_loop(LABEL, operations, warmup=warmup, duration=duration, meters=meters)
+        label = SHARED_LABEL if shared else LABEL
+        return await closed_loop(label, operations, warmup=warmup, duration=duration, meters=meters)
     finally:
         await pool.close()

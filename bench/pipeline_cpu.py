@@ -44,6 +44,7 @@ from ztate.services.policy.changes import Change, apply_patch, check_invariants,
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.interface import Commit, Creation
 from ztate.services.store.rows import Rejection
 from ztate.transition_service.checks import (
     check_credentials,
@@ -165,11 +166,11 @@ def step_calls(payload: Payload, policy: Policy, keyring: Keyring) -> dict[str, 
 class _AcceptingStore:
     """A store whose every write succeeds at once, so only the pipeline's CPU remains."""
 
-    async def create_thread(self, *_args: object, **_kwargs: object) -> bool:
-        return True
+    async def create_thread(self, *_args: object, **_kwargs: object) -> Creation:
+        return Creation.CREATED
 
-    async def commit(self, *_args: object, **_kwargs: object) -> bool:
-        return True
+    async def commit(self, *_args: object, **_kwargs: object) -> Commit:
+        return Commit.COMMITTED
 
     async def record_rejection(self, rejection: Rejection) -> None:
         """A refusal reaches the caller as an error; the table says which and why."""

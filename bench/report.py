@@ -10,9 +10,18 @@ from bench.machine import Machine
 from bench.pipeline_cpu import TOTAL_STEP, CpuTable
 
 FLOOR, CEILING, ZTATE, LANGGRAPH = "floor", "ceiling", "ztate", "langgraph"
-KINDS = (FLOOR, CEILING, ZTATE, LANGGRAPH)
+STRUCTURAL, LANGGRAPH_SHARED = "structural", "langgraph-shared"
+KINDS = (FLOOR, CEILING, STRUCTURAL, ZTATE, LANGGRAPH, LANGGRAPH_SHARED)
 TARGET_CONCURRENCY = 32
 TARGET_CEILING_RATIO = 0.6
+# issue 19's targets at c=32: (what ztate is divided by, the least ratio)
+TARGETS = (
+    (CEILING, "the mTLS echo ceiling (b)", TARGET_CEILING_RATIO),
+    (STRUCTURAL, "the structural ceiling (e)", 0.8),
+    (LANGGRAPH_SHARED, "LangGraph, one shared saver (f)", 2.0),
+    (LANGGRAPH, "LangGraph, a saver per worker (d)", 0.5),
+)
+TARGET_SERVER_CPU_RATIO = 2.5  # ztate server CPU per commit / echo server CPU per RPC
 PIPELINE_BUDGET_US = 50.0
 BUDGET_PAYLOAD = "1 KB"
 CPU_SUBJECTS = ("client", "server", "postgres")
@@ -122,26 +131,39 @@ def _ratio_table(report: Report) -> str:
     for concurrency in report.concurrencies():
         ztate = report.rate(ZTATE, concurrency)
         floor = report.rate(FLOOR, concurrency)
-        langgraph = report.rate(LANGGRAPH, concurrency)
         rows.append(
             [
                 str(concurrency),
                 _number(_ratio(ztate, report.rate(CEILING, concurrency)), 2),
+                _number(_ratio(ztate, report.rate(STRUCTURAL, concurrency)), 2),
                 _number(_ratio(ztate, floor), 2),
+                _number(_ratio(ztate, report.rate(LANGGRAPH, concurrency)), 2),
+                _number(_ratio(ztate, report.rate(LANGGRAPH_SHARED, concurrency)), 2),
                 _number(_ratio(report.rate(CEILING, concurrency), floor), 2),
-                _number(_ratio(langgraph, floor), 2),
-                _number(_ratio(ztate, langgraph), 2),
+                _number(_ratio(report.rate(STRUCTURAL, concurrency), floor), 2),
+                _number(_server_cpu_ratio(report, concurrency), 2),
             ]
         )
     header = [
         "c",
-        "ztate / ceiling",
-        "ztate / floor",
-        "ceiling / floor",
-        "langgraph / floor",
-        "ztate / langgraph",
+        "ztate / echo (b)",
+        "ztate / structural (e)",
+        "ztate / floor (a)",
+        "ztate / langgraph per worker (d)",
+        "ztate / langgraph shared (f)",
+        "echo / floor",
+        "structural / floor",
+        "server CPU ztate / echo",
     ]
     return _table(header, rows)
+
+
+def _server_cpu_ratio(report: Report, concurrency: int) -> float | None:
+    """ztate's server CPU per commit over the echo server's per RPC (each its best round)."""
+    ztate, echo = report.best(ZTATE, concurrency), report.best(CEILING, concurrency)
+    if ztate is None or echo is None:
+        return None
+    return _ratio(ztate.cpu_per_op_us("server"), echo.cpu_per_op_us("server"))
 
 
 def _pipeline_table(table: CpuTable) -> str:
@@ -167,12 +189,31 @@ def _verdict(met: bool) -> str:
 
 def _verdicts(report: Report) -> list[str]:
     lines = []
-    ratio = _ratio(report.rate(ZTATE, TARGET_CONCURRENCY), report.rate(CEILING, TARGET_CONCURRENCY))
-    if ratio is not None:
+    ztate = report.rate(ZTATE, TARGET_CONCURRENCY)
+    for kind, name, least in TARGETS:
+        ratio = _ratio(ztate, report.rate(kind, TARGET_CONCURRENCY))
+        if ratio is not None:
+            lines.append(
+                f"target: ztate >= {least} x {name} at c={TARGET_CONCURRENCY}: "
+                f"{ratio:.2f} -> {_verdict(ratio >= least)}"
+            )
+    cpu_ratio = _server_cpu_ratio(report, TARGET_CONCURRENCY)
+    if cpu_ratio is not None:
         lines.append(
-            f"target: ztate >= {TARGET_CEILING_RATIO} x the gRPC ceiling at "
-            f"c={TARGET_CONCURRENCY}: {ratio:.2f} -> {_verdict(ratio >= TARGET_CEILING_RATIO)}"
+            f"target: server CPU per commit <= {TARGET_SERVER_CPU_RATIO} x the echo server's per "
+            f"RPC at c={TARGET_CONCURRENCY}: {cpu_ratio:.2f} -> "
+            f"{_verdict(cpu_ratio <= TARGET_SERVER_CPU_RATIO)}"
         )
+    langgraph = report.best(LANGGRAPH, TARGET_CONCURRENCY)
+    ours = report.best(ZTATE, TARGET_CONCURRENCY)
+    if langgraph is not None and ours is not None:
+        mine, theirs = ours.cpu_per_op_us("postgres"), langgraph.cpu_per_op_us("postgres")
+        if mine is not None and theirs is not None:
+            lines.append(
+                f"target: Postgres CPU per commit <= LangGraph's per write at "
+                f"c={TARGET_CONCURRENCY}: {mine:.0f} vs {theirs:.0f} µs -> "
+                f"{_verdict(mine <= theirs)}"
+            )
     total = report.pipeline.rows.get(TOTAL_STEP, {}).get(BUDGET_PAYLOAD)
     if total is not None:
         lines.append(

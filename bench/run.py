@@ -17,12 +17,19 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import uvloop
 
 from bench import cpu
-from bench.ceiling import echo_once, echo_server, measure_ceiling
+from bench.ceiling import (
+    echo_once,
+    echo_server,
+    measure_ceiling,
+    measure_structural,
+    structural_once,
+    structural_server,
+)
 from bench.end_to_end import health_check, measure_ztate, ztate_service
 from bench.environment import (
     ChildServer,
@@ -42,7 +49,17 @@ from bench.ledger_queries import measure_ledger_queries
 from bench.machine import describe
 from bench.memory import measure_memory
 from bench.pipeline_cpu import CpuTable, measure_pipeline_cpu
-from bench.report import CEILING, FLOOR, LANGGRAPH, ZTATE, Measured, Report, render
+from bench.report import (
+    CEILING,
+    FLOOR,
+    LANGGRAPH,
+    LANGGRAPH_SHARED,
+    STRUCTURAL,
+    ZTATE,
+    Measured,
+    Report,
+    render,
+)
 from bench.verify import measure_verification
 from bench.workload import DEFAULT_POLICY, INITIAL_STATE, WRITTEN_KEY, receipt_patch
 from ztate.contract.keyring import Keyring
@@ -64,12 +81,19 @@ class Options:
     rounds: int
     patch_bytes: int
     only: str | None = None  # one part of the suite ("verify"), or None for all of it
+    ztate_workers: int = 1
+
+
+class Window(TypedDict):
+    warmup: float
+    duration: float
 
 
 @dataclass(frozen=True)
 class Servers:
     echo: ChildServer
     ztate: ChildServer
+    structural: ChildServer
 
 
 def parse_args(argv: Sequence[str] | None) -> Options:
@@ -92,6 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         "(checkpoint put/get and per-step cost of a graph run: the ztate checkpointer and "
         "node isolation against AsyncPostgresSaver)",
     )
+    parser.add_argument("--ztate-workers", type=int, default=1, help="ztate serve --workers N (1)")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.warmup < 0 or args.rounds < 1 or min(args.concurrency) < 1:
         parser.error("duration must be > 0, warm-up >= 0, rounds and concurrencies >= 1")
@@ -102,6 +127,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         args.rounds,
         args.patch_bytes,
         args.only,
+        max(1, args.ztate_workers),
     )
 
 
@@ -110,9 +136,24 @@ def progress(message: str) -> None:
 
 
 async def start_servers(
-    stack: AsyncExitStack, root: Path, database: Database, pki: Pki, keyring_file: Path
+    stack: AsyncExitStack,
+    root: Path,
+    database: Database,
+    pki: Pki,
+    keyring_file: Path,
+    workers: int = 1,
 ) -> Servers:
     echo = stack.enter_context(echo_server(pki, root / "echo-server.log"))
+    structural = stack.enter_context(
+        structural_server(
+            pki,
+            root / "structural-server.log",
+            dsn=database.dsn,
+            role=DB_ROLE,
+            pool_size=SERVICE_POOL_SIZE,
+            keyring_file=keyring_file,
+        )
+    )
     ztate = stack.enter_context(
         ztate_service(
             dsn=database.dsn,
@@ -120,11 +161,13 @@ async def start_servers(
             pki=pki,
             keyring_file=keyring_file,
             log=root / "ztate-serve.log",
+            workers=workers,
         )
     )
     await wait_until_serving(echo, lambda: echo_once(echo.target, pki.worker))
     await wait_until_serving(ztate, lambda: health_check(ztate.target, pki.operator))
-    return Servers(echo, ztate)
+    await wait_until_serving(structural, lambda: structural_once(structural.target, pki.worker))
+    return Servers(echo, ztate, structural)
 
 
 async def measure_at(
@@ -138,12 +181,13 @@ async def measure_at(
     patch_json: bytes,
     state: dict[str, Any],
 ) -> list[Measured]:
-    """Floor, ceiling and ztate at one concurrency, one after the other."""
+    """Floor, ceiling, structural ceiling, ztate and LangGraph (a saver per worker, then
+    one shared saver) at one concurrency, one after the other."""
     client = {"client": cpu.this_process()}
     postgres = (
         {"postgres": cpu.process_tree(database.postmaster_pid)} if database.postmaster_pid else {}
     )
-    window = {"warmup": options.warmup, "duration": options.duration}
+    window = Window(warmup=options.warmup, duration=options.duration)
     floor = await measure_floor(
         database.dsn,
         payload,
@@ -161,12 +205,23 @@ async def measure_at(
         meters=client | {"server": cpu.process(servers.echo.process.pid)},
         **window,
     )
+    structural = await measure_structural(
+        servers.structural,
+        pki.worker,
+        database.dsn,
+        payload,
+        patch_json,
+        role=DB_ROLE,
+        concurrency=concurrency,
+        meters=client | {"server": cpu.process(servers.structural.process.pid)} | postgres,
+        **window,
+    )
     ztate = await measure_ztate(
         servers.ztate,
         pki,
         patch_json,
         concurrency=concurrency,
-        meters=client | {"server": cpu.process(servers.ztate.process.pid)} | postgres,
+        meters=client | {"server": cpu.process_tree(servers.ztate.process.pid)} | postgres,
         **window,
     )
     langgraph = await measure_langgraph(
@@ -178,11 +233,23 @@ async def measure_at(
         meters=client | postgres,
         **window,
     )
+    langgraph_shared = await measure_langgraph(
+        database.dsn,
+        state,
+        WRITTEN_KEY,
+        pool_size=SERVICE_POOL_SIZE,
+        shared=True,
+        concurrency=concurrency,
+        meters=client | postgres,
+        **window,
+    )
     return [
         Measured(FLOOR, floor),
         Measured(CEILING, ceiling),
+        Measured(STRUCTURAL, structural),
         Measured(ZTATE, ztate),
         Measured(LANGGRAPH, langgraph),
+        Measured(LANGGRAPH_SHARED, langgraph_shared),
     ]
 
 
@@ -193,10 +260,13 @@ def setup_lines(options: Options, database: Database, patch_json: bytes) -> list
         f"method    closed loop per worker, {options.warmup:g} s warm-up then "
         f"{options.duration:g} s measured, best of {options.rounds} interleaved rounds; "
         f"patch and echo payload {len(patch_json):,} B; one mTLS channel per worker",
-        f"service   ztate serve with its defaults: db pool {SERVICE_POOL_SIZE}, head cache "
+        f"service   ztate serve --workers {options.ztate_workers}, otherwise its defaults: db "
+        f"pool {SERVICE_POOL_SIZE}, head cache "
         f"{SERVICE_HEAD_CACHE}; floor pool {SERVICE_POOL_SIZE}, same role and reset hook",
-        f"langgraph AsyncPostgresSaver.aput of the same state, one saver per worker over one "
-        f"psycopg pool of {SERVICE_POOL_SIZE} (a shared saver serialises its writes)",
+        f"structural grpc.aio mTLS server whose handler runs the store's COMMIT statement "
+        f"(pool {SERVICE_POOL_SIZE}) and answers: one RPC + one commit, nothing of ztate",
+        f"langgraph AsyncPostgresSaver.aput of the same state over one psycopg pool of "
+        f"{SERVICE_POOL_SIZE}: a saver per worker, and one shared saver (its default wiring)",
     ]
 
 
@@ -220,7 +290,9 @@ async def run(options: Options) -> Report:
             bench_database(server_dsn, postmaster_pid, DB_ROLE)
         )
         pki = make_pki(root / "pki")
-        servers = await start_servers(stack, root, database, pki, keyring_file)
+        servers = await start_servers(
+            stack, root, database, pki, keyring_file, options.ztate_workers
+        )
 
         patch = receipt_patch(options.patch_bytes)
         patch_json = encode_json(patch)
@@ -239,11 +311,14 @@ async def run(options: Options) -> Report:
                     patch_json=patch_json,
                     state=INITIAL_STATE | patch,
                 )
-        progress("memory at 10,000 active threads")
-        memory = await measure_memory(servers.ztate, pki, SERVICE_HEAD_CACHE)
+        memory_lines: list[str] = []
+        if options.ztate_workers == 1:  # the resident set of one process
+            progress("memory at 10,000 active threads")
+            memory = await measure_memory(servers.ztate, pki, SERVICE_HEAD_CACHE)
+            memory_lines = memory.lines()
         progress("stopping servers")
     return Report(
-        machine, setup_lines(options, database, patch_json), measured, pipeline, memory.lines()
+        machine, setup_lines(options, database, patch_json), measured, pipeline, memory_lines
     )
 
 

@@ -133,11 +133,18 @@ def resolve_dsn(settings: Settings) -> tuple[str, Any]:
 
 
 async def start(
-    settings: Settings, *, dsn: str | None = None, telemetry: Telemetry | None = None
+    settings: Settings,
+    *,
+    dsn: str | None = None,
+    telemetry: Telemetry | None = None,
+    share_port: bool = False,
 ) -> RunningService:
     """Validate everything, migrate, and start serving. Fails before binding on bad input.
 
     ``telemetry`` (by default built from ``settings``) is the service's to shut down.
+    ``share_port``: one of ``ztate serve --workers N``'s processes, which bind the same
+    port with SO_REUSEPORT (``transition_service.workers``); otherwise the port is this
+    process's alone and a second service on it fails to start.
     """
     assert settings.policy_path is not None
     policies = PolicySet.load(settings.policy_path)
@@ -168,7 +175,16 @@ async def start(
     telemetry.instrument_asyncpg()
     try:
         return await _start_traced(
-            settings, dsn, embedded, policies, keyring, credentials, callers, public_keys, telemetry
+            settings,
+            dsn,
+            embedded,
+            policies,
+            keyring,
+            credentials,
+            callers,
+            public_keys,
+            telemetry,
+            share_port,
         )
     except BaseException:
         await telemetry.shutdown()  # asyncpg un-instrumented, the providers closed
@@ -185,6 +201,7 @@ async def _start_traced(
     callers: Authenticator,
     public_keys: dict[str, Ed25519PublicKey],
     telemetry: Telemetry,
+    share_port: bool,
 ) -> RunningService:
     store = await PostgresTransitionStore.open(
         dsn, role=settings.db_role, pool_size=settings.db_pool_size, metrics=telemetry.metrics
@@ -254,6 +271,11 @@ async def _start_traced(
         ),
         ("grpc.max_concurrent_streams", 256),
     ]
+    if share_port:  # the service's own processes, checked free by their supervisor
+        options = [
+            ("grpc.so_reuseport", 1) if name == "grpc.so_reuseport" else (name, value)
+            for name, value in options
+        ]
     server = grpc.aio.server(
         options=options,
         interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
@@ -327,7 +349,7 @@ async def _start_traced(
     )
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, *, share_port: bool = False) -> None:
     """Run until SIGINT or SIGTERM, then shut down gracefully."""
     telemetry = Telemetry.from_settings(settings)
     telemetry.install_globals()
@@ -335,7 +357,7 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):  # before "listening" is logged: a
         loop.add_signal_handler(signum, stop.set)  # SIGTERM right after it is graceful too
-    running = await start(settings, telemetry=telemetry)
+    running = await start(settings, telemetry=telemetry, share_port=share_port)
     await stop.wait()
     log.info("shutting down: finishing in-flight calls")
     await running.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ztate.services.cli.main import Subparsers, settings_or_exit
-from ztate.services.cli.output import UNREACHABLE, CliError, set_log_level
+from ztate.services.cli.output import UNREACHABLE, USAGE, CliError, set_log_level
 
 if TYPE_CHECKING:
     import subprocess
@@ -44,10 +44,19 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     run.set_defaults(func=cmd_run)
     serve = subparsers.add_parser("serve", help="serve from configuration only")
     add_service_flags(serve)
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes sharing the listening port, one per core at most (default 1; 0: one "
+        "per core); needs DATABASE_URL",
+    )
+    serve.add_argument("--worker-of-group", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
 
-def _serve(settings: Settings, wait_seconds: float) -> int:
+def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False) -> int:
     import asyncio
 
     from ztate.contract.errors import KeyFileError, KeyringError
@@ -66,7 +75,7 @@ def _serve(settings: Settings, wait_seconds: float) -> int:
     try:
         if settings.database_url is not None:
             asyncio.run(wait_for_database(settings.database_url.get_secret_value(), wait_seconds))
-        asyncio.run(serve(settings))
+        asyncio.run(serve(settings, share_port=share_port))
     except DatabaseNotReady as exc:
         raise CliError(f"cannot start: {exc}", UNREACHABLE) from None
     except (
@@ -194,10 +203,24 @@ def _port(listen: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Production: serve from configuration only; create nothing."""
+    """Production: serve from configuration only; create nothing. With ``--workers N``,
+    N processes on one port (``ztate.transition_service.workers``)."""
     from ztate.services.runtime.telemetry import configure_logging
+    from ztate.transition_service.workers import default_workers, supervise
 
     settings = settings_or_exit()
     configure_logging(settings.log_format)
     set_log_level(args.log_level)
-    return _serve(settings, args.wait_for_database)
+    if args.worker_of_group:
+        return _serve(settings, args.wait_for_database, share_port=True)
+    if args.workers < 0:
+        raise CliError("--workers must be 0 (one per core) or more", USAGE)
+    workers = args.workers or default_workers()
+    if workers == 1:
+        return _serve(settings, args.wait_for_database)
+    if settings.database_url is None:
+        raise CliError(
+            "--workers needs DATABASE_URL (each worker would start its own embedded Postgres)",
+            USAGE,
+        )
+    return supervise(workers, settings.listen)

@@ -17,7 +17,7 @@ from ztate.services.runtime.telemetry import (
     REFUSED,
     note_transition,
 )
-from ztate.services.store.interface import Commit, Park
+from ztate.services.store.interface import Commit, HeadLookup, Park, StaleRefusal
 from ztate.services.store.rows import PendingTransition, Rejection
 from ztate.transition_service.checks import (
     check_bound_policy,
@@ -53,7 +53,7 @@ class Propose(UseCase):
         try:
             outcome = await self._propose(caller, proposal)
         except errors.ZtateError as refusal:  # StorageUnavailable too: the store's boundary
-            await self.refused(caller, proposal, refusal)
+            await self.refused(caller, proposal, refusal, recorded=refusal.recorded)
             if isinstance(refusal, errors.PolicyMismatch):
                 raise thread_not_found(proposal.thread_id) from None
             raise
@@ -63,14 +63,20 @@ class Propose(UseCase):
         return outcome
 
     async def refused(
-        self, caller: Identity, proposal: Proposal, refusal: errors.ZtateError
+        self,
+        caller: Identity,
+        proposal: Proposal,
+        refusal: errors.ZtateError,
+        *,
+        recorded: bool = False,
     ) -> None:
         """Count a refusal of ``caller``'s proposal and record its rejection row (also for
-        a refusal before the pipeline: a revoked certificate, ``rpc_guard``)."""
+        a refusal before the pipeline: a revoked certificate, ``rpc_guard``), unless the
+        statement that found it ``recorded`` it already."""
         if self._metrics.enabled:
             self._metrics.proposal(REFUSED, refusal.reason)
             note_transition(proposal.thread_id, proposal.expected_version)
-        if not isinstance(refusal, errors.StorageUnavailable):
+        if not recorded and not isinstance(refusal, errors.StorageUnavailable):
             await self._store.record_rejection(_rejection(caller, proposal, refusal))
 
     async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
@@ -137,7 +143,7 @@ class Propose(UseCase):
             return Committed(
                 as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
             )
-        return await self._explain_lost_race(caller, proposal, result)
+        return await self._explain_lost_race(caller, policy, proposal, result)
 
     async def _park(
         self,
@@ -186,7 +192,7 @@ class Propose(UseCase):
         self._parked.set()
         parked, inserted = parking.pending, parking.outcome is Park.PARKED
         if parked is None:  # KEY_TAKEN: the key already names a committed request
-            return await self._replay_or_stale(caller, proposal, base.version)
+            return await self._replay_or_stale(caller, policy, proposal)
         same_request_key = (parked.node_id, parked.idempotency_key) == (
             caller.spiffe_id,
             proposal.idempotency_key,
@@ -211,46 +217,66 @@ class Propose(UseCase):
         if cached is not None:
             check_bound_policy(caller, policy, cached)
             return cached
-        head = await self._store.read_head(proposal.thread_id)
+        found = await self._look_up(caller, policy, proposal)
+        head = found.head
         if head is None:
             raise thread_not_found(proposal.thread_id)
         check_bound_policy(caller, policy, head)
         state = self._remember(head)
         if head.version != proposal.expected_version:
-            return await self._replay_or_stale(caller, proposal, head.version)
+            return _replayed_or_stale(proposal, found, head.version)
         return CachedHead(head.version, head.digest, state, head.policy_name)
 
+    async def _look_up(self, caller: Identity, policy: Policy, proposal: Proposal) -> HeadLookup:
+        """The head and what the request's key names, in one round trip; a stale
+        proposal's rejection row written by the same statement."""
+        template = errors.StaleVersion(_stale_message(proposal.expected_version, "%s"))
+        return await self._store.head_for_request(
+            proposal.thread_id,
+            caller.spiffe_id,
+            proposal.idempotency_key,
+            StaleRefusal(_rejection(caller, proposal, template), policy.name),
+        )
+
     async def _explain_lost_race(
-        self, caller: Identity, proposal: Proposal, result: Commit
+        self, caller: Identity, policy: Policy, proposal: Proposal, result: Commit
     ) -> Outcome:
         if result is Commit.HEAD_MOVED:
             self._metrics.cas_conflicts.add(1)  # a conflict, not an idempotency key taken
-        version = await self._store.head_version(proposal.thread_id)
-        if version is None:
-            raise thread_not_found(proposal.thread_id)
-        return await self._replay_or_stale(caller, proposal, version)
+        return await self._replay_or_stale(caller, policy, proposal)
 
     async def _replay_or_stale(
-        self, caller: Identity, proposal: Proposal, head_version: int
+        self, caller: Identity, policy: Policy, proposal: Proposal
     ) -> Outcome:
-        earlier = await self._store.find_by_idempotency_key(
-            proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
-        )
-        if earlier is not None:
-            if earlier.request_digest != request_digest(proposal):
-                raise key_reused()
-            return Committed(earlier, True)
-        parked = await self._store.find_pending(
-            proposal.thread_id, caller.spiffe_id, proposal.idempotency_key
-        )
-        if parked is not None:
-            if parked.request_digest != request_digest(proposal):
-                raise key_reused()
-            return Parked(parked, True)
-        raise errors.StaleVersion(
-            f"expected version {proposal.expected_version}, but the head is at {head_version}",
-            current_version=head_version,
-        )
+        found = await self._look_up(caller, policy, proposal)
+        if found.head is None:
+            raise thread_not_found(proposal.thread_id)
+        check_bound_policy(caller, policy, found.head)
+        self._remember(found.head)
+        return _replayed_or_stale(proposal, found, found.head.version)
+
+
+def _stale_message(expected_version: int, head_version: str) -> str:
+    return f"expected version {expected_version}, but the head is at {head_version}"
+
+
+def _replayed_or_stale(proposal: Proposal, found: HeadLookup, head_version: int) -> Outcome:
+    """The replay of what the request's key already names, or ``StaleVersion`` (marked
+    ``recorded`` when the look-up wrote its rejection row)."""
+    if found.earlier is not None:
+        if found.earlier.request_digest != request_digest(proposal):
+            raise key_reused()
+        return Committed(found.earlier, True)
+    if found.parked is not None:
+        if found.parked.request_digest != request_digest(proposal):
+            raise key_reused()
+        return Parked(found.parked, True)
+    stale = errors.StaleVersion(
+        _stale_message(proposal.expected_version, str(head_version)),
+        current_version=head_version,
+    )
+    stale.recorded = found.refused
+    raise stale
 
 
 def decision_of(outcome: Outcome) -> str:

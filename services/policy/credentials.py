@@ -200,8 +200,8 @@ def _private_key(match: re.Match[str]) -> str:
 
 def _mean_word_length(text: str) -> float:
     """Mean length of the words in ``text``: about 1.8 when random, 4 and up when not."""
-    words = _WORD.findall(text)
-    return sum(map(len, words)) / len(words) if words else math.inf
+    rest, words = _WORD.subn("", text)  # counted in C, no list of words built
+    return (len(text) - len(rest)) / words if words else math.inf
 
 
 def _api_key(match: re.Match[str]) -> str | None:
@@ -308,7 +308,9 @@ _RULES: Final = (
     ),
     _Rule(
         "k_",
-        _compile(r"(?<![A-Za-z0-9])[sr]k_(?:live|test|prod)_[A-Za-z0-9]{20,99}"),
+        # the literal first (a leading lookbehind made re try every position: 300 µs
+        # on 10 KB), the prefix and the character before it checked behind it
+        _compile(r"k_(?<=[sr]k_)(?<![A-Za-z0-9][sr]k_)(?:live|test|prod)_[A-Za-z0-9]{20,99}"),
         _kind("Stripe API key"),
     ),
     _Rule("AIza", _compile(r"AIza(?<![\w-]AIza)[\w-]{35}(?![\w-])"), _kind("Google API key")),
@@ -385,9 +387,20 @@ def _expected_entropy(n: int, alphabet: int) -> float:
     return math.log2(alphabet) - (alphabet - 1) / (2 * n * _LN2)
 
 
+_PLUS_ONE: Final = bytes(range(1, 129)) + bytes(128)  # ASCII b -> b + 1 (127 -> 128)
+
+
 def _sequential(text: str) -> bool:
     """Mostly runs of consecutive characters, like an alphabet: not random."""
-    steps = sum(1 for a, b in itertools.pairwise(text) if ord(b) - ord(a) == 1)
+    if len(text) < 2:
+        return True
+    if text.isascii():  # the runs judged here are: each next == previous + 1, at C speed
+        data = text.encode("ascii")
+        nexts = int.from_bytes(data[1:], "big")
+        successors = int.from_bytes(data[:-1].translate(_PLUS_ONE), "big")
+        steps = (nexts ^ successors).to_bytes(len(data) - 1, "big").count(0)
+    else:
+        steps = sum(1 for a, b in itertools.pairwise(text) if ord(b) - ord(a) == 1)
     return 2 * steps >= len(text) - 1
 
 

@@ -71,7 +71,14 @@ def _guard_stream(method: str, behaviour: Callable[..., Any]) -> Callable[..., A
 
 
 class RefuseUndecodable(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Undecodable request bytes are INVALID_ARGUMENT, never UNKNOWN (see module doc)."""
+    """Undecodable request bytes are INVALID_ARGUMENT, never UNKNOWN (see module doc).
+
+    The guarded handler of a method is built once and kept while the service hands out
+    the same handler for it (it does: the servicer's handlers are built at start-up),
+    so that a call costs a dictionary look-up, not three closures and a namedtuple."""
+
+    def __init__(self) -> None:
+        self._guarded: dict[str, tuple[Handler, Handler]] = {}
 
     async def intercept_service(
         self,
@@ -79,17 +86,30 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         details: grpc.HandlerCallDetails,
     ) -> Handler:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming:
-            return handler  # no ztate method streams requests
         method = details.method
-        if handler.unary_unary is not None:
-            return handler._replace(  # type: ignore[attr-defined, no-any-return]
-                request_deserializer=_safe(handler.request_deserializer),
-                unary_unary=_guard_unary(method, handler.unary_unary),
-            )
-        if handler.unary_stream is not None:
-            return handler._replace(  # type: ignore[attr-defined, no-any-return]
-                request_deserializer=_safe(handler.request_deserializer),
-                unary_stream=_guard_stream(method, handler.unary_stream),
-            )
-        return handler
+        kept = self._guarded.get(method)
+        if kept is not None and kept[0] is handler:
+            return kept[1]
+        guarded = _guarded_handler(method, handler)
+        if handler is not None and len(self._guarded) < MAX_KEPT_HANDLERS:
+            self._guarded[method] = (handler, guarded)
+        return guarded
+
+
+MAX_KEPT_HANDLERS = 256  # more than the services' methods; unknown names are not kept
+
+
+def _guarded_handler(method: str, handler: Handler) -> Handler:
+    if handler is None or handler.request_streaming:
+        return handler  # no ztate method streams requests
+    if handler.unary_unary is not None:
+        return handler._replace(  # type: ignore[attr-defined, no-any-return]
+            request_deserializer=_safe(handler.request_deserializer),
+            unary_unary=_guard_unary(method, handler.unary_unary),
+        )
+    if handler.unary_stream is not None:
+        return handler._replace(  # type: ignore[attr-defined, no-any-return]
+            request_deserializer=_safe(handler.request_deserializer),
+            unary_stream=_guard_stream(method, handler.unary_stream),
+        )
+    return handler

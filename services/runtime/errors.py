@@ -32,6 +32,9 @@ class ZtateError(Exception):
     """
 
     reason: str = "UNSPECIFIED"
+    # its rejection row was written by the statement that found it (the store's
+    # head_for_request), so the service writes no second one
+    recorded: bool = False
 
     def __init__(
         self,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -44,10 +45,12 @@ class Identity:
     trust_domain: str
     role: Role
     name: str
+    # formatted once: the request path asks for it several times per call
+    spiffe_id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def spiffe_id(self) -> str:
-        return f"spiffe://{self.trust_domain}/{self.role.value}/{self.name}"
+    def __post_init__(self) -> None:
+        spiffe_id = f"spiffe://{self.trust_domain}/{self.role.value}/{self.name}"
+        object.__setattr__(self, "spiffe_id", spiffe_id)
 
     def __str__(self) -> str:
         return self.spiffe_id
@@ -75,15 +78,23 @@ def parse_spiffe_id(uri: str, trust_domain: str) -> Identity:
     return Identity(trust_domain=trust_domain, role=role, name=name)
 
 
+AuthContext = Mapping[str, Iterable[bytes]]
+
+
 def identity_from_context(
-    context: grpc.aio.ServicerContext[Any, Any], trust_domain: str
+    context: grpc.aio.ServicerContext[Any, Any],
+    trust_domain: str,
+    auth: AuthContext | None = None,
 ) -> Identity:
     """The caller's identity from the TLS-verified peer certificate of this call.
 
     gRPC core sets ``peer_spiffe_id`` only when the verified certificate carries
-    exactly one URI SAN and it is a well-formed SPIFFE ID.
+    exactly one URI SAN and it is a well-formed SPIFFE ID. ``auth`` is the call's
+    ``auth_context()`` if the caller already has it (gRPC builds it anew, the peer's
+    PEM certificate included, at every ask).
     """
-    auth = context.auth_context()
+    if auth is None:
+        auth = context.auth_context()
     if auth.get("transport_security_type") != [b"ssl"]:
         raise IdentityInvalid("call did not arrive over TLS")
     spiffe_ids = list(auth.get("peer_spiffe_id") or ())
@@ -111,17 +122,24 @@ class Authenticator:
         self.trust_domain = trust_domain
         self._revocations = revocations
 
-    def identify(self, context: grpc.aio.ServicerContext[Any, Any]) -> Identity:
+    def identify(
+        self, context: grpc.aio.ServicerContext[Any, Any], auth: AuthContext | None = None
+    ) -> Identity:
         """The caller's identity, or ``IdentityInvalid``."""
-        return identity_from_context(context, self.trust_domain)
+        return identity_from_context(context, self.trust_domain, auth)
 
     def check_revocation(
-        self, context: grpc.aio.ServicerContext[Any, Any], caller: Identity
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        caller: Identity,
+        auth: AuthContext | None = None,
     ) -> None:
         """``IdentityRevoked`` if the revocation list, as it is now, names the caller's
         certificate (by serial) or its identity."""
         if self._revocations is None:
             return
-        pems = list(context.auth_context().get("x509_pem_cert") or ())
+        if auth is None:
+            auth = context.auth_context()
+        pems = list(auth.get("x509_pem_cert") or ())
         serial = certificate_serial(pems[0]) if len(pems) == 1 else None
         self._revocations.check(caller.spiffe_id, serial)

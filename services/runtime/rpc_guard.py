@@ -41,10 +41,11 @@ async def guarded(
     SPIFFE ID and, when the call is refused, the reason code: never the refusal's message.
     """
     try:
-        caller = authenticator.identify(context)
+        auth = context.auth_context()  # built anew at every ask: once per call
+        caller = authenticator.identify(context, auth)
         note_caller(caller.spiffe_id)
         try:
-            authenticator.check_revocation(context, caller)
+            authenticator.check_revocation(context, caller, auth)
         except errors.IdentityRevoked as revoked:
             if on_revoked is not None:
                 await on_revoked(caller, revoked)

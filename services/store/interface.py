@@ -83,6 +83,26 @@ class KeptState:
 
 
 @dataclass(frozen=True, slots=True)
+class StaleRefusal:
+    """The rejection row of a proposal found stale, for ``TransitionStore.head_for_request``
+    to record in the same round trip. ``rejection.message`` is a ``format`` template whose
+    one ``%s`` is the head's version (``%%`` for a percent sign)."""
+
+    rejection: Rejection
+    policy_name: str  # recorded only if the thread is bound to it (else: not stale, foreign)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLookup:
+    """What ``TransitionStore.head_for_request`` found, in one round trip."""
+
+    head: Head | None
+    earlier: StoredTransition | None  # committed under the request's idempotency key
+    parked: PendingTransition | None  # parked under the request's idempotency key
+    refused: bool  # the stale refusal was recorded
+
+
+@dataclass(frozen=True, slots=True)
 class UnsignedHead:
     """A thread head with no checkpoint at its version yet."""
 
@@ -113,6 +133,16 @@ class TransitionStore(Protocol):
 
     async def head_version(self, thread_id: str) -> int | None:
         """The thread's head version, or None if no such thread."""
+
+    async def head_for_request(
+        self, thread_id: str, node_id: str, idempotency_key: str, stale: StaleRefusal
+    ) -> HeadLookup:
+        """In one round trip: the thread's head, the transition ``node_id`` committed and
+        the proposal it parked on this thread under ``idempotency_key``; and, only when
+        the head exists, is bound to ``stale.policy_name``, is not at
+        ``stale.rejection.base_version`` and neither a transition nor a parked proposal
+        holds the key (a stale proposal, not a replay), ``stale.rejection`` recorded with
+        the head's version in its message (``refused``)."""
 
     async def commit(
         self,

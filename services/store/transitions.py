@@ -22,12 +22,16 @@ from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.contract.record import SealedRecord
 from ztate.services.runtime.telemetry import NO_METRICS, Metrics
 from ztate.services.store.boundary import translated
+from ztate.services.store.group_commit import CommitArgs, GroupCommitter
+from ztate.services.store.group_commit import Outcome as CommitOutcome
 from ztate.services.store.interface import (
     Commit,
     Creation,
+    HeadLookup,
     KeptState,
     Park,
     Parking,
+    StaleRefusal,
     UnsignedHead,
 )
 from ztate.services.store.rows import (
@@ -45,6 +49,10 @@ from ztate.services.store.rows import (
 # announces the commit (announce_commit).
 WATCHED = "EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = $1)"
 COMMIT_CHANNEL = "ztate_commits"
+# Commit statements in flight at once; the commits that arrive while all are busy leave
+# together in the next free one (group_commit). Up to MAX_BATCH rows a statement.
+COMMIT_SLOTS = 2
+MAX_BATCH = 64
 
 COMMIT = f"""
 WITH head AS (
@@ -89,6 +97,50 @@ PENDING_COLUMNS = (
     "digest, thread_id, base_version, parent_digest, node_id, proposal, risk_rules, "
     "idempotency_key, request_digest, status, parked_at, sensitive_keys, required_approvals"
 )
+
+
+def _prefixed(alias: str, columns: str) -> str:
+    return ", ".join(f"{alias}.{c} AS {alias}_{c}" for c in columns.split(", "))
+
+
+HEAD_COLUMNS = "thread_id, version, digest, state_bytes, policy_name, policy_digest"
+
+# One round trip for a proposal whose base is not the cached head: the head, what the
+# request's idempotency key already names, and the stale refusal's rejection row when
+# the proposal is stale (head_for_request).
+HEAD_FOR_REQUEST = f"""
+WITH h AS (
+    SELECT thread_id, version, head_digest AS digest, state AS state_bytes, policy_name,
+           policy_digest
+      FROM ztate.threads WHERE thread_id = $1
+), e AS (
+    SELECT {TRANSITION_COLUMNS} FROM ztate.transitions
+     WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3
+), p AS (
+    SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions
+     WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3
+), refused AS (
+    INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
+                                  patch_digest, patch_bytes, message)
+    SELECT $4, $5, $6, $7, $8, $9, $10, $11, format($12, h.version)
+      FROM h
+     WHERE h.version <> $7 AND h.policy_name = $13
+       AND NOT EXISTS (SELECT 1 FROM e) AND NOT EXISTS (SELECT 1 FROM p)
+    RETURNING 1
+)
+SELECT {_prefixed("h", HEAD_COLUMNS)}, {_prefixed("e", TRANSITION_COLUMNS)},
+       {_prefixed("p", PENDING_COLUMNS)}, EXISTS (SELECT 1 FROM refused) AS refused
+  FROM (SELECT 1) AS one
+  LEFT JOIN h ON true LEFT JOIN e ON true LEFT JOIN p ON true
+"""  # noqa: S608 - constant column lists
+
+
+def _part(row: asyncpg.Record, alias: str, columns: str) -> dict[str, Any] | None:
+    """The columns of one joined part of a row, or None where the join found nothing."""
+    names = columns.split(", ")
+    if row[f"{alias}_{names[0]}"] is None:
+        return None
+    return {name: row[f"{alias}_{name}"] for name in names}
 
 
 PARK = f"""
@@ -156,9 +208,19 @@ ON CONFLICT DO NOTHING
 class PostgresTransitionStore:
     """The transition store on Postgres (or Citus), through a least-privilege role."""
 
-    def __init__(self, pool: asyncpg.Pool, metrics: Metrics = NO_METRICS) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        metrics: Metrics = NO_METRICS,
+        *,
+        commit_slots: int = COMMIT_SLOTS,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
         self._pool = pool
         self._metrics = metrics
+        self._committer = GroupCommitter(
+            pool, self._commit_alone, max_in_flight=commit_slots, max_batch=max_batch
+        )
 
     @classmethod
     async def open(
@@ -224,6 +286,38 @@ class PostgresTransitionStore:
         return version
 
     @translated
+    async def head_for_request(
+        self, thread_id: str, node_id: str, idempotency_key: str, stale: StaleRefusal
+    ) -> HeadLookup:
+        rejection = storable_rejection(stale.rejection)
+        row = await self._pool.fetchrow(
+            HEAD_FOR_REQUEST,
+            thread_id,
+            node_id,
+            idempotency_key,
+            rejection.method,
+            rejection.node_id,
+            rejection.thread_id,
+            rejection.base_version,
+            rejection.reason,
+            list(rejection.keys),
+            rejection.patch_digest,
+            rejection.patch_bytes,
+            rejection.message,
+            stale.policy_name,
+        )
+        assert row is not None  # (SELECT 1) LEFT JOIN ...: always one row
+        head = _part(row, "h", HEAD_COLUMNS)
+        earlier = _part(row, "e", TRANSITION_COLUMNS)
+        parked = _part(row, "p", PENDING_COLUMNS)
+        return HeadLookup(
+            head=None if head is None else Head(**head),
+            earlier=None if earlier is None else StoredTransition(**earlier),
+            parked=None if parked is None else PendingTransition(**parked),
+            refused=row["refused"],
+        )
+
+    @translated
     async def commit(
         self,
         sealed: SealedRecord,
@@ -234,12 +328,12 @@ class PostgresTransitionStore:
         idempotency_key: str,
         request_digest: str,
     ) -> Commit:
-        """In one statement: the compare-and-swap and the ledger insert."""
+        """In one statement: the compare-and-swap and the ledger insert; with the commits
+        that arrive meanwhile, when every commit slot is busy (``group_commit``)."""
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
-        try:
-            row = await self._pool.fetchrow(
-                COMMIT,
+        outcome = await self._committer.commit(
+            (
                 record["thread_id"],
                 expected_version,
                 record["version"],
@@ -254,16 +348,22 @@ class PostgresTransitionStore:
                 idempotency_key,
                 request_digest,
             )
+        )
+        self._metrics.commit_duration.record(time.perf_counter() - started)
+        if outcome.commit is Commit.COMMITTED and outcome.watched:
+            await announce_commit(self._pool, record["thread_id"])
+        return outcome.commit
+
+    async def _commit_alone(self, args: CommitArgs) -> CommitOutcome:
+        """The one-row statement (``COMMIT``)."""
+        try:
+            row = await self._pool.fetchrow(COMMIT, *args)
         except asyncpg.UniqueViolationError:
             # the whole statement, head update included, rolled back
-            self._metrics.commit_duration.record(time.perf_counter() - started)
-            return Commit.KEY_TAKEN
-        self._metrics.commit_duration.record(time.perf_counter() - started)
+            return CommitOutcome(Commit.KEY_TAKEN, watched=False)
         if row is None:
-            return Commit.HEAD_MOVED
-        if row["watched"]:
-            await announce_commit(self._pool, record["thread_id"])
-        return Commit.COMMITTED
+            return CommitOutcome(Commit.HEAD_MOVED, watched=False)
+        return CommitOutcome(Commit.COMMITTED, watched=row["watched"])
 
     @translated
     async def find_by_idempotency_key(

@@ -355,11 +355,12 @@ async def test_traces_metrics_and_logs_reach_an_otlp_receiver_without_secrets(
     # An unexpected failure, whose text holds a sentinel, and a library's log line.
     failing = await new_thread(target, pki)  # not in this service's head cache
 
-    async def broken(_: str) -> Any:
+    async def broken(*_: object) -> Any:
         raise RuntimeError(f"unexpected: {EXCEPTION_SENTINEL}")
 
     with monkeypatch.context() as patched:
-        patched.setattr(traced_service.store, "read_head", broken)
+        # the proposal's look-up of a head it has not cached
+        patched.setattr(traced_service.store, "head_for_request", broken)
         async with client(traced, creds) as worker:
             with pytest.raises(ZtateError) as internal:
                 await worker.propose(failing, 0, {"requested_action": act("failing")})

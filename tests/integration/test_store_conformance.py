@@ -36,9 +36,11 @@ from ztate.services.runtime.errors import StorageUnavailable
 from ztate.services.store.interface import (
     Commit,
     Creation,
+    HeadLookup,
     KeptState,
     Park,
     Parking,
+    StaleRefusal,
     TransitionStore,
     UnsignedHead,
 )
@@ -340,3 +342,54 @@ async def test_an_unreachable_database_is_storage_unavailable_never_a_driver_err
             assert isinstance(refused.value.__cause__, OSError), name
     finally:
         await pool.close()
+
+
+def stale_refusal(thread_id: str, base_version: int, policy_name: str = "pipeline") -> StaleRefusal:
+    return StaleRefusal(
+        Rejection(
+            method="ProposeTransition",
+            node_id=NODE,
+            thread_id=thread_id,
+            base_version=base_version,
+            reason="STALE_VERSION",
+            keys=[],
+            patch_digest="ab" * 32,
+            patch_bytes=10,
+            message=f"expected version {base_version}, but the head is at %s (100%%)",
+        ),
+        policy_name,
+    )
+
+
+async def test_head_for_request_finds_the_head_and_records_only_a_stale_refusal(
+    store: TransitionStore, keyring: Keyring, ledger: Ledger
+) -> None:
+    missing = await store.head_for_request("never-created", NODE, "k", stale_refusal("x", 0))
+    assert missing == HeadLookup(None, None, None, refused=False)
+    thread_id, genesis = await new_thread(store, keyring)
+    result, _record = await commit(store, keyring, thread_id, 1, genesis.digest, "k-1")
+    assert result is Commit.COMMITTED
+
+    at_head = await store.head_for_request(thread_id, NODE, "k-2", stale_refusal(thread_id, 1))
+    assert at_head.head is not None
+    assert at_head.head.version == 1
+    assert (at_head.earlier, at_head.parked, at_head.refused) == (None, None, False)
+    foreign = await store.head_for_request(
+        thread_id, NODE, "k-2", stale_refusal(thread_id, 0, "billing")
+    )
+    assert not foreign.refused  # another workflow's thread: not this proposal's to be stale on
+    replay = await store.head_for_request(thread_id, NODE, "k-1", stale_refusal(thread_id, 0))
+    assert replay.earlier == await store.find_by_idempotency_key(thread_id, NODE, "k-1")
+    assert not replay.refused  # a replay, not a refusal
+    assert await ledger.rejections(thread_id) == []
+
+    stale = await store.head_for_request(thread_id, NODE, "k-2", stale_refusal(thread_id, 0))
+    assert stale.refused
+    assert stale.head == at_head.head
+    [row] = await ledger.rejections(thread_id)
+    assert (row["reason"], row["base_version"], row["message"]) == (
+        "STALE_VERSION",
+        0,
+        "expected version 0, but the head is at 1 (100%)",
+    )
+    assert await store.head_version(thread_id) == 1

@@ -1,0 +1,213 @@
+"""Group commit: proposals that arrive together commit in one statement and one WAL flush.
+
+Each commit of the transition store (``PostgresTransitionStore.commit``) is queued
+here. While fewer than ``max_in_flight`` statements are running, a commit leaves at
+once, alone, as the one-row statement it always was (``COMMIT``): nothing waits for
+company, so a lone writer's latency is unchanged. When every slot is busy, the commits
+that arrive meanwhile wait, and the next free slot sends them all (up to
+``max_batch``) as ONE statement (``GROUP_COMMIT``): one round trip, one transaction,
+one WAL flush for the lot.
+
+Inside that statement every row keeps its own outcome, exactly the one-row statement's:
+its own compare-and-swap on its thread's version and digest, its own idempotency key
+(taken by a committed request: ``KEY_TAKEN``; by a parked one: the CAS refuses it), so
+one stale row never fails another. A batch holds at most one commit per thread (a
+second waits for the next batch, as it would have lost the race anyway or follows the
+first), and locks its threads' heads in thread-id order before updating them, so that
+two batches never deadlock. A commit is answered only when the statement that holds it
+has returned, that is after Postgres committed it: an acknowledged commit is durable
+exactly as before, and a crash before the answer leaves the whole batch committed or
+none of it (the callers retry with their idempotency keys).
+
+If the batch statement fails (an idempotency key taken by a concurrent commit between
+its snapshot and its insert, or any error of one row), its rows are committed again one
+by one with the one-row statement, so that the failure stays the failing row's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from ztate.services.store.interface import Commit
+
+# One row's parameters, in COMMIT's order ($1..$13).
+CommitArgs = tuple[
+    str, int, int, str, bytes, str, str, str, str, datetime, bytes, str | None, str | None
+]
+
+GROUP_COMMIT = """
+WITH input AS (
+    SELECT *
+      FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[], $5::bytea[], $6::text[],
+                  $7::text[], $8::text[], $9::text[], $10::timestamptz[], $11::bytea[],
+                  $12::text[], $13::text[])
+           WITH ORDINALITY AS i(thread_id, expected, version, digest, state, parent, node_id,
+                                key_id, signature, committed_at, record, idempotency_key,
+                                request_digest, n)
+), locked AS (
+    -- every head of the batch, locked in one order whatever the batch: no deadlock
+    SELECT t.thread_id FROM ztate.threads t
+     WHERE t.thread_id IN (SELECT thread_id FROM input)
+     ORDER BY t.thread_id
+       FOR UPDATE
+), taken AS (
+    -- rows whose idempotency key names a committed request already: KEY_TAKEN
+    SELECT i.n FROM input i
+     WHERE i.idempotency_key IS NOT NULL AND EXISTS (
+           SELECT 1 FROM ztate.transitions x
+            WHERE x.thread_id = i.thread_id AND x.node_id = i.node_id
+              AND x.idempotency_key = i.idempotency_key)
+), head AS (
+    UPDATE ztate.threads t
+       SET version = i.version, head_digest = i.digest, state = i.state,
+           updated_at = i.committed_at
+      FROM input i JOIN locked l ON l.thread_id = i.thread_id
+     WHERE t.thread_id = i.thread_id AND t.version = i.expected AND t.head_digest = i.parent
+       AND i.n NOT IN (SELECT n FROM taken)
+       -- an idempotency key names one request, whether committed or parked
+       AND NOT EXISTS (SELECT 1 FROM ztate.pending_transitions p
+                        WHERE p.thread_id = i.thread_id AND p.node_id = i.node_id
+                          AND p.idempotency_key = i.idempotency_key)
+ RETURNING t.thread_id
+), appended AS (
+    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                                   signature, record, state, idempotency_key, request_digest,
+                                   committed_at)
+    SELECT i.thread_id, i.version, i.digest, i.parent, i.node_id, i.key_id, i.signature,
+           i.record, i.state, i.idempotency_key, i.request_digest, i.committed_at
+      FROM input i JOIN head h ON h.thread_id = i.thread_id
+    RETURNING thread_id
+)
+SELECT i.n,
+       EXISTS (SELECT 1 FROM appended a WHERE a.thread_id = i.thread_id) AS committed,
+       i.n IN (SELECT n FROM taken) AS key_taken,
+       EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = i.thread_id)
+           AS watched
+  FROM input i
+ ORDER BY i.n
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One row's result: what the commit did, and whether a replica watches its thread."""
+
+    commit: Commit
+    watched: bool
+
+
+@dataclass(slots=True)
+class _Waiting:
+    args: CommitArgs
+    answer: asyncio.Future[Outcome]
+
+
+class GroupCommitter:
+    """Queues commits and sends them alone or together (see the module's doc)."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        single: Callable[[CommitArgs], Awaitable[Outcome]],
+        *,
+        max_in_flight: int,
+        max_batch: int,
+        on_batch: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self._pool = pool
+        self._single = single  # the one-row statement
+        self._max_in_flight = max(1, max_in_flight)
+        self._max_batch = max(1, max_batch)
+        self._on_batch = on_batch
+        self._in_flight = 0
+        self._queue: list[_Waiting] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+
+    async def commit(self, args: CommitArgs) -> Outcome:
+        answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Waiting(args, answer))
+        if self._in_flight < self._max_in_flight:
+            self._start()
+        return await answer
+
+    def _start(self) -> None:
+        batch = self._take()
+        if batch:
+            self._in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._sent)
+
+    def _take(self) -> list[_Waiting]:
+        """Up to ``max_batch`` waiting commits, at most one per thread, oldest first."""
+        batch: list[_Waiting] = []
+        later: list[_Waiting] = []
+        threads: set[str] = set()
+        for waiting in self._queue:
+            thread_id = waiting.args[0]
+            if waiting.answer.done():  # its caller was cancelled: nothing to send
+                continue
+            if len(batch) < self._max_batch and thread_id not in threads:
+                threads.add(thread_id)
+                batch.append(waiting)
+            else:
+                later.append(waiting)
+        self._queue = later
+        return batch
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._in_flight -= 1
+        if self._queue:
+            self._start()
+
+    async def _send(self, batch: list[_Waiting]) -> None:
+        started = time.perf_counter()
+        try:
+            if len(batch) == 1:
+                outcomes = [await self._one(batch[0].args)]
+            else:
+                outcomes = await self._together(batch)
+        except Exception as failure:  # every caller of the batch gets the failure
+            for waiting in batch:
+                if not waiting.answer.done():
+                    waiting.answer.set_exception(failure)
+            return
+        except BaseException:  # cancelled (the service stops): so are its callers
+            for waiting in batch:
+                waiting.answer.cancel()
+            raise
+        if self._on_batch is not None:
+            self._on_batch(len(batch), time.perf_counter() - started)
+        for waiting, outcome in zip(batch, outcomes, strict=True):
+            if not waiting.answer.done():
+                waiting.answer.set_result(outcome)
+
+    async def _one(self, args: CommitArgs) -> Outcome:
+        return await self._single(args)
+
+    async def _together(self, batch: list[_Waiting]) -> list[Outcome]:
+        columns = list(zip(*(waiting.args for waiting in batch), strict=True))
+        try:
+            rows = await self._pool.fetch(GROUP_COMMIT, *columns)
+        except asyncpg.PostgresError:
+            # one row's failure (a key taken since the snapshot, a constraint) must stay
+            # that row's: each commits again alone, in the one-row statement
+            return [await self._one(waiting.args) for waiting in batch]
+        return [
+            Outcome(
+                Commit.COMMITTED
+                if row["committed"]
+                else Commit.KEY_TAKEN
+                if row["key_taken"]
+                else Commit.HEAD_MOVED,
+                row["watched"],
+            )
+            for row in rows
+        ]

@@ -1,0 +1,192 @@
+"""Group commit (``ztate.services.store.group_commit``): proposals that arrive together
+commit in one statement, one transaction, each row with its own outcome.
+
+The store here has one commit slot, so the first commit of a burst leaves alone and
+every commit that arrives while it runs leaves together in the next statement: what
+happens under load with any number of slots, made deterministic. "One transaction" is
+read from Postgres itself: the ``xmin`` (inserting transaction id) of the ledger rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest_asyncio
+
+from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, new_thread_id
+from tests.integration.test_store_conformance import NODE, commit, new_thread, sealed
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.keyring import Keyring
+from ztate.services.policy.model import PolicySet
+from ztate.services.runtime import errors
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.interface import Commit
+from ztate.services.store.transitions import PostgresTransitionStore, keep_session
+from ztate.transition_service.pipeline import TransitionPipeline
+from ztate.transition_service.requests import Committed, Proposal
+from ztate.worker_sdk import encode_json
+
+OPERATOR = Identity(TRUST_DOMAIN, Role.OPERATOR, "admin")
+PARSER = Identity(TRUST_DOMAIN, Role.NODE, "input-parser")
+
+
+@pytest_asyncio.fixture
+async def pools(
+    database_dsn: str, settings: Settings, service: object
+) -> AsyncIterator[list[asyncpg.Pool]]:
+    """Two pools as the service's (its role, no reset query); ``service`` migrates."""
+    made = [
+        await asyncpg.create_pool(
+            database_dsn,
+            min_size=1,
+            max_size=4,
+            reset=keep_session,
+            server_settings={"role": settings.db_role},
+        )
+        for _ in range(2)
+    ]
+    yield made
+    for pool in made:
+        await pool.close()
+
+
+def pipeline(pool: asyncpg.Pool, settings: Settings, keyring: Keyring) -> TransitionPipeline:
+    return TransitionPipeline(
+        store=PostgresTransitionStore(pool, commit_slots=1),
+        policies=PolicySet.load(settings.policy_path),
+        keyring=keyring,
+        max_patch_bytes=settings.max_patch_bytes,
+        max_depth=settings.max_depth,
+        head_cache_size=64,
+    )
+
+
+def proposal(thread_id: str, version: int, key: str) -> Proposal:
+    return Proposal(thread_id, version, encode_json({"requested_action": act(key)}), key)
+
+
+async def inserting_transactions(dsn: str, thread_ids: list[str], version: int) -> list[int]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT thread_id, xmin::text::bigint AS txid FROM ztate.transitions "
+            "WHERE thread_id = ANY($1) AND version = $2",
+            thread_ids,
+            version,
+        )
+    finally:
+        await conn.close()
+    by_thread = {r["thread_id"]: r["txid"] for r in rows}
+    return [by_thread[t] for t in thread_ids if t in by_thread]
+
+
+async def test_a_burst_commits_in_one_transaction_and_only_the_stale_proposal_is_refused(
+    pools: list[asyncpg.Pool],
+    settings: Settings,
+    keyring: Keyring,
+    ledger: Ledger,
+    database_dsn: str,
+) -> None:
+    ours, other_replica = (
+        pipeline(pools[0], settings, keyring),
+        pipeline(pools[1], settings, keyring),
+    )
+    threads = [new_thread_id() for _ in range(7)]
+    for thread_id in threads:  # our replica's cache holds every head at version 0
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    stale = threads[3]
+    moved = await other_replica.propose(PARSER, proposal(stale, 0, "elsewhere"))
+    assert isinstance(moved, Committed)
+
+    outcomes = await asyncio.gather(
+        *(ours.propose(PARSER, proposal(t, 0, f"burst-{t}")) for t in threads),
+        return_exceptions=True,
+    )
+
+    refused = outcomes[3]
+    assert isinstance(refused, errors.StaleVersion)
+    assert refused.current_version == 1
+    committed = [o for n, o in enumerate(outcomes) if n != 3]
+    assert all(isinstance(o, Committed) and not o.replayed for o in committed), outcomes
+    # the first left alone (the one slot was free); the other five, stale one aside,
+    # in ONE statement: one inserting transaction
+    first, *burst = [t for t in threads if t != stale]
+    txids = await inserting_transactions(database_dsn, burst, 1)
+    assert len(txids) == 5
+    assert len(set(txids)) == 1
+    assert await inserting_transactions(database_dsn, [first], 1) != txids[:1]
+    # the stale row wrote nothing: its version 1 is the other replica's, its key unused
+    snapshot = await ledger.snapshot(stale)
+    assert (snapshot.head_version, snapshot.transitions) == (1, 2)
+    assert [r["reason"] for r in await ledger.rejections(stale)] == ["STALE_VERSION"]
+    for thread_id in threads:
+        assert await ledger.verify(thread_id) == 2
+
+
+async def test_duplicates_in_a_burst_keep_their_idempotency(
+    pools: list[asyncpg.Pool], settings: Settings, keyring: Keyring, database_dsn: str
+) -> None:
+    store = PostgresTransitionStore(pools[0], commit_slots=1)
+    first_id, first = await new_thread(store, keyring)
+    taken_id, taken = await new_thread(store, keyring)
+    fresh_id, fresh = await new_thread(store, keyring)
+    result, _ = await commit(store, keyring, taken_id, 1, taken.digest, "k-taken")
+    assert result is Commit.COMMITTED
+
+    async def again(thread_id: str, parent: str, key: str, version: int = 1) -> Commit:
+        record, state = sealed(
+            keyring, thread_id, version, parent, {"raw_text": f"{key}-{version}"}
+        )
+        return await store.commit(
+            record,
+            state,
+            expected_version=version - 1,
+            committed_at=datetime.now(UTC),
+            idempotency_key=key,
+            request_digest=sha256_hex(key.encode()),
+        )
+
+    results = await asyncio.gather(
+        again(first_id, first.digest, "k-first"),  # alone: the slot was free
+        again(fresh_id, fresh.digest, "k-dup"),  # batch 1
+        # the same thread again: it waits for the next statement, where the head has
+        # moved, and is answered what the one-row statement answers (the pipeline then
+        # replays it: test_the_same_request_twice_in_a_burst_is_replayed)
+        again(fresh_id, fresh.digest, "k-dup"),
+        again(taken_id, taken.digest, "k-taken", version=2),  # key committed already
+    )
+    assert results == [Commit.COMMITTED, Commit.COMMITTED, Commit.HEAD_MOVED, Commit.KEY_TAKEN]
+    assert await store.head_version(taken_id) == 1  # nothing of the refused rows written
+    assert await store.head_version(fresh_id) == 1
+    found = await store.find_by_idempotency_key(fresh_id, NODE, "k-dup")
+    assert found is not None
+    assert found.version == 1
+
+
+async def test_the_same_request_twice_in_a_burst_is_replayed(
+    pools: list[asyncpg.Pool], settings: Settings, keyring: Keyring, ledger: Ledger
+) -> None:
+    ours = pipeline(pools[0], settings, keyring)
+    threads = [new_thread_id() for _ in range(3)]
+    for thread_id in threads:
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    twice = proposal(threads[1], 0, "k-twice")
+
+    outcomes = await asyncio.gather(
+        ours.propose(PARSER, proposal(threads[0], 0, "k-a")),
+        ours.propose(PARSER, twice),
+        ours.propose(PARSER, twice),
+        ours.propose(PARSER, proposal(threads[2], 0, "k-c")),
+    )
+
+    assert all(isinstance(o, Committed) for o in outcomes)
+    first, second = outcomes[1], outcomes[2]
+    assert isinstance(first, Committed)
+    assert isinstance(second, Committed)
+    assert (first.replayed, second.replayed) == (False, True)
+    assert first.transition.digest == second.transition.digest
+    assert (await ledger.snapshot(threads[1])).transitions == 2  # committed once

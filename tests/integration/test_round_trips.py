@@ -1,0 +1,136 @@
+"""Database round trips off the happy path, counted so that they cannot creep back.
+
+Each pipeline here is the service's own (``TransitionPipeline`` over a
+``PostgresTransitionStore``) on the session's real Postgres, through an asyncpg pool
+whose every connection logs each statement it sends (``add_query_logger``): one logged
+statement is one round trip. Issue 19's budgets: a stale proposal at most 2 round trips
+(it was 4: head, key look-up, parked look-up, rejection), a lost compare-and-swap race at
+most 2 (it was 5: commit, head version, two look-ups, rejection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import asyncpg
+import pytest
+import pytest_asyncio
+
+from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, new_thread_id
+from ztate.contract.canonical import canonical_bytes
+from ztate.contract.keyring import Keyring
+from ztate.services.policy.model import PolicySet
+from ztate.services.runtime import errors
+from ztate.services.runtime.config import Settings
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.transitions import PostgresTransitionStore, keep_session
+from ztate.transition_service.pipeline import TransitionPipeline
+from ztate.transition_service.requests import Committed, Proposal
+from ztate.worker_sdk import encode_json
+
+STALE_BUDGET = 2
+LOST_RACE_BUDGET = 2
+
+
+@dataclass
+class Counted:
+    """A pipeline and the statements its pool has sent since ``reset``."""
+
+    pipeline: TransitionPipeline
+    pool: asyncpg.Pool
+    statements: list[str] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.statements.clear()
+
+
+@pytest_asyncio.fixture
+async def replicas(
+    database_dsn: str, settings: Settings, keyring: Keyring, service: object
+) -> AsyncIterator[tuple[Counted, Counted]]:
+    """Two replicas of the service (each its own pool and head cache) on one database;
+    ``service`` is asked for so that the session's database is migrated."""
+    made: list[Counted] = []
+    policies = PolicySet.load(settings.policy_path)
+    for _ in range(2):
+        statements: list[str] = []
+
+        async def log_queries(conn: asyncpg.Connection, into: list[str] = statements) -> None:
+            conn.add_query_logger(lambda logged: into.append(logged.query))
+
+        pool = await asyncpg.create_pool(
+            database_dsn,
+            min_size=1,
+            max_size=2,
+            init=log_queries,
+            reset=keep_session,  # as the service's pool: no reset query on release
+            server_settings={"role": settings.db_role},
+        )
+        pipeline = TransitionPipeline(
+            store=PostgresTransitionStore(pool),
+            policies=policies,
+            keyring=keyring,
+            max_patch_bytes=settings.max_patch_bytes,
+            max_depth=settings.max_depth,
+            head_cache_size=16,
+        )
+        made.append(Counted(pipeline, pool, statements))
+    yield made[0], made[1]
+    for counted in made:
+        await counted.pool.close()
+
+
+OPERATOR = Identity(TRUST_DOMAIN, Role.OPERATOR, "admin")
+PARSER = Identity(TRUST_DOMAIN, Role.NODE, "input-parser")
+
+
+def proposal(thread_id: str, version: int, key: str) -> Proposal:
+    return Proposal(thread_id, version, encode_json({"requested_action": act(key)}), key)
+
+
+async def stale_rows(ledger: Ledger, thread_id: str) -> list[int]:
+    return [r["base_version"] for r in await ledger.rejections(thread_id)]
+
+
+async def test_a_stale_proposal_costs_at_most_two_round_trips(
+    replicas: tuple[Counted, Counted], ledger: Ledger
+) -> None:
+    first, _ = replicas
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    committed = await first.pipeline.propose(PARSER, proposal(thread_id, 0, "k-1"))
+    assert isinstance(committed, Committed)
+
+    first.reset()
+    with pytest.raises(errors.StaleVersion) as refused:
+        await first.pipeline.propose(PARSER, proposal(thread_id, 0, "k-2"))
+
+    assert refused.value.current_version == 1
+    assert len(first.statements) <= STALE_BUDGET, first.statements
+    assert await stale_rows(ledger, thread_id) == [0]  # recorded once, nothing committed
+    assert (await ledger.snapshot(thread_id)).head_version == 1
+
+
+async def test_a_lost_race_costs_at_most_two_round_trips(
+    replicas: tuple[Counted, Counted], ledger: Ledger
+) -> None:
+    winner, loser = replicas
+    thread_id = new_thread_id()
+    # the loser creates the thread, so its cache holds the head at version 0
+    await loser.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    assert isinstance(
+        await winner.pipeline.propose(PARSER, proposal(thread_id, 0, "k-win")), Committed
+    )
+
+    loser.reset()
+    with pytest.raises(errors.StaleVersion) as refused:
+        await loser.pipeline.propose(PARSER, proposal(thread_id, 0, "k-lose"))
+
+    assert refused.value.current_version == 1
+    assert loser.statements[0].lstrip().startswith("WITH head AS (")  # it did try to commit
+    assert len(loser.statements) <= LOST_RACE_BUDGET, loser.statements
+    rows = await ledger.rejections(thread_id)
+    assert [(r["reason"], r["base_version"]) for r in rows] == [("STALE_VERSION", 0)]
+    assert rows[0]["message"] == "expected version 0, but the head is at 1"
+    assert (await ledger.snapshot(thread_id)).head_version == 1

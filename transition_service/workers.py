@@ -1,0 +1,84 @@
+"""``ztate serve --workers N``: N processes of the transition service on one port.
+
+One Python process uses at most one core (the event loop runs the gRPC machinery, the
+pipeline and asyncpg's protocol), so a machine with more cores runs one process per
+core. Each worker is a whole service (its own pools, head cache and outbox), exactly as
+replicas behind a load balancer are: the compare-and-swap keeps them correct without
+coordination, and a commit's announcement reaches every replica's watchers
+(LISTEN/NOTIFY). The kernel spreads incoming connections over them: every worker binds
+the port with SO_REUSEPORT.
+
+The port stays the service's own. Before starting its workers the supervisor binds the
+address itself WITHOUT SO_REUSEPORT: that fails if anything is bound there, including
+another ztate service's workers, so a second service is refused as a single process
+is (``ztate: cannot start``, exit 2). Linux admits to a SO_REUSEPORT group only sockets
+of the same user; a foreign service of the same user that sets SO_REUSEPORT itself
+could still join between the check and the workers' bind: run services under their own
+users. Each worker dies with its supervisor (PR_SET_PDEATHSIG), so a supervisor killed
+with SIGKILL leaves no worker serving; SIGTERM and SIGINT are passed on, and the
+supervisor exits when every worker has, with the first failure's status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from types import FrameType
+
+PR_SET_PDEATHSIG = 1
+WORKER_FLAG = "--worker-of-group"
+
+
+def port_is_free(listen: str) -> bool:
+    """Whether ``host:port`` can be bound exclusively right now."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - what the service itself would bind
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def _die_with_parent() -> None:  # in the child, before exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def supervise(workers: int, listen: str) -> int:
+    """Start ``workers`` copies of ``ztate serve`` sharing ``listen``; wait for all."""
+    if not port_is_free(listen):
+        print(f"ztate: cannot start: {listen} is in use", file=sys.stderr)
+        return 2
+    argv = [sys.executable, "-m", "ztate.services.cli.main", "serve", WORKER_FLAG]
+    children = [subprocess.Popen(argv, preexec_fn=_die_with_parent) for _ in range(workers)]
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    by_pid = {child.pid: child for child in children}
+    while by_pid:
+        pid, raw = os.waitpid(-1, 0)  # blocks until a worker exits (signals are handled)
+        child = by_pid.pop(pid, None)
+        if child is None:
+            continue
+        child.returncode = code = os.waitstatus_to_exitcode(raw)
+        if code != 0 and status == 0:
+            status = code if code > 0 else 1
+            forward(signal.SIGTERM, None)  # one failed: the group stops
+    return status
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
