@@ -8,9 +8,7 @@ in the printed URL. Exit codes: 0 stopped by a signal, 2 unusable flags or crede
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,6 +101,8 @@ def cmd_console(args: argparse.Namespace) -> int:
         print("ztate console: --port must be 0..65535", file=sys.stderr)
         return 2
     try:
+        import asyncio
+
         asyncio.run(_serve(Backend(operator, reviewer), args.port, args.verify_bundle))
     except OSError as exc:
         print(f"ztate console: cannot listen on 127.0.0.1:{args.port}: {exc}", file=sys.stderr)
@@ -130,6 +130,9 @@ async def _serve(backend: Backend, port: int, bundle: Path | None) -> None:
     print(
         "  the token works once; this console uses your certificates. Ctrl-C stops it.", flush=True
     )
+    import asyncio
+    import signal
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
