@@ -114,6 +114,9 @@ class TransitionStore(Protocol):
     async def head_version(self, thread_id: str) -> int | None:
         """The thread's head version, or None if no such thread."""
 
+    async def head_versions(self, thread_ids: Sequence[str]) -> dict[str, int]:
+        """The head versions of those of ``thread_ids`` that exist, in one query."""
+
     async def commit(
         self,
         sealed: SealedRecord,
