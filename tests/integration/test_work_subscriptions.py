@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
@@ -35,7 +36,7 @@ from tests.integration.test_scale_out import (
     stop_replica,
     wait_serving,
 )
-from ztate.worker_sdk import LeaseLost, PermissionDenied, ZtateClient
+from ztate.worker_sdk import LeaseLost, PermissionDenied, SyncZtateClient, View, ZtateClient
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("workers") / "work_node.py"
@@ -303,3 +304,34 @@ async def test_lease_calls_and_fencing_reveal_no_thread(setup: Setup) -> None:
         stream = admin.subscribe_work()
         with pytest.raises(PermissionDenied, match="nodes subscribe"):
             await anext(stream)
+
+
+async def test_the_blocking_client_serves_a_nodes_work_and_stops_cleanly(setup: Setup) -> None:
+    one = setup.replicas[1]
+    threads = await create_threads(one.target, setup.pki, 6, policy="billing")
+    creds = setup.pki.node("invoicer")
+    stop = threading.Event()
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def handler(view: View) -> dict[str, Any]:
+        seen.append((view.thread_id, view.state))
+        return {"invoice_total_cents": 7}
+
+    with SyncZtateClient.from_files(
+        one.target, cert=creds.cert, key=creds.key, ca=creds.ca
+    ) as invoicer:
+        serving = asyncio.create_task(
+            asyncio.to_thread(
+                invoicer.serve, handler, node_name="invoicer", concurrency=3, stop=stop
+            )
+        )
+        try:
+            await all_at(setup.dsn, threads, 1, within=30)
+        finally:
+            stop.set()
+        steps = await asyncio.wait_for(serving, 30)
+    mine = [s for s in steps if s.transition is not None and s.transition.thread_id in threads]
+    assert sorted(s.transition.thread_id for s in mine if s.transition) == sorted(threads)
+    assert all(s.status == "committed" for s in mine)
+    assert {t for t, _ in seen} >= set(threads)
+    assert all(state == {"invoice_note": "due"} for t, state in seen if t in threads)
