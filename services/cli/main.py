@@ -23,6 +23,7 @@ from ztate.services.cli import ca
 from ztate.services.cli.db import add_db_commands
 from ztate.services.cli.health_probe import add_health_command
 from ztate.services.cli.operator_client import add_connection_flags, operator_channel
+from ztate.services.cli.threads import add_thread_commands
 from ztate.services.cli.verify import add_export_command, add_verify_commands
 from ztate.services.policy.model import PolicyError, PolicySet
 from ztate.services.runtime.config import Settings, describe
@@ -631,6 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     threads = sub.add_parser("threads", help="operate on threads")
     threads_sub = threads.add_subparsers(dest="threads_command", required=True)
+    add_thread_commands(threads_sub, ledger_sub)
     revert = threads_sub.add_parser(
         "revert", help="append a transition restoring the state of an earlier version"
     )

@@ -41,3 +41,5 @@ CREATE TABLE IF NOT EXISTS ztate.wake_marks (
 
 REVOKE ALL ON ztate.node_work, ztate.wake_marks FROM PUBLIC;
 GRANT SELECT, INSERT, UPDATE ON ztate.node_work, ztate.wake_marks TO :service_role;
+-- operators see each thread's work and leases (ztate threads show)
+GRANT SELECT ON ztate.node_work, ztate.wake_marks TO :reader_role;
