@@ -312,6 +312,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                     lease_epoch=item.epoch,
                     lease_expires_at=expires,
                     lease_ttl_seconds=item.ttl,
+                    head_digest=item.head_digest,
                 )
         except Exception as failure:
             status = failure_status("SubscribeWork", failure)

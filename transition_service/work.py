@@ -160,6 +160,7 @@ class WorkItem:
     epoch: int
     expires_at: datetime
     ttl: float
+    head_digest: str  # empty unless the node reads records
 
 
 class WorkDispatcher:
@@ -347,6 +348,7 @@ class WorkDispatcher:
                 lease.epoch,
                 lease.expires_at,
                 self.lease_seconds,
+                head.digest if policy.reads_records(lease.node) else "",
             )
         )
         return True

@@ -39,6 +39,7 @@ class Step:
     transition: Transition | None = None
     digest: str | None = None
     error: ZtateError | None = None
+    thread_id: str = ""
 
 
 @dataclass
@@ -242,7 +243,7 @@ class NodeRunner:
         return None
 
     def _refused(self, view: View, patch: Patch, error: ZtateError) -> Step:
-        step = Step(view.version, patch, "refused", error=error)
+        step = Step(view.version, patch, "refused", error=error, thread_id=view.thread_id)
         self.steps.append(step)
         if self.on_step is not None:
             self.on_step(step)
@@ -255,7 +256,9 @@ class NodeRunner:
         return produced
 
     def _record(self, view: View, patch: Patch, outcome: Outcome, digest: str | None) -> Step:
-        step = Step(view.version, patch, outcome.status, outcome.transition, digest)
+        step = Step(
+            view.version, patch, outcome.status, outcome.transition, digest, None, view.thread_id
+        )
         if outcome.transition is not None:
             self._seen = max(self._seen, outcome.transition.version)
         self.steps.append(step)

@@ -147,9 +147,10 @@ class WorkItem:
     lease_epoch: int
     lease_expires_at: datetime
     lease_ttl: float
+    head_digest: str = ""  # empty unless the node's policy marks it read_records
 
     def as_view(self) -> View:
-        return View(self.thread_id, self.version, "", self.state)
+        return View(self.thread_id, self.version, self.head_digest, self.state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -569,6 +570,7 @@ class ZtateClient:
                             lease_epoch=message.lease_epoch,
                             lease_expires_at=message.lease_expires_at.ToDatetime(),
                             lease_ttl=message.lease_ttl_seconds,
+                            head_digest=message.head_digest,
                         )
                         if connection.retired:
                             break

@@ -36,20 +36,22 @@ class SubscribeWorkRequest(_message.Message):
     def __init__(self, max_in_flight: _Optional[int] = ...) -> None: ...
 
 class SubscribeWorkResponse(_message.Message):
-    __slots__ = ("thread_id", "version", "state_json", "lease_epoch", "lease_expires_at", "lease_ttl_seconds")
+    __slots__ = ("thread_id", "version", "state_json", "lease_epoch", "lease_expires_at", "lease_ttl_seconds", "head_digest")
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     thread_id: str
     version: int
     state_json: bytes
     lease_epoch: int
     lease_expires_at: _timestamp_pb2.Timestamp
     lease_ttl_seconds: float
-    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., state_json: _Optional[bytes] = ..., lease_epoch: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+    head_digest: str
+    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., state_json: _Optional[bytes] = ..., lease_epoch: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ..., head_digest: _Optional[str] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("thread_id", "lease_epoch")
