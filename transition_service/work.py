@@ -393,6 +393,8 @@ class Leases:
         self, caller: Identity, thread_id: str, epoch: int, handled_version: int
     ) -> None:
         node = self._node(caller, thread_id, epoch)
+        if handled_version < -1:
+            raise errors.RequestInvalid("handled_version must be >= -1")
         more = await self._work.release(thread_id, node, epoch, handled_version)
         if more is None:
             raise errors.LeaseLost(LEASE_LOST)

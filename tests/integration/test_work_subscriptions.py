@@ -36,7 +36,14 @@ from tests.integration.test_scale_out import (
     stop_replica,
     wait_serving,
 )
-from ztate.worker_sdk import LeaseLost, PermissionDenied, SyncZtateClient, View, ZtateClient
+from ztate.worker_sdk import (
+    LeaseLost,
+    PermissionDenied,
+    SyncZtateClient,
+    View,
+    WorkItem,
+    ZtateClient,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("workers") / "work_node.py"
@@ -335,3 +342,36 @@ async def test_the_blocking_client_serves_a_nodes_work_and_stops_cleanly(setup: 
     assert all(s.status == "committed" for s in mine)
     assert {t for t, _ in seen} >= set(threads)
     assert all(state == {"invoice_note": "due"} for t, state in seen if t in threads)
+
+
+async def next_item_on(stream: Any, thread_id: str, within: float = 20.0) -> WorkItem:
+    """The first item of ``stream`` on ``thread_id`` (others are left to lapse)."""
+    async with asyncio.timeout(within):
+        while True:
+            item: WorkItem = await anext(stream)
+            if item.thread_id == thread_id:
+                return item
+
+
+async def test_a_stale_holder_is_fenced_off(setup: Setup) -> None:
+    one, two = setup.replicas
+    (thread_id,) = await create_threads(one.target, setup.pki, 1)
+    creds = setup.pki.node("input-parser")
+    patch = {"requested_action": {"action": "lookup", "order_id": "A-1"}}
+    first = ZtateClient.from_files(one.target, cert=creds.cert, key=creds.key, ca=creds.ca)
+    second = ZtateClient.from_files(two.target, cert=creds.cert, key=creds.key, ca=creds.ca)
+    async with first, second:
+        stale = await next_item_on(first.subscribe_work(max_in_flight=64), thread_id)
+        # never renewed: the lease lapses and the other replica grants it again
+        fresh = await next_item_on(second.subscribe_work(max_in_flight=64), thread_id)
+        assert fresh.lease_epoch > stale.lease_epoch
+        with pytest.raises(LeaseLost):
+            await first.propose(thread_id, stale.version, patch, lease_epoch=stale.lease_epoch)
+        assert await heads(setup.dsn, [thread_id]) == {thread_id: 0}  # nothing committed
+        committed = await second.propose(
+            thread_id, fresh.version, patch, lease_epoch=fresh.lease_epoch
+        )
+        assert committed.version == 1
+        # the proposal released the lease: renewing it now is refused
+        with pytest.raises(LeaseLost):
+            await second.renew_lease(thread_id, fresh.lease_epoch)
