@@ -39,7 +39,7 @@ from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.interface import TransitionStore
-from ztate.services.store.work import Lease, WorkStore
+from ztate.services.store.work import Lease, Waiting, WorkStore
 from ztate.transition_service.checks import check_registered, check_thread_id
 from ztate.transition_service.outcomes import OutcomeListener
 
@@ -49,6 +49,7 @@ SWEEP_BATCH = 200
 # the sweep for undecided wakes scans every thread: once per this many poll periods
 SWEEP_EVERY = 10
 MAX_IN_FLIGHT = 256
+DISPATCH_CONCURRENCY = 8  # lease grants in flight at once per process (pool connections)
 LEASE_LOST = "this lease is no longer held"
 
 
@@ -312,20 +313,31 @@ class WorkDispatcher:
             return 0
         self.polls += 1
         waiting = await self._work.waiting(list(room), sum(room.values()))
-        handed = 0
+        # each found row goes to the stream of its node with the most room left; a
+        # slot is reserved before the (concurrent) round trips, so no stream overfills
+        reserved: Counter[int] = Counter()
+        plan: list[tuple[WorkStream, Waiting]] = []
         for found in waiting:
-            streams = [s for s in self._streams.get(found.node, ()) if s.room > 0]
-            if not streams:
-                continue
-            stream = max(streams, key=lambda s: s.room)
-            lease = await self._work.acquire(
-                found.thread_id, found.node, stream.holder, self.lease_seconds
-            )
-            if lease is None:
-                continue  # another process (or replica) took it first
-            if await self._deliver(stream, lease):
-                handed += 1
-        return handed
+            streams = [
+                s for s in self._streams.get(found.node, ()) if s.room - reserved[id(s)] > 0
+            ]
+            if streams:
+                stream = max(streams, key=lambda s: s.room - reserved[id(s)])
+                reserved[id(stream)] += 1
+                plan.append((stream, found))
+        limit = asyncio.Semaphore(DISPATCH_CONCURRENCY)
+
+        async def hand(stream: WorkStream, found: Waiting) -> bool:
+            async with limit:
+                lease = await self._work.acquire(
+                    found.thread_id, found.node, stream.holder, self.lease_seconds
+                )
+                if lease is None:
+                    return False  # another process (or replica) took it first
+                return await self._deliver(stream, lease)
+
+        handed = await asyncio.gather(*(hand(stream, found) for stream, found in plan))
+        return sum(handed)
 
     async def _deliver(self, stream: WorkStream, lease: Lease) -> bool:
         policy = self._policies.of_node(lease.node)
