@@ -211,7 +211,7 @@ async def _start_traced(
     reads = ThreadReads(store, policies)
     watcher = Watcher.from_settings(store, reads, listener, settings)
     work_store = WorkStore(store.pool)
-    waker = Waker(store, work_store, policies)
+    waker = Waker(work_store, policies)
     dispatcher = WorkDispatcher(
         store,
         work_store,

@@ -63,8 +63,7 @@ def author_node(node_id: str) -> str | None:
 class Waker:
     """Decides whom new versions wake, and tells every replica."""
 
-    def __init__(self, store: TransitionStore, work: WorkStore, policies: PolicySet) -> None:
-        self._store = store
+    def __init__(self, work: WorkStore, policies: PolicySet) -> None:
         self._work = work
         self._policies = policies
         self._running: dict[str, asyncio.Task[None]] = {}
@@ -99,11 +98,11 @@ class Waker:
 
     async def evaluate(self, thread_id: str) -> list[str]:
         """Decide the wakes of every version after the thread's mark; the woken nodes."""
-        head = await self._store.read_head(thread_id)
+        head = await self._work.progress(thread_id)
         if head is None:
             return []
         policy = self._policies.get(head.policy_name)
-        mark = await self._work.mark(thread_id)
+        mark = head.evaluated_version
         if mark >= head.version:
             return []
         woken: dict[str, int] = {}
@@ -318,9 +317,7 @@ class WorkDispatcher:
         reserved: Counter[int] = Counter()
         plan: list[tuple[WorkStream, Waiting]] = []
         for found in waiting:
-            streams = [
-                s for s in self._streams.get(found.node, ()) if s.room - reserved[id(s)] > 0
-            ]
+            streams = [s for s in self._streams.get(found.node, ()) if s.room - reserved[id(s)] > 0]
             if streams:
                 stream = max(streams, key=lambda s: s.room - reserved[id(s)])
                 reserved[id(stream)] += 1

@@ -49,6 +49,15 @@ class Unevaluated:
 
 
 @dataclass(frozen=True, slots=True)
+class ThreadProgress:
+    """How far a thread is, and how far its wakes were decided."""
+
+    version: int
+    policy_name: str
+    evaluated_version: int  # -1: none yet
+
+
+@dataclass(frozen=True, slots=True)
 class VersionChange:
     """What a version changed and who made it, for deciding whom it wakes."""
 
@@ -58,17 +67,24 @@ class VersionChange:
     state: bytes | None  # None once pruned
 
 
+# the wakes and the mark in one statement: together or not at all, one round trip
 RECORD_WAKES = """
-INSERT INTO ztate.node_work AS w (thread_id, node, wake_version)
-SELECT $1, n, v FROM unnest($2::text[], $3::bigint[]) AS x(n, v)
-ON CONFLICT (thread_id, node) DO UPDATE
-   SET wake_version = greatest(w.wake_version, excluded.wake_version)
-"""
-
-MARK = """
-INSERT INTO ztate.wake_marks AS m (thread_id, evaluated_version) VALUES ($1, $2)
+WITH woken AS (
+    INSERT INTO ztate.node_work AS w (thread_id, node, wake_version)
+    SELECT $1, n, v FROM unnest($2::text[], $3::bigint[]) AS x(n, v)
+    ON CONFLICT (thread_id, node) DO UPDATE
+       SET wake_version = greatest(w.wake_version, excluded.wake_version)
+    RETURNING 1
+)
+INSERT INTO ztate.wake_marks AS m (thread_id, evaluated_version) VALUES ($1, $4)
 ON CONFLICT (thread_id) DO UPDATE
    SET evaluated_version = greatest(m.evaluated_version, excluded.evaluated_version)
+"""
+
+PROGRESS = """
+SELECT t.version, t.policy_name, coalesce(m.evaluated_version, -1) AS evaluated_version
+  FROM ztate.threads t LEFT JOIN ztate.wake_marks m ON m.thread_id = t.thread_id
+ WHERE t.thread_id = $1
 """
 
 UNEVALUATED = """
@@ -140,12 +156,13 @@ class WorkStore:
         ]
 
     @translated
-    async def mark(self, thread_id: str) -> int:
-        """Up to which version the thread's wakes were decided (-1: none yet)."""
-        found: int | None = await self._pool.fetchval(
-            "SELECT evaluated_version FROM ztate.wake_marks WHERE thread_id = $1", thread_id
-        )
-        return -1 if found is None else found
+    async def progress(self, thread_id: str) -> ThreadProgress | None:
+        """The thread's head version, policy and wake mark, in one query; None if no
+        such thread."""
+        row = await self._pool.fetchrow(PROGRESS, thread_id)
+        if row is None:
+            return None
+        return ThreadProgress(row["version"], row["policy_name"], row["evaluated_version"])
 
     @translated
     async def record_wakes(
@@ -153,12 +170,9 @@ class WorkStore:
     ) -> None:
         """Nodes woken on ``thread_id`` (node, version), and the thread's versions up
         to ``evaluated_version`` as decided; together or not at all."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            if wakes:
-                await conn.execute(
-                    RECORD_WAKES, thread_id, [n for n, _ in wakes], [v for _, v in wakes]
-                )
-            await conn.execute(MARK, thread_id, evaluated_version)
+        await self._pool.execute(
+            RECORD_WAKES, thread_id, [n for n, _ in wakes], [v for _, v in wakes], evaluated_version
+        )
 
     @translated
     async def unevaluated(self, limit: int) -> list[Unevaluated]:
