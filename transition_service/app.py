@@ -32,6 +32,7 @@ from ztate.services.store.ledger import LedgerQueries
 from ztate.services.store.migrate import TRANSITION_MIGRATIONS, migrate, verify_migrations
 from ztate.services.store.policies import StoredPolicy, keep_policy_versions
 from ztate.services.store.transitions import PostgresTransitionStore
+from ztate.services.store.work import WorkStore
 from ztate.transition_service.checkpointer import Checkpointer
 from ztate.transition_service.decisions import DecisionPipeline
 from ztate.transition_service.journal import CheckpointJournal
@@ -42,6 +43,7 @@ from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.reads import ThreadReads
 from ztate.transition_service.server import TransitionServicer
 from ztate.transition_service.watch import Watcher
+from ztate.transition_service.work import Leases, Waker, Work, WorkDispatcher
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.transition")
@@ -66,6 +68,7 @@ class RunningService:
     embedded: Any = field(default=None, repr=False)
     telemetry: Telemetry = field(default_factory=Telemetry)
     watcher: Watcher | None = None
+    work: Work | None = None
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_SECONDS) -> None:
         """Stop taking calls, let in-flight commits finish, then close the pool."""
@@ -73,6 +76,8 @@ class RunningService:
         await self.database_health.stop()
         if self.watcher is not None:
             self.watcher.shutdown()  # watch streams never finish on their own
+        if self.work is not None:
+            await self.work.dispatcher.stop()  # nor do work streams
         await self.outbox.stop()
         if self.checkpointer is not None:
             await self.checkpointer.stop()
@@ -230,6 +235,21 @@ async def _start_traced(
     approvals = ApprovalStore(store.pool)
     reads = ThreadReads(store, policies)
     watcher = Watcher.from_settings(store, reads, listener, settings)
+    work_store = WorkStore(store.pool)
+    waker = Waker(work_store, policies)
+    dispatcher = WorkDispatcher(
+        store,
+        work_store,
+        policies,
+        waker,
+        listener,
+        lease_seconds=settings.work_lease_seconds,
+        poll_seconds=settings.work_poll_seconds,
+        max_streams=settings.watch_max_streams,
+        per_identity=settings.watch_max_streams_per_identity,
+        lifetime=settings.watch_max_stream_seconds,
+    )
+    work = Work(waker, dispatcher, Leases(work_store, dispatcher))
     decisions = DecisionPipeline(
         store=store,
         approvals=approvals,
@@ -281,7 +301,7 @@ async def _start_traced(
         interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
     )
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(
-        TransitionServicer(pipeline, decisions, callers, reads, watcher),
+        TransitionServicer(pipeline, decisions, callers, reads, watcher, work),
         server,
     )
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(
@@ -318,6 +338,7 @@ async def _start_traced(
         raise
     await server.start()
     outbox.start()
+    dispatcher.start()
     telemetry.watch_database(
         {"transition": store.pool, "ledger-reader": queries.pool},
         settings.metrics_interval_seconds,
@@ -346,6 +367,7 @@ async def _start_traced(
         embedded,
         telemetry=telemetry,
         watcher=watcher,
+        work=work,
     )
 
 

@@ -20,7 +20,7 @@ from google.protobuf.message import Message as Message_
 
 from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime import errors
-from ztate.services.runtime.identity import Authenticator, Identity
+from ztate.services.runtime.identity import Authenticator, Identity, Role
 from ztate.services.runtime.rpc_guard import Context, guarded
 from ztate.services.store.ledger import (
     COMMITTED,
@@ -32,9 +32,11 @@ from ztate.services.store.ledger import (
     StoredEntry,
     StoredKeyChange,
     StoredRejection,
+    StoredThread,
+    StoredWork,
     TransitionFilter,
 )
-from ztate.transition_service.checks import check_privileged
+from ztate.transition_service.checks import THREAD_ID, check_privileged, check_thread_id
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
 DEFAULT_PAGE_SIZE = 100
@@ -218,6 +220,60 @@ def transition_filter(request: ledger_pb2.ListTransitionsRequest) -> TransitionF
     )
 
 
+MAX_THREAD_TOKEN_CHARACTERS = 200  # base64url of the longest thread id (128), with room
+
+
+def thread_page_token(thread_id: str) -> str:
+    return base64.urlsafe_b64encode(thread_id.encode()).decode().rstrip("=")
+
+
+def thread_page_after(token: str) -> str | None:
+    """A ListThreads page token: the last thread id of the previous page, base64url.
+    Hostile input: bounded, decoded strictly, and a thread id or refused."""
+    if not token:
+        return None
+    refused = errors.RequestInvalid("page_token is not one this service issued")
+    if len(token) > MAX_THREAD_TOKEN_CHARACTERS or not re.fullmatch(r"[A-Za-z0-9_-]+", token):
+        raise refused
+    try:
+        decoded = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode("ascii")
+    except (binascii.Error, ValueError):
+        raise refused from None
+    if not THREAD_ID.fullmatch(decoded) or thread_page_token(decoded) != token:
+        raise refused
+    return decoded
+
+
+def check_operator(caller: Identity) -> None:
+    if caller.role is not Role.OPERATOR:
+        raise errors.RoleForbidden(f"a {caller.role} identity may not administer threads")
+
+
+def thread_head_message(row: StoredThread) -> ledger_pb2.ThreadHead:
+    return ledger_pb2.ThreadHead(
+        thread_id=row.thread_id,
+        policy=row.policy,
+        version=row.version,
+        head_digest=row.head_digest,
+        created_at=_timestamp(row.created_at),
+        updated_at=_timestamp(row.updated_at),
+    )
+
+
+def node_work_message(row: StoredWork) -> ledger_pb2.NodeWork:
+    message = ledger_pb2.NodeWork(
+        node=row.node,
+        wake_version=row.wake_version,
+        handled_version=row.handled_version,
+        due=row.wake_version > row.handled_version,
+        holder=row.holder or "",
+        lease_epoch=row.epoch,
+    )
+    if row.expires_at is not None:
+        message.lease_expires_at.CopyFrom(_timestamp(row.expires_at))
+    return message
+
+
 class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     """Adapts ``LedgerQueries`` to ``ztate.v1.LedgerService``."""
 
@@ -324,3 +380,39 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
             )
 
         return await guarded(context, self._authenticator, "KeyHistory", handle)
+
+    async def ListThreads(
+        self, request: ledger_pb2.ListThreadsRequest, context: Context
+    ) -> ledger_pb2.ListThreadsResponse:
+        async def handle(caller: Identity) -> ledger_pb2.ListThreadsResponse:
+            check_operator(caller)
+            limit = page_size(request.page_size)
+            rows = await self._queries.threads(
+                policy=filter_text(request.policy, "policy"),
+                after=thread_page_after(request.page_token),
+                limit=limit,
+            )
+            page = within_budget([thread_head_message(row) for row in rows], self._budget)
+            more = len(page) < len(rows) or len(rows) == limit
+            return ledger_pb2.ListThreadsResponse(
+                threads=page,
+                next_page_token=thread_page_token(page[-1].thread_id) if page and more else "",
+            )
+
+        return await guarded(context, self._authenticator, "ListThreads", handle)
+
+    async def DescribeThread(
+        self, request: ledger_pb2.DescribeThreadRequest, context: Context
+    ) -> ledger_pb2.DescribeThreadResponse:
+        async def handle(caller: Identity) -> ledger_pb2.DescribeThreadResponse:
+            check_operator(caller)
+            check_thread_id(request.thread_id)
+            found = await self._queries.thread(request.thread_id)
+            if found is None:
+                raise errors.ThreadNotFound(f"thread {request.thread_id!r} does not exist")
+            head, work = found
+            return ledger_pb2.DescribeThreadResponse(
+                thread=thread_head_message(head), work=[node_work_message(w) for w in work]
+            )
+
+        return await guarded(context, self._authenticator, "DescribeThread", handle)

@@ -35,6 +35,7 @@ from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.approvals import OUTCOME_CHANNEL
 from ztate.services.store.rows import Backend
 from ztate.services.store.transitions import COMMIT_CHANNEL, session_backend, sweep_watched_threads
+from ztate.services.store.work import WORK_CHANNEL
 
 SWEEP_INTERVAL_SECONDS = 60.0
 FIRST_RETRY_SECONDS = 0.1
@@ -60,6 +61,7 @@ class OutcomeListener:
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
         self._watchers: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+        self._on_work: list[Callable[[str | None], None]] = []
         self.reconnects = 0
 
     @property
@@ -106,6 +108,7 @@ class OutcomeListener:
         try:
             await conn.add_listener(OUTCOME_CHANNEL, self._announced)
             await conn.add_listener(COMMIT_CHANNEL, self._committed)
+            await conn.add_listener(WORK_CHANNEL, self._work_announced)
             backend = await session_backend(conn)
         except BaseException:
             conn.terminate()
@@ -156,6 +159,8 @@ class OutcomeListener:
             log.warning("could not sweep watched threads: %s", type(failure).__name__)
 
     def _wake_everyone(self) -> None:
+        for callback in self._on_work:
+            callback(None)
         for groups in (self._waiters, self._watchers):
             for events in groups.values():
                 for event in events:
@@ -164,6 +169,15 @@ class OutcomeListener:
     def _announced(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
         for event in self._waiters.get(str(payload), ()):
             event.set()
+
+    def on_work(self, callback: Callable[[str | None], None]) -> None:
+        """Call ``callback`` with a node's name when some replica announces new work
+        for it, and with None when announcements may have been missed (reconnect)."""
+        self._on_work.append(callback)
+
+    def _work_announced(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
+        for callback in self._on_work:
+            callback(str(payload))
 
     def _committed(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
         for event in self._watchers.get(str(payload), ()):

@@ -6,6 +6,7 @@ refusals to gRPC statuses.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,8 +26,9 @@ from ztate.transition_service.decisions import (
 )
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
-from ztate.transition_service.requests import Parked, Proposal, Revert
+from ztate.transition_service.requests import Committed, Parked, Proposal, Revert
 from ztate.transition_service.watch import Subscription, Watcher
+from ztate.transition_service.work import Work, WorkStream
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.rpc")
@@ -82,12 +84,19 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         authenticator: Authenticator,
         reads: ThreadReads,
         watcher: Watcher,
+        work: Work | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._decisions = decisions
         self._authenticator = authenticator
         self._reads = reads
         self._watcher = watcher
+        self._work = work
+
+    def _committed(self, thread_id: str) -> None:
+        """A new version of ``thread_id``: decide whom it wakes."""
+        if self._work is not None:
+            self._work.waker.committed(thread_id)
 
     async def CreateThread(
         self, request: transition_pb2.CreateThreadRequest, context: Context
@@ -96,6 +105,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             genesis = await self._pipeline.create_thread(
                 caller, request.thread_id, request.policy, request.initial_state_json
             )
+            self._committed(genesis.thread_id)
             return transition_pb2.CreateThreadResponse(
                 genesis=transition_message(genesis, disclose=True)
             )
@@ -127,7 +137,22 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         )
 
         async def handle(caller: Identity) -> transition_pb2.ProposeTransitionResponse:
+            epoch = request.lease_epoch
+            if epoch and self._work is not None:
+                try:
+                    await self._work.leases.fence(caller, request.thread_id, epoch)
+                except errors.ZtateError as refusal:
+                    await self._pipeline.refused(caller, proposal, refusal)
+                    raise
             outcome = await self._pipeline.propose(caller, proposal)
+            if isinstance(outcome, Committed) and not outcome.replayed:
+                self._committed(request.thread_id)
+            if epoch and self._work is not None:
+                # the node is done with the version it built on: the lease goes back
+                with contextlib.suppress(errors.LeaseLost):
+                    await self._work.leases.release(
+                        caller, request.thread_id, epoch, request.expected_version
+                    )
             disclose = self._reads.discloses_records(caller)
             if isinstance(outcome, Parked):
                 return transition_pb2.ProposeTransitionResponse(
@@ -216,6 +241,8 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             resolution = await self._decisions.apply(
                 caller, SignedReceipt(receipt.receipt_json, receipt.signature, receipt.key_id)
             )
+            if resolution.transition is not None:
+                self._committed(resolution.transition.thread_id)
             return transition_pb2.ApplyDecisionResponse(
                 **resolution_fields(resolution, disclose=True)
             )
@@ -254,12 +281,70 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                     idempotency_key=request.idempotency_key,
                 ),
             )
+            self._committed(request.thread_id)
             return transition_pb2.RevertThreadResponse(
                 transition=transition_message(outcome.transition, disclose=True),
                 replayed=outcome.replayed,
             )
 
         return await guarded(context, self._authenticator, "RevertThread", handle)
+
+    async def SubscribeWork(
+        self, request: transition_pb2.SubscribeWorkRequest, context: Context
+    ) -> AsyncIterator[transition_pb2.SubscribeWorkResponse]:
+        work = self._work
+
+        async def handle(caller: Identity) -> WorkStream:
+            if work is None:
+                raise errors.NoWakeDeclared("this server hands out no work")
+            return work.dispatcher.open(caller, request.max_in_flight)
+
+        stream = await guarded(context, self._authenticator, "SubscribeWork", handle)
+        assert work is not None
+        try:
+            async for item in work.dispatcher.items(stream):
+                expires = timestamp_pb2.Timestamp()
+                expires.FromDatetime(item.expires_at)
+                yield transition_pb2.SubscribeWorkResponse(
+                    thread_id=item.thread_id,
+                    version=item.version,
+                    state_json=item.state_json,
+                    lease_epoch=item.epoch,
+                    lease_expires_at=expires,
+                    lease_ttl_seconds=item.ttl,
+                    head_digest=item.head_digest,
+                )
+        except Exception as failure:
+            status = failure_status("SubscribeWork", failure)
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        finally:
+            work.dispatcher.close(stream)
+
+    async def RenewLease(
+        self, request: transition_pb2.RenewLeaseRequest, context: Context
+    ) -> transition_pb2.RenewLeaseResponse:
+        async def handle(caller: Identity) -> transition_pb2.RenewLeaseResponse:
+            if self._work is None:
+                raise errors.LeaseLost("this lease is no longer held")
+            expires = await self._work.leases.renew(caller, request.thread_id, request.lease_epoch)
+            stamp = timestamp_pb2.Timestamp()
+            stamp.FromDatetime(expires)
+            return transition_pb2.RenewLeaseResponse(lease_expires_at=stamp)
+
+        return await guarded(context, self._authenticator, "RenewLease", handle)
+
+    async def ReleaseLease(
+        self, request: transition_pb2.ReleaseLeaseRequest, context: Context
+    ) -> transition_pb2.ReleaseLeaseResponse:
+        async def handle(caller: Identity) -> transition_pb2.ReleaseLeaseResponse:
+            if self._work is None:
+                raise errors.LeaseLost("this lease is no longer held")
+            await self._work.leases.release(
+                caller, request.thread_id, request.lease_epoch, request.handled_version
+            )
+            return transition_pb2.ReleaseLeaseResponse()
+
+        return await guarded(context, self._authenticator, "ReleaseLease", handle)
 
 
 def evidence_message(found: RecordWithEvidence) -> transition_pb2.GetTransitionResponse:

@@ -2,8 +2,12 @@
 
 A stream first sends the versions newer than the one the caller names, then
 sleeps on the process's one LISTEN connection (``OutcomeListener``) until the
-thread commits again; it also re-reads every ``RECHECK_SECONDS``, which covers an
-announcement lost while that connection was down. Commits are announced, by the
+thread commits again. An idle stream costs the database nothing: one task per
+process re-reads, every ``RECHECK_SECONDS``, the heads of every thread its streams
+watch in one query (``head_versions``) and wakes the streams that are behind, which
+covers an announcement lost (a committer that died before announcing, a commit
+racing with the first registration); a lost LISTEN connection wakes every stream
+when it is back. Commits are announced, by the
 replica that made them, only for threads some replica watches (NOTIFY serialises
 on a global lock): the first stream of this process on a thread registers it in
 ``ztate.watched_threads`` under the LISTEN session's identity, the last one to end
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ztate.transition")
 BATCH = 16
 RECHECK_SECONDS = 2.0
+RECHECK_BATCH = 1000  # threads per head query of the re-read
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,15 @@ class WatchedVersion:
     digest: str
     state_json: bytes  # empty when pruned
     state_pruned: bool
+
+
+@dataclass(eq=False, slots=True)
+class _Follower:
+    """One stream waiting for its thread to move past ``last``."""
+
+    thread_id: str
+    last: int
+    announced: asyncio.Event
 
 
 @dataclass(slots=True)
@@ -90,6 +104,9 @@ class Watcher:
         # database round trip
         self._locks: dict[str, _ThreadLock] = {}
         self._unwatching: set[asyncio.Task[None]] = set()
+        self._followers: dict[str, set[_Follower]] = {}
+        self._rechecker: asyncio.Task[None] | None = None
+        self.rechecks = 0  # rounds of the re-read that queried (for tests)
         self._closing = False
         self.opened = 0  # streams opened since start (for tests and diagnostics)
         listener.on_reconnect(self._register_again)
@@ -118,6 +135,32 @@ class Watcher:
         refuse new ones, so that stopping the server does not wait on them."""
         self._closing = True
         self._listener.wake_all_watchers()
+        if self._rechecker is not None:
+            self._rechecker.cancel()
+            self._rechecker = None
+
+    def _ensure_rechecker(self) -> None:
+        if self._rechecker is None and not self._closing:
+            self._rechecker = asyncio.create_task(self._recheck(), name="ztate-watch-recheck")
+
+    async def _recheck(self) -> None:
+        """Every ``RECHECK_SECONDS``: one query for the heads of every followed thread
+        (per ``RECHECK_BATCH``), then wake the streams that are behind."""
+        while True:
+            await asyncio.sleep(RECHECK_SECONDS)  # the re-read's period, not a sync
+            threads = list(self._followers)
+            for start in range(0, len(threads), RECHECK_BATCH):
+                chunk = threads[start : start + RECHECK_BATCH]
+                try:
+                    heads = await self._store.head_versions(chunk)
+                except Exception as failure:  # the next round tries again
+                    log.warning("watch re-read failed: %s", type(failure).__name__)
+                    break
+                self.rechecks += 1
+                for thread_id, version in heads.items():
+                    for follower in self._followers.get(thread_id, ()):
+                        if follower.last < version:
+                            follower.announced.set()
 
     @property
     def active(self) -> int:
@@ -231,19 +274,29 @@ class Watcher:
         loop = asyncio.get_running_loop()
         ends = loop.time() + self._limits.lifetime
         async with self._listener.watching_thread(thread_id) as announced:
-            while not self._closing:
-                announced.clear()
-                batch = await self._store.versions_after(thread_id, last, BATCH)
-                for found in batch:
-                    yield project(thread_id, found, readable)
-                    last = found.version
-                left = ends - loop.time()
-                if left <= 0:
-                    return  # the client resumes, and its access is checked again
-                if len(batch) == BATCH:
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(announced.wait(), min(RECHECK_SECONDS, left))
+            follower = _Follower(thread_id, last, announced)
+            self._followers.setdefault(thread_id, set()).add(follower)
+            self._ensure_rechecker()
+            try:
+                while not self._closing:
+                    announced.clear()
+                    batch = await self._store.versions_after(thread_id, last, BATCH)
+                    for found in batch:
+                        yield project(thread_id, found, readable)
+                        last = follower.last = found.version
+                    left = ends - loop.time()
+                    if left <= 0:
+                        return  # the client resumes, and its access is checked again
+                    if len(batch) == BATCH:
+                        continue
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(announced.wait(), left)
+            finally:
+                followers = self._followers.get(thread_id)
+                if followers is not None:
+                    followers.discard(follower)
+                    if not followers:
+                        del self._followers[thread_id]
 
 
 class Subscription:

@@ -6,7 +6,8 @@ thread, propose patches, and check with public keys that a head was approved.
 
 * ``ZtateClient`` (asyncio) and ``SyncZtateClient`` (blocking): the calls.
 * ``NodeRunner`` / ``run_node``: a node as a function from its view to a patch,
-  driven by the thread's changes.
+  driven by the thread's changes; ``NodeRunner.for_node(...).serve()`` serves all of
+  the node's work (``SubscribeWork``, under leases), ``concurrency`` at a time.
 * ``verify_head_before_acting``: a privileged worker's check, immediately before
   it acts, of the head's approval receipt and checkpoint (``VerifiedHead``, or
   ``HeadNotVerified``).
@@ -24,6 +25,7 @@ from ztate.worker_sdk.client import (
     Transition,
     View,
     WatchEvent,
+    WorkItem,
     ZtateClient,
     encode_json,
 )
@@ -35,6 +37,7 @@ from ztate.worker_sdk.errors import (
     IdentityRevoked,
     InvalidRequest,
     InvariantViolated,
+    LeaseLost,
     MessageTooLarge,
     NotFound,
     PatchTooLarge,
@@ -63,6 +66,7 @@ __all__ = [
     "IdentityRevoked",
     "InvalidRequest",
     "InvariantViolated",
+    "LeaseLost",
     "MessageTooLarge",
     "NodeRunner",
     "NotFound",
@@ -84,6 +88,7 @@ __all__ = [
     "VerifiedHead",
     "View",
     "WatchEvent",
+    "WorkItem",
     "ZtateClient",
     "ZtateError",
     "encode_json",

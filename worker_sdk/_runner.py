@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 import uuid
@@ -9,8 +11,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ztate.worker_sdk.client import Outcome, Transition, View, ZtateClient
-from ztate.worker_sdk.errors import AwaitingApproval, StaleVersion, Unavailable, ZtateError
+from ztate.worker_sdk.client import Outcome, Transition, View, WorkItem, ZtateClient
+from ztate.worker_sdk.errors import (
+    AwaitingApproval,
+    LeaseLost,
+    StaleVersion,
+    Unavailable,
+    ZtateError,
+)
 
 log = logging.getLogger("ztate.worker_sdk.runner")
 
@@ -31,6 +39,7 @@ class Step:
     transition: Transition | None = None
     digest: str | None = None
     error: ZtateError | None = None
+    thread_id: str = ""
 
 
 @dataclass
@@ -65,7 +74,125 @@ class NodeRunner:
     on_step: Callable[[Step], None] | None = None
     on_parked: Callable[[AwaitingApproval], None] | None = None
     steps: list[Step] = field(default_factory=list)
+    concurrency: int = 1
+    shutdown_grace: float = 10.0
     _seen: int = field(default=-1, init=False, repr=False)
+
+    @classmethod
+    def for_node(
+        cls, client: ZtateClient, handler: Handler, *, node_name: str = "node", **options: Any
+    ) -> NodeRunner:
+        """A runner that serves all of its node's work (``serve``), not one thread."""
+        return cls(client, "", handler, node_name=node_name, **options)
+
+    async def serve(self, stop: asyncio.Event | None = None) -> list[Step]:
+        """Serve every thread on which the node has work (``SubscribeWork``) until
+        ``stop`` is set or the task is cancelled; returns the steps.
+
+        Up to ``concurrency`` handlers run at once, each on the node's projection of
+        the head it was handed, under a lease that is renewed while it runs and
+        released when it proposes (or returns None, or is refused). On shutdown no
+        new work is taken, running handlers get ``shutdown_grace`` seconds to
+        finish, and the leases of those that did not are released undone, so that
+        another process of the node takes them at once."""
+        stop = stop or asyncio.Event()
+        working: dict[asyncio.Task[None], WorkItem] = {}
+        room = asyncio.Semaphore(self.concurrency)
+
+        async def take() -> None:
+            async for item in self.client.subscribe_work(max_in_flight=self.concurrency):
+                await room.acquire()
+                task = asyncio.create_task(self._work_on(item))
+                working[task] = item
+                task.add_done_callback(finished)
+
+        def finished(done: asyncio.Task[None]) -> None:
+            working.pop(done, None)
+            room.release()
+
+        taking = asyncio.create_task(take())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({taking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            taking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await taking
+            if working:
+                await asyncio.wait(set(working), timeout=self.shutdown_grace)
+            for task, item in list(working.items()):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                with contextlib.suppress(ZtateError):
+                    await self.client.release_lease(item.thread_id, item.lease_epoch, -1)
+        if taking.done() and not taking.cancelled() and taking.exception() is not None:
+            raise taking.exception()  # type: ignore[misc]
+        return self.steps
+
+    async def _renew(self, item: WorkItem) -> None:
+        """Keep the lease while the handler runs (a third of its TTL at a time)."""
+        while True:
+            await asyncio.sleep(max(item.lease_ttl / 3, 0.05))  # the renewal period
+            try:
+                await self.client.renew_lease(item.thread_id, item.lease_epoch)
+            except LeaseLost:
+                return  # the proposal will be fenced off
+            except ZtateError as failure:
+                log.warning("%s: renewing a lease failed: %s", self.node_name, failure)
+
+    async def _work_on(self, item: WorkItem) -> None:
+        renewing = asyncio.create_task(self._renew(item))
+        done = False
+        try:
+            done = await self._lease_step(item)
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+        if not done:
+            with contextlib.suppress(LeaseLost):
+                await self.client.release_lease(item.thread_id, item.lease_epoch, item.version)
+
+    async def _lease_step(self, item: WorkItem) -> bool:
+        """Handle one leased item; True when the lease ended with a proposal."""
+        view = item.as_view()
+        for attempt in range(self.attempts):
+            patch = await self._patch_for(view)
+            if patch is None:
+                return False
+            key = f"{self.node_name}-{view.version}-{uuid.uuid4().hex[:12]}"
+            try:
+                committed = await self.client.propose(
+                    item.thread_id,
+                    view.version,
+                    patch,
+                    idempotency_key=key,
+                    lease_epoch=item.lease_epoch,
+                )
+            except StaleVersion:
+                if attempt == self.attempts - 1:
+                    return False
+                view = await self.client.get_view(item.thread_id)
+                continue
+            except LeaseLost:
+                log.info("%s: lease lost on a thread; another process has it", self.node_name)
+                return True
+            except Unavailable:
+                raise
+            except ZtateError as refused:
+                self._refused(view, patch, refused)
+                return False
+            except AwaitingApproval as parked:
+                if self.on_parked is not None:
+                    self.on_parked(parked)
+                outcome = await self.client.wait_for_outcome(parked, within=self.approval_wait)
+                self._record(view, patch, outcome, parked.digest or None)
+                return True
+            self._record(view, patch, Outcome("committed", committed), None)
+            return True
+        return False
 
     async def run(self, *, stop_after: int | None = None) -> list[Step]:
         """Watch the thread and act on it until cancelled, or until ``stop_after``
@@ -116,7 +243,7 @@ class NodeRunner:
         return None
 
     def _refused(self, view: View, patch: Patch, error: ZtateError) -> Step:
-        step = Step(view.version, patch, "refused", error=error)
+        step = Step(view.version, patch, "refused", error=error, thread_id=view.thread_id)
         self.steps.append(step)
         if self.on_step is not None:
             self.on_step(step)
@@ -129,7 +256,9 @@ class NodeRunner:
         return produced
 
     def _record(self, view: View, patch: Patch, outcome: Outcome, digest: str | None) -> Step:
-        step = Step(view.version, patch, outcome.status, outcome.transition, digest)
+        step = Step(
+            view.version, patch, outcome.status, outcome.transition, digest, None, view.thread_id
+        )
         if outcome.transition is not None:
             self._seen = max(self._seen, outcome.transition.version)
         self.steps.append(step)

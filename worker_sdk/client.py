@@ -137,6 +137,27 @@ class WatchEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkItem:
+    """A thread on which this node has work, leased to this process (SubscribeWork).
+
+    ``state`` is the node's projection at ``version``, the head to build on.
+    Propose with ``lease_epoch`` (a committed or parked proposal releases the
+    lease), or ``release_lease``; ``renew_lease`` before ``lease_expires_at`` while
+    working. ``NodeRunner.serve`` does all of this."""
+
+    thread_id: str
+    version: int
+    state: dict[str, Any]
+    lease_epoch: int
+    lease_expires_at: datetime
+    lease_ttl: float
+    head_digest: str = ""  # empty unless the node's policy marks it read_records
+
+    def as_view(self) -> View:
+        return View(self.thread_id, self.version, self.head_digest, self.state)
+
+
+@dataclass(frozen=True, slots=True)
 class Receipt:
     """An approval receipt as the approval service signed it (docs/approvals.md)."""
 
@@ -405,18 +426,22 @@ class ZtateClient:
         patch: dict[str, Any] | bytes,
         *,
         idempotency_key: str | None = None,
+        lease_epoch: int = 0,
     ) -> Transition:
         """Propose a patch against ``expected_version``; returns the committed transition.
 
         Raises ``AwaitingApproval`` when the patch matched a risk rule and was parked
         instead of committed. Pass the same ``idempotency_key`` when retrying a call
         whose outcome is unknown: the server then returns the original outcome.
+        ``lease_epoch`` (a ``WorkItem``'s) fences the proposal: ``LeaseLost`` if that
+        lease no longer holds the thread; committed or parked, it releases the lease.
         """
         request = transition_pb2.ProposeTransitionRequest(
             thread_id=thread_id,
             expected_version=expected_version,
             patch_json=patch if isinstance(patch, bytes) else encode_json(patch),
             idempotency_key=idempotency_key or uuid.uuid4().hex,
+            lease_epoch=lease_epoch,
         )
         response = await self._call(lambda stub: stub.ProposeTransition, request)
         if response.WhichOneof("outcome") == "pending":
@@ -548,6 +573,74 @@ class ZtateClient:
                     grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "the watch stream keeps ending"
                 )
             await asyncio.sleep(min(self._backoff * 2 ** (failures - 1), 5.0))
+
+    async def subscribe_work(
+        self, *, max_in_flight: int = 1, reconnects: int = 10
+    ) -> AsyncGenerator[WorkItem, None]:
+        """The threads on which this node has work, each leased to this process, forever.
+
+        The stream is re-opened when it breaks in transport or the server ends it
+        (as ``watch``); leases already received stay this process's until they lapse.
+        At most ``max_in_flight`` leases are held through the stream at once: release
+        (or propose under) one to receive the next."""
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            opened = loop.time()
+            received = False
+            async with self._connected() as connection:
+                call = connection.stub.SubscribeWork(
+                    transition_pb2.SubscribeWorkRequest(max_in_flight=max_in_flight)
+                )
+                try:
+                    async for message in call:
+                        failures = 0
+                        received = True
+                        yield WorkItem(
+                            thread_id=message.thread_id,
+                            version=message.version,
+                            state=json.loads(message.state_json),
+                            lease_epoch=message.lease_epoch,
+                            lease_expires_at=message.lease_expires_at.ToDatetime(),
+                            lease_ttl=message.lease_ttl_seconds,
+                            head_digest=message.head_digest,
+                        )
+                        if connection.retired:
+                            break
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in RETRYABLE or failures >= reconnects:
+                        raise from_rpc_error(error) from None
+                else:
+                    if received or loop.time() - opened >= NORMAL_END_SECONDS:
+                        continue
+                finally:
+                    call.cancel()
+            failures += 1
+            if failures > reconnects:
+                raise Unavailable(
+                    grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "the work stream keeps ending"
+                )
+            await asyncio.sleep(min(self._backoff * 2 ** (failures - 1), 5.0))
+
+    async def renew_lease(self, thread_id: str, lease_epoch: int) -> datetime:
+        """Extend a lease this node holds; when it now lapses. ``LeaseLost`` if it
+        is no longer this grant's."""
+        response = await self._call(
+            lambda stub: stub.RenewLease,
+            transition_pb2.RenewLeaseRequest(thread_id=thread_id, lease_epoch=lease_epoch),
+        )
+        expires: datetime = response.lease_expires_at.ToDatetime()
+        return expires
+
+    async def release_lease(self, thread_id: str, lease_epoch: int, handled_version: int) -> None:
+        """Give a lease back, done with the thread up to ``handled_version`` (-1: give
+        the work back undone). ``LeaseLost`` if it is no longer this grant's."""
+        await self._call(
+            lambda stub: stub.ReleaseLease,
+            transition_pb2.ReleaseLeaseRequest(
+                thread_id=thread_id, lease_epoch=lease_epoch, handled_version=handled_version
+            ),
+        )
 
     async def wait_for_outcome(
         self, parked: AwaitingApproval | str, *, within: float = 60.0

@@ -102,6 +102,11 @@ class TooManyStreams(ResourceExhausted):
     number. Retry later, or on another replica."""
 
 
+class LeaseLost(FailedPrecondition):
+    """The lease this worker held on a thread lapsed and another process of the node
+    took it (or it was released): its proposal was refused, nothing committed."""
+
+
 class NotFound(ZtateError):
     """No such thread or transition."""
 
@@ -156,6 +161,7 @@ _BY_REASON: dict[str, type[ZtateError]] = {
     "IDENTITY_REVOKED": IdentityRevoked,
     "INVARIANT_VIOLATED": InvariantViolated,
     "TOO_MANY_STREAMS": TooManyStreams,
+    "LEASE_LOST": LeaseLost,
     "PATCH_TOO_LARGE": PatchTooLarge,
     "STATE_TOO_LARGE": StateTooLarge,
 }

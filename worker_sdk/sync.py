@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Iterator
+from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
 
+from ztate.worker_sdk._runner import NodeRunner, Step
 from ztate.worker_sdk.client import (
     Checkpoint,
     HeadRecord,
@@ -20,6 +22,7 @@ from ztate.worker_sdk.client import (
     Transition,
     View,
     WatchEvent,
+    WorkItem,
     ZtateClient,
 )
 from ztate.worker_sdk.errors import AwaitingApproval
@@ -73,13 +76,82 @@ class SyncZtateClient:
         patch: dict[str, Any] | bytes,
         *,
         idempotency_key: str | None = None,
+        lease_epoch: int = 0,
     ) -> Transition:
         """See ``ZtateClient.propose``."""
         return self._run(
             self._client.propose(
-                thread_id, expected_version, patch, idempotency_key=idempotency_key
+                thread_id,
+                expected_version,
+                patch,
+                idempotency_key=idempotency_key,
+                lease_epoch=lease_epoch,
             )
         )
+
+    def renew_lease(self, thread_id: str, lease_epoch: int) -> datetime:
+        """See ``ZtateClient.renew_lease``."""
+        return self._run(self._client.renew_lease(thread_id, lease_epoch))
+
+    def release_lease(self, thread_id: str, lease_epoch: int, handled_version: int) -> None:
+        """See ``ZtateClient.release_lease``."""
+        self._run(self._client.release_lease(thread_id, lease_epoch, handled_version))
+
+    def serve(
+        self,
+        handler: Callable[[View], dict[str, Any] | None],
+        *,
+        node_name: str = "node",
+        concurrency: int = 1,
+        stop: threading.Event | None = None,
+        shutdown_grace: float = 10.0,
+    ) -> list[Step]:
+        """Serve all of this node's work (``NodeRunner.serve``) until ``stop`` is set:
+        ``handler`` runs on worker threads, ``concurrency`` at a time, each on the
+        node's projection of a thread it holds the lease of; it returns a patch or
+        None. On stop, running handlers get ``shutdown_grace`` seconds and the leases
+        of the others are released."""
+        stop = stop or threading.Event()
+
+        async def serving() -> list[Step]:
+            stopped = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            waiter = threading.Thread(
+                target=lambda: (stop.wait(), loop.call_soon_threadsafe(stopped.set)),
+                name="ztate-sync-serve-stop",
+                daemon=True,
+            )
+            waiter.start()
+
+            async def in_thread(view: View) -> dict[str, Any] | None:
+                return await asyncio.to_thread(handler, view)
+
+            runner = NodeRunner.for_node(
+                self._client,
+                in_thread,
+                node_name=node_name,
+                concurrency=concurrency,
+                shutdown_grace=shutdown_grace,
+            )
+            return await runner.serve(stopped)
+
+        return self._run(serving())
+
+    def subscribe_work(self, *, max_in_flight: int = 1) -> Iterator[WorkItem]:
+        """See ``ZtateClient.subscribe_work``: a blocking iterator."""
+        stream = self._client.subscribe_work(max_in_flight=max_in_flight)
+
+        async def step() -> WorkItem:
+            return await anext(stream)
+
+        try:
+            while True:
+                try:
+                    yield self._run(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(stream.aclose())
 
     def update(
         self, thread_id: str, change: Callable[[View], dict[str, Any]], *, attempts: int = 5

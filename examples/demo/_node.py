@@ -1,9 +1,11 @@
 """What the four demo nodes share: connecting with the node's own certificate,
-taking thread ids from the orchestrator, and reporting each step as JSON.
+serving the node's work, and reporting each step as JSON.
 
-A node process reads ``watch <thread id>`` lines on stdin and runs a
-``worker_sdk.NodeRunner`` on each thread; it prints one JSON object per line on
-stdout for every proposal it makes and every check it runs. It connects as
+A node process serves every thread on which its policy says it has work
+(``NodeRunner.for_node(...).serve()``, on ``SubscribeWork``): nobody tells it
+thread ids. It prints one JSON object per line on stdout for every proposal it
+makes and every check it runs, and stops on SIGTERM or when its standard input
+closes (the orchestrator is gone). It connects as
 ``spiffe://<trust domain>/node/<name>`` with ``$ZTATE_HOME/certs/node-<name>.crt``
 and nothing else: no database, no server code, no other node's key.
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ztate.worker_sdk import Handler, NodeRunner, Step, ZtateClient
+from ztate.worker_sdk import Handler, NodeRunner, Step, View, ZtateClient
 
 HandlerFactory = Callable[[ZtateClient, str, Callable[..., None]], Handler]
 
@@ -56,51 +58,47 @@ def step_fields(step: Step) -> dict[str, Any]:
 
 
 async def serve(name: str, make_handler: HandlerFactory) -> None:
-    """Run ``name``'s handler on every thread the orchestrator names, until SIGTERM."""
+    """Serve ``name``'s work on every thread, until SIGTERM or the end of stdin."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    tasks: set[asyncio.Task[Any]] = set()
+
+    async def orchestrator_gone() -> None:
+        await reader.read()  # only its end matters: the orchestrator is gone
+        stop.set()
+
     async with connect(name) as client:
+        handlers: dict[str, Handler] = {}
 
-        async def run(thread_id: str) -> None:
-            def report(event: str, **fields: Any) -> None:
-                emit(name, thread_id, event, **fields)
+        def report_on(thread_id: str) -> Callable[..., None]:
+            return lambda event, **fields: emit(name, thread_id, event, **fields)
 
-            runner = NodeRunner(
-                client,
-                thread_id,
-                make_handler(client, thread_id, report),
-                node_name=name,
-                approval_wait=120.0,
-                on_step=lambda step: report("step", **step_fields(step)),
-                on_parked=lambda parked: report("parked", handle=parked.handle),
-            )
-            try:
-                await runner.run()
-            except Exception as failure:  # report, and keep serving the other threads
-                report("failed", error=f"{type(failure).__name__}: {failure}")
+        def handle(view: View) -> Any:
+            # one handler per thread, as the node scripts are written
+            if view.thread_id not in handlers:
+                handlers[view.thread_id] = make_handler(
+                    client, view.thread_id, report_on(view.thread_id)
+                )
+            return handlers[view.thread_id](view)
 
-        async def commands() -> None:
-            while line := (await reader.readline()).decode().strip():
-                verb, _, thread_id = line.partition(" ")
-                if verb == "watch":
-                    task = asyncio.create_task(run(thread_id))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    emit(name, thread_id, "watching")
-            stop.set()  # stdin closed: the orchestrator is gone
-
-        reading = asyncio.create_task(commands())
+        runner = NodeRunner.for_node(
+            client,
+            handle,
+            node_name=name,
+            concurrency=4,
+            approval_wait=120.0,
+            on_step=lambda step: emit(name, step.thread_id, "step", **step_fields(step)),
+            on_parked=lambda parked: emit(name, parked.thread_id, "parked", handle=parked.handle),
+        )
+        watching = asyncio.create_task(orchestrator_gone())
         emit(name, "", "ready")
-        await stop.wait()
-        reading.cancel()
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(reading, *tasks, return_exceptions=True)
+        try:
+            await runner.serve(stop)
+        finally:
+            watching.cancel()
 
 
 def main(name: str, make_handler: HandlerFactory) -> None:

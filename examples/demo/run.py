@@ -263,10 +263,7 @@ class Demo:
                 },
             )
         say(f'{DIM}operator created thread {thread_id}:{RESET} "{text}"')
-        for process in self.nodes.values():
-            assert process.stdin is not None
-            process.stdin.write(f"watch {thread_id}\n".encode())
-            await process.stdin.drain()
+        # nobody tells the nodes: the policy's wake declarations hand them their work
 
     async def cli(self, *args: str, show: bool = True) -> tuple[int, str]:
         """Run the ``ztate`` command as an operator or a reviewer would."""

@@ -36,12 +36,22 @@ BROKEN_PIPE = 141  # 128 + SIGPIPE, as a tool killed by the signal would exit
 def _core_commands() -> list[Register]:
     """The core's command groups, in the order ``--help`` lists them. Add a module here
     with one line (its ``register`` takes the top-level subparsers)."""
-    from ztate.services.cli import admin, completion, context, db, health_probe, ledger, verify
+    from ztate.services.cli import (
+        admin,
+        completion,
+        context,
+        db,
+        health_probe,
+        ledger,
+        threads,
+        verify,
+    )
     from ztate.services.console import command as console
 
     return [
         context.register,
         ledger.register,
+        threads.register,
         verify.register,
         health_probe.register,
         db.register,

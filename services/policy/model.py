@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ztate.contract.canonical import canonical_bytes, parse_object, sha256_hex
 from ztate.contract.errors import ContractError
-from ztate.services.policy.rules import Expression, ExpressionError, merge_reads
+from ztate.services.policy.rules import Expression, ExpressionError, bind, merge_reads
 from ztate.services.policy.schema import (
     MAX_TYPE_DEPTH,
     BooleanType,
@@ -141,6 +141,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class WakeSpec(_Strict):
+    """When a node has work on a thread (``SubscribeWork``): a version wakes it when
+    another identity's transition changed a key of its projection and, if given,
+    one of ``keys`` (changes of these keys wake it) and ``when`` (a CEL condition
+    over its own projection, ``state``, at that version) holds."""
+
+    keys: list[KeyName] | None = Field(default=None, min_length=1)
+    when: str | None = Field(default=None, min_length=1, max_length=4096)
+
+
 class NodeSpec(_Strict):
     """What one node may see and change."""
 
@@ -152,6 +162,9 @@ class NodeSpec(_Strict):
     # whole state, an oracle for guessing values the node may not read: only
     # nodes marked here (the privileged workers that verify before acting) get them.
     read_records: bool = False
+    # When the server hands the node work on a thread; absent: never (it may still
+    # watch threads it is told about).
+    wake: WakeSpec | None = None
 
 
 class InvariantSpec(_Strict):
@@ -192,6 +205,14 @@ class Invariant:
 
 
 @dataclass(frozen=True)
+class Wake:
+    """A node's compiled wake declaration."""
+
+    keys: frozenset[str] | None
+    when: Expression | None
+
+
+@dataclass(frozen=True)
 class RiskRule:
     name: str
     keys: frozenset[str]
@@ -203,7 +224,9 @@ class RiskRule:
 Problem = tuple[tuple[str | int, ...], str]
 
 
-def _cross_check(doc: PolicyDocument) -> tuple[list[Problem], list[Invariant], list[RiskRule]]:
+def _cross_check(
+    doc: PolicyDocument,
+) -> tuple[list[Problem], list[Invariant], list[RiskRule], dict[str, Wake]]:
     """What a schema alone cannot say: references resolve, layers are respected."""
     problems: list[Problem] = []
     declared = frozenset(doc.keys)
@@ -246,6 +269,12 @@ def _cross_check(doc: PolicyDocument) -> tuple[list[Problem], list[Invariant], l
                 )
     invariants: list[Invariant] = []
     rules: list[RiskRule] = []
+    wakes: dict[str, Wake] = {}
+    for node_name, node in doc.nodes.items():
+        if node.wake is not None:
+            wake = _compile_wake(node_name, node, node.wake, declared, problems)
+            if wake is not None:
+                wakes[node_name] = wake
     for kind, names in (
         ("invariants", [inv.name for inv in doc.invariants]),
         ("risk", [rule.name for rule in doc.risk]),
@@ -280,7 +309,60 @@ def _cross_check(doc: PolicyDocument) -> tuple[list[Problem], list[Invariant], l
                 rule.name, frozenset(rule.keys or ()), expression, rule.approvals, rule.message
             )
         )
-    return problems, invariants, rules
+    return problems, invariants, rules, wakes
+
+
+def _compile_wake(
+    node_name: str,
+    node: NodeSpec,
+    spec: WakeSpec,
+    declared: frozenset[str],
+    problems: list[Problem],
+) -> Wake | None:
+    """A wake declaration sees only the node's own projection: a node is never woken
+    by, nor told about, a key it may not read."""
+    where = ("nodes", node_name, "wake")
+    readable = frozenset(node.read)
+    if spec.keys is None and spec.when is None:
+        problems.append((where, "give keys, when, or both"))
+        return None
+    found = len(problems)
+    for index, key in enumerate(spec.keys or ()):
+        if key not in readable:
+            problems.append(
+                (
+                    (*where, "keys", index),
+                    f"key {key!r} is not in the node's read list: a node is woken only "
+                    "by keys it may read",
+                )
+            )
+    expression = None
+    if spec.when is not None:
+        try:
+            expression = Expression.compile(spec.when, declared)
+        except ExpressionError as exc:
+            problems.append(((*where, "when"), str(exc)))
+        else:
+            others = sorted(set(expression.reads) - {"state"})
+            hidden = sorted(expression.keys - readable)
+            if others:
+                problems.append(
+                    (
+                        (*where, "when"),
+                        f"uses {others}; a wake condition sees only state, the node's "
+                        "own projection",
+                    )
+                )
+            elif hidden:
+                problems.append(
+                    (
+                        (*where, "when"),
+                        f"reads keys the node may not read: {hidden}",
+                    )
+                )
+    if len(problems) > found:
+        return None
+    return Wake(frozenset(spec.keys) if spec.keys is not None else None, expression)
 
 
 class Policy:
@@ -292,6 +374,7 @@ class Policy:
         body: bytes,
         invariants: list[Invariant],
         risk_rules: list[RiskRule],
+        wakes: dict[str, Wake] | None = None,
     ) -> None:
         self.document = document
         self.name = document.name
@@ -310,6 +393,28 @@ class Policy:
         self.validator = StateValidator(document.name, dict(document.keys))
         self._readable = {name: frozenset(node.read) for name, node in document.nodes.items()}
         self._writable = {name: frozenset(node.write) for name, node in document.nodes.items()}
+        self.wakes: dict[str, Wake] = dict(wakes or {})
+
+    def woken(
+        self, changed: frozenset[str], state: dict[str, Any], author: str | None
+    ) -> list[str]:
+        """The nodes a version wakes (their wake declarations, docs/policy.md): it was
+        made by another node than ``author`` (``None``: an operator or the service),
+        it changed ``changed`` keys of their projection, and their declaration holds."""
+        woken = []
+        for name, wake in self.wakes.items():
+            if name == author:
+                continue  # a node's own transition never wakes it
+            readable = self._readable[name]
+            seen = changed & readable
+            if not seen or (wake.keys is not None and not seen & wake.keys):
+                continue
+            if wake.when is not None:
+                projection = {key: state[key] for key in state.keys() & readable}
+                if not wake.when.holds(bind(wake.when.reads, {"state": projection})):
+                    continue
+            woken.append(name)
+        return woken
 
     def is_registered(self, node: str) -> bool:
         return node in self._readable
@@ -347,14 +452,14 @@ class Policy:
                 for err in exc.errors(include_input=False, include_url=False)
             ]
             raise PolicyError(_describe(source, problems, lines)) from None
-        problems, invariants, rules = _cross_check(document)
+        problems, invariants, rules, wakes = _cross_check(document)
         if problems:
             raise PolicyError(_describe(source, problems, lines))
         try:
             body = canonical_bytes(raw)
         except (ValueError, TypeError):
             raise PolicyError(f"{source}: holds values JSON cannot represent") from None
-        return cls(document, body, invariants, rules)
+        return cls(document, body, invariants, rules, wakes)
 
     @classmethod
     def from_body(cls, body: bytes, *, source: str) -> Policy:

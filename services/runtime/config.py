@@ -174,6 +174,19 @@ class Settings(TelemetrySettings):
         le=86_400,
         description="a watch stream ends (OK) after this long; the client resumes, re-checked",
     )
+    work_lease_seconds: float = Field(
+        default=30.0,
+        ge=0.5,
+        le=3600,
+        description="a SubscribeWork lease lapses after this long unless renewed",
+    )
+    work_poll_seconds: float = Field(
+        default=2.0,
+        ge=0.05,
+        le=60,
+        description="how often each replica looks for work nobody holds (one query, "
+        "whatever the number of subscribers)",
+    )
     health_interval_seconds: float = Field(
         default=2.0, gt=0, le=60, description="how often the database is pinged for gRPC health"
     )

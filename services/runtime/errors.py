@@ -203,6 +203,20 @@ class TooManyStreams(ZtateError):
     reason = "TOO_MANY_STREAMS"
 
 
+class LeaseLost(ZtateError):
+    """The lease grant named (its epoch) no longer holds the thread: it lapsed and
+    another process of the node took it, or it was released. Says nothing of whether
+    the thread exists."""
+
+    reason = "LEASE_LOST"
+
+
+class NoWakeDeclared(ZtateError):
+    """The node's policy declares no wake for it: the server never has work for it."""
+
+    reason = "NO_WAKE_DECLARED"
+
+
 ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())
 
 _FROM_CONTRACT: tuple[tuple[type[contract.ContractError], type[ZtateError]], ...] = (

@@ -55,6 +55,8 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.AlreadyDecided: grpc.StatusCode.ALREADY_EXISTS,
     errors.StatePruned: grpc.StatusCode.FAILED_PRECONDITION,
     errors.TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.LeaseLost: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NoWakeDeclared: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -144,6 +144,9 @@ class TransitionStore(Protocol):
         holds the key (a stale proposal, not a replay), ``stale.rejection`` recorded with
         the head's version in its message (``refused``)."""
 
+    async def head_versions(self, thread_ids: Sequence[str]) -> dict[str, int]:
+        """The head versions of those of ``thread_ids`` that exist, in one query."""
+
     async def commit(
         self,
         sealed: SealedRecord,

@@ -214,6 +214,49 @@ def _entry(row: asyncpg.Record) -> StoredEntry:
     return StoredEntry(**{name: row[name] for name in ENTRY_FIELDS})
 
 
+@dataclass(frozen=True, slots=True)
+class StoredThread:
+    """A thread's head as operators list it."""
+
+    thread_id: str
+    policy: str
+    version: int
+    head_digest: str
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWork:
+    """A node's work on a thread and its lease (migration 0014)."""
+
+    node: str
+    wake_version: int
+    handled_version: int
+    holder: str | None
+    epoch: int
+    expires_at: datetime | None
+
+
+LIST_THREADS = """
+SELECT thread_id, policy_name AS policy, version, head_digest, created_at, updated_at
+  FROM ztate.threads
+ WHERE ($1::text IS NULL OR policy_name = $1) AND ($2::text IS NULL OR thread_id > $2)
+ ORDER BY thread_id
+ LIMIT $3
+"""
+
+THREAD = """
+SELECT thread_id, policy_name AS policy, version, head_digest, created_at, updated_at
+  FROM ztate.threads WHERE thread_id = $1
+"""
+
+THREAD_WORK = """
+SELECT node, wake_version, handled_version, holder, epoch, expires_at
+  FROM ztate.node_work WHERE thread_id = $1 ORDER BY node
+"""
+
+
 class LedgerQueries:
     """Queries over the ledger tables through the read-only role."""
 
@@ -293,6 +336,23 @@ class LedgerQueries:
             receipt_signature=row["receipt_signature"],
             receipt_key_id=row["receipt_key_id"],
         )
+
+    @translated
+    async def threads(
+        self, *, policy: str | None, after: str | None, limit: int
+    ) -> list[StoredThread]:
+        """Threads in id order, after ``after`` (a previous page's last id)."""
+        rows = await self._pool.fetch(LIST_THREADS, policy, after, limit)
+        return [StoredThread(**dict(row.items())) for row in rows]
+
+    @translated
+    async def thread(self, thread_id: str) -> tuple[StoredThread, list[StoredWork]] | None:
+        """One thread's head and its nodes' work; None if no such thread."""
+        head = await self._pool.fetchrow(THREAD, thread_id)
+        if head is None:
+            return None
+        work = await self._pool.fetch(THREAD_WORK, thread_id)
+        return StoredThread(**dict(head.items())), [StoredWork(**dict(row.items())) for row in work]
 
     @translated
     async def key_history(

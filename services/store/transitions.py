@@ -317,6 +317,13 @@ class PostgresTransitionStore:
             refused=row["refused"],
         )
 
+    async def head_versions(self, thread_ids: Sequence[str]) -> dict[str, int]:
+        rows = await self._pool.fetch(
+            "SELECT thread_id, version FROM ztate.threads WHERE thread_id = ANY($1::text[])",
+            list(thread_ids),
+        )
+        return {r["thread_id"]: r["version"] for r in rows}
+
     @translated
     async def commit(
         self,

@@ -32,6 +32,10 @@ def changed(**changes: Any) -> dict[str, Any]:
     return doc
 
 
+def woken(wake: dict[str, Any]) -> dict[str, Any]:
+    return changed(nodes={"n": {"layer": "working", "read": ["a", "c"], "wake": wake}})
+
+
 def test_default_policy_loads_with_a_stable_digest() -> None:
     policy = Policy.load(DEFAULT)
     assert policy.name == "pipeline"
@@ -140,6 +144,15 @@ def test_digest_ignores_formatting_but_not_content(tmp_path: Path) -> None:
             changed(risk=[{"name": "r", "keys": ["a"]}, {"name": "r", "keys": ["b"]}]),
             "risk.1.name: duplicate rule name 'r'",
         ),
+        (woken({}), "nodes.n.wake: give keys, when, or both"),
+        (woken({"keys": []}), "nodes.n.wake.keys: List should have at least 1 item"),
+        (woken({"keys": ["zz"]}), "nodes.n.wake.keys.0: key 'zz' is not in the node's read list"),
+        (woken({"keys": ["b"]}), "nodes.n.wake.keys.0: key 'b' is not in the node's read list"),
+        (woken({"when": "state.a >"}), "nodes.n.wake.when: not valid CEL"),
+        (woken({"when": "has(state.b)"}), "nodes.n.wake.when: reads keys the node may not read"),
+        (woken({"when": "has(patch.a)"}), "a wake condition sees only state"),
+        (woken({"when": "node == 'n'"}), "a wake condition sees only state"),
+        (woken({"keys": ["a"], "who": "x"}), "nodes.n.wake.who: Extra inputs are not permitted"),
     ],
 )
 def test_invalid_policies_are_refused_whole(document: dict[str, Any], fragment: str) -> None:
@@ -211,3 +224,37 @@ def test_a_folder_loads_several_policies_and_a_node_belongs_to_one(tmp_path: Pat
 def test_an_empty_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="no policy files"):
         PolicySet.load(tmp_path)
+
+
+def test_a_version_wakes_nodes_by_their_declaration() -> None:
+    doc = changed(
+        nodes={
+            "keyed": {"layer": "working", "read": ["a", "c"], "wake": {"keys": ["a"]}},
+            "cond": {"layer": "working", "read": ["a"], "wake": {"when": "state.a == 'go'"}},
+            "both": {
+                "layer": "working",
+                "read": ["a", "c"],
+                "write": ["a"],
+                "wake": {"keys": ["a"], "when": "has(state.c) && state.c"},
+            },
+            "asleep": {"layer": "working", "read": ["a"]},
+        }
+    )
+    policy = Policy.from_mapping(doc, source="p")
+    assert set(policy.wakes) == {"keyed", "cond", "both"}
+    a = frozenset({"a"})
+    assert policy.woken(a, {"a": "go", "c": True}, None) == ["keyed", "cond", "both"]
+    assert policy.woken(a, {"a": "no", "c": False}, None) == ["keyed"]
+    # a change of keys a node does not read, or not among its wake keys, wakes no one
+    assert policy.woken(frozenset({"b"}), {"a": "go", "b": 1, "c": True}, None) == []
+    assert policy.woken(frozenset({"c"}), {"a": "go", "c": True}, None) == []
+    # a node's own transition never wakes it
+    assert policy.woken(a, {"a": "go", "c": True}, "both") == ["keyed", "cond"]
+    # a condition that cannot be evaluated does not wake (a missing key without has())
+    assert policy.woken(a, {"c": True}, None) == ["keyed", "both"]
+
+
+def test_the_default_policy_declares_a_wake_for_every_node() -> None:
+    default = Policy.load(DEFAULT)
+    assert set(default.wakes) == set(default.document.nodes)
+    assert default.woken(frozenset({"raw_text"}), {"raw_text": "x"}, None) == ["input-parser"]

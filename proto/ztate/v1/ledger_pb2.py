@@ -26,39 +26,53 @@ from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior_
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ztate/v1/ledger.proto\x12\x08ztate.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc8\x01\n\x15ListRejectionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12)\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npage_token\x18\x07 \x01(\t\"Z\n\x16ListRejectionsResponse\x12\'\n\nrejections\x18\x01 \x03(\x0b\x32\x13.ztate.v1.Rejection\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xec\x01\n\tRejection\x12\n\n\x02id\x18\x01 \x01(\x03\x12/\n\x0brejected_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x11\n\tthread_id\x18\x05 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0c\n\x04keys\x18\x08 \x03(\t\x12\x14\n\x0cpatch_digest\x18\t \x01(\t\x12\x13\n\x0bpatch_bytes\x18\n \x01(\x03\x12\x0f\n\x07message\x18\x0b \x01(\t\"\xde\x01\n\x16ListTransitionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hanged_key\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12)\n\x05since\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\"Z\n\x17ListTransitionsResponse\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xda\x01\n\x0bLedgerEntry\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12&\n\x02\x61t\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63hanged_keys\x18\t \x03(\t\x12\x13\n\x0bhas_receipt\x18\n \x01(\x08\"P\n\x1aGetTransitionDetailRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"\x80\x02\n\x1bGetTransitionDetailResponse\x12$\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x13\n\x0brecord_json\x18\x02 \x01(\t\x12\x12\n\npatch_json\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x12\n\nstate_kept\x18\x05 \x01(\x08\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x11\n\tsignature\x18\x07 \x01(\t\x12\x14\n\x0creceipt_json\x18\x08 \x01(\t\x12\x19\n\x11receipt_signature\x18\t \x01(\t\x12\x16\n\x0ereceipt_key_id\x18\n \x01(\t\"f\n\x11KeyHistoryRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\x03key\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"S\n\x12KeyHistoryResponse\x12$\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x13.ztate.v1.KeyChange\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x94\x01\n\tKeyChange\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07removed\x18\x05 \x01(\x08\x12\x12\n\nvalue_json\x18\x06 \x01(\t2\xe9\x02\n\rLedgerService\x12S\n\x0eListRejections\x12\x1f.ztate.v1.ListRejectionsRequest\x1a .ztate.v1.ListRejectionsResponse\x12V\n\x0fListTransitions\x12 .ztate.v1.ListTransitionsRequest\x1a!.ztate.v1.ListTransitionsResponse\x12\x62\n\x13GetTransitionDetail\x12$.ztate.v1.GetTransitionDetailRequest\x1a%.ztate.v1.GetTransitionDetailResponse\x12G\n\nKeyHistory\x12\x1b.ztate.v1.KeyHistoryRequest\x1a\x1c.ztate.v1.KeyHistoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ztate/v1/ledger.proto\x12\x08ztate.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"K\n\x12ListThreadsRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"U\n\x13ListThreadsResponse\x12%\n\x07threads\x18\x01 \x03(\x0b\x32\x14.ztate.v1.ThreadHead\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xb5\x01\n\nThreadHead\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x13\n\x0bhead_digest\x18\x04 \x01(\t\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"0\n\x15\x44\x65scribeThreadRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"`\n\x16\x44\x65scribeThreadResponse\x12$\n\x06thread\x18\x01 \x01(\x0b\x32\x14.ztate.v1.ThreadHead\x12 \n\x04work\x18\x02 \x03(\x0b\x32\x12.ztate.v1.NodeWork\"\xaf\x01\n\x08NodeWork\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0cwake_version\x18\x02 \x01(\x03\x12\x17\n\x0fhandled_version\x18\x03 \x01(\x03\x12\x0b\n\x03\x64ue\x18\x04 \x01(\x08\x12\x0e\n\x06holder\x18\x05 \x01(\t\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x03\x12\x34\n\x10lease_expires_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xc8\x01\n\x15ListRejectionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12)\n\x05since\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x12\n\npage_token\x18\x07 \x01(\t\"Z\n\x16ListRejectionsResponse\x12\'\n\nrejections\x18\x01 \x03(\x0b\x32\x13.ztate.v1.Rejection\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xec\x01\n\tRejection\x12\n\n\x02id\x18\x01 \x01(\x03\x12/\n\x0brejected_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x11\n\tthread_id\x18\x05 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0c\n\x04keys\x18\x08 \x03(\t\x12\x14\n\x0cpatch_digest\x18\t \x01(\t\x12\x13\n\x0bpatch_bytes\x18\n \x01(\x03\x12\x0f\n\x07message\x18\x0b \x01(\t\"\xde\x01\n\x16ListTransitionsRequest\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hanged_key\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12)\n\x05since\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tpage_size\x18\x07 \x01(\x05\x12\x12\n\npage_token\x18\x08 \x01(\t\"Z\n\x17ListTransitionsResponse\x12&\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xda\x01\n\x0bLedgerEntry\x12\x11\n\tthread_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x15\n\rparent_digest\x18\x04 \x01(\t\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12&\n\x02\x61t\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63hanged_keys\x18\t \x03(\t\x12\x13\n\x0bhas_receipt\x18\n \x01(\x08\"P\n\x1aGetTransitionDetailRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x11\n\tthread_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\"\x80\x02\n\x1bGetTransitionDetailResponse\x12$\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x15.ztate.v1.LedgerEntry\x12\x13\n\x0brecord_json\x18\x02 \x01(\t\x12\x12\n\npatch_json\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x12\n\nstate_kept\x18\x05 \x01(\x08\x12\x0e\n\x06key_id\x18\x06 \x01(\t\x12\x11\n\tsignature\x18\x07 \x01(\t\x12\x14\n\x0creceipt_json\x18\x08 \x01(\t\x12\x19\n\x11receipt_signature\x18\t \x01(\t\x12\x16\n\x0ereceipt_key_id\x18\n \x01(\t\"f\n\x11KeyHistoryRequest\x12\x17\n\tthread_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\x03key\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"S\n\x12KeyHistoryResponse\x12$\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x13.ztate.v1.KeyChange\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x94\x01\n\tKeyChange\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x30\n\x0c\x63ommitted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07removed\x18\x05 \x01(\x08\x12\x12\n\nvalue_json\x18\x06 \x01(\t2\x8a\x04\n\rLedgerService\x12S\n\x0eListRejections\x12\x1f.ztate.v1.ListRejectionsRequest\x1a .ztate.v1.ListRejectionsResponse\x12V\n\x0fListTransitions\x12 .ztate.v1.ListTransitionsRequest\x1a!.ztate.v1.ListTransitionsResponse\x12\x62\n\x13GetTransitionDetail\x12$.ztate.v1.GetTransitionDetailRequest\x1a%.ztate.v1.GetTransitionDetailResponse\x12G\n\nKeyHistory\x12\x1b.ztate.v1.KeyHistoryRequest\x1a\x1c.ztate.v1.KeyHistoryResponse\x12J\n\x0bListThreads\x12\x1c.ztate.v1.ListThreadsRequest\x1a\x1d.ztate.v1.ListThreadsResponse\x12S\n\x0e\x44\x65scribeThread\x12\x1f.ztate.v1.DescribeThreadRequest\x1a .ztate.v1.DescribeThreadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ztate.v1.ledger_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DESCRIBETHREADREQUEST'].fields_by_name['thread_id']._loaded_options = None
+  _globals['_DESCRIBETHREADREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
   _globals['_KEYHISTORYREQUEST'].fields_by_name['thread_id']._loaded_options = None
   _globals['_KEYHISTORYREQUEST'].fields_by_name['thread_id']._serialized_options = b'\342A\001\002'
   _globals['_KEYHISTORYREQUEST'].fields_by_name['key']._loaded_options = None
   _globals['_KEYHISTORYREQUEST'].fields_by_name['key']._serialized_options = b'\342A\001\002'
-  _globals['_LISTREJECTIONSREQUEST']._serialized_start=102
-  _globals['_LISTREJECTIONSREQUEST']._serialized_end=302
-  _globals['_LISTREJECTIONSRESPONSE']._serialized_start=304
-  _globals['_LISTREJECTIONSRESPONSE']._serialized_end=394
-  _globals['_REJECTION']._serialized_start=397
-  _globals['_REJECTION']._serialized_end=633
-  _globals['_LISTTRANSITIONSREQUEST']._serialized_start=636
-  _globals['_LISTTRANSITIONSREQUEST']._serialized_end=858
-  _globals['_LISTTRANSITIONSRESPONSE']._serialized_start=860
-  _globals['_LISTTRANSITIONSRESPONSE']._serialized_end=950
-  _globals['_LEDGERENTRY']._serialized_start=953
-  _globals['_LEDGERENTRY']._serialized_end=1171
-  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_start=1173
-  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_end=1253
-  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_start=1256
-  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_end=1512
-  _globals['_KEYHISTORYREQUEST']._serialized_start=1514
-  _globals['_KEYHISTORYREQUEST']._serialized_end=1616
-  _globals['_KEYHISTORYRESPONSE']._serialized_start=1618
-  _globals['_KEYHISTORYRESPONSE']._serialized_end=1701
-  _globals['_KEYCHANGE']._serialized_start=1704
-  _globals['_KEYCHANGE']._serialized_end=1852
-  _globals['_LEDGERSERVICE']._serialized_start=1855
-  _globals['_LEDGERSERVICE']._serialized_end=2216
+  _globals['_LISTTHREADSREQUEST']._serialized_start=101
+  _globals['_LISTTHREADSREQUEST']._serialized_end=176
+  _globals['_LISTTHREADSRESPONSE']._serialized_start=178
+  _globals['_LISTTHREADSRESPONSE']._serialized_end=263
+  _globals['_THREADHEAD']._serialized_start=266
+  _globals['_THREADHEAD']._serialized_end=447
+  _globals['_DESCRIBETHREADREQUEST']._serialized_start=449
+  _globals['_DESCRIBETHREADREQUEST']._serialized_end=497
+  _globals['_DESCRIBETHREADRESPONSE']._serialized_start=499
+  _globals['_DESCRIBETHREADRESPONSE']._serialized_end=595
+  _globals['_NODEWORK']._serialized_start=598
+  _globals['_NODEWORK']._serialized_end=773
+  _globals['_LISTREJECTIONSREQUEST']._serialized_start=776
+  _globals['_LISTREJECTIONSREQUEST']._serialized_end=976
+  _globals['_LISTREJECTIONSRESPONSE']._serialized_start=978
+  _globals['_LISTREJECTIONSRESPONSE']._serialized_end=1068
+  _globals['_REJECTION']._serialized_start=1071
+  _globals['_REJECTION']._serialized_end=1307
+  _globals['_LISTTRANSITIONSREQUEST']._serialized_start=1310
+  _globals['_LISTTRANSITIONSREQUEST']._serialized_end=1532
+  _globals['_LISTTRANSITIONSRESPONSE']._serialized_start=1534
+  _globals['_LISTTRANSITIONSRESPONSE']._serialized_end=1624
+  _globals['_LEDGERENTRY']._serialized_start=1627
+  _globals['_LEDGERENTRY']._serialized_end=1845
+  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_start=1847
+  _globals['_GETTRANSITIONDETAILREQUEST']._serialized_end=1927
+  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_start=1930
+  _globals['_GETTRANSITIONDETAILRESPONSE']._serialized_end=2186
+  _globals['_KEYHISTORYREQUEST']._serialized_start=2188
+  _globals['_KEYHISTORYREQUEST']._serialized_end=2290
+  _globals['_KEYHISTORYRESPONSE']._serialized_start=2292
+  _globals['_KEYHISTORYRESPONSE']._serialized_end=2375
+  _globals['_KEYCHANGE']._serialized_start=2378
+  _globals['_KEYCHANGE']._serialized_end=2526
+  _globals['_LEDGERSERVICE']._serialized_start=2529
+  _globals['_LEDGERSERVICE']._serialized_end=3051
 # @@protoc_insertion_point(module_scope)

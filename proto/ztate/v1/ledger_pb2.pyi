@@ -10,6 +10,72 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ListThreadsRequest(_message.Message):
+    __slots__ = ("policy", "page_size", "page_token")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    page_size: int
+    page_token: str
+    def __init__(self, policy: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListThreadsResponse(_message.Message):
+    __slots__ = ("threads", "next_page_token")
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    threads: _containers.RepeatedCompositeFieldContainer[ThreadHead]
+    next_page_token: str
+    def __init__(self, threads: _Optional[_Iterable[_Union[ThreadHead, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ThreadHead(_message.Message):
+    __slots__ = ("thread_id", "policy", "version", "head_digest", "created_at", "updated_at")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    policy: str
+    version: int
+    head_digest: str
+    created_at: _timestamp_pb2.Timestamp
+    updated_at: _timestamp_pb2.Timestamp
+    def __init__(self, thread_id: _Optional[str] = ..., policy: _Optional[str] = ..., version: _Optional[int] = ..., head_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class DescribeThreadRequest(_message.Message):
+    __slots__ = ("thread_id",)
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    def __init__(self, thread_id: _Optional[str] = ...) -> None: ...
+
+class DescribeThreadResponse(_message.Message):
+    __slots__ = ("thread", "work")
+    THREAD_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    thread: ThreadHead
+    work: _containers.RepeatedCompositeFieldContainer[NodeWork]
+    def __init__(self, thread: _Optional[_Union[ThreadHead, _Mapping]] = ..., work: _Optional[_Iterable[_Union[NodeWork, _Mapping]]] = ...) -> None: ...
+
+class NodeWork(_message.Message):
+    __slots__ = ("node", "wake_version", "handled_version", "due", "holder", "lease_epoch", "lease_expires_at")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    WAKE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HANDLED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DUE_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    wake_version: int
+    handled_version: int
+    due: bool
+    holder: str
+    lease_epoch: int
+    lease_expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, node: _Optional[str] = ..., wake_version: _Optional[int] = ..., handled_version: _Optional[int] = ..., due: _Optional[bool] = ..., holder: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class ListRejectionsRequest(_message.Message):
     __slots__ = ("thread_id", "node_id", "reason", "since", "until", "page_size", "page_token")
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]

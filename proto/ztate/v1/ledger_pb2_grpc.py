@@ -55,6 +55,16 @@ class LedgerServiceStub:
                 request_serializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryRequest.SerializeToString,
                 response_deserializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryResponse.FromString,
                 _registered_method=True)
+        self.ListThreads = channel.unary_unary(
+                '/ztate.v1.LedgerService/ListThreads',
+                request_serializer=ztate_dot_v1_dot_ledger__pb2.ListThreadsRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_ledger__pb2.ListThreadsResponse.FromString,
+                _registered_method=True)
+        self.DescribeThread = channel.unary_unary(
+                '/ztate.v1.LedgerService/DescribeThread',
+                request_serializer=ztate_dot_v1_dot_ledger__pb2.DescribeThreadRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_ledger__pb2.DescribeThreadResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServiceServicer:
@@ -93,6 +103,23 @@ class LedgerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListThreads(self, request, context):
+        """ListThreads lists threads in thread id order, each with its policy and head,
+        with keyset pagination. Operator identities only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeThread(self, request, context):
+        """DescribeThread returns one thread's head and policy, and the work of each
+        node on it with its lease (SubscribeWork). Operator identities only; an
+        unknown thread: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +142,16 @@ def add_LedgerServiceServicer_to_server(servicer, server):
                     servicer.KeyHistory,
                     request_deserializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryRequest.FromString,
                     response_serializer=ztate_dot_v1_dot_ledger__pb2.KeyHistoryResponse.SerializeToString,
+            ),
+            'ListThreads': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListThreads,
+                    request_deserializer=ztate_dot_v1_dot_ledger__pb2.ListThreadsRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_ledger__pb2.ListThreadsResponse.SerializeToString,
+            ),
+            'DescribeThread': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeThread,
+                    request_deserializer=ztate_dot_v1_dot_ledger__pb2.DescribeThreadRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_ledger__pb2.DescribeThreadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +263,60 @@ class LedgerService:
             '/ztate.v1.LedgerService/KeyHistory',
             ztate_dot_v1_dot_ledger__pb2.KeyHistoryRequest.SerializeToString,
             ztate_dot_v1_dot_ledger__pb2.KeyHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListThreads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.LedgerService/ListThreads',
+            ztate_dot_v1_dot_ledger__pb2.ListThreadsRequest.SerializeToString,
+            ztate_dot_v1_dot_ledger__pb2.ListThreadsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeThread(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.LedgerService/DescribeThread',
+            ztate_dot_v1_dot_ledger__pb2.DescribeThreadRequest.SerializeToString,
+            ztate_dot_v1_dot_ledger__pb2.DescribeThreadResponse.FromString,
             options,
             channel_credentials,
             insecure,

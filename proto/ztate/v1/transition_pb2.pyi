@@ -29,6 +29,58 @@ OUTCOME_EXPIRED: Outcome
 OUTCOME_STALE: Outcome
 OUTCOME_REFUSED: Outcome
 
+class SubscribeWorkRequest(_message.Message):
+    __slots__ = ("max_in_flight",)
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    max_in_flight: int
+    def __init__(self, max_in_flight: _Optional[int] = ...) -> None: ...
+
+class SubscribeWorkResponse(_message.Message):
+    __slots__ = ("thread_id", "version", "state_json", "lease_epoch", "lease_expires_at", "lease_ttl_seconds", "head_digest")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    version: int
+    state_json: bytes
+    lease_epoch: int
+    lease_expires_at: _timestamp_pb2.Timestamp
+    lease_ttl_seconds: float
+    head_digest: str
+    def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., state_json: _Optional[bytes] = ..., lease_epoch: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ..., head_digest: _Optional[str] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("thread_id", "lease_epoch")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    lease_epoch: int
+    def __init__(self, thread_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("lease_expires_at",)
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_at: _timestamp_pb2.Timestamp
+    def __init__(self, lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("thread_id", "lease_epoch", "handled_version")
+    THREAD_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HANDLED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    thread_id: str
+    lease_epoch: int
+    handled_version: int
+    def __init__(self, thread_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., handled_version: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CreateThreadRequest(_message.Message):
     __slots__ = ("thread_id", "initial_state_json", "policy")
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -64,16 +116,18 @@ class GetViewResponse(_message.Message):
     def __init__(self, thread_id: _Optional[str] = ..., version: _Optional[int] = ..., state_json: _Optional[bytes] = ..., head_digest: _Optional[str] = ...) -> None: ...
 
 class ProposeTransitionRequest(_message.Message):
-    __slots__ = ("thread_id", "expected_version", "patch_json", "idempotency_key")
+    __slots__ = ("thread_id", "expected_version", "patch_json", "idempotency_key", "lease_epoch")
     THREAD_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATCH_JSON_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     thread_id: str
     expected_version: int
     patch_json: bytes
     idempotency_key: str
-    def __init__(self, thread_id: _Optional[str] = ..., expected_version: _Optional[int] = ..., patch_json: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    lease_epoch: int
+    def __init__(self, thread_id: _Optional[str] = ..., expected_version: _Optional[int] = ..., patch_json: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class ProposeTransitionResponse(_message.Message):
     __slots__ = ("transition", "pending", "replayed")

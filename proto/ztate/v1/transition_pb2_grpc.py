@@ -80,6 +80,21 @@ class TransitionServiceStub:
                 request_serializer=ztate_dot_v1_dot_transition__pb2.RevertThreadRequest.SerializeToString,
                 response_deserializer=ztate_dot_v1_dot_transition__pb2.RevertThreadResponse.FromString,
                 _registered_method=True)
+        self.SubscribeWork = channel.unary_stream(
+                '/ztate.v1.TransitionService/SubscribeWork',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.SubscribeWorkRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.SubscribeWorkResponse.FromString,
+                _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/ztate.v1.TransitionService/RenewLease',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/ztate.v1.TransitionService/ReleaseLease',
+                request_serializer=ztate_dot_v1_dot_transition__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=ztate_dot_v1_dot_transition__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class TransitionServiceServicer:
@@ -182,6 +197,46 @@ class TransitionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeWork(self, request, context):
+        """SubscribeWork streams the threads on which the calling node has work, each
+        under a lease: one process of the node holds a thread at a time. A version
+        wakes a node when its policy's wake declaration (nodes.<name>.wake) says so,
+        decided by the service: the node reads the changed key, or the condition over
+        its projection holds; a node's own transitions never wake it. Only threads
+        bound to the node's policy are ever delivered. Each message carries the
+        node's projection of the head to build on and the lease grant (lease_epoch):
+        renew it with RenewLease while the handler runs, and end it by proposing with
+        lease_epoch set (a committed or parked proposal releases it) or with
+        ReleaseLease. A lease that is neither renewed nor released lapses after
+        lease_ttl (ZTATE_WORK_LEASE_SECONDS) and the work goes to another process.
+        At most max_in_flight leases are held through one stream at once. Node
+        identities only (others: PERMISSION_DENIED, ROLE_FORBIDDEN); a node whose
+        policy declares no wake: FAILED_PRECONDITION (NO_WAKE_DECLARED). Streams
+        count against the WatchThread limits and end as WatchThread streams do.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLease(self, request, context):
+        """RenewLease extends a lease grant the caller's node holds. A grant that no
+        longer holds its thread (lapsed and taken over, or released), of another
+        node, or on a thread that does not exist: FAILED_PRECONDITION (LEASE_LOST),
+        the same answer for each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """ReleaseLease gives a lease grant back, the node done with the thread up to
+        handled_version: the thread has work for the node again only once a newer
+        version wakes it. Refused as RenewLease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransitionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +284,21 @@ def add_TransitionServiceServicer_to_server(servicer, server):
                     servicer.RevertThread,
                     request_deserializer=ztate_dot_v1_dot_transition__pb2.RevertThreadRequest.FromString,
                     response_serializer=ztate_dot_v1_dot_transition__pb2.RevertThreadResponse.SerializeToString,
+            ),
+            'SubscribeWork': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeWork,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.SubscribeWorkRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.SubscribeWorkResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.RenewLeaseResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=ztate_dot_v1_dot_transition__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=ztate_dot_v1_dot_transition__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +545,87 @@ class TransitionService:
             '/ztate.v1.TransitionService/RevertThread',
             ztate_dot_v1_dot_transition__pb2.RevertThreadRequest.SerializeToString,
             ztate_dot_v1_dot_transition__pb2.RevertThreadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ztate.v1.TransitionService/SubscribeWork',
+            ztate_dot_v1_dot_transition__pb2.SubscribeWorkRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.SubscribeWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.TransitionService/RenewLease',
+            ztate_dot_v1_dot_transition__pb2.RenewLeaseRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.RenewLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ztate.v1.TransitionService/ReleaseLease',
+            ztate_dot_v1_dot_transition__pb2.ReleaseLeaseRequest.SerializeToString,
+            ztate_dot_v1_dot_transition__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

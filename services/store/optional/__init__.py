@@ -23,6 +23,8 @@ DISTRIBUTED = (
     "checkpoints",
     "transition_keys",
     "watched_threads",
+    "node_work",
+    "wake_marks",
 )
 REFERENCE = ("receipts",)
 COORDINATOR_LOCAL = ("rejections", "policies")

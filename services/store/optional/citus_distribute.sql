@@ -23,7 +23,8 @@ DO $$
 DECLARE
     distributed text[] := ARRAY['ztate.threads', 'ztate.transitions',
                                 'ztate.pending_transitions', 'ztate.checkpoints',
-                                'ztate.transition_keys', 'ztate.watched_threads'];
+                                'ztate.transition_keys', 'ztate.watched_threads',
+                                'ztate.node_work', 'ztate.wake_marks'];
     name text;
 BEGIN
     FOREACH name IN ARRAY distributed LOOP

@@ -1,0 +1,290 @@
+"""Thread administration for operators: ``ztate threads create|list|show`` and
+``ztate ledger tail`` (new transitions as they commit).
+
+Every command connects as ``services/cli/context.py`` resolves (an operator
+certificate; the service decides what it may see), prints with ``-o
+table|json|jsonl|yaml`` in the one shape of its resource, and exits with the CLI's
+codes (3 for a thread that does not exist, 4 unreachable). gRPC and the generated
+protos are imported when a command runs, never for ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ztate.services.cli.context import add_connection_flags, run_client
+from ztate.services.cli.output import (
+    OK,
+    Column,
+    add_output_flag,
+    dumps,
+    emit_list,
+    emit_one,
+    usage,
+    write,
+)
+from ztate.services.cli.resources import TIME_FORMS, as_resource, parse_time
+
+Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
+CALL_TIMEOUT_SECONDS = 30.0
+MAX_LIMIT = 100_000
+TAIL_PAGE = 200
+TAIL_PAGES = 50  # a backlog larger than this is shown from its newest part
+MAX_STATE_BYTES = 4 * 1024 * 1024
+
+
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_LIMIT}")
+    return value
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.05 <= value <= 3600:
+        raise argparse.ArgumentTypeError("must be 0.05 to 3600 seconds")
+    return value
+
+
+def _initial_state(text: str) -> bytes:
+    """The initial state: JSON, or ``@path`` of a JSON file (``@-``: standard input)."""
+    if text.startswith("@"):
+        name = text[1:]
+        try:
+            text = (
+                sys.stdin.read(MAX_STATE_BYTES + 1)
+                if name == "-"
+                else Path(name).read_text(encoding="utf-8")
+            )
+        except (OSError, UnicodeDecodeError) as exc:
+            usage(f"--state {text}: cannot read ({exc})")
+    if len(text) > MAX_STATE_BYTES:
+        usage(f"--state: more than {MAX_STATE_BYTES} bytes")
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        usage(f"--state: not JSON ({exc})")
+    if not isinstance(parsed, dict):
+        usage("--state: the initial state must be a JSON object")
+    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# --- create -----------------------------------------------------------------------------
+
+
+def cmd_threads_create(args: argparse.Namespace) -> int:
+    """Create a thread with its initial state, bound to a policy."""
+    from ztate.v1 import transition_pb2, transition_pb2_grpc
+
+    request = transition_pb2.CreateThreadRequest(
+        thread_id=args.thread, initial_state_json=_initial_state(args.state), policy=args.policy
+    )
+
+    async def call(channel: Any) -> dict[str, Any]:
+        stub = transition_pb2_grpc.TransitionServiceStub(channel)
+        response = await stub.CreateThread(request, timeout=CALL_TIMEOUT_SECONDS)
+        genesis = response.genesis
+        return {
+            "thread_id": genesis.thread_id,
+            "version": genesis.version,
+            "digest": genesis.digest,
+        }
+
+    created = run_client(args, call)
+    emit_one(created, args.output, lambda r: f"created {r['thread_id']} (digest {r['digest']})")
+    return OK
+
+
+# --- list -------------------------------------------------------------------------------
+
+THREAD_COLUMNS: list[Column] = [
+    ("thread", lambda r: r["thread_id"]),
+    ("policy", lambda r: r["policy"]),
+    ("version", lambda r: r["version"]),
+    ("head", lambda r: r["head_digest"][:16]),
+    ("updated_at", lambda r: r["updated_at"]),
+]
+
+
+def cmd_threads_list(args: argparse.Namespace) -> int:
+    """List threads in id order with their policy and head version."""
+    from ztate.v1 import ledger_pb2, ledger_pb2_grpc
+
+    request = ledger_pb2.ListThreadsRequest(
+        policy=args.policy or "", page_size=min(args.limit, 1000)
+    )
+
+    async def call(channel: Any) -> list[dict[str, Any]]:
+        stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+        found: list[dict[str, Any]] = []
+        while len(found) < args.limit:
+            response = await stub.ListThreads(request, timeout=CALL_TIMEOUT_SECONDS)
+            found += [as_resource(thread) for thread in response.threads]
+            if not response.next_page_token:
+                break
+            request.page_token = response.next_page_token
+        return found[: args.limit]
+
+    emit_list(run_client(args, call), args.output, THREAD_COLUMNS, empty="no threads match")
+    return OK
+
+
+# --- show -------------------------------------------------------------------------------
+
+
+def _thread_text(found: dict[str, Any]) -> str:
+    head = found["thread"]
+    lines = [
+        f"thread   {head['thread_id']}",
+        f"policy   {head['policy']}",
+        f"version  {head['version']}  (head {head['head_digest'][:16]})",
+        f"created  {head['created_at']}",
+        f"updated  {head['updated_at']}",
+    ]
+    for work in found["work"]:
+        lines.append(
+            f"  {work['node']:<20} {'due' if work['due'] else 'idle':<4} "
+            f"woken@{work['wake_version']} handled@{work['handled_version']} "
+            f"lease={work['holder'] or '-'} epoch={work['lease_epoch']} "
+            f"until={work['lease_expires_at'] or '-'}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_threads_show(args: argparse.Namespace) -> int:
+    """A thread's head and policy, and each node's work and lease on it."""
+    from ztate.v1 import ledger_pb2, ledger_pb2_grpc
+
+    request = ledger_pb2.DescribeThreadRequest(thread_id=args.thread)
+
+    async def call(channel: Any) -> dict[str, Any]:
+        stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+        return as_resource(await stub.DescribeThread(request, timeout=CALL_TIMEOUT_SECONDS))
+
+    emit_one(run_client(args, call), args.output, _thread_text)
+    return OK
+
+
+# --- ledger tail ------------------------------------------------------------------------
+
+
+def _entry_line(entry: dict[str, Any]) -> str:
+    keys = ",".join(entry["changed_keys"]) or "-"
+    return (
+        f"{entry['at']}  {entry['thread_id']}@{entry['version']}  "
+        f"{entry['kind']:<10} {entry['node_id']}  keys={keys}"
+    )
+
+
+def _emit_entry(entry: dict[str, Any], output: str) -> None:
+    if output in ("json", "jsonl"):  # a stream: one object per line either way
+        write(dumps(entry, indent=None))
+    elif output == "yaml":
+        from ztate.services.cli.output import yaml_text
+
+        write("---\n" + yaml_text(entry).rstrip("\n"))
+    else:
+        write(_entry_line(entry))
+
+
+def cmd_ledger_tail(args: argparse.Namespace) -> int:
+    """Follow new transitions live (Ctrl-C to stop): one page query per ``--interval``,
+    whatever the number of threads."""
+    import asyncio
+    from datetime import UTC, datetime, timedelta
+
+    from ztate.v1 import ledger_pb2, ledger_pb2_grpc
+
+    start = datetime.now(UTC) - timedelta(seconds=1)
+    if args.since:
+        start = parse_time(args.since, "--since")
+
+    async def call(channel: Any) -> int:
+        stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+        since, shown = start, 0
+        seen: set[str] = set()
+        while args.count is None or shown < args.count:
+            request = ledger_pb2.ListTransitionsRequest(
+                thread_id=args.thread or "", page_size=TAIL_PAGE
+            )
+            request.since.FromDatetime(since)
+            entries: list[Any] = []
+            for _ in range(TAIL_PAGES):  # newest first: back to `since`, shown oldest first
+                response = await stub.ListTransitions(request, timeout=CALL_TIMEOUT_SECONDS)
+                entries += response.entries
+                if not response.next_page_token:
+                    break
+                request.page_token = response.next_page_token
+            for entry in reversed(entries):
+                if entry.digest in seen:
+                    continue
+                seen.add(entry.digest)
+                _emit_entry(as_resource(entry), args.output)
+                shown += 1
+                if args.count is not None and shown >= args.count:
+                    return shown
+            if entries:
+                newest = max(e.at.ToDatetime(tzinfo=UTC) for e in entries)
+                # keep the digests of the newest instant only: earlier ones fall out of range
+                since = newest
+                seen = {e.digest for e in entries if e.at.ToDatetime(tzinfo=UTC) == newest}
+            await asyncio.sleep(args.interval)  # the follow interval, not synchronisation
+        return shown
+
+    run_client(args, call)
+    return OK
+
+
+# --- registration -----------------------------------------------------------------------
+
+
+def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
+    """Add ``threads create|list|show`` and ``ledger tail`` to the ``ztate`` command."""
+    from ztate.services.cli.main import group
+
+    threads = group(commands, "threads", "operate on threads")
+    create = threads.add_parser("create", help="create a thread with its initial state")
+    create.add_argument("thread", metavar="THREAD", help="the new thread's id")
+    create.add_argument(
+        "--state", required=True, help="initial state: JSON, or @FILE (@- for standard input)"
+    )
+    create.add_argument("--policy", default="", help="the policy (default: the only one loaded)")
+    add_output_flag(create)
+    add_connection_flags(create)
+    create.set_defaults(func=cmd_threads_create)
+
+    listing = threads.add_parser("list", help="list threads in id order")
+    listing.add_argument("--policy", help="only threads of this policy")
+    listing.add_argument("--limit", type=_limit, default=100, help="at most N (default 100)")
+    add_output_flag(listing)
+    add_connection_flags(listing)
+    listing.set_defaults(func=cmd_threads_list)
+
+    show = threads.add_parser("show", help="a thread's head, policy, and its nodes' work")
+    show.add_argument("thread", metavar="THREAD", help="the thread")
+    add_output_flag(show)
+    add_connection_flags(show)
+    show.set_defaults(func=cmd_threads_show)
+
+    ledger = group(commands, "ledger", "query, export and prune the ledger")
+    tail = ledger.add_parser("tail", help="follow new transitions live (Ctrl-C stops)")
+    tail.add_argument("--thread", help="one thread only")
+    tail.add_argument("--since", metavar="WHEN", help=f"start from: {TIME_FORMS} (default: now)")
+    tail.add_argument(
+        "--interval", type=_interval, default=1.0, help="seconds between looks (default 1)"
+    )
+    tail.add_argument("--count", type=_limit, help="stop after this many transitions")
+    add_output_flag(tail)
+    add_connection_flags(tail)
+    tail.set_defaults(func=cmd_ledger_tail)

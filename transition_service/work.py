@@ -1,0 +1,425 @@
+"""Workers find their work: wakes, leases and SubscribeWork (docs/work.md).
+
+Three parts, one of each per process:
+
+- ``Waker`` decides, after each commit, whom the new versions of a thread wake
+  (the policy's wake declarations, ``Policy.woken``) and records it in
+  ``ztate.node_work`` with the thread's wake mark; it then announces the woken
+  nodes on ``ztate_work`` to every replica. A sweep picks up threads whose head is
+  ahead of their mark (a replica that died between a commit and its wakes, commits
+  made before a node declared a wake), so no commit is left undecided.
+- ``WorkDispatcher`` hands work to the SubscribeWork streams of this process: woken
+  by the announcements (the process's one LISTEN connection) and every
+  ``poll_seconds`` (one query for every subscribed node together, which also finds
+  leases that lapsed), it takes leases by compare-and-swap for streams that have
+  room and queues the thread's projection on them. Idle streams cost nothing.
+- ``Leases``: renewal, release, and the fencing of proposals made under a lease.
+
+Every lease change is a CAS on the row in Postgres, so replicas need not agree on
+anything else; a node only ever has rows for threads of its own policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import orjson
+
+from ztate.contract.canonical import canonical_bytes
+from ztate.services.policy.model import PolicySet
+from ztate.services.runtime import errors
+from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.telemetry import untraced
+from ztate.services.store.interface import TransitionStore
+from ztate.services.store.work import Lease, Waiting, WorkStore
+from ztate.transition_service.checks import check_registered, check_thread_id
+from ztate.transition_service.outcomes import OutcomeListener
+
+log = logging.getLogger("ztate.transition")
+CHANGES_BATCH = 64
+SWEEP_BATCH = 200
+# the sweep for undecided wakes scans every thread: once per this many poll periods
+SWEEP_EVERY = 10
+MAX_IN_FLIGHT = 256
+DISPATCH_CONCURRENCY = 8  # lease grants in flight at once per process (pool connections)
+LEASE_LOST = "this lease is no longer held"
+
+
+def author_node(node_id: str) -> str | None:
+    """The node name of a record's author (``spiffe://<td>/node/<name>``), else None."""
+    _, _, path = node_id.partition("://")
+    parts = path.split("/")
+    return parts[2] if len(parts) == 3 and parts[1] == "node" else None
+
+
+class Waker:
+    """Decides whom new versions wake, and tells every replica."""
+
+    def __init__(self, work: WorkStore, policies: PolicySet) -> None:
+        self._work = work
+        self._policies = policies
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._again: set[str] = set()
+        self._local: list[asyncio.Event] = []
+
+    def notify_locally(self, event: asyncio.Event) -> None:
+        """Set ``event`` whenever this process recorded new work (no round trip)."""
+        self._local.append(event)
+
+    def committed(self, thread_id: str) -> None:
+        """A version of ``thread_id`` was committed here: decide its wakes soon."""
+        if thread_id in self._running:
+            self._again.add(thread_id)
+            return
+        with untraced():
+            task = asyncio.create_task(self._evaluate_quietly(thread_id))
+        self._running[thread_id] = task
+
+    async def _evaluate_quietly(self, thread_id: str) -> None:
+        try:
+            while True:
+                self._again.discard(thread_id)
+                try:
+                    await self.evaluate(thread_id)
+                except Exception as failure:  # the sweep decides it later
+                    log.warning("deciding wakes failed: %s", type(failure).__name__)
+                if thread_id not in self._again:
+                    return
+        finally:
+            self._running.pop(thread_id, None)
+
+    async def evaluate(self, thread_id: str) -> list[str]:
+        """Decide the wakes of every version after the thread's mark; the woken nodes."""
+        head = await self._work.progress(thread_id)
+        if head is None:
+            return []
+        policy = self._policies.get(head.policy_name)
+        mark = head.evaluated_version
+        if mark >= head.version:
+            return []
+        woken: dict[str, int] = {}
+        last = mark
+        while policy is not None and policy.wakes and last < head.version:
+            changes = await self._work.changes_after(thread_id, last, CHANGES_BATCH)
+            if not changes:
+                break
+            for change in changes:
+                state = orjson.loads(change.state) if change.state is not None else {}
+                for node in policy.woken(change.changed, state, author_node(change.node_id)):
+                    woken[node] = change.version
+                last = change.version
+        await self._work.record_wakes(thread_id, sorted(woken.items()), max(last, head.version))
+        if woken:
+            await self._work.announce(sorted(woken))
+            for event in self._local:
+                event.set()
+        return sorted(woken)
+
+    async def sweep(self) -> int:
+        """Decide the wakes of threads whose head is ahead of their mark."""
+        total = 0
+        for _ in range(10):  # a bounded round; the next sweep goes on
+            behind = await self._work.unevaluated(SWEEP_BATCH)
+            for found in behind:
+                await self.evaluate(found.thread_id)
+            total += len(behind)
+            if len(behind) < SWEEP_BATCH:
+                break
+        return total
+
+
+@dataclass(eq=False)
+class WorkStream:
+    """One SubscribeWork stream: the leases it holds and the items queued for it."""
+
+    caller: Identity
+    capacity: int
+    holder: str
+    items: asyncio.Queue[WorkItem] = field(default_factory=asyncio.Queue)
+    held: dict[tuple[str, int], float] = field(default_factory=dict)  # -> local expiry
+    closed: bool = False
+
+    @property
+    def room(self) -> int:
+        return 0 if self.closed else self.capacity - len(self.held)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    thread_id: str
+    version: int
+    state_json: bytes
+    epoch: int
+    expires_at: datetime
+    ttl: float
+    head_digest: str  # empty unless the node reads records
+
+
+class WorkDispatcher:
+    """Hands this process's SubscribeWork streams their work, under leases."""
+
+    def __init__(
+        self,
+        store: TransitionStore,
+        work: WorkStore,
+        policies: PolicySet,
+        waker: Waker,
+        listener: OutcomeListener,
+        *,
+        lease_seconds: float,
+        poll_seconds: float,
+        max_streams: int,
+        per_identity: int,
+        lifetime: float,
+    ) -> None:
+        self._store = store
+        self._work = work
+        self._policies = policies
+        self._waker = waker
+        self.lease_seconds = lease_seconds
+        self._poll_seconds = poll_seconds
+        self._max_streams = max_streams
+        self._per_identity = per_identity
+        self.lifetime = lifetime
+        self._replica = uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+        self._streams: dict[str, list[WorkStream]] = {}
+        self._by_identity: Counter[Identity] = Counter()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.polls = 0  # rounds that queried (for tests and diagnostics)
+        listener.on_work(self._announced)
+        waker.notify_locally(self._wake)
+
+    def start(self) -> None:
+        with untraced():
+            self._task = asyncio.create_task(self._run(), name="ztate-work-dispatcher")
+
+    async def stop(self) -> None:
+        """End every stream (their leases lapse or are released by their workers)."""
+        self._closing = True
+        for streams in self._streams.values():
+            for stream in streams:
+                stream.closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    @property
+    def active(self) -> int:
+        return sum(len(s) for s in self._streams.values())
+
+    def _announced(self, node: str | None) -> None:
+        if node is None or node in self._streams:
+            self._wake.set()
+
+    def open(self, caller: Identity, max_in_flight: int) -> WorkStream:
+        """Check the caller may subscribe and take a stream slot."""
+        if caller.role is not Role.NODE:
+            raise errors.RoleForbidden(f"a {caller.role} identity has no work: nodes subscribe")
+        policy = check_registered(caller, self._policies)
+        if caller.name not in policy.wakes:
+            raise errors.NoWakeDeclared(
+                f"the policy declares no wake for node {caller.name!r}: it never has work"
+            )
+        if not 0 <= max_in_flight <= MAX_IN_FLIGHT:
+            raise errors.RequestInvalid(f"max_in_flight must be 0-{MAX_IN_FLIGHT}")
+        if self._closing:
+            raise errors.TooManyStreams("this server is shutting down", limit=0)
+        if self.active >= self._max_streams:
+            raise errors.TooManyStreams(
+                f"this server already serves {self._max_streams} streams", limit=self._max_streams
+            )
+        if self._by_identity[caller] >= self._per_identity:
+            raise errors.TooManyStreams(
+                f"this identity already holds {self._per_identity} streams on this server",
+                limit=self._per_identity,
+            )
+        stream = WorkStream(caller, max_in_flight or 1, f"{self._replica}/{next(self._ids)}")
+        self._by_identity[caller] += 1
+        self._streams.setdefault(caller.name, []).append(stream)
+        self._wake.set()
+        return stream
+
+    def close(self, stream: WorkStream) -> None:
+        """The stream ended: its leases stay until released or lapsed."""
+        stream.closed = True
+        streams = self._streams.get(stream.caller.name, [])
+        if stream in streams:
+            streams.remove(stream)
+            if not streams:
+                del self._streams[stream.caller.name]
+            self._by_identity[stream.caller] -= 1
+            if self._by_identity[stream.caller] <= 0:
+                del self._by_identity[stream.caller]
+
+    def released(self, node: str, thread_id: str, epoch: int, *, more: bool = True) -> None:
+        """A lease of ``node`` ended through this process: free its stream's slot."""
+        for stream in self._streams.get(node, ()):
+            if stream.held.pop((thread_id, epoch), None) is not None:
+                break
+        if more:
+            self._wake.set()
+
+    def renewed(self, node: str, thread_id: str, epoch: int) -> None:
+        loop = asyncio.get_running_loop()
+        for stream in self._streams.get(node, ()):
+            if (thread_id, epoch) in stream.held:
+                stream.held[(thread_id, epoch)] = loop.time() + self.lease_seconds
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        swept = -SWEEP_EVERY * self._poll_seconds  # at start-up first
+        while True:
+            try:
+                if loop.time() - swept >= SWEEP_EVERY * self._poll_seconds:
+                    swept = loop.time()
+                    await self._waker.sweep()
+                await self.dispatch()
+            except Exception as failure:  # the next round tries again
+                log.warning("work dispatch round failed: %s", type(failure).__name__)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_seconds)
+            self._wake.clear()
+
+    def _forget_lapsed(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for streams in self._streams.values():
+            for stream in streams:
+                for key, expiry in list(stream.held.items()):
+                    if expiry < now:
+                        del stream.held[key]
+
+    async def dispatch(self) -> int:
+        """One round: lease waiting work to streams with room; how many were handed out."""
+        self._forget_lapsed()
+        room = {
+            node: sum(s.room for s in streams)
+            for node, streams in self._streams.items()
+            if any(s.room > 0 for s in streams)
+        }
+        if not room:
+            return 0
+        self.polls += 1
+        waiting = await self._work.waiting(list(room), sum(room.values()))
+        # each found row goes to the stream of its node with the most room left; a
+        # slot is reserved before the (concurrent) round trips, so no stream overfills
+        reserved: Counter[int] = Counter()
+        plan: list[tuple[WorkStream, Waiting]] = []
+        for found in waiting:
+            streams = [s for s in self._streams.get(found.node, ()) if s.room - reserved[id(s)] > 0]
+            if streams:
+                stream = max(streams, key=lambda s: s.room - reserved[id(s)])
+                reserved[id(stream)] += 1
+                plan.append((stream, found))
+        limit = asyncio.Semaphore(DISPATCH_CONCURRENCY)
+
+        async def hand(stream: WorkStream, found: Waiting) -> bool:
+            async with limit:
+                lease = await self._work.acquire(
+                    found.thread_id, found.node, stream.holder, self.lease_seconds
+                )
+                if lease is None:
+                    return False  # another process (or replica) took it first
+                return await self._deliver(stream, lease)
+
+        handed = await asyncio.gather(*(hand(stream, found) for stream, found in plan))
+        return sum(handed)
+
+    async def _deliver(self, stream: WorkStream, lease: Lease) -> bool:
+        policy = self._policies.of_node(lease.node)
+        head = await self._store.read_head(lease.thread_id)
+        if head is None or policy is None or head.policy_name != policy.name or stream.closed:
+            # never a thread of another policy; give the lease back untouched
+            await self._work.release(lease.thread_id, lease.node, lease.epoch, -1)
+            return False
+        state = orjson.loads(head.state_bytes)
+        readable = policy.readable(lease.node)
+        projected = canonical_bytes({key: state[key] for key in state.keys() & readable})
+        stream.held[(lease.thread_id, lease.epoch)] = (
+            asyncio.get_running_loop().time() + self.lease_seconds
+        )
+        stream.items.put_nowait(
+            WorkItem(
+                lease.thread_id,
+                head.version,
+                projected,
+                lease.epoch,
+                lease.expires_at,
+                self.lease_seconds,
+                head.digest if policy.reads_records(lease.node) else "",
+            )
+        )
+        return True
+
+    async def items(self, stream: WorkStream) -> AsyncIterator[WorkItem]:
+        """The stream's items until its lifetime ends or the server stops."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + self.lifetime
+        while not stream.closed and not self._closing:
+            left = ends - loop.time()
+            if left <= 0:
+                return
+            try:
+                item = await asyncio.wait_for(stream.items.get(), min(left, 1.0))
+            except TimeoutError:
+                continue  # checks for the end of the stream; no database query
+            yield item
+
+
+class Leases:
+    """Renewal, release and fencing of lease grants, for the caller's own node."""
+
+    def __init__(self, work: WorkStore, dispatcher: WorkDispatcher) -> None:
+        self._work = work
+        self._dispatcher = dispatcher
+
+    def _node(self, caller: Identity, thread_id: str, epoch: int) -> str:
+        check_thread_id(thread_id)
+        if epoch <= 0:
+            raise errors.RequestInvalid("lease_epoch must be > 0")
+        return caller.name if caller.role is Role.NODE else ""
+
+    async def renew(self, caller: Identity, thread_id: str, epoch: int) -> datetime:
+        node = self._node(caller, thread_id, epoch)
+        expires = await self._work.renew(thread_id, node, epoch, self._dispatcher.lease_seconds)
+        if expires is None:
+            raise errors.LeaseLost(LEASE_LOST)
+        self._dispatcher.renewed(node, thread_id, epoch)
+        return expires
+
+    async def release(
+        self, caller: Identity, thread_id: str, epoch: int, handled_version: int
+    ) -> None:
+        node = self._node(caller, thread_id, epoch)
+        if handled_version < -1:
+            raise errors.RequestInvalid("handled_version must be >= -1")
+        more = await self._work.release(thread_id, node, epoch, handled_version)
+        if more is None:
+            raise errors.LeaseLost(LEASE_LOST)
+        self._dispatcher.released(node, thread_id, epoch, more=more)
+
+    async def fence(self, caller: Identity, thread_id: str, epoch: int) -> None:
+        """Refuse a proposal under a grant that no longer holds the thread."""
+        node = self._node(caller, thread_id, epoch)
+        if not await self._work.holds(thread_id, node, epoch):
+            raise errors.LeaseLost(LEASE_LOST)
+
+
+@dataclass(frozen=True)
+class Work:
+    """The process's waker, dispatcher and leases, as the RPC layer uses them."""
+
+    waker: Waker
+    dispatcher: WorkDispatcher
+    leases: Leases
