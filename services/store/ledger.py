@@ -228,7 +228,7 @@ class StoredThread:
 
 @dataclass(frozen=True, slots=True)
 class StoredWork:
-    """A node's work on a thread and its lease (migration 0014)."""
+    """A node's work on a thread and its lease (migration 0015)."""
 
     node: str
     wake_version: int

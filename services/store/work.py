@@ -1,4 +1,4 @@
-"""Postgres storage of nodes' work on threads and of the leases on it (migration 0014).
+"""Postgres storage of nodes' work on threads and of the leases on it (migration 0015).
 
 Every lease change is one compare-and-swap statement on the ``(thread_id, node)``
 row, so it is correct whichever replica of the transition service runs it: a grant
