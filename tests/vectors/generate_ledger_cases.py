@@ -53,8 +53,11 @@ from ztate.services.verify.checks import LedgerRow
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).with_name("ledger")
-POLICY_FILE = REPO / "services" / "defaults" / "policy.yaml"
+# The suite's own policy (a frozen copy of the pipeline policy the vectors were made
+# with): the shipped default may change, the vectors' bytes must not.
+POLICY_FILE = OUT / "policy.yaml"
 POLICY = Policy.load(POLICY_FILE)
+POLICY_TEXT = POLICY_FILE.read_text(encoding="utf-8")  # kept: write() empties OUT first
 
 HMAC_KEY_ID, HMAC_KEY = "conformance-k1", bytes(range(32))
 KEYRING = Keyring.from_json(
@@ -602,7 +605,7 @@ def write(out: Path) -> None:
     (out / "keys" / "checkpoint-public.json").write_text(
         public_keys(CHECKPOINT_KEY_ID, CHECKPOINT_KEY)
     )
-    shutil.copyfile(POLICY_FILE, out / "policy.yaml")
+    (out / "policy.yaml").write_text(POLICY_TEXT, encoding="utf-8")
     with tempfile.TemporaryDirectory() as scratch:
         write_bundle(honest(), Path(scratch) / "honest", signed=True)
         honest_signature = (Path(scratch) / "honest" / MANIFEST_SIG).read_bytes()
