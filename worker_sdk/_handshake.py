@@ -109,6 +109,11 @@ def _split(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# Alerts a TLS server sends about the client's certificate (OpenSSL's reason names);
+# any other failure during the handshake says nothing about our certificate.
+CERTIFICATE_ALERTS = ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED")
+
+
 def _refused_hint(pems: Pems, detail: str) -> HandshakeFailed:
     if not _issued_by_ca(pems):
         issuer = x509.load_pem_x509_certificate(pems.cert).issuer.rfc4514_string()
@@ -166,11 +171,11 @@ def diagnose(
                 "the CA file is not the CA that signed the service's certificate",
             )
         except ssl.SSLError as error:
-            return _refused_hint(pems, error.reason or "TLS alert")
-        except TimeoutError:
-            return None  # no verdict: not shown to be the certificate
-        except OSError:
-            return _refused_hint(pems, "connection closed during the handshake")
+            if any(word in (error.reason or "") for word in CERTIFICATE_ALERTS):
+                return _refused_hint(pems, error.reason or "TLS alert")
+            return None  # not a TLS server, or it broke off: not shown to be the certificate
+        except OSError:  # closed before the handshake ended (a proxy whose backend is
+            return None  # down, a port that is not ours): no verdict on the certificate
     if not answer:
         return _refused_hint(pems, "connection closed after the handshake")
     return None

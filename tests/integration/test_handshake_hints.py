@@ -32,6 +32,7 @@ from ztate.transition_service.app import RunningService, start
 from ztate.worker_sdk import (
     HandshakeFailed,
     IdentityRevoked,
+    Unavailable,
     Unreachable,
     ZtateClient,
 )
@@ -153,3 +154,31 @@ async def test_a_service_that_is_down_is_unreachable_not_a_certificate(pki: Pki)
     assert caught.value.code is grpc.StatusCode.UNAVAILABLE
     assert f"the service at {target} is unreachable" in caught.value.message
     assert not isinstance(caught.value, HandshakeFailed)
+
+
+@contextlib.asynccontextmanager
+async def accepting_then_closing() -> AsyncIterator[str]:
+    """A listener that takes each connection and closes it at once, as a TCP proxy does
+    whose backend is down (seen under kill -9 behind a relay)."""
+    import asyncio
+
+    async def close_at_once(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"localhost:{port}"
+
+
+async def test_a_proxy_whose_backend_is_down_is_not_a_refused_certificate(pki: Pki) -> None:
+    creds = pki.node("input-parser")
+    async with accepting_then_closing() as target:
+        worker = ZtateClient.from_files(
+            target, cert=creds.cert, key=creds.key, ca=creds.ca, retries=0
+        )
+        async with worker:
+            with pytest.raises(Unavailable) as caught:
+                await worker.get_view("t-anything")
+    assert not isinstance(caught.value, HandshakeFailed), caught.value
+    assert caught.value.code is grpc.StatusCode.UNAVAILABLE

@@ -174,6 +174,9 @@ type TlsFiles = { cert: Buffer; key: Buffer; ca: Buffer };
  * so its refusal reaches an HTTP/2 client only as a closed stream; this connection
  * sees whether the server closes it (or alerts) instead of answering HTTP/2.
  */
+/** Alerts a TLS server sends about the client's certificate (Node's error codes). */
+const CERTIFICATE_ALERT = /CERTIFICATE|UNKNOWN_CA|ACCESS_DENIED/;
+
 function diagnose(target: string, tlsFiles: TlsFiles, serverName: string | undefined, code: Code): Promise<ZtateError | null> {
   const colon = target.lastIndexOf(":");
   const host = target.slice(0, colon).replace(/^\[|\]$/g, "");
@@ -207,11 +210,15 @@ function diagnose(target: string, tlsFiles: TlsFiles, serverName: string | undef
         done(new HandshakeFailed("SERVER_NAME_MISMATCH", `the service's certificate does not name '${name}': connect with the name in its certificate, or pass serverName`, code));
       } else if (UNTRUSTED.has(errorCode)) {
         done(new HandshakeFailed("SERVER_NOT_TRUSTED", `our CA does not trust the service's certificate (${errorCode}): the CA file is not the CA that signed the service's certificate`, code));
-      } else {
+      } else if (secure || CERTIFICATE_ALERT.test(errorCode)) {
         done(refused(errorCode || error.message));
+      } else {
+        // broken off before the handshake ended (a proxy whose backend is down, a port
+        // that is not ours): says nothing about our certificate
+        done(null);
       }
     });
-    socket.once("close", () => done(refused("connection closed after the handshake")));
+    socket.once("close", () => done(secure ? refused("connection closed after the handshake") : null));
   });
 }
 

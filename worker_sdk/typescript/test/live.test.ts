@@ -16,6 +16,7 @@ import {
   type Step,
 } from "../src/index.js";
 import { readFileSync } from "node:fs";
+import { type AddressInfo, createServer } from "node:net";
 import { Code, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { ApprovalService, Decision, ReviewStatus } from "../src/gen/ztate/v1/approval_pb.js";
@@ -182,6 +183,23 @@ test("a service that is down is unreachable, not a certificate", { skip: !live }
     assert.match(error.message, new RegExp(`^the service at ${env.ZTATE_DOWN_TARGET} is unreachable`));
     return true;
   });
+});
+
+test("a proxy whose backend is down is not a refused certificate", { skip: !live }, async () => {
+  // accepts each connection and closes it at once, as a TCP proxy in front of a dead service
+  const proxy = createServer((socket) => socket.destroy());
+  await new Promise<void>((listening) => proxy.listen(0, "127.0.0.1", listening));
+  const port = (proxy.address() as AddressInfo).port;
+  try {
+    await assert.rejects(clientWith({ target: `localhost:${port}` }).getView(THREAD), (error: unknown) => {
+      assert.ok(!(error instanceof HandshakeFailed), String(error));
+      // the transport's own word for a connection broken off (Connect says Aborted)
+      assert.ok([Code.Unavailable, Code.Aborted].includes((error as { code: Code }).code), String(error));
+      return true;
+    });
+  } finally {
+    proxy.close();
+  }
 });
 
 // --- the runner: watch, handle, propose; never acts on its own commit (issue 14, item 6) ---

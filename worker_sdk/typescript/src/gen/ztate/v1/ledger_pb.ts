@@ -22,7 +22,238 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ztate/v1/ledger.proto.
  */
 export const file_ztate_v1_ledger: GenFile = /*@__PURE__*/
-  fileDesc("ChV6dGF0ZS92MS9sZWRnZXIucHJvdG8SCHp0YXRlLnYxIsgBChVMaXN0UmVqZWN0aW9uc1JlcXVlc3QSEQoJdGhyZWFkX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSDgoGcmVhc29uGAMgASgJEikKBXNpbmNlGAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIpCgV1bnRpbBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJcGFnZV9zaXplGAYgASgFEhIKCnBhZ2VfdG9rZW4YByABKAkiWgoWTGlzdFJlamVjdGlvbnNSZXNwb25zZRInCgpyZWplY3Rpb25zGAEgAygLMhMuenRhdGUudjEuUmVqZWN0aW9uEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSLsAQoJUmVqZWN0aW9uEgoKAmlkGAEgASgDEi8KC3JlamVjdGVkX2F0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIOCgZtZXRob2QYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRIRCgl0aHJlYWRfaWQYBSABKAkSFAoMYmFzZV92ZXJzaW9uGAYgASgDEg4KBnJlYXNvbhgHIAEoCRIMCgRrZXlzGAggAygJEhQKDHBhdGNoX2RpZ2VzdBgJIAEoCRITCgtwYXRjaF9ieXRlcxgKIAEoAxIPCgdtZXNzYWdlGAsgASgJIt4BChZMaXN0VHJhbnNpdGlvbnNSZXF1ZXN0EhEKCXRocmVhZF9pZBgBIAEoCRIPCgdub2RlX2lkGAIgASgJEhMKC2NoYW5nZWRfa2V5GAMgASgJEg4KBnN0YXR1cxgEIAEoCRIpCgVzaW5jZRgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASKQoFdW50aWwYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhEKCXBhZ2Vfc2l6ZRgHIAEoBRISCgpwYWdlX3Rva2VuGAggASgJIloKF0xpc3RUcmFuc2l0aW9uc1Jlc3BvbnNlEiYKB2VudHJpZXMYASADKAsyFS56dGF0ZS52MS5MZWRnZXJFbnRyeRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAki2gEKC0xlZGdlckVudHJ5EhEKCXRocmVhZF9pZBgBIAEoCRIPCgd2ZXJzaW9uGAIgASgDEg4KBmRpZ2VzdBgDIAEoCRIVCg1wYXJlbnRfZGlnZXN0GAQgASgJEg8KB25vZGVfaWQYBSABKAkSDAoEa2luZBgGIAEoCRIOCgZzdGF0dXMYByABKAkSJgoCYXQYCCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhQKDGNoYW5nZWRfa2V5cxgJIAMoCRITCgtoYXNfcmVjZWlwdBgKIAEoCCJQChpHZXRUcmFuc2l0aW9uRGV0YWlsUmVxdWVzdBIOCgZkaWdlc3QYASABKAkSEQoJdGhyZWFkX2lkGAIgASgJEg8KB3ZlcnNpb24YAyABKAMigAIKG0dldFRyYW5zaXRpb25EZXRhaWxSZXNwb25zZRIkCgVlbnRyeRgBIAEoCzIVLnp0YXRlLnYxLkxlZGdlckVudHJ5EhMKC3JlY29yZF9qc29uGAIgASgJEhIKCnBhdGNoX2pzb24YAyABKAkSEgoKc3RhdGVfanNvbhgEIAEoCRISCgpzdGF0ZV9rZXB0GAUgASgIEg4KBmtleV9pZBgGIAEoCRIRCglzaWduYXR1cmUYByABKAkSFAoMcmVjZWlwdF9qc29uGAggASgJEhkKEXJlY2VpcHRfc2lnbmF0dXJlGAkgASgJEhYKDnJlY2VpcHRfa2V5X2lkGAogASgJImYKEUtleUhpc3RvcnlSZXF1ZXN0EhcKCXRocmVhZF9pZBgBIAEoCUIE4kEBAhIRCgNrZXkYAiABKAlCBOJBAQISEQoJcGFnZV9zaXplGAMgASgFEhIKCnBhZ2VfdG9rZW4YBCABKAkiUwoSS2V5SGlzdG9yeVJlc3BvbnNlEiQKB2NoYW5nZXMYASADKAsyEy56dGF0ZS52MS5LZXlDaGFuZ2USFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIpQBCglLZXlDaGFuZ2USDwoHdmVyc2lvbhgBIAEoAxIOCgZkaWdlc3QYAiABKAkSDwoHbm9kZV9pZBgDIAEoCRIwCgxjb21taXR0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB3JlbW92ZWQYBSABKAgSEgoKdmFsdWVfanNvbhgGIAEoCTLpAgoNTGVkZ2VyU2VydmljZRJTCg5MaXN0UmVqZWN0aW9ucxIfLnp0YXRlLnYxLkxpc3RSZWplY3Rpb25zUmVxdWVzdBogLnp0YXRlLnYxLkxpc3RSZWplY3Rpb25zUmVzcG9uc2USVgoPTGlzdFRyYW5zaXRpb25zEiAuenRhdGUudjEuTGlzdFRyYW5zaXRpb25zUmVxdWVzdBohLnp0YXRlLnYxLkxpc3RUcmFuc2l0aW9uc1Jlc3BvbnNlEmIKE0dldFRyYW5zaXRpb25EZXRhaWwSJC56dGF0ZS52MS5HZXRUcmFuc2l0aW9uRGV0YWlsUmVxdWVzdBolLnp0YXRlLnYxLkdldFRyYW5zaXRpb25EZXRhaWxSZXNwb25zZRJHCgpLZXlIaXN0b3J5EhsuenRhdGUudjEuS2V5SGlzdG9yeVJlcXVlc3QaHC56dGF0ZS52MS5LZXlIaXN0b3J5UmVzcG9uc2ViBnByb3RvMw", [file_google_api_field_behavior, file_google_protobuf_timestamp]);
+  fileDesc("ChV6dGF0ZS92MS9sZWRnZXIucHJvdG8SCHp0YXRlLnYxIksKEkxpc3RUaHJlYWRzUmVxdWVzdBIOCgZwb2xpY3kYASABKAkSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkiVQoTTGlzdFRocmVhZHNSZXNwb25zZRIlCgd0aHJlYWRzGAEgAygLMhQuenRhdGUudjEuVGhyZWFkSGVhZBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkitQEKClRocmVhZEhlYWQSEQoJdGhyZWFkX2lkGAEgASgJEg4KBnBvbGljeRgCIAEoCRIPCgd2ZXJzaW9uGAMgASgDEhMKC2hlYWRfZGlnZXN0GAQgASgJEi4KCmNyZWF0ZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCnVwZGF0ZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIjAKFURlc2NyaWJlVGhyZWFkUmVxdWVzdBIXCgl0aHJlYWRfaWQYASABKAlCBOJBAQIiYAoWRGVzY3JpYmVUaHJlYWRSZXNwb25zZRIkCgZ0aHJlYWQYASABKAsyFC56dGF0ZS52MS5UaHJlYWRIZWFkEiAKBHdvcmsYAiADKAsyEi56dGF0ZS52MS5Ob2RlV29yayKvAQoITm9kZVdvcmsSDAoEbm9kZRgBIAEoCRIUCgx3YWtlX3ZlcnNpb24YAiABKAMSFwoPaGFuZGxlZF92ZXJzaW9uGAMgASgDEgsKA2R1ZRgEIAEoCBIOCgZob2xkZXIYBSABKAkSEwoLbGVhc2VfZXBvY2gYBiABKAMSNAoQbGVhc2VfZXhwaXJlc19hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiyAEKFUxpc3RSZWplY3Rpb25zUmVxdWVzdBIRCgl0aHJlYWRfaWQYASABKAkSDwoHbm9kZV9pZBgCIAEoCRIOCgZyZWFzb24YAyABKAkSKQoFc2luY2UYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEikKBXVudGlsGAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIRCglwYWdlX3NpemUYBiABKAUSEgoKcGFnZV90b2tlbhgHIAEoCSJaChZMaXN0UmVqZWN0aW9uc1Jlc3BvbnNlEicKCnJlamVjdGlvbnMYASADKAsyEy56dGF0ZS52MS5SZWplY3Rpb24SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIuwBCglSZWplY3Rpb24SCgoCaWQYASABKAMSLwoLcmVqZWN0ZWRfYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg4KBm1ldGhvZBgDIAEoCRIPCgdub2RlX2lkGAQgASgJEhEKCXRocmVhZF9pZBgFIAEoCRIUCgxiYXNlX3ZlcnNpb24YBiABKAMSDgoGcmVhc29uGAcgASgJEgwKBGtleXMYCCADKAkSFAoMcGF0Y2hfZGlnZXN0GAkgASgJEhMKC3BhdGNoX2J5dGVzGAogASgDEg8KB21lc3NhZ2UYCyABKAki3gEKFkxpc3RUcmFuc2l0aW9uc1JlcXVlc3QSEQoJdGhyZWFkX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSEwoLY2hhbmdlZF9rZXkYAyABKAkSDgoGc3RhdHVzGAQgASgJEikKBXNpbmNlGAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIpCgV1bnRpbBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJcGFnZV9zaXplGAcgASgFEhIKCnBhZ2VfdG9rZW4YCCABKAkiWgoXTGlzdFRyYW5zaXRpb25zUmVzcG9uc2USJgoHZW50cmllcxgBIAMoCzIVLnp0YXRlLnYxLkxlZGdlckVudHJ5EhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSLaAQoLTGVkZ2VyRW50cnkSEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSDgoGZGlnZXN0GAMgASgJEhUKDXBhcmVudF9kaWdlc3QYBCABKAkSDwoHbm9kZV9pZBgFIAEoCRIMCgRraW5kGAYgASgJEg4KBnN0YXR1cxgHIAEoCRImCgJhdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASFAoMY2hhbmdlZF9rZXlzGAkgAygJEhMKC2hhc19yZWNlaXB0GAogASgIIlAKGkdldFRyYW5zaXRpb25EZXRhaWxSZXF1ZXN0Eg4KBmRpZ2VzdBgBIAEoCRIRCgl0aHJlYWRfaWQYAiABKAkSDwoHdmVyc2lvbhgDIAEoAyKAAgobR2V0VHJhbnNpdGlvbkRldGFpbFJlc3BvbnNlEiQKBWVudHJ5GAEgASgLMhUuenRhdGUudjEuTGVkZ2VyRW50cnkSEwoLcmVjb3JkX2pzb24YAiABKAkSEgoKcGF0Y2hfanNvbhgDIAEoCRISCgpzdGF0ZV9qc29uGAQgASgJEhIKCnN0YXRlX2tlcHQYBSABKAgSDgoGa2V5X2lkGAYgASgJEhEKCXNpZ25hdHVyZRgHIAEoCRIUCgxyZWNlaXB0X2pzb24YCCABKAkSGQoRcmVjZWlwdF9zaWduYXR1cmUYCSABKAkSFgoOcmVjZWlwdF9rZXlfaWQYCiABKAkiZgoRS2V5SGlzdG9yeVJlcXVlc3QSFwoJdGhyZWFkX2lkGAEgASgJQgTiQQECEhEKA2tleRgCIAEoCUIE4kEBAhIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJTChJLZXlIaXN0b3J5UmVzcG9uc2USJAoHY2hhbmdlcxgBIAMoCzITLnp0YXRlLnYxLktleUNoYW5nZRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkilAEKCUtleUNoYW5nZRIPCgd2ZXJzaW9uGAEgASgDEg4KBmRpZ2VzdBgCIAEoCRIPCgdub2RlX2lkGAMgASgJEjAKDGNvbW1pdHRlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHcmVtb3ZlZBgFIAEoCBISCgp2YWx1ZV9qc29uGAYgASgJMooECg1MZWRnZXJTZXJ2aWNlElMKDkxpc3RSZWplY3Rpb25zEh8uenRhdGUudjEuTGlzdFJlamVjdGlvbnNSZXF1ZXN0GiAuenRhdGUudjEuTGlzdFJlamVjdGlvbnNSZXNwb25zZRJWCg9MaXN0VHJhbnNpdGlvbnMSIC56dGF0ZS52MS5MaXN0VHJhbnNpdGlvbnNSZXF1ZXN0GiEuenRhdGUudjEuTGlzdFRyYW5zaXRpb25zUmVzcG9uc2USYgoTR2V0VHJhbnNpdGlvbkRldGFpbBIkLnp0YXRlLnYxLkdldFRyYW5zaXRpb25EZXRhaWxSZXF1ZXN0GiUuenRhdGUudjEuR2V0VHJhbnNpdGlvbkRldGFpbFJlc3BvbnNlEkcKCktleUhpc3RvcnkSGy56dGF0ZS52MS5LZXlIaXN0b3J5UmVxdWVzdBocLnp0YXRlLnYxLktleUhpc3RvcnlSZXNwb25zZRJKCgtMaXN0VGhyZWFkcxIcLnp0YXRlLnYxLkxpc3RUaHJlYWRzUmVxdWVzdBodLnp0YXRlLnYxLkxpc3RUaHJlYWRzUmVzcG9uc2USUwoORGVzY3JpYmVUaHJlYWQSHy56dGF0ZS52MS5EZXNjcmliZVRocmVhZFJlcXVlc3QaIC56dGF0ZS52MS5EZXNjcmliZVRocmVhZFJlc3BvbnNlYgZwcm90bzM", [file_google_api_field_behavior, file_google_protobuf_timestamp]);
+
+/**
+ * ListThreadsRequest filters and pages the threads.
+ *
+ * @generated from message ztate.v1.ListThreadsRequest
+ */
+export type ListThreadsRequest = Message<"ztate.v1.ListThreadsRequest"> & {
+  /**
+   * Only threads bound to this policy. An empty field does not filter.
+   *
+   * @generated from field: string policy = 1;
+   */
+  policy: string;
+
+  /**
+   * At most this many (1-1000; 0 means 100).
+   *
+   * @generated from field: int32 page_size = 2;
+   */
+  pageSize: number;
+
+  /**
+   * From a previous response's next_page_token; opaque.
+   *
+   * @generated from field: string page_token = 3;
+   */
+  pageToken: string;
+};
+
+/**
+ * Describes the message ztate.v1.ListThreadsRequest.
+ * Use `create(ListThreadsRequestSchema)` to create a new message.
+ */
+export const ListThreadsRequestSchema: GenMessage<ListThreadsRequest> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_ledger, 0);
+
+/**
+ * ListThreadsResponse is one page of threads.
+ *
+ * @generated from message ztate.v1.ListThreadsResponse
+ */
+export type ListThreadsResponse = Message<"ztate.v1.ListThreadsResponse"> & {
+  /**
+   * In thread id order.
+   *
+   * @generated from field: repeated ztate.v1.ThreadHead threads = 1;
+   */
+  threads: ThreadHead[];
+
+  /**
+   * Empty when there is nothing more.
+   *
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
+};
+
+/**
+ * Describes the message ztate.v1.ListThreadsResponse.
+ * Use `create(ListThreadsResponseSchema)` to create a new message.
+ */
+export const ListThreadsResponseSchema: GenMessage<ListThreadsResponse> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_ledger, 1);
+
+/**
+ * ThreadHead is a thread's head as the operator sees it.
+ *
+ * @generated from message ztate.v1.ThreadHead
+ */
+export type ThreadHead = Message<"ztate.v1.ThreadHead"> & {
+  /**
+   * The thread.
+   *
+   * @generated from field: string thread_id = 1;
+   */
+  threadId: string;
+
+  /**
+   * The policy the thread is bound to.
+   *
+   * @generated from field: string policy = 2;
+   */
+  policy: string;
+
+  /**
+   * The head version.
+   *
+   * @generated from field: int64 version = 3;
+   */
+  version: bigint;
+
+  /**
+   * The head record's digest, hex.
+   *
+   * @generated from field: string head_digest = 4;
+   */
+  headDigest: string;
+
+  /**
+   * When the thread was created.
+   *
+   * @generated from field: google.protobuf.Timestamp created_at = 5;
+   */
+  createdAt?: Timestamp | undefined;
+
+  /**
+   * When its head last moved.
+   *
+   * @generated from field: google.protobuf.Timestamp updated_at = 6;
+   */
+  updatedAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message ztate.v1.ThreadHead.
+ * Use `create(ThreadHeadSchema)` to create a new message.
+ */
+export const ThreadHeadSchema: GenMessage<ThreadHead> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_ledger, 2);
+
+/**
+ * DescribeThreadRequest names one thread.
+ *
+ * @generated from message ztate.v1.DescribeThreadRequest
+ */
+export type DescribeThreadRequest = Message<"ztate.v1.DescribeThreadRequest"> & {
+  /**
+   * Required. The thread.
+   *
+   * @generated from field: string thread_id = 1;
+   */
+  threadId: string;
+};
+
+/**
+ * Describes the message ztate.v1.DescribeThreadRequest.
+ * Use `create(DescribeThreadRequestSchema)` to create a new message.
+ */
+export const DescribeThreadRequestSchema: GenMessage<DescribeThreadRequest> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_ledger, 3);
+
+/**
+ * DescribeThreadResponse is a thread's head and the work of its nodes.
+ *
+ * @generated from message ztate.v1.DescribeThreadResponse
+ */
+export type DescribeThreadResponse = Message<"ztate.v1.DescribeThreadResponse"> & {
+  /**
+   * The thread's head.
+   *
+   * @generated from field: ztate.v1.ThreadHead thread = 1;
+   */
+  thread?: ThreadHead | undefined;
+
+  /**
+   * One entry per node some version of the thread woke, by node name.
+   *
+   * @generated from field: repeated ztate.v1.NodeWork work = 2;
+   */
+  work: NodeWork[];
+};
+
+/**
+ * Describes the message ztate.v1.DescribeThreadResponse.
+ * Use `create(DescribeThreadResponseSchema)` to create a new message.
+ */
+export const DescribeThreadResponseSchema: GenMessage<DescribeThreadResponse> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_ledger, 4);
+
+/**
+ * NodeWork is a node's work on one thread and the lease on it.
+ *
+ * @generated from message ztate.v1.NodeWork
+ */
+export type NodeWork = Message<"ztate.v1.NodeWork"> & {
+  /**
+   * The node's name.
+   *
+   * @generated from field: string node = 1;
+   */
+  node: string;
+
+  /**
+   * The newest version that woke the node.
+   *
+   * @generated from field: int64 wake_version = 2;
+   */
+  wakeVersion: bigint;
+
+  /**
+   * The newest version the node is done with (-1: none yet).
+   *
+   * @generated from field: int64 handled_version = 3;
+   */
+  handledVersion: bigint;
+
+  /**
+   * Whether the node has work there now (wake_version > handled_version).
+   *
+   * @generated from field: bool due = 4;
+   */
+  due: boolean;
+
+  /**
+   * Who holds the lease ("<replica>/<stream>"); empty when free.
+   *
+   * @generated from field: string holder = 5;
+   */
+  holder: string;
+
+  /**
+   * The lease grants so far (the fencing token of the newest).
+   *
+   * @generated from field: int64 lease_epoch = 6;
+   */
+  leaseEpoch: bigint;
+
+  /**
+   * When the current lease lapses unless renewed; unset when free.
+   *
+   * @generated from field: google.protobuf.Timestamp lease_expires_at = 7;
+   */
+  leaseExpiresAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message ztate.v1.NodeWork.
+ * Use `create(NodeWorkSchema)` to create a new message.
+ */
+export const NodeWorkSchema: GenMessage<NodeWork> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_ledger, 5);
 
 /**
  * ListRejectionsRequest filters and pages the rejections ledger.
@@ -85,7 +316,7 @@ export type ListRejectionsRequest = Message<"ztate.v1.ListRejectionsRequest"> & 
  * Use `create(ListRejectionsRequestSchema)` to create a new message.
  */
 export const ListRejectionsRequestSchema: GenMessage<ListRejectionsRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 0);
+  messageDesc(file_ztate_v1_ledger, 6);
 
 /**
  * ListRejectionsResponse is one page of rejections.
@@ -113,7 +344,7 @@ export type ListRejectionsResponse = Message<"ztate.v1.ListRejectionsResponse"> 
  * Use `create(ListRejectionsResponseSchema)` to create a new message.
  */
 export const ListRejectionsResponseSchema: GenMessage<ListRejectionsResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 1);
+  messageDesc(file_ztate_v1_ledger, 7);
 
 /**
  * Rejection is one refused proposal. It holds a digest of the refused bytes,
@@ -205,7 +436,7 @@ export type Rejection = Message<"ztate.v1.Rejection"> & {
  * Use `create(RejectionSchema)` to create a new message.
  */
 export const RejectionSchema: GenMessage<Rejection> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 2);
+  messageDesc(file_ztate_v1_ledger, 8);
 
 /**
  * ListTransitionsRequest filters and pages the ledger or the parked proposals.
@@ -276,7 +507,7 @@ export type ListTransitionsRequest = Message<"ztate.v1.ListTransitionsRequest"> 
  * Use `create(ListTransitionsRequestSchema)` to create a new message.
  */
 export const ListTransitionsRequestSchema: GenMessage<ListTransitionsRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 3);
+  messageDesc(file_ztate_v1_ledger, 9);
 
 /**
  * ListTransitionsResponse is one page of ledger entries.
@@ -304,7 +535,7 @@ export type ListTransitionsResponse = Message<"ztate.v1.ListTransitionsResponse"
  * Use `create(ListTransitionsResponseSchema)` to create a new message.
  */
 export const ListTransitionsResponseSchema: GenMessage<ListTransitionsResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 4);
+  messageDesc(file_ztate_v1_ledger, 10);
 
 /**
  * LedgerEntry is one ledger record, or one parked proposal, in summary.
@@ -388,7 +619,7 @@ export type LedgerEntry = Message<"ztate.v1.LedgerEntry"> & {
  * Use `create(LedgerEntrySchema)` to create a new message.
  */
 export const LedgerEntrySchema: GenMessage<LedgerEntry> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 5);
+  messageDesc(file_ztate_v1_ledger, 11);
 
 /**
  * GetTransitionDetailRequest names one record: either the digest, or thread_id
@@ -424,7 +655,7 @@ export type GetTransitionDetailRequest = Message<"ztate.v1.GetTransitionDetailRe
  * Use `create(GetTransitionDetailRequestSchema)` to create a new message.
  */
 export const GetTransitionDetailRequestSchema: GenMessage<GetTransitionDetailRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 6);
+  messageDesc(file_ztate_v1_ledger, 12);
 
 /**
  * GetTransitionDetailResponse is one committed record in full.
@@ -508,7 +739,7 @@ export type GetTransitionDetailResponse = Message<"ztate.v1.GetTransitionDetailR
  * Use `create(GetTransitionDetailResponseSchema)` to create a new message.
  */
 export const GetTransitionDetailResponseSchema: GenMessage<GetTransitionDetailResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 7);
+  messageDesc(file_ztate_v1_ledger, 13);
 
 /**
  * KeyHistoryRequest names one key of one thread.
@@ -550,7 +781,7 @@ export type KeyHistoryRequest = Message<"ztate.v1.KeyHistoryRequest"> & {
  * Use `create(KeyHistoryRequestSchema)` to create a new message.
  */
 export const KeyHistoryRequestSchema: GenMessage<KeyHistoryRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 8);
+  messageDesc(file_ztate_v1_ledger, 14);
 
 /**
  * KeyHistoryResponse is one page of a key's changes.
@@ -578,7 +809,7 @@ export type KeyHistoryResponse = Message<"ztate.v1.KeyHistoryResponse"> & {
  * Use `create(KeyHistoryResponseSchema)` to create a new message.
  */
 export const KeyHistoryResponseSchema: GenMessage<KeyHistoryResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 9);
+  messageDesc(file_ztate_v1_ledger, 15);
 
 /**
  * KeyChange is one record's effect on one key.
@@ -634,7 +865,7 @@ export type KeyChange = Message<"ztate.v1.KeyChange"> & {
  * Use `create(KeyChangeSchema)` to create a new message.
  */
 export const KeyChangeSchema: GenMessage<KeyChange> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_ledger, 10);
+  messageDesc(file_ztate_v1_ledger, 16);
 
 /**
  * LedgerService answers questions about what happened, never changes anything.
@@ -685,6 +916,29 @@ export const LedgerService: GenService<{
     methodKind: "unary";
     input: typeof KeyHistoryRequestSchema;
     output: typeof KeyHistoryResponseSchema;
+  },
+  /**
+   * ListThreads lists threads in thread id order, each with its policy and head,
+   * with keyset pagination. Operator identities only.
+   *
+   * @generated from rpc ztate.v1.LedgerService.ListThreads
+   */
+  listThreads: {
+    methodKind: "unary";
+    input: typeof ListThreadsRequestSchema;
+    output: typeof ListThreadsResponseSchema;
+  },
+  /**
+   * DescribeThread returns one thread's head and policy, and the work of each
+   * node on it with its lease (SubscribeWork). Operator identities only; an
+   * unknown thread: NOT_FOUND.
+   *
+   * @generated from rpc ztate.v1.LedgerService.DescribeThread
+   */
+  describeThread: {
+    methodKind: "unary";
+    input: typeof DescribeThreadRequestSchema;
+    output: typeof DescribeThreadResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_ztate_v1_ledger, 0);

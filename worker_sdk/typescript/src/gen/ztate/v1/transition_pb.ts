@@ -21,7 +21,194 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ztate/v1/transition.proto.
  */
 export const file_ztate_v1_transition: GenFile = /*@__PURE__*/
-  fileDesc("Chl6dGF0ZS92MS90cmFuc2l0aW9uLnByb3RvEgh6dGF0ZS52MSJgChNDcmVhdGVUaHJlYWRSZXF1ZXN0EhcKCXRocmVhZF9pZBgBIAEoCUIE4kEBAhIgChJpbml0aWFsX3N0YXRlX2pzb24YAiABKAxCBOJBAQISDgoGcG9saWN5GAMgASgJIj0KFENyZWF0ZVRocmVhZFJlc3BvbnNlEiUKB2dlbmVzaXMYASABKAsyFC56dGF0ZS52MS5UcmFuc2l0aW9uIikKDkdldFZpZXdSZXF1ZXN0EhcKCXRocmVhZF9pZBgBIAEoCUIE4kEBAiJeCg9HZXRWaWV3UmVzcG9uc2USEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSEgoKc3RhdGVfanNvbhgDIAEoDBITCgtoZWFkX2RpZ2VzdBgEIAEoCSKGAQoYUHJvcG9zZVRyYW5zaXRpb25SZXF1ZXN0EhcKCXRocmVhZF9pZBgBIAEoCUIE4kEBAhIYChBleHBlY3RlZF92ZXJzaW9uGAIgASgDEhgKCnBhdGNoX2pzb24YAyABKAxCBOJBAQISHQoPaWRlbXBvdGVuY3lfa2V5GAQgASgJQgTiQQECIpQBChlQcm9wb3NlVHJhbnNpdGlvblJlc3BvbnNlEioKCnRyYW5zaXRpb24YASABKAsyFC56dGF0ZS52MS5UcmFuc2l0aW9uSAASLgoHcGVuZGluZxgDIAEoCzIbLnp0YXRlLnYxLlBlbmRpbmdUcmFuc2l0aW9uSAASEAoIcmVwbGF5ZWQYAiABKAhCCQoHb3V0Y29tZSK2AQoRUGVuZGluZ1RyYW5zaXRpb24SDgoGZGlnZXN0GAEgASgJEhEKCXRocmVhZF9pZBgCIAEoCRIUCgxiYXNlX3ZlcnNpb24YAyABKAMSEgoKcmlza19ydWxlcxgEIAMoCRIVCg1wcm9wb3NhbF9qc29uGAUgASgMEi0KCXBhcmtlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGaGFuZGxlGAcgASgJIn8KFEdldFRyYW5zaXRpb25SZXF1ZXN0EhAKBmRpZ2VzdBgBIAEoCUgAEjEKDnRocmVhZF92ZXJzaW9uGAIgASgLMhcuenRhdGUudjEuVGhyZWFkVmVyc2lvbkgAEhgKDmhlYWRfb2ZfdGhyZWFkGAMgASgJSABCCAoGbG9va3VwIjkKDVRocmVhZFZlcnNpb24SFwoJdGhyZWFkX2lkGAEgASgJQgTiQQECEg8KB3ZlcnNpb24YAiABKAMifwoVR2V0VHJhbnNpdGlvblJlc3BvbnNlEigKCnRyYW5zaXRpb24YASABKAsyFC56dGF0ZS52MS5UcmFuc2l0aW9uEigKB3JlY2VpcHQYAiABKAsyFy56dGF0ZS52MS5TaWduZWRSZWNlaXB0EhIKCnJpc2tfcnVsZXMYAyADKAkiLwoUR2V0Q2hlY2twb2ludFJlcXVlc3QSFwoJdGhyZWFkX2lkGAEgASgJQgTiQQECIkcKFUdldENoZWNrcG9pbnRSZXNwb25zZRIuCgpjaGVja3BvaW50GAEgASgLMhouenRhdGUudjEuU2lnbmVkQ2hlY2twb2ludCJOChBTaWduZWRDaGVja3BvaW50EhcKD2NoZWNrcG9pbnRfanNvbhgBIAEoDBIRCglzaWduYXR1cmUYAiABKAkSDgoGa2V5X2lkGAMgASgJIkMKEldhdGNoVGhyZWFkUmVxdWVzdBIXCgl0aHJlYWRfaWQYASABKAlCBOJBAQISFAoMZnJvbV92ZXJzaW9uGAIgASgDInMKE1dhdGNoVGhyZWFkUmVzcG9uc2USEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSDgoGZGlnZXN0GAMgASgJEhIKCnN0YXRlX2pzb24YBCABKAwSFAoMc3RhdGVfcHJ1bmVkGAUgASgIIkYKFEFwcGx5RGVjaXNpb25SZXF1ZXN0Ei4KB3JlY2VpcHQYASABKAsyFy56dGF0ZS52MS5TaWduZWRSZWNlaXB0QgTiQQECInUKFUFwcGx5RGVjaXNpb25SZXNwb25zZRIiCgdvdXRjb21lGAEgASgOMhEuenRhdGUudjEuT3V0Y29tZRIoCgp0cmFuc2l0aW9uGAIgASgLMhQuenRhdGUudjEuVHJhbnNpdGlvbhIOCgZyZWFzb24YAyABKAkiNwoVV2FpdEZvck91dGNvbWVSZXF1ZXN0Eg4KBmRpZ2VzdBgBIAEoCRIOCgZoYW5kbGUYAiABKAkidgoWV2FpdEZvck91dGNvbWVSZXNwb25zZRIiCgdvdXRjb21lGAEgASgOMhEuenRhdGUudjEuT3V0Y29tZRIoCgp0cmFuc2l0aW9uGAIgASgLMhQuenRhdGUudjEuVHJhbnNpdGlvbhIOCgZyZWFzb24YAyABKAkiYQoTUmV2ZXJ0VGhyZWFkUmVxdWVzdBIXCgl0aHJlYWRfaWQYASABKAlCBOJBAQISEgoKdG9fdmVyc2lvbhgCIAEoAxIdCg9pZGVtcG90ZW5jeV9rZXkYAyABKAlCBOJBAQIiUgoUUmV2ZXJ0VGhyZWFkUmVzcG9uc2USKAoKdHJhbnNpdGlvbhgBIAEoCzIULnp0YXRlLnYxLlRyYW5zaXRpb24SEAoIcmVwbGF5ZWQYAiABKAgi0gEKClRyYW5zaXRpb24SEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSDgoGZGlnZXN0GAMgASgJEhUKDXBhcmVudF9kaWdlc3QYBCABKAkSEQoJc2lnbmF0dXJlGAUgASgJEg4KBmtleV9pZBgGIAEoCRITCgtyZWNvcmRfanNvbhgHIAEoDBIPCgdub2RlX2lkGAggASgJEjAKDGNvbW1pdHRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAqoQEKB091dGNvbWUSFwoTT1VUQ09NRV9VTlNQRUNJRklFRBAAEhMKD09VVENPTUVfUEVORElORxABEhUKEU9VVENPTUVfQ09NTUlUVEVEEAISFAoQT1VUQ09NRV9SRUpFQ1RFRBADEhMKD09VVENPTUVfRVhQSVJFRBAEEhEKDU9VVENPTUVfU1RBTEUQBRITCg9PVVRDT01FX1JFRlVTRUQQBjLoBQoRVHJhbnNpdGlvblNlcnZpY2USTQoMQ3JlYXRlVGhyZWFkEh0uenRhdGUudjEuQ3JlYXRlVGhyZWFkUmVxdWVzdBoeLnp0YXRlLnYxLkNyZWF0ZVRocmVhZFJlc3BvbnNlEj4KB0dldFZpZXcSGC56dGF0ZS52MS5HZXRWaWV3UmVxdWVzdBoZLnp0YXRlLnYxLkdldFZpZXdSZXNwb25zZRJcChFQcm9wb3NlVHJhbnNpdGlvbhIiLnp0YXRlLnYxLlByb3Bvc2VUcmFuc2l0aW9uUmVxdWVzdBojLnp0YXRlLnYxLlByb3Bvc2VUcmFuc2l0aW9uUmVzcG9uc2USUAoNR2V0VHJhbnNpdGlvbhIeLnp0YXRlLnYxLkdldFRyYW5zaXRpb25SZXF1ZXN0Gh8uenRhdGUudjEuR2V0VHJhbnNpdGlvblJlc3BvbnNlElAKDUdldENoZWNrcG9pbnQSHi56dGF0ZS52MS5HZXRDaGVja3BvaW50UmVxdWVzdBofLnp0YXRlLnYxLkdldENoZWNrcG9pbnRSZXNwb25zZRJMCgtXYXRjaFRocmVhZBIcLnp0YXRlLnYxLldhdGNoVGhyZWFkUmVxdWVzdBodLnp0YXRlLnYxLldhdGNoVGhyZWFkUmVzcG9uc2UwARJQCg1BcHBseURlY2lzaW9uEh4uenRhdGUudjEuQXBwbHlEZWNpc2lvblJlcXVlc3QaHy56dGF0ZS52MS5BcHBseURlY2lzaW9uUmVzcG9uc2USUwoOV2FpdEZvck91dGNvbWUSHy56dGF0ZS52MS5XYWl0Rm9yT3V0Y29tZVJlcXVlc3QaIC56dGF0ZS52MS5XYWl0Rm9yT3V0Y29tZVJlc3BvbnNlEk0KDFJldmVydFRocmVhZBIdLnp0YXRlLnYxLlJldmVydFRocmVhZFJlcXVlc3QaHi56dGF0ZS52MS5SZXZlcnRUaHJlYWRSZXNwb25zZWIGcHJvdG8z", [file_google_api_field_behavior, file_google_protobuf_timestamp, file_ztate_v1_approval]);
+  fileDesc("Chl6dGF0ZS92MS90cmFuc2l0aW9uLnByb3RvEgh6dGF0ZS52MSItChRTdWJzY3JpYmVXb3JrUmVxdWVzdBIVCg1tYXhfaW5fZmxpZ2h0GAEgASgFIsoBChVTdWJzY3JpYmVXb3JrUmVzcG9uc2USEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSEgoKc3RhdGVfanNvbhgDIAEoDBITCgtsZWFzZV9lcG9jaBgEIAEoAxI0ChBsZWFzZV9leHBpcmVzX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIZChFsZWFzZV90dGxfc2Vjb25kcxgGIAEoARITCgtoZWFkX2RpZ2VzdBgHIAEoCSJHChFSZW5ld0xlYXNlUmVxdWVzdBIXCgl0aHJlYWRfaWQYASABKAlCBOJBAQISGQoLbGVhc2VfZXBvY2gYAiABKANCBOJBAQIiSgoSUmVuZXdMZWFzZVJlc3BvbnNlEjQKEGxlYXNlX2V4cGlyZXNfYXQYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wImIKE1JlbGVhc2VMZWFzZVJlcXVlc3QSFwoJdGhyZWFkX2lkGAEgASgJQgTiQQECEhkKC2xlYXNlX2Vwb2NoGAIgASgDQgTiQQECEhcKD2hhbmRsZWRfdmVyc2lvbhgDIAEoAyIWChRSZWxlYXNlTGVhc2VSZXNwb25zZSJgChNDcmVhdGVUaHJlYWRSZXF1ZXN0EhcKCXRocmVhZF9pZBgBIAEoCUIE4kEBAhIgChJpbml0aWFsX3N0YXRlX2pzb24YAiABKAxCBOJBAQISDgoGcG9saWN5GAMgASgJIj0KFENyZWF0ZVRocmVhZFJlc3BvbnNlEiUKB2dlbmVzaXMYASABKAsyFC56dGF0ZS52MS5UcmFuc2l0aW9uIikKDkdldFZpZXdSZXF1ZXN0EhcKCXRocmVhZF9pZBgBIAEoCUIE4kEBAiJeCg9HZXRWaWV3UmVzcG9uc2USEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSEgoKc3RhdGVfanNvbhgDIAEoDBITCgtoZWFkX2RpZ2VzdBgEIAEoCSKbAQoYUHJvcG9zZVRyYW5zaXRpb25SZXF1ZXN0EhcKCXRocmVhZF9pZBgBIAEoCUIE4kEBAhIYChBleHBlY3RlZF92ZXJzaW9uGAIgASgDEhgKCnBhdGNoX2pzb24YAyABKAxCBOJBAQISHQoPaWRlbXBvdGVuY3lfa2V5GAQgASgJQgTiQQECEhMKC2xlYXNlX2Vwb2NoGAUgASgDIpQBChlQcm9wb3NlVHJhbnNpdGlvblJlc3BvbnNlEioKCnRyYW5zaXRpb24YASABKAsyFC56dGF0ZS52MS5UcmFuc2l0aW9uSAASLgoHcGVuZGluZxgDIAEoCzIbLnp0YXRlLnYxLlBlbmRpbmdUcmFuc2l0aW9uSAASEAoIcmVwbGF5ZWQYAiABKAhCCQoHb3V0Y29tZSK2AQoRUGVuZGluZ1RyYW5zaXRpb24SDgoGZGlnZXN0GAEgASgJEhEKCXRocmVhZF9pZBgCIAEoCRIUCgxiYXNlX3ZlcnNpb24YAyABKAMSEgoKcmlza19ydWxlcxgEIAMoCRIVCg1wcm9wb3NhbF9qc29uGAUgASgMEi0KCXBhcmtlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGaGFuZGxlGAcgASgJIn8KFEdldFRyYW5zaXRpb25SZXF1ZXN0EhAKBmRpZ2VzdBgBIAEoCUgAEjEKDnRocmVhZF92ZXJzaW9uGAIgASgLMhcuenRhdGUudjEuVGhyZWFkVmVyc2lvbkgAEhgKDmhlYWRfb2ZfdGhyZWFkGAMgASgJSABCCAoGbG9va3VwIjkKDVRocmVhZFZlcnNpb24SFwoJdGhyZWFkX2lkGAEgASgJQgTiQQECEg8KB3ZlcnNpb24YAiABKAMifwoVR2V0VHJhbnNpdGlvblJlc3BvbnNlEigKCnRyYW5zaXRpb24YASABKAsyFC56dGF0ZS52MS5UcmFuc2l0aW9uEigKB3JlY2VpcHQYAiABKAsyFy56dGF0ZS52MS5TaWduZWRSZWNlaXB0EhIKCnJpc2tfcnVsZXMYAyADKAkiLwoUR2V0Q2hlY2twb2ludFJlcXVlc3QSFwoJdGhyZWFkX2lkGAEgASgJQgTiQQECIkcKFUdldENoZWNrcG9pbnRSZXNwb25zZRIuCgpjaGVja3BvaW50GAEgASgLMhouenRhdGUudjEuU2lnbmVkQ2hlY2twb2ludCJOChBTaWduZWRDaGVja3BvaW50EhcKD2NoZWNrcG9pbnRfanNvbhgBIAEoDBIRCglzaWduYXR1cmUYAiABKAkSDgoGa2V5X2lkGAMgASgJIkMKEldhdGNoVGhyZWFkUmVxdWVzdBIXCgl0aHJlYWRfaWQYASABKAlCBOJBAQISFAoMZnJvbV92ZXJzaW9uGAIgASgDInMKE1dhdGNoVGhyZWFkUmVzcG9uc2USEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSDgoGZGlnZXN0GAMgASgJEhIKCnN0YXRlX2pzb24YBCABKAwSFAoMc3RhdGVfcHJ1bmVkGAUgASgIIkYKFEFwcGx5RGVjaXNpb25SZXF1ZXN0Ei4KB3JlY2VpcHQYASABKAsyFy56dGF0ZS52MS5TaWduZWRSZWNlaXB0QgTiQQECInUKFUFwcGx5RGVjaXNpb25SZXNwb25zZRIiCgdvdXRjb21lGAEgASgOMhEuenRhdGUudjEuT3V0Y29tZRIoCgp0cmFuc2l0aW9uGAIgASgLMhQuenRhdGUudjEuVHJhbnNpdGlvbhIOCgZyZWFzb24YAyABKAkiNwoVV2FpdEZvck91dGNvbWVSZXF1ZXN0Eg4KBmRpZ2VzdBgBIAEoCRIOCgZoYW5kbGUYAiABKAkidgoWV2FpdEZvck91dGNvbWVSZXNwb25zZRIiCgdvdXRjb21lGAEgASgOMhEuenRhdGUudjEuT3V0Y29tZRIoCgp0cmFuc2l0aW9uGAIgASgLMhQuenRhdGUudjEuVHJhbnNpdGlvbhIOCgZyZWFzb24YAyABKAkiYQoTUmV2ZXJ0VGhyZWFkUmVxdWVzdBIXCgl0aHJlYWRfaWQYASABKAlCBOJBAQISEgoKdG9fdmVyc2lvbhgCIAEoAxIdCg9pZGVtcG90ZW5jeV9rZXkYAyABKAlCBOJBAQIiUgoUUmV2ZXJ0VGhyZWFkUmVzcG9uc2USKAoKdHJhbnNpdGlvbhgBIAEoCzIULnp0YXRlLnYxLlRyYW5zaXRpb24SEAoIcmVwbGF5ZWQYAiABKAgi0gEKClRyYW5zaXRpb24SEQoJdGhyZWFkX2lkGAEgASgJEg8KB3ZlcnNpb24YAiABKAMSDgoGZGlnZXN0GAMgASgJEhUKDXBhcmVudF9kaWdlc3QYBCABKAkSEQoJc2lnbmF0dXJlGAUgASgJEg4KBmtleV9pZBgGIAEoCRITCgtyZWNvcmRfanNvbhgHIAEoDBIPCgdub2RlX2lkGAggASgJEjAKDGNvbW1pdHRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAqoQEKB091dGNvbWUSFwoTT1VUQ09NRV9VTlNQRUNJRklFRBAAEhMKD09VVENPTUVfUEVORElORxABEhUKEU9VVENPTUVfQ09NTUlUVEVEEAISFAoQT1VUQ09NRV9SRUpFQ1RFRBADEhMKD09VVENPTUVfRVhQSVJFRBAEEhEKDU9VVENPTUVfU1RBTEUQBRITCg9PVVRDT01FX1JFRlVTRUQQBjLUBwoRVHJhbnNpdGlvblNlcnZpY2USTQoMQ3JlYXRlVGhyZWFkEh0uenRhdGUudjEuQ3JlYXRlVGhyZWFkUmVxdWVzdBoeLnp0YXRlLnYxLkNyZWF0ZVRocmVhZFJlc3BvbnNlEj4KB0dldFZpZXcSGC56dGF0ZS52MS5HZXRWaWV3UmVxdWVzdBoZLnp0YXRlLnYxLkdldFZpZXdSZXNwb25zZRJcChFQcm9wb3NlVHJhbnNpdGlvbhIiLnp0YXRlLnYxLlByb3Bvc2VUcmFuc2l0aW9uUmVxdWVzdBojLnp0YXRlLnYxLlByb3Bvc2VUcmFuc2l0aW9uUmVzcG9uc2USUAoNR2V0VHJhbnNpdGlvbhIeLnp0YXRlLnYxLkdldFRyYW5zaXRpb25SZXF1ZXN0Gh8uenRhdGUudjEuR2V0VHJhbnNpdGlvblJlc3BvbnNlElAKDUdldENoZWNrcG9pbnQSHi56dGF0ZS52MS5HZXRDaGVja3BvaW50UmVxdWVzdBofLnp0YXRlLnYxLkdldENoZWNrcG9pbnRSZXNwb25zZRJMCgtXYXRjaFRocmVhZBIcLnp0YXRlLnYxLldhdGNoVGhyZWFkUmVxdWVzdBodLnp0YXRlLnYxLldhdGNoVGhyZWFkUmVzcG9uc2UwARJQCg1BcHBseURlY2lzaW9uEh4uenRhdGUudjEuQXBwbHlEZWNpc2lvblJlcXVlc3QaHy56dGF0ZS52MS5BcHBseURlY2lzaW9uUmVzcG9uc2USUwoOV2FpdEZvck91dGNvbWUSHy56dGF0ZS52MS5XYWl0Rm9yT3V0Y29tZVJlcXVlc3QaIC56dGF0ZS52MS5XYWl0Rm9yT3V0Y29tZVJlc3BvbnNlEk0KDFJldmVydFRocmVhZBIdLnp0YXRlLnYxLlJldmVydFRocmVhZFJlcXVlc3QaHi56dGF0ZS52MS5SZXZlcnRUaHJlYWRSZXNwb25zZRJSCg1TdWJzY3JpYmVXb3JrEh4uenRhdGUudjEuU3Vic2NyaWJlV29ya1JlcXVlc3QaHy56dGF0ZS52MS5TdWJzY3JpYmVXb3JrUmVzcG9uc2UwARJHCgpSZW5ld0xlYXNlEhsuenRhdGUudjEuUmVuZXdMZWFzZVJlcXVlc3QaHC56dGF0ZS52MS5SZW5ld0xlYXNlUmVzcG9uc2USTQoMUmVsZWFzZUxlYXNlEh0uenRhdGUudjEuUmVsZWFzZUxlYXNlUmVxdWVzdBoeLnp0YXRlLnYxLlJlbGVhc2VMZWFzZVJlc3BvbnNlYgZwcm90bzM", [file_google_api_field_behavior, file_google_protobuf_timestamp, file_ztate_v1_approval]);
+
+/**
+ * SubscribeWorkRequest opens a node's work subscription.
+ *
+ * @generated from message ztate.v1.SubscribeWorkRequest
+ */
+export type SubscribeWorkRequest = Message<"ztate.v1.SubscribeWorkRequest"> & {
+  /**
+   * How many leases this stream may hold at once (the worker's concurrency):
+   * 1-256; 0 means 1.
+   *
+   * @generated from field: int32 max_in_flight = 1;
+   */
+  maxInFlight: number;
+};
+
+/**
+ * Describes the message ztate.v1.SubscribeWorkRequest.
+ * Use `create(SubscribeWorkRequestSchema)` to create a new message.
+ */
+export const SubscribeWorkRequestSchema: GenMessage<SubscribeWorkRequest> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_transition, 0);
+
+/**
+ * SubscribeWorkResponse is one thread on which the node has work, leased to this
+ * stream.
+ *
+ * @generated from message ztate.v1.SubscribeWorkResponse
+ */
+export type SubscribeWorkResponse = Message<"ztate.v1.SubscribeWorkResponse"> & {
+  /**
+   * The thread.
+   *
+   * @generated from field: string thread_id = 1;
+   */
+  threadId: string;
+
+  /**
+   * The head version to build on: propose with expected_version = version.
+   *
+   * @generated from field: int64 version = 2;
+   */
+  version: bigint;
+
+  /**
+   * The node's projection of that version (canonical JSON of the keys it may
+   * read), as GetView would return it.
+   *
+   * @generated from field: bytes state_json = 3;
+   */
+  stateJson: Uint8Array;
+
+  /**
+   * The lease grant: pass it to RenewLease, ReleaseLease and ProposeTransition.
+   *
+   * @generated from field: int64 lease_epoch = 4;
+   */
+  leaseEpoch: bigint;
+
+  /**
+   * When the lease lapses unless renewed.
+   *
+   * @generated from field: google.protobuf.Timestamp lease_expires_at = 5;
+   */
+  leaseExpiresAt?: Timestamp | undefined;
+
+  /**
+   * How long each renewal extends the lease, in seconds.
+   *
+   * @generated from field: double lease_ttl_seconds = 6;
+   */
+  leaseTtlSeconds: number;
+
+  /**
+   * Digest of the head ledger record (hex), as GetView: empty for a node whose
+   * policy does not mark it read_records.
+   *
+   * @generated from field: string head_digest = 7;
+   */
+  headDigest: string;
+};
+
+/**
+ * Describes the message ztate.v1.SubscribeWorkResponse.
+ * Use `create(SubscribeWorkResponseSchema)` to create a new message.
+ */
+export const SubscribeWorkResponseSchema: GenMessage<SubscribeWorkResponse> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_transition, 1);
+
+/**
+ * RenewLeaseRequest names the lease grant to extend.
+ *
+ * @generated from message ztate.v1.RenewLeaseRequest
+ */
+export type RenewLeaseRequest = Message<"ztate.v1.RenewLeaseRequest"> & {
+  /**
+   * Required. The thread of the grant.
+   *
+   * @generated from field: string thread_id = 1;
+   */
+  threadId: string;
+
+  /**
+   * Required. SubscribeWorkResponse.lease_epoch.
+   *
+   * @generated from field: int64 lease_epoch = 2;
+   */
+  leaseEpoch: bigint;
+};
+
+/**
+ * Describes the message ztate.v1.RenewLeaseRequest.
+ * Use `create(RenewLeaseRequestSchema)` to create a new message.
+ */
+export const RenewLeaseRequestSchema: GenMessage<RenewLeaseRequest> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_transition, 2);
+
+/**
+ * RenewLeaseResponse says until when the grant now holds.
+ *
+ * @generated from message ztate.v1.RenewLeaseResponse
+ */
+export type RenewLeaseResponse = Message<"ztate.v1.RenewLeaseResponse"> & {
+  /**
+   * When the lease lapses unless renewed again.
+   *
+   * @generated from field: google.protobuf.Timestamp lease_expires_at = 1;
+   */
+  leaseExpiresAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message ztate.v1.RenewLeaseResponse.
+ * Use `create(RenewLeaseResponseSchema)` to create a new message.
+ */
+export const RenewLeaseResponseSchema: GenMessage<RenewLeaseResponse> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_transition, 3);
+
+/**
+ * ReleaseLeaseRequest names the lease grant to give back.
+ *
+ * @generated from message ztate.v1.ReleaseLeaseRequest
+ */
+export type ReleaseLeaseRequest = Message<"ztate.v1.ReleaseLeaseRequest"> & {
+  /**
+   * Required. The thread of the grant.
+   *
+   * @generated from field: string thread_id = 1;
+   */
+  threadId: string;
+
+  /**
+   * Required. SubscribeWorkResponse.lease_epoch.
+   *
+   * @generated from field: int64 lease_epoch = 2;
+   */
+  leaseEpoch: bigint;
+
+  /**
+   * The newest version the node is done with (usually SubscribeWorkResponse.version).
+   *
+   * @generated from field: int64 handled_version = 3;
+   */
+  handledVersion: bigint;
+};
+
+/**
+ * Describes the message ztate.v1.ReleaseLeaseRequest.
+ * Use `create(ReleaseLeaseRequestSchema)` to create a new message.
+ */
+export const ReleaseLeaseRequestSchema: GenMessage<ReleaseLeaseRequest> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_transition, 4);
+
+/**
+ * ReleaseLeaseResponse is empty: the grant was released.
+ *
+ * @generated from message ztate.v1.ReleaseLeaseResponse
+ */
+export type ReleaseLeaseResponse = Message<"ztate.v1.ReleaseLeaseResponse"> & {
+};
+
+/**
+ * Describes the message ztate.v1.ReleaseLeaseResponse.
+ * Use `create(ReleaseLeaseResponseSchema)` to create a new message.
+ */
+export const ReleaseLeaseResponseSchema: GenMessage<ReleaseLeaseResponse> = /*@__PURE__*/
+  messageDesc(file_ztate_v1_transition, 5);
 
 /**
  * CreateThreadRequest names a new thread, its policy and its initial state.
@@ -60,7 +247,7 @@ export type CreateThreadRequest = Message<"ztate.v1.CreateThreadRequest"> & {
  * Use `create(CreateThreadRequestSchema)` to create a new message.
  */
 export const CreateThreadRequestSchema: GenMessage<CreateThreadRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 0);
+  messageDesc(file_ztate_v1_transition, 6);
 
 /**
  * CreateThreadResponse is the new thread's genesis record.
@@ -81,7 +268,7 @@ export type CreateThreadResponse = Message<"ztate.v1.CreateThreadResponse"> & {
  * Use `create(CreateThreadResponseSchema)` to create a new message.
  */
 export const CreateThreadResponseSchema: GenMessage<CreateThreadResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 1);
+  messageDesc(file_ztate_v1_transition, 7);
 
 /**
  * GetViewRequest names the thread whose head the caller reads.
@@ -102,7 +289,7 @@ export type GetViewRequest = Message<"ztate.v1.GetViewRequest"> & {
  * Use `create(GetViewRequestSchema)` to create a new message.
  */
 export const GetViewRequestSchema: GenMessage<GetViewRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 2);
+  messageDesc(file_ztate_v1_transition, 8);
 
 /**
  * GetViewResponse is the caller's projection of the thread's head.
@@ -147,7 +334,7 @@ export type GetViewResponse = Message<"ztate.v1.GetViewResponse"> & {
  * Use `create(GetViewResponseSchema)` to create a new message.
  */
 export const GetViewResponseSchema: GenMessage<GetViewResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 3);
+  messageDesc(file_ztate_v1_transition, 9);
 
 /**
  * ProposeTransitionRequest asks for one patch on top of one expected head.
@@ -186,6 +373,17 @@ export type ProposeTransitionRequest = Message<"ztate.v1.ProposeTransitionReques
    * @generated from field: string idempotency_key = 4;
    */
   idempotencyKey: string;
+
+  /**
+   * The lease grant (SubscribeWorkResponse.lease_epoch) the proposal is made under; 0: none.
+   * When set, the proposal is refused with FAILED_PRECONDITION (LEASE_LOST),
+   * nothing committed, unless that grant still holds the thread for the caller's
+   * node (a stale holder is fenced off); a committed or parked proposal releases
+   * the lease, the node done with expected_version.
+   *
+   * @generated from field: int64 lease_epoch = 5;
+   */
+  leaseEpoch: bigint;
 };
 
 /**
@@ -193,7 +391,7 @@ export type ProposeTransitionRequest = Message<"ztate.v1.ProposeTransitionReques
  * Use `create(ProposeTransitionRequestSchema)` to create a new message.
  */
 export const ProposeTransitionRequestSchema: GenMessage<ProposeTransitionRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 4);
+  messageDesc(file_ztate_v1_transition, 10);
 
 /**
  * ProposeTransitionResponse says whether the patch committed or was parked.
@@ -239,7 +437,7 @@ export type ProposeTransitionResponse = Message<"ztate.v1.ProposeTransitionRespo
  * Use `create(ProposeTransitionResponseSchema)` to create a new message.
  */
 export const ProposeTransitionResponseSchema: GenMessage<ProposeTransitionResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 5);
+  messageDesc(file_ztate_v1_transition, 11);
 
 /**
  * PendingTransition is a proposal parked for approval. A node whose policy does not
@@ -305,7 +503,7 @@ export type PendingTransition = Message<"ztate.v1.PendingTransition"> & {
  * Use `create(PendingTransitionSchema)` to create a new message.
  */
 export const PendingTransitionSchema: GenMessage<PendingTransition> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 6);
+  messageDesc(file_ztate_v1_transition, 12);
 
 /**
  * GetTransitionRequest names one ledger record by exactly one lookup.
@@ -350,7 +548,7 @@ export type GetTransitionRequest = Message<"ztate.v1.GetTransitionRequest"> & {
  * Use `create(GetTransitionRequestSchema)` to create a new message.
  */
 export const GetTransitionRequestSchema: GenMessage<GetTransitionRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 7);
+  messageDesc(file_ztate_v1_transition, 13);
 
 /**
  * ThreadVersion names one version of one thread.
@@ -378,7 +576,7 @@ export type ThreadVersion = Message<"ztate.v1.ThreadVersion"> & {
  * Use `create(ThreadVersionSchema)` to create a new message.
  */
 export const ThreadVersionSchema: GenMessage<ThreadVersion> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 8);
+  messageDesc(file_ztate_v1_transition, 14);
 
 /**
  * GetTransitionResponse is one ledger record with what proves its approval.
@@ -416,7 +614,7 @@ export type GetTransitionResponse = Message<"ztate.v1.GetTransitionResponse"> & 
  * Use `create(GetTransitionResponseSchema)` to create a new message.
  */
 export const GetTransitionResponseSchema: GenMessage<GetTransitionResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 9);
+  messageDesc(file_ztate_v1_transition, 15);
 
 /**
  * GetCheckpointRequest names the thread whose newest checkpoint is wanted.
@@ -437,7 +635,7 @@ export type GetCheckpointRequest = Message<"ztate.v1.GetCheckpointRequest"> & {
  * Use `create(GetCheckpointRequestSchema)` to create a new message.
  */
 export const GetCheckpointRequestSchema: GenMessage<GetCheckpointRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 10);
+  messageDesc(file_ztate_v1_transition, 16);
 
 /**
  * GetCheckpointResponse holds the newest checkpoint, if any.
@@ -458,7 +656,7 @@ export type GetCheckpointResponse = Message<"ztate.v1.GetCheckpointResponse"> & 
  * Use `create(GetCheckpointResponseSchema)` to create a new message.
  */
 export const GetCheckpointResponseSchema: GenMessage<GetCheckpointResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 11);
+  messageDesc(file_ztate_v1_transition, 17);
 
 /**
  * SignedCheckpoint is a thread head signed with the transition service's
@@ -495,7 +693,7 @@ export type SignedCheckpoint = Message<"ztate.v1.SignedCheckpoint"> & {
  * Use `create(SignedCheckpointSchema)` to create a new message.
  */
 export const SignedCheckpointSchema: GenMessage<SignedCheckpoint> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 12);
+  messageDesc(file_ztate_v1_transition, 18);
 
 /**
  * WatchThreadRequest names the thread to follow and where to start.
@@ -523,7 +721,7 @@ export type WatchThreadRequest = Message<"ztate.v1.WatchThreadRequest"> & {
  * Use `create(WatchThreadRequestSchema)` to create a new message.
  */
 export const WatchThreadRequestSchema: GenMessage<WatchThreadRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 13);
+  messageDesc(file_ztate_v1_transition, 19);
 
 /**
  * WatchThreadResponse is the caller's view of one version of the thread.
@@ -575,7 +773,7 @@ export type WatchThreadResponse = Message<"ztate.v1.WatchThreadResponse"> & {
  * Use `create(WatchThreadResponseSchema)` to create a new message.
  */
 export const WatchThreadResponseSchema: GenMessage<WatchThreadResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 14);
+  messageDesc(file_ztate_v1_transition, 20);
 
 /**
  * ApplyDecisionRequest carries one signed decision on a parked transition.
@@ -596,7 +794,7 @@ export type ApplyDecisionRequest = Message<"ztate.v1.ApplyDecisionRequest"> & {
  * Use `create(ApplyDecisionRequestSchema)` to create a new message.
  */
 export const ApplyDecisionRequestSchema: GenMessage<ApplyDecisionRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 15);
+  messageDesc(file_ztate_v1_transition, 21);
 
 /**
  * ApplyDecisionResponse says what the decision did.
@@ -631,7 +829,7 @@ export type ApplyDecisionResponse = Message<"ztate.v1.ApplyDecisionResponse"> & 
  * Use `create(ApplyDecisionResponseSchema)` to create a new message.
  */
 export const ApplyDecisionResponseSchema: GenMessage<ApplyDecisionResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 16);
+  messageDesc(file_ztate_v1_transition, 22);
 
 /**
  * WaitForOutcomeRequest names the parked transition by exactly one of its handle
@@ -660,7 +858,7 @@ export type WaitForOutcomeRequest = Message<"ztate.v1.WaitForOutcomeRequest"> & 
  * Use `create(WaitForOutcomeRequestSchema)` to create a new message.
  */
 export const WaitForOutcomeRequestSchema: GenMessage<WaitForOutcomeRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 17);
+  messageDesc(file_ztate_v1_transition, 23);
 
 /**
  * WaitForOutcomeResponse is what became of the parked transition so far.
@@ -695,7 +893,7 @@ export type WaitForOutcomeResponse = Message<"ztate.v1.WaitForOutcomeResponse"> 
  * Use `create(WaitForOutcomeResponseSchema)` to create a new message.
  */
 export const WaitForOutcomeResponseSchema: GenMessage<WaitForOutcomeResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 18);
+  messageDesc(file_ztate_v1_transition, 24);
 
 /**
  * RevertThreadRequest asks for an earlier state to be restored.
@@ -731,7 +929,7 @@ export type RevertThreadRequest = Message<"ztate.v1.RevertThreadRequest"> & {
  * Use `create(RevertThreadRequestSchema)` to create a new message.
  */
 export const RevertThreadRequestSchema: GenMessage<RevertThreadRequest> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 19);
+  messageDesc(file_ztate_v1_transition, 25);
 
 /**
  * RevertThreadResponse is the revert transition.
@@ -759,7 +957,7 @@ export type RevertThreadResponse = Message<"ztate.v1.RevertThreadResponse"> & {
  * Use `create(RevertThreadResponseSchema)` to create a new message.
  */
 export const RevertThreadResponseSchema: GenMessage<RevertThreadResponse> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 20);
+  messageDesc(file_ztate_v1_transition, 26);
 
 /**
  * Transition is one committed ledger record with its signature. A node whose
@@ -839,7 +1037,7 @@ export type Transition = Message<"ztate.v1.Transition"> & {
  * Use `create(TransitionSchema)` to create a new message.
  */
 export const TransitionSchema: GenMessage<Transition> = /*@__PURE__*/
-  messageDesc(file_ztate_v1_transition, 21);
+  messageDesc(file_ztate_v1_transition, 27);
 
 /**
  * Outcome is what became of a parked transition.
@@ -1033,6 +1231,55 @@ export const TransitionService: GenService<{
     methodKind: "unary";
     input: typeof RevertThreadRequestSchema;
     output: typeof RevertThreadResponseSchema;
+  },
+  /**
+   * SubscribeWork streams the threads on which the calling node has work, each
+   * under a lease: one process of the node holds a thread at a time. A version
+   * wakes a node when its policy's wake declaration (nodes.<name>.wake) says so,
+   * decided by the service: the node reads the changed key, or the condition over
+   * its projection holds; a node's own transitions never wake it. Only threads
+   * bound to the node's policy are ever delivered. Each message carries the
+   * node's projection of the head to build on and the lease grant (lease_epoch):
+   * renew it with RenewLease while the handler runs, and end it by proposing with
+   * lease_epoch set (a committed or parked proposal releases it) or with
+   * ReleaseLease. A lease that is neither renewed nor released lapses after
+   * lease_ttl (ZTATE_WORK_LEASE_SECONDS) and the work goes to another process.
+   * At most max_in_flight leases are held through one stream at once. Node
+   * identities only (others: PERMISSION_DENIED, ROLE_FORBIDDEN); a node whose
+   * policy declares no wake: FAILED_PRECONDITION (NO_WAKE_DECLARED). Streams
+   * count against the WatchThread limits and end as WatchThread streams do.
+   *
+   * @generated from rpc ztate.v1.TransitionService.SubscribeWork
+   */
+  subscribeWork: {
+    methodKind: "server_streaming";
+    input: typeof SubscribeWorkRequestSchema;
+    output: typeof SubscribeWorkResponseSchema;
+  },
+  /**
+   * RenewLease extends a lease grant the caller's node holds. A grant that no
+   * longer holds its thread (lapsed and taken over, or released), of another
+   * node, or on a thread that does not exist: FAILED_PRECONDITION (LEASE_LOST),
+   * the same answer for each.
+   *
+   * @generated from rpc ztate.v1.TransitionService.RenewLease
+   */
+  renewLease: {
+    methodKind: "unary";
+    input: typeof RenewLeaseRequestSchema;
+    output: typeof RenewLeaseResponseSchema;
+  },
+  /**
+   * ReleaseLease gives a lease grant back, the node done with the thread up to
+   * handled_version: the thread has work for the node again only once a newer
+   * version wakes it. Refused as RenewLease.
+   *
+   * @generated from rpc ztate.v1.TransitionService.ReleaseLease
+   */
+  releaseLease: {
+    methodKind: "unary";
+    input: typeof ReleaseLeaseRequestSchema;
+    output: typeof ReleaseLeaseResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_ztate_v1_transition, 0);
