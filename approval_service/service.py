@@ -44,6 +44,7 @@ from ztate.contract.receipts import APPROVE, REJECT, build_receipt, now_utc, sig
 from ztate.contract.record import KIND_PROPOSAL
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role, parse_spiffe_id
+from ztate.services.runtime.thread_ids import check_thread_id
 
 log = logging.getLogger("ztate.approval")
 
@@ -279,6 +280,8 @@ class ApprovalService:
         wanted = status or OPEN
         if wanted not in STATUSES:
             raise errors.RequestInvalid(f"status must be one of {', '.join(STATUSES)}")
+        if thread_id:
+            check_thread_id(thread_id)
         limit = checked_page_size(page_size)
         after = decode_page_token(page_token)
         reviews = await self._store.page(wanted, thread_id=thread_id, limit=limit, after=after)

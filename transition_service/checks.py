@@ -17,11 +17,11 @@ from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.policy.schema import TypeMismatch
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.thread_ids import check_thread_id
 from ztate.services.store.rows import Head
 from ztate.transition_service.heads import CachedHead
 from ztate.transition_service.requests import Proposal, Revert
 
-THREAD_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would take a "\n"
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}\Z")
 # Only operators administer threads and read whole states or the ledger; the
 # services talk to each other through their own calls (the approval service may
@@ -39,11 +39,6 @@ def parse_admitted(data: bytes, what: str, max_depth: int) -> JsonObject:
         return parse_object(data, what=what, max_depth=max_depth, shown_name=shown_name)
     except ContractError as exc:
         raise errors.from_contract(exc) from None
-
-
-def check_thread_id(thread_id: str) -> None:
-    if not THREAD_ID.fullmatch(thread_id):
-        raise errors.RequestInvalid("thread_id must be 1-128 characters of [A-Za-z0-9._:-]")
 
 
 def check_privileged(caller: Identity, action: str) -> None:

@@ -9,6 +9,7 @@ from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, build_record, se
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
+from ztate.services.runtime.thread_ids import check_thread_id
 from ztate.services.store.interface import Creation
 from ztate.services.store.rows import StoredTransition
 from ztate.transition_service.checks import (
@@ -19,7 +20,6 @@ from ztate.transition_service.checks import (
     check_size,
     check_state_size,
     check_storable,
-    check_thread_id,
     parse_admitted,
 )
 from ztate.transition_service.heads import CachedHead

@@ -31,12 +31,12 @@ from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
+from ztate.services.runtime.thread_ids import THREAD_ID
 from ztate.services.store.approvals import ApprovalStore, Approved
 from ztate.services.store.interface import TransitionStore
 from ztate.services.store.rows import PendingTransition, Rejection, StoredTransition
 from ztate.transition_service.checks import (
     IDEMPOTENCY_KEY,
-    THREAD_ID,
     check_credentials,
     check_layers,
     check_privileged,

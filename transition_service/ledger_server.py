@@ -22,6 +22,7 @@ from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Authenticator, Identity, Role
 from ztate.services.runtime.rpc_guard import Context, guarded
+from ztate.services.runtime.thread_ids import THREAD_ID, check_thread_id
 from ztate.services.store.ledger import (
     COMMITTED,
     PARKED_STATUSES,
@@ -36,7 +37,7 @@ from ztate.services.store.ledger import (
     StoredWork,
     TransitionFilter,
 )
-from ztate.transition_service.checks import THREAD_ID, check_privileged, check_thread_id
+from ztate.transition_service.checks import check_privileged
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
 DEFAULT_PAGE_SIZE = 100

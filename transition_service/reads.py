@@ -19,12 +19,12 @@ import orjson
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.thread_ids import check_thread_id
 from ztate.services.store.interface import TransitionStore
 from ztate.services.store.rows import CheckpointRow, Evidence, StoredTransition
 from ztate.transition_service.checks import (
     check_privileged,
     check_registered,
-    check_thread_id,
     hide_foreign_thread,
     thread_not_found,
 )

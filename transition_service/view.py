@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.thread_ids import check_thread_id
 from ztate.transition_service.checks import (
     check_privileged,
     check_registered,
-    check_thread_id,
     hide_foreign_thread,
     thread_not_found,
 )

@@ -38,9 +38,10 @@ from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import untraced
+from ztate.services.runtime.thread_ids import check_thread_id
 from ztate.services.store.interface import TransitionStore
 from ztate.services.store.work import Lease, Waiting, WorkStore
-from ztate.transition_service.checks import check_registered, check_thread_id
+from ztate.transition_service.checks import check_registered
 from ztate.transition_service.outcomes import OutcomeListener
 
 log = logging.getLogger("ztate.transition")

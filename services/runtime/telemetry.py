@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import copy
 import logging
-import re
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from opentelemetry.trace import Status
 
 from ztate.services.runtime.config import ApprovalSettings, LogFormat, Settings
 from ztate.services.runtime.scrape import ScrapeEndpoint
+from ztate.services.runtime.thread_ids import THREAD_ID as THREAD_ID_RULE
 
 log = logging.getLogger("ztate.telemetry")
 
@@ -65,7 +65,6 @@ COMMITTED = "committed"
 PARKED = "parked"
 REFUSED = "refused"
 
-_THREAD_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _EXCEPTION_KEPT = frozenset({"exception.type", "exception.escaped"})
 
 SPAN_ATTRIBUTES = frozenset(
@@ -128,7 +127,7 @@ def note_transition(thread_id: str, version: int, decision: str | None = None) -
     span = trace.get_current_span()
     if not span.is_recording():
         return
-    if _THREAD_ID.fullmatch(thread_id):
+    if THREAD_ID_RULE.fullmatch(thread_id):
         span.set_attribute(THREAD_ID, thread_id)
     span.set_attribute(VERSION, version)
     if decision is not None:

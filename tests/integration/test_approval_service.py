@@ -441,6 +441,16 @@ async def test_operators_read_but_do_not_decide(approval_target: str, pki: Pki) 
         )
 
 
+@pytest.mark.parametrize("thread_id", ["\x00", "a\nb", "t" * 129, "é", "a b"])
+async def test_a_malformed_thread_filter_is_refused_precisely(
+    approval_target: str, pki: Pki, thread_id: str
+) -> None:
+    """Hostile thread ids in ListReviews (U+0000 once reached Postgres: INTERNAL)."""
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
+        listed = stub.ListReviews(approval_pb2.ListReviewsRequest(thread_id=thread_id))
+        assert await refused(listed) == (grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_INVALID")
+
+
 async def test_unknown_and_malformed_digests(approval_target: str, pki: Pki) -> None:
     async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
         missing = "0" * 64
@@ -817,7 +827,9 @@ async def test_the_cli_lists_shows_and_decides(
     unknown = await asyncio.to_thread(cli, "show", "0" * 64)
     assert (unknown.code, unknown.out) == (3, "")  # not found (docs/cli.md)
     assert "NOT_FOUND" in unknown.err
-    listed = await asyncio.to_thread(cli, "list", "--status", "rejected", "-o", "json")
+    listed = await asyncio.to_thread(
+        cli, "list", "--status", "rejected", "--thread", thread, "-o", "json"
+    )
     assert listed.code == 0, listed.err
     assert [(r["digest"], r["status"]) for r in json.loads(listed.out)] == [(digest, "rejected")]
 

@@ -325,9 +325,9 @@ async def test_cli_reverts_with_the_operator_certificate(world: World) -> None:
         f"digest {rows[2]['digest']}, by {OPERATOR}\n"
     )
     code, out, err = await run_cli("threads", "revert", thread_id, "--to", "5", *flags)
-    assert (code, out) == (1, "")
+    assert (code, out) == (2, "")  # INVALID_ARGUMENT: a usage error (docs/cli.md)
     assert err == (
-        "ztate: INVALID_ARGUMENT: to_version must be an earlier version, 0 to 1; found 5\n"
+        "ztate: REQUEST_INVALID: to_version must be an earlier version, 0 to 1; found 5\n"
     )
     assert len(await world.ledger.rows(thread_id)) == 3
 
