@@ -35,7 +35,7 @@ from ztate.services.store.transitions import PostgresTransitionStore
 from ztate.services.store.work import WorkStore
 from ztate.transition_service.checkpointer import Checkpointer
 from ztate.transition_service.decisions import DecisionPipeline
-from ztate.transition_service.journal import CheckpointJournal
+from ztate.transition_service.journal import CheckpointJournal, NotePublisher
 from ztate.transition_service.ledger_server import LedgerServicer
 from ztate.transition_service.outbox import ApprovalOutbox
 from ztate.transition_service.outcomes import OutcomeListener
@@ -269,6 +269,9 @@ async def _start_traced(
             settings.checkpoint_interval_seconds,
             keyring=keyring,
             journal=CheckpointJournal(settings.checkpoint_journal_file),
+            notes=NotePublisher(
+                settings.checkpoint_journal_file.parent / "notes", settings.trust_domain
+            ),
         )
         if settings.checkpoint_journal_file is not None
         and settings.checkpoint_key_file is not None

@@ -31,7 +31,7 @@ from ztate.contract.keyring import Keyring
 from ztate.contract.record import GENESIS_PARENT, verify_record
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.interface import TransitionStore, UnsignedHead
-from ztate.transition_service.journal import CheckpointJournal, SignedHead
+from ztate.transition_service.journal import CheckpointJournal, NotePublisher, SignedHead
 
 log = logging.getLogger("ztate.transition")
 BATCH = 1000
@@ -61,8 +61,11 @@ class Checkpointer:
         *,
         keyring: Keyring,
         journal: CheckpointJournal,
+        notes: NotePublisher | None = None,
     ) -> None:
+        """``notes``: also publish each thread's latest checkpoint as a C2SP signed note."""
         self._store = store
+        self._notes = notes
         self._key = key
         self._key_id = key_id
         self._interval = interval
@@ -129,6 +132,8 @@ class Checkpointer:
         # the journal first: what the database holds, the signer's memory holds too
         self._journal.append([(h.thread_id, h.version, c) for h, c, _ in signed])
         await self._store.save_checkpoints(signed)
+        if self._notes is not None:  # a copy for transparency-log tooling, written last
+            self._notes.publish([c for _, c, _ in signed], self._key)
         return len(signed)
 
     async def _check_extends(self, head: UnsignedHead, last: SignedHead | None) -> None:

@@ -11,6 +11,10 @@ extend it; auditors give the same file to ``ztate verify --checkpoints``.
 
 Replicas may share one file (appends of whole lines) or keep one each: each
 replica reads the lines others appended since its last read before every round.
+
+Beside the journal, ``NotePublisher`` keeps each thread's latest checkpoint as a C2SP
+signed note (``notes/thread-<id>.note``), the envelope transparency-log tooling reads
+(docs/verification.md, "Checkpoints as signed notes").
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ztate.contract.checkpoints import SignedCheckpoint, checkpoint_line, parse_checkpoint_line
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ztate.contract.checkpoints import (
+    SignedCheckpoint,
+    checkpoint_line,
+    note_text,
+    parse_checkpoint_line,
+    sign_note,
+)
 from ztate.contract.errors import CheckpointInvalid
 from ztate.contract.record import HEX_256
 
@@ -116,3 +128,36 @@ def _signed_head(signed: SignedCheckpoint, thread_id: str, version: int) -> str:
     if not isinstance(digest, str) or not HEX_256.match(digest):
         raise CheckpointInvalid("head_digest must be 64 lower-case hex characters")
     return digest
+
+
+class NotePublisher:
+    """Each thread's latest signed checkpoint as a C2SP signed note, one file per thread
+    (``thread-<id>.note`` in ``folder``, replaced atomically), signed by the checkpoint
+    key under the note name ``authority`` (the trust domain): what a tlog-checkpoint
+    server publishes at its checkpoint URL, for each thread's chain."""
+
+    def __init__(self, folder: Path, authority: str) -> None:
+        self._folder = folder
+        self._authority = authority
+
+    @property
+    def folder(self) -> Path:
+        return self._folder
+
+    def publish(self, signed: list[SignedCheckpoint], key: Ed25519PrivateKey) -> None:
+        latest: dict[str, tuple[int, bytes]] = {}
+        for checkpoint in signed:
+            body = json.loads(checkpoint.checkpoint)  # signed just now, by this process
+            thread_id, version = body["thread_id"], body["version"]
+            if thread_id not in latest or version > latest[thread_id][0]:
+                text = note_text(body, self._authority)
+                latest[thread_id] = (version, sign_note(text, self._authority, key))
+        try:
+            self._folder.mkdir(parents=True, exist_ok=True)
+            for thread_id, (_version, note) in latest.items():
+                target = self._folder / f"thread-{thread_id}.note"
+                partial = target.with_name(target.name + ".partial")
+                partial.write_bytes(note)
+                os.replace(partial, target)
+        except OSError as exc:
+            raise JournalError(f"{self._folder}: cannot publish notes ({exc.strerror})") from None

@@ -30,7 +30,7 @@ from ztate.services.verify.checks import Finding, Trust, verify_database
 from ztate.services.verify.parallel import verify_database_parallel
 from ztate.transition_service.app import RunningService
 from ztate.transition_service.checkpointer import Checkpointer
-from ztate.transition_service.journal import CheckpointJournal
+from ztate.transition_service.journal import CheckpointJournal, NotePublisher
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = REPO / "services" / "defaults" / "policy.yaml"
@@ -48,6 +48,7 @@ class Signer:
             60,
             keyring=keyring,
             journal=CheckpointJournal(self.journal),
+            notes=NotePublisher(root / "notes", "ztate.test"),
         )
 
     def kept(self) -> dict[str, dict[int, object]]:
@@ -315,3 +316,33 @@ async def test_the_cli_takes_the_journal_and_reports_a_deleted_thread(
             (thread_id, 2, "checkpoint")
         ]
         assert lines[-1]["type"] == "summary"
+
+
+async def test_each_threads_latest_checkpoint_is_published_as_a_c2sp_signed_note(
+    service: RunningService, target: str, pki: Pki, keyring: Keyring, tmp_path: Path
+) -> None:
+    """The note names the thread's chain (origin), its size (records) and its head, and
+    verifies under the checkpoint key's note verifier key; an altered note does not."""
+    import base64
+
+    from ztate.contract.checkpoints import note_verifier_key, verify_note
+    from ztate.contract.errors import CheckpointInvalid
+
+    signer = Signer(service, keyring, tmp_path)
+    thread_id = await three_records(target, pki)
+    await signer.checkpointer.run_once()
+    note = (tmp_path / "notes" / f"thread-{thread_id}.note").read_bytes()
+    [public] = load_public_keys(signer.public).values()
+    head = (await service.store.read_head(thread_id)).digest  # type: ignore[union-attr]
+    text = verify_note(note, "ztate.test", public)
+    assert (
+        text
+        == (
+            f"ztate.test/ztate/thread/{thread_id}\n3\n"
+            f"{base64.b64encode(bytes.fromhex(head)).decode()}\n"
+        ).encode()
+    )
+    assert note_verifier_key("ztate.test", public).startswith("ztate.test+")
+    forged = note.replace(b"\n3\n", b"\n4\n", 1)
+    with pytest.raises(CheckpointInvalid):
+        verify_note(forged, "ztate.test", public)
