@@ -100,5 +100,8 @@ async def test_idle_streams_cost_no_queries_per_stream(
     few = await idle_cost(roomy, database_dsn, pki, threads, 10)
     many = await idle_cost(roomy, database_dsn, pki, threads, 120)
     # one re-read every RECHECK_SECONDS per process either way; re-reading per stream
-    # (as before) cost 120 streams ~360 transactions in this window
-    assert many <= few + 20, (few, many)
+    # (as before) cost the 110 extra streams ~330 more transactions in this window. The
+    # database is shared with the rest of the session, whose background work (other
+    # services' sweeps and signers) adds a few dozen either way: the bound is one
+    # transaction per extra stream over the window, a third of the per-stream cost.
+    assert many <= few + (120 - 10), (few, many)
