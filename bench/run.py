@@ -336,10 +336,9 @@ async def run_verify() -> list[str]:
         database = await stack.enter_async_context(
             bench_database(server_dsn, postmaster_pid, DB_ROLE)
         )
-        postgres = (
-            None if database.postmaster_pid is None else cpu.process_tree(database.postmaster_pid)
+        figures = await measure_verification(
+            database.dsn, root, keyring, progress, database.postmaster_pid
         )
-        figures = await measure_verification(database.dsn, root, keyring, progress, postgres)
     where = "DATABASE_URL" if database.postmaster_pid is None else "embedded"
     return [
         *machine.lines(),

@@ -44,7 +44,7 @@ from typing import Any
 
 import asyncpg
 
-from bench.cpu import CpuMeter, whole_machine
+from bench.cpu import CpuMeter, children_count, children_settled, process_tree, whole_machine
 from bench.workload import (
     DEFAULT_POLICY,
     INITIAL_STATE,
@@ -258,12 +258,17 @@ def _ztate_cpu() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-async def _timed(count: int, postgres: CpuMeter, run: Callable[[], Awaitable[int]]) -> Round:
+async def _timed(
+    count: int, postgres: CpuMeter, postmaster: int | None, run: Callable[[], Awaitable[int]]
+) -> Round:
+    backends = children_count(postmaster) if postmaster is not None else 0
     cpu, pg, started = _ztate_cpu(), postgres(), time.perf_counter()
     verified = await run()
     wall = time.perf_counter() - started
     if verified != count:
         raise RuntimeError(f"verified {verified} records of {count}")
+    if postmaster is not None:  # the run's backends counted once they are reaped
+        children_settled(postmaster, backends)
     return Round(count / wall, (_ztate_cpu() - cpu) / count, (postgres() - pg) / count)
 
 
@@ -272,7 +277,7 @@ async def measure_verification(
     root: Path,
     keyring: Keyring,
     progress: Callable[[str], None],
-    postgres: CpuMeter | None = None,
+    postmaster: int | None = None,
 ) -> VerifyFigures:
     """Load the ledger, export it once, then the floor and the verifiers in rounds."""
     policy = Policy.load(DEFAULT_POLICY)
@@ -283,7 +288,7 @@ async def measure_verification(
     progress("verify: exporting the bundle")
     await export_bundle(dsn, bundle)
     count = len(ledger.records)
-    meter: CpuMeter = postgres if postgres is not None else (lambda: 0.0)
+    meter: CpuMeter = process_tree(postmaster) if postmaster is not None else (lambda: 0.0)
 
     async def floor() -> int:
         return floor_count(ledger.records, keyring)
@@ -321,7 +326,7 @@ async def measure_verification(
     for number in range(1, ROUNDS + 1):
         progress(f"verify: round {number} of {ROUNDS}")
         for name, run in runs.items():
-            measured[name].append(await _timed(count, meter, run))
+            measured[name].append(await _timed(count, meter, postmaster, run))
     elapsed = time.perf_counter() - started
     used = (whole_machine() - machine) - (_ztate_cpu() - ours) - (meter() - pg_start)
     return VerifyFigures(
