@@ -27,6 +27,7 @@ made the leader the bottleneck (``--jobs 2`` was slower than one process).
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import itertools
 import multiprocessing
@@ -190,6 +191,15 @@ class _Workers:
     def __post_init__(self) -> None:
         context = multiprocessing.get_context("fork")
         self.results = context.Queue()
+        # the objects the leader holds now go to the permanent generation: the
+        # workers' collections then never walk (and copy on write) the leader's heap
+        gc.freeze()
+        try:
+            self._fork(context)
+        finally:
+            gc.unfreeze()
+
+    def _fork(self, context: Any) -> None:
         for _ in range(self.jobs):
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
