@@ -92,3 +92,17 @@ def process_tree(pid: int) -> CpuMeter:
         return total
 
     return seconds
+
+
+def children_settled(pid: int, count: int, deadline: float = 5.0) -> None:
+    """Wait (up to ``deadline`` seconds) until ``pid`` has at most ``count`` children:
+    a postmaster whose backends of a closed connection have exited and been reaped,
+    so that their CPU is in its ``cutime``/``cstime`` before a window closes."""
+    until = time.monotonic() + deadline
+    while len(_children(pid)) > count and time.monotonic() < until:
+        time.sleep(0.01)
+
+
+def children_count(pid: int) -> int:
+    """How many children ``pid`` has now."""
+    return len(_children(pid))

@@ -336,7 +336,9 @@ async def run_verify() -> list[str]:
         database = await stack.enter_async_context(
             bench_database(server_dsn, postmaster_pid, DB_ROLE)
         )
-        figures = await measure_verification(database.dsn, root, keyring, progress)
+        figures = await measure_verification(
+            database.dsn, root, keyring, progress, database.postmaster_pid
+        )
     where = "DATABASE_URL" if database.postmaster_pid is None else "embedded"
     return [
         *machine.lines(),

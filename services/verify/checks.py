@@ -399,6 +399,11 @@ class Verification:
             self._kept_seen.add(thread_id)
         return ThreadVerifier(thread_id, self)
 
+    @property
+    def kept_seen(self) -> frozenset[str]:
+        """The threads of kept checkpoints whose records this run saw."""
+        return frozenset(self._kept_seen)
+
     def saw(self, thread_id: str) -> None:
         """A thread with records, verified elsewhere (a worker of ``--jobs``)."""
         if thread_id in self.trust.kept_checkpoints:
@@ -1018,6 +1023,11 @@ SELECT t.thread_id, t.version, t.digest, t.parent_digest, t.node_id, t.key_id, t
 """
 ALL_ROWS = ROWS + " ORDER BY t.thread_id, t.version"
 THREAD_ROWS = ROWS + " WHERE t.thread_id = $1 ORDER BY t.thread_id, t.version"
+# the threads from $1 (inclusive) to $2 (exclusive), either open: one worker's share
+RANGE_ROWS = (
+    ROWS + " WHERE ($1::text IS NULL OR t.thread_id >= $1) AND ($2::text IS NULL OR "
+    "t.thread_id < $2) ORDER BY t.thread_id, t.version"
+)
 HEAD_OF = "SELECT version, head_digest, state FROM ztate.threads WHERE thread_id = $1"
 HEADLESS = """
 SELECT h.thread_id, h.version, h.head_digest
@@ -1128,21 +1138,8 @@ async def _verify_snapshot(
     run = Verification(trust, report)
     trust = run.trust = await with_stored_policies(conn, trust, run.finding)
     await check_policies_are_the_ledgers(conn, trust, thread_id)
-    current: ThreadVerifier | None = None
-    head: Head | None = None
     query, args = (ALL_ROWS, ()) if thread_id is None else (THREAD_ROWS, (thread_id,))
-    async for stored in conn.cursor(query, *args, prefetch=PREFETCH):
-        if current is None or stored["thread_id"] != current.thread_id:
-            if current is not None:
-                current.check_head(head or await head_from_db(conn, current.thread_id))
-            current, head = run.thread(stored["thread_id"]), None
-            if trust.checkpoint_keys is not None:
-                current.expect_checkpoints(await checkpoints_from_db(conn, current.thread_id))
-        current.add(row_from_db(stored))
-        if stored["head_version"] is not None:
-            head = Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
-    if current is not None:
-        current.check_head(head or await head_from_db(conn, current.thread_id))
+    await verify_rows(conn, run, query, args)
     for orphan in await conn.fetch(HEADLESS, thread_id):
         run.headless(orphan["thread_id"], Head(orphan["version"], orphan["head_digest"], None))
     if (
@@ -1153,6 +1150,27 @@ async def _verify_snapshot(
         raise no_such_thread(thread_id)
     run.kept_threads_missing(thread_id)
     return run.summary
+
+
+async def verify_rows(
+    conn: asyncpg.Connection, run: Verification, query: str, args: tuple[Any, ...]
+) -> None:
+    """Verify the rows ``query`` returns (``ROWS``, in thread and version order), each
+    thread against its head and checkpoints as the database holds them."""
+    current: ThreadVerifier | None = None
+    head: Head | None = None
+    async for stored in conn.cursor(query, *args, prefetch=PREFETCH):
+        if current is None or stored["thread_id"] != current.thread_id:
+            if current is not None:
+                current.check_head(head or await head_from_db(conn, current.thread_id))
+            current, head = run.thread(stored["thread_id"]), None
+            if run.trust.checkpoint_keys is not None:
+                current.expect_checkpoints(await checkpoints_from_db(conn, current.thread_id))
+        current.add(row_from_db(stored))
+        if stored["head_version"] is not None:
+            head = Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
+    if current is not None:
+        current.check_head(head or await head_from_db(conn, current.thread_id))
 
 
 def no_such_thread(thread_id: str) -> VerifyError:

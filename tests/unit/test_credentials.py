@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -544,3 +545,69 @@ def test_pathological_strings_scan_in_linear_time(text: str) -> None:
         find_credential({"v": text})
         timings.append(time.perf_counter_ns() - start)
     assert min(timings) < 100_000_000
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["in-C", "pure-Python"])
+def test_verdicts_equal_those_of_the_scan_before_its_rewrite(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4,000 generated strings (fixed seed), each scanned with and without the entropy
+    rule, give the verdicts the scan gave before its statistics moved to C: frozen in
+    tests/vectors/credentials/verdicts.json by the old code (see its generate.py).
+    Both the compiled statistics and the pure Python fallback give them."""
+    from tests.vectors.credentials import generate
+
+    if compiled and credentials._textstats is None:
+        pytest.fail("services/policy/_textstats.c is not built: make test-unit reinstalls it")
+    if not compiled:
+        monkeypatch.setattr(credentials, "_textstats", None)
+    frozen = json.loads(generate.VERDICTS.read_text())
+    assert len(frozen) == generate.COUNT
+    assert sum(1 for row in frozen if row[0] is not None) > 1_000  # the entropy rule fires
+    assert generate.verdicts() == frozen
+
+
+def test_literals_found_in_one_pass() -> None:
+    """_textstats.found: every needle wherever it sits (first byte, last byte, one
+    byte long, overlapping another), none that does not occur, at most 64."""
+    textstats = credentials._textstats
+    if textstats is None:
+        pytest.fail("services/policy/_textstats.c is not built: make test-unit reinstalls it")
+    needles = (b"ab", b"b", b"xyz", b"yz", b"q", b"abc", b"zz")
+    assert textstats.found(b"abxyz", needles) == 0b0001111
+    assert textstats.found(b"", needles) == 0
+    assert textstats.found(b"zz", needles) == 0b1000000
+    assert textstats.found(b"q", needles) == 0b0010000
+    assert len(credentials._NEEDLES) <= 64
+    assert len(credentials._LOWERED_NEEDLES) <= 64
+    with pytest.raises(ValueError, match="at most 64"):
+        textstats.found(b"a", (b"a",) * 65)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["in-C", "pure-Python"])
+def test_word_and_entropy_statistics_equal_their_definitions(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C-speed statistics give the same floats as their definitions (``_WORD``
+    matches, ``Counter``), on short and long runs (the long ones take the grouped
+    count), over the characters whose classes decide word starts."""
+    import math
+    from collections import Counter
+
+    if not compiled:
+        monkeypatch.setattr(credentials, "_textstats", None)
+    rng = random.Random(19)
+    for number in range(3_000):
+        chars = (
+            "aAbB09zZ_-+/" if number % 2 else "abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789+/_-"
+        )
+        text = "".join(rng.choice(chars) for _ in range(rng.choice((1, 7, 40, 300, 2_000))))
+        rest, words = credentials._WORD.subn("", text)
+        assert credentials._mean_word_length(text) == (
+            (len(text) - len(rest)) / words if words else math.inf
+        ), text
+        n = len(text)
+        expected = math.log2(n) - sum(c * math.log2(c) for c in Counter(text).values()) / n
+        assert credentials._entropy(text) == expected, text
+        steps = sum(1 for a, b in itertools.pairwise(text) if ord(b) - ord(a) == 1)
+        assert credentials._sequential(text) == (len(text) < 2 or 2 * steps >= len(text) - 1)
