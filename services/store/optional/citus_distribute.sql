@@ -54,6 +54,29 @@ BEGIN
 END;
 $$;
 
+-- The calls of a worker's request (migration 0016), distributed by their thread id and
+-- co-located with ztate.threads: Citus delegates each call, made outside a transaction
+-- block, to the worker holding the thread's shard group, where it runs as one local
+-- transaction (no intermediate results, no two-phase commit).
+DO $$
+DECLARE
+    call regprocedure;
+BEGIN
+    FOREACH call IN ARRAY ARRAY[
+        'ztate.commit_transition(text, bigint, bigint, text, bytea, text, text, text, text,
+                                 timestamptz, bytea, text, text)'::regprocedure,
+        'ztate.park_transition(text, text, bigint, text, text, bytea, bytea, text[], text,
+                               text, timestamptz, text[], integer)'::regprocedure] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_dist_object
+                        WHERE classid = 'pg_proc'::regclass AND objid = call
+                          AND distribution_argument_index IS NOT NULL) THEN
+            PERFORM create_distributed_function(call::text, '$1',
+                                                colocate_with => 'ztate.threads');
+        END IF;
+    END LOOP;
+END;
+$$;
+
 -- Citus runs a statement's shard queries on the workers as the role that runs the
 -- statement: for a service session (a login that did SET ROLE ztate_transition)
 -- that is the service role, which the migrations create NOLOGIN. Every role

@@ -1,0 +1,81 @@
+-- The statements of a worker's call as functions of the thread they touch, so that on
+-- Citus each runs on the one worker holding the thread (docs/scale-out.md).
+--
+-- `ztate db citus` distributes these functions by their first argument, the thread id,
+-- co-located with ztate.threads (services/store/optional/citus_distribute.sql): the
+-- coordinator then sends the whole call to the worker holding the thread's shard group,
+-- where its statements run locally, in one transaction, without intermediate results or
+-- a two-phase commit. On plain Postgres the same function is one statement, one round
+-- trip: one implementation for both.
+--
+-- SECURITY INVOKER: each runs with the caller's (the service role's) privileges.
+
+-- The commit: the compare-and-swap on the head and the ledger insert. NULL when the
+-- head was not at the expected version and digest, or the idempotency key names a
+-- parked request (nothing written); otherwise whether some replica watches the thread
+-- (migration 0013: the committer then announces the commit). A key taken by a committed
+-- request raises unique_violation: the whole call, head update included, rolls back.
+CREATE OR REPLACE FUNCTION ztate.commit_transition(
+    p_thread_id text, p_expected bigint, p_version bigint, p_digest text, p_state bytea,
+    p_parent text, p_node_id text, p_key_id text, p_signature text,
+    p_committed_at timestamptz, p_record bytea, p_idempotency_key text,
+    p_request_digest text) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    UPDATE ztate.threads t
+       SET version = p_version, head_digest = p_digest, state = p_state,
+           updated_at = p_committed_at
+     WHERE t.thread_id = p_thread_id AND t.version = p_expected AND t.head_digest = p_parent
+       -- an idempotency key names one request, whether committed or parked
+       AND NOT EXISTS (SELECT 1 FROM ztate.pending_transitions p
+                        WHERE p.thread_id = p_thread_id AND p.node_id = p_node_id
+                          AND p.idempotency_key = p_idempotency_key);
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                                   signature, record, state, idempotency_key, request_digest,
+                                   committed_at)
+    VALUES (p_thread_id, p_version, p_digest, p_parent, p_node_id, p_key_id, p_signature,
+            p_record, p_state, p_idempotency_key, p_request_digest, p_committed_at);
+    RETURN EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = p_thread_id);
+END;
+$$;
+
+-- Parking a proposal for approval: true when parked; false when the digest or the
+-- idempotency key is parked already, or the key names a committed request.
+CREATE OR REPLACE FUNCTION ztate.park_transition(
+    p_thread_id text, p_digest text, p_base_version bigint, p_parent text, p_node_id text,
+    p_proposal bytea, p_state bytea, p_risk_rules text[], p_idempotency_key text,
+    p_request_digest text, p_parked_at timestamptz, p_sensitive_keys text[],
+    p_required_approvals integer) RETURNS boolean
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    parked integer;
+BEGIN
+    IF EXISTS (SELECT 1 FROM ztate.transitions t  -- the key named a committed request
+                WHERE t.thread_id = p_thread_id AND t.node_id = p_node_id
+                  AND t.idempotency_key = p_idempotency_key) THEN
+        RETURN false;
+    END IF;
+    INSERT INTO ztate.pending_transitions (digest, thread_id, base_version, parent_digest,
+                                           node_id, proposal, state, risk_rules,
+                                           idempotency_key, request_digest, parked_at,
+                                           sensitive_keys, required_approvals)
+    VALUES (p_digest, p_thread_id, p_base_version, p_parent, p_node_id, p_proposal, p_state,
+            p_risk_rules, p_idempotency_key, p_request_digest, p_parked_at, p_sensitive_keys,
+            p_required_approvals)
+    ON CONFLICT DO NOTHING;
+    GET DIAGNOSTICS parked = ROW_COUNT;
+    RETURN parked = 1;
+END;
+$$;
+
+REVOKE ALL ON FUNCTION ztate.commit_transition(text, bigint, bigint, text, bytea, text, text,
+    text, text, timestamptz, bytea, text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION ztate.park_transition(text, text, bigint, text, text, bytea, bytea,
+    text[], text, text, timestamptz, text[], integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION ztate.commit_transition(text, bigint, bigint, text, bytea, text, text,
+    text, text, timestamptz, bytea, text, text) TO :service_role;
+GRANT EXECUTE ON FUNCTION ztate.park_transition(text, text, bigint, text, text, bytea, bytea,
+    text[], text, text, timestamptz, text[], integer) TO :service_role;
