@@ -9,6 +9,10 @@
 -- the commit (UPDATE threads ... WHERE thread_id = $1 ..., INSERT INTO
 -- transitions ...) is a single-shard router statement.
 
+-- The script runs as one transaction, and Citus distributes a function (below) only in
+-- a transaction that used one connection per worker: distribute sequentially.
+SET citus.multi_shard_modify_mode TO 'sequential';
+
 -- The triggers of transitions read or write only rows of the same thread_id
 -- (co-located); Citus runs triggers on distributed tables only with this set.
 DO $$
@@ -70,7 +74,7 @@ BEGIN
         IF NOT EXISTS (SELECT 1 FROM pg_dist_object
                         WHERE classid = 'pg_proc'::regclass AND objid = call
                           AND distribution_argument_index IS NOT NULL) THEN
-            PERFORM create_distributed_function(call::text, '$1',
+            PERFORM create_distributed_function(call, '$1',
                                                 colocate_with => 'ztate.threads');
         END IF;
     END LOOP;
