@@ -53,6 +53,8 @@ COMMIT_CHANNEL = "ztate_commits"
 # together in the next free one (group_commit). Up to MAX_BATCH rows a statement.
 COMMIT_SLOTS = 2
 MAX_BATCH = 64
+# On Citus, commits leave one row each (PostgresTransitionStore.open).
+ON_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')"
 
 # The commit (migration 0016): the compare-and-swap on the head and the ledger insert,
 # one call. NULL: the head was not at the expected version and digest (nothing written);
@@ -211,6 +213,11 @@ class PostgresTransitionStore:
             reset=keep_session,
             server_settings={"role": role, "application_name": "ztate-transition"},
         )
+        if await pool.fetchval(ON_CITUS):
+            # a group commit spans several threads' shards: a distributed statement with
+            # a two-phase commit, where one-row calls each run on one worker (measured in
+            # docs/scale-out.md): every pooled connection carries a commit of its own
+            return cls(pool, metrics, commit_slots=pool_size, max_batch=1)
         return cls(pool, metrics)
 
     @property
