@@ -89,39 +89,27 @@ PENDING_COLUMNS = (
 )
 
 
-def _prefixed(alias: str, columns: str) -> str:
-    return ", ".join(f"{alias}.{c} AS {alias}_{c}" for c in columns.split(", "))
-
-
 HEAD_COLUMNS = "thread_id, version, digest, state_bytes, policy_name, policy_digest"
 
 # One round trip for a proposal whose base is not the cached head: the head, what the
 # request's idempotency key already names, and the stale refusal's rejection row when
 # the proposal is stale (head_for_request).
+def _fields(alias: str, columns: str, renamed: dict[str, str] | None = None) -> str:
+    """``columns`` of the composite ``f.<alias>``, named ``<alias>_<column>``."""
+    renamed = renamed or {}
+    return ", ".join(
+        f"(f.{alias}).{renamed.get(c, c)} AS {alias}_{c}" for c in columns.split(", ")
+    )
+
+
+# One round trip for a proposal whose base is not the cached head (migration 0016): the
+# head, what the request's idempotency key already names, and the stale refusal's
+# rejection row when the proposal is stale. On Citus its reads are one router query to
+# the worker holding the thread.
 HEAD_FOR_REQUEST = f"""
-WITH h AS (
-    SELECT thread_id, version, head_digest AS digest, state AS state_bytes, policy_name,
-           policy_digest
-      FROM ztate.threads WHERE thread_id = $1
-), e AS (
-    SELECT {TRANSITION_COLUMNS} FROM ztate.transitions
-     WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3
-), p AS (
-    SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions
-     WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3
-), refused AS (
-    INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
-                                  patch_digest, patch_bytes, message)
-    SELECT $4, $5, $6, $7, $8, $9, $10, $11, format($12, h.version)
-      FROM h
-     WHERE h.version <> $7 AND h.policy_name = $13
-       AND NOT EXISTS (SELECT 1 FROM e) AND NOT EXISTS (SELECT 1 FROM p)
-    RETURNING 1
-)
-SELECT {_prefixed("h", HEAD_COLUMNS)}, {_prefixed("e", TRANSITION_COLUMNS)},
-       {_prefixed("p", PENDING_COLUMNS)}, EXISTS (SELECT 1 FROM refused) AS refused
-  FROM (SELECT 1) AS one
-  LEFT JOIN h ON true LEFT JOIN e ON true LEFT JOIN p ON true
+SELECT {_fields("h", HEAD_COLUMNS, {"digest": "head_digest", "state_bytes": "state"})},
+       {_fields("e", TRANSITION_COLUMNS)}, {_fields("p", PENDING_COLUMNS)}, f.refused
+  FROM ztate.head_for_request($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) AS f
 """  # noqa: S608 - constant column lists
 
 

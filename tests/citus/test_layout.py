@@ -10,7 +10,7 @@ import asyncpg
 from tests.citus.cluster import CitusCluster
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.services.store.optional import COORDINATOR_LOCAL, DISTRIBUTED, REFERENCE
-from ztate.services.store.transitions import COMMIT
+from ztate.services.store.transitions import COMMIT, HEAD_FOR_REQUEST, PARK
 
 THREADS = 24
 
@@ -163,3 +163,79 @@ async def test_a_commit_that_loses_its_race_writes_nothing_on_the_cluster(
         await conn.close()
     assert lost is None
     assert (head, ledger) == (0, 0)
+
+
+async def remote_commands(
+    citus_dsn: str, thread_id: str, statement: str, *args: object
+) -> tuple[int, object, list[str]]:
+    """On a new thread ``thread_id`` at version 0: the port of the worker holding it,
+    ``statement``'s first value, and the remote commands (each with the server it went
+    to) that ``statement`` sends, prepared and run as asyncpg does."""
+    conn = await asyncpg.connect(citus_dsn)
+    remote: list[str] = []
+    conn.add_log_listener(
+        lambda _conn, message: remote.append(f"{message.message} | {message.detail}")
+    )
+    try:
+        holder: int = await conn.fetchval(
+            "SELECT nodeport FROM pg_dist_shard_placement "
+            "WHERE shardid = get_shard_id_for_distribution_column('ztate.threads', $1::text)",
+            thread_id,
+        )
+        await conn.execute(
+            "INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, "
+            "policy_digest) VALUES ($1, 0, $2, '\\x7b7d', 'pipeline', $3)",
+            thread_id,
+            "0" * 64,
+            "ab" * 32,
+        )
+        await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
+        answer = await conn.fetchval(statement, *args)
+    finally:
+        await conn.close()
+    return holder, answer, remote
+
+
+async def test_parking_is_one_command_to_the_worker_holding_the_thread(citus_dsn: str) -> None:
+    thread_id = "t-routing-park"
+    holder, parked, sent = await remote_commands(
+        citus_dsn, thread_id, PARK, thread_id, "d" * 64, 0, "0" * 64, "n", b"{}", b"{}",
+        ["rule"], "i-park", "r", datetime.now(UTC), ["k"], 1,
+    )  # fmt: skip
+    assert parked is True
+    assert len(sent) == 1, sent
+    assert "ztate.park_transition(" in sent[0], sent
+    assert f":{holder} " in sent[0], sent
+
+
+async def test_the_head_for_a_stale_request_is_one_read_on_the_worker_holding_the_thread(
+    citus_dsn: str,
+) -> None:
+    """head_for_request writes a stale request's refusal to the coordinator's rejections
+    table, so it runs on the coordinator; its reads are one router query to the worker
+    holding the thread, which only reads: no two-phase commit, no intermediate results."""
+    thread_id = "t-routing-head"
+    holder, head, sent = await remote_commands(
+        citus_dsn, thread_id, HEAD_FOR_REQUEST, thread_id, "n", "i-head", "Propose", "n",
+        thread_id, 5, "STALE_VERSION", ["k"], "p" * 64, 2, "expected 5, head at %s",
+        "pipeline",
+    )  # fmt: skip
+    assert head == thread_id  # its first column: the head's thread id
+    issued = [m for m in sent if m.startswith("issuing ")]
+    assert len(issued) == 1, sent  # the one remote command: the read
+    assert "SELECT th.*" in issued[0], sent
+    assert f":{holder} " in issued[0], sent
+    # the refusal, on the coordinator itself
+    assert [m for m in sent if not m.startswith("issuing ")] == [
+        m
+        for m in sent
+        if m.startswith("executing the command locally: INSERT INTO ztate.rejections")
+    ], sent
+    conn = await asyncpg.connect(citus_dsn)
+    try:
+        refusals = await conn.fetch(
+            "SELECT base_version, message FROM ztate.rejections WHERE thread_id = $1", thread_id
+        )
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in refusals] == [(5, "expected 5, head at 0")]

@@ -79,3 +79,51 @@ GRANT EXECUTE ON FUNCTION ztate.commit_transition(text, bigint, bigint, text, by
     text, text, timestamptz, bytea, text, text) TO :service_role;
 GRANT EXECUTE ON FUNCTION ztate.park_transition(text, text, bigint, text, text, bytea, bytea,
     text[], text, text, timestamptz, text[], integer) TO :service_role;
+
+-- The head of a thread and what a request's idempotency key names (head_for_request):
+-- the head, the committed transition and the parked proposal of the key, each NULL when
+-- there is none, read in one query that reaches every table by the thread id (on Citus:
+-- one router query to the worker holding the thread); and, when the request is stale
+-- (its base version is not the head's, under the same policy, and the key names
+-- nothing), its refusal written to ztate.rejections. Not distributed: ztate.rejections
+-- is the coordinator's, so the call runs there, and the worker only reads (no two-phase
+-- commit, no intermediate results).
+CREATE OR REPLACE FUNCTION ztate.head_for_request(
+    p_thread_id text, p_node_id text, p_idempotency_key text,
+    r_method text, r_node_id text, r_thread_id text, r_base_version bigint, r_reason text,
+    r_keys text[], r_patch_digest text, r_patch_bytes integer, r_message text,
+    p_policy_name text,
+    OUT h ztate.threads, OUT e ztate.transitions, OUT p ztate.pending_transitions,
+    OUT refused boolean)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    found record;
+BEGIN
+    SELECT th, tr, pe INTO found
+      FROM (SELECT 1) one
+      LEFT JOIN ztate.threads th ON th.thread_id = p_thread_id
+      LEFT JOIN ztate.transitions tr
+             ON tr.thread_id = p_thread_id AND tr.node_id = p_node_id
+            AND tr.idempotency_key = p_idempotency_key
+      LEFT JOIN ztate.pending_transitions pe
+             ON pe.thread_id = p_thread_id AND pe.node_id = p_node_id
+            AND pe.idempotency_key = p_idempotency_key;
+    h := found.th;
+    e := found.tr;
+    p := found.pe;
+    refused := (found.th).thread_id IS NOT NULL AND (found.th).version <> r_base_version
+               AND (found.th).policy_name = p_policy_name
+               AND (found.tr).thread_id IS NULL AND (found.pe).thread_id IS NULL;
+    IF refused THEN
+        INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
+                                      patch_digest, patch_bytes, message)
+        VALUES (r_method, r_node_id, r_thread_id, r_base_version, r_reason, r_keys,
+                r_patch_digest, r_patch_bytes, format(r_message, (found.th).version));
+    END IF;
+END;
+$$;
+
+REVOKE ALL ON FUNCTION ztate.head_for_request(text, text, text, text, text, text, bigint, text,
+    text[], text, integer, text, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION ztate.head_for_request(text, text, text, text, text, text, bigint,
+    text, text[], text, integer, text, text) TO :service_role;
