@@ -127,3 +127,63 @@ REVOKE ALL ON FUNCTION ztate.head_for_request(text, text, text, text, text, text
     text[], text, integer, text, text) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION ztate.head_for_request(text, text, text, text, text, text, bigint,
     text, text[], text, integer, text, text) TO :service_role;
+
+-- Applying an approval (ApplyDecision), in the one transaction of the call: the parked
+-- row locked, then the compare-and-swap on the head at the parked base version, the
+-- parked row's status and the ledger record, the receipt (whose nonce is unique
+-- forever) and the announcements (ztate_outcomes; ztate_commits when the thread is
+-- watched). outcome: 'committed'; 'head moved' or 'not pending' (with the parked
+-- row's status) wrote nothing. A key or nonce taken meanwhile raises unique_violation:
+-- everything rolls back. Not distributed: the receipt is a reference table and the
+-- announcements must reach the coordinator's LISTEN sessions; on Citus each statement
+-- on the thread's tables is a router query to the worker holding the thread.
+CREATE OR REPLACE FUNCTION ztate.commit_approved(
+    p_thread_id text, p_expected bigint, p_version bigint, p_digest text, p_state bytea,
+    p_parent text, p_node_id text, p_key_id text, p_signature text,
+    p_committed_at timestamptz, p_record bytea, p_idempotency_key text,
+    p_request_digest text, p_pending text, p_receipt bytea, p_receipt_signature text,
+    p_receipt_key_id text, p_receipt_digest text, p_nonce text,
+    OUT outcome text, OUT status text)
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    SELECT pe.status INTO status FROM ztate.pending_transitions pe
+     WHERE pe.thread_id = p_thread_id AND pe.digest = p_pending FOR UPDATE;
+    IF status IS DISTINCT FROM 'pending' THEN
+        outcome := 'not pending';
+        RETURN;
+    END IF;
+    UPDATE ztate.threads t
+       SET version = p_version, head_digest = p_digest, state = p_state,
+           updated_at = p_committed_at
+     WHERE t.thread_id = p_thread_id AND t.version = p_expected AND t.head_digest = p_parent;
+    IF NOT FOUND THEN
+        outcome := 'head moved';
+        RETURN;
+    END IF;
+    UPDATE ztate.pending_transitions pe
+       SET status = 'committed', decided_at = p_committed_at
+     WHERE pe.thread_id = p_thread_id AND pe.digest = p_pending;
+    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                                   signature, record, state, idempotency_key, request_digest,
+                                   committed_at, receipt, receipt_signature, receipt_key_id)
+    VALUES (p_thread_id, p_version, p_digest, p_parent, p_node_id, p_key_id, p_signature,
+            p_record, p_state, p_idempotency_key, p_request_digest, p_committed_at, p_receipt,
+            p_receipt_signature, p_receipt_key_id);
+    INSERT INTO ztate.receipts (receipt_digest, transition_digest, decision, nonce, receipt,
+                                signature, key_id, applied_at)
+    VALUES (p_receipt_digest, p_pending, 'approve', p_nonce, p_receipt, p_receipt_signature,
+            p_receipt_key_id, p_committed_at);
+    PERFORM pg_notify('ztate_outcomes', p_pending);
+    IF EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = p_thread_id) THEN
+        PERFORM pg_notify('ztate_commits', p_thread_id);
+    END IF;
+    outcome := 'committed';
+    status := 'committed';
+END;
+$$;
+
+REVOKE ALL ON FUNCTION ztate.commit_approved(text, bigint, bigint, text, bytea, text, text, text,
+    text, timestamptz, bytea, text, text, text, bytea, text, text, text, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION ztate.commit_approved(text, bigint, bigint, text, bytea, text, text,
+    text, text, timestamptz, bytea, text, text, text, bytea, text, text, text, text)
+    TO :service_role;
