@@ -1,11 +1,14 @@
 """Database round trips off the happy path, counted so that they cannot creep back.
 
 Each pipeline here is the service's own (``TransitionPipeline`` over a
-``PostgresTransitionStore``) on the session's real Postgres, through an asyncpg pool
-whose every connection logs each statement it sends (``add_query_logger``): one logged
-statement is one round trip. Issue 19's budgets: a stale proposal at most 2 round trips
-(it was 4: head, key look-up, parked look-up, rejection), a lost compare-and-swap race at
-most 2 (it was 5: commit, head version, two look-ups, rejection).
+``PostgresTransitionStore``; ``DecisionPipeline`` for ApplyDecision) on a real database
+of each lane (plain Postgres; Citus, distributed, in the citus lane), through an asyncpg
+pool whose every connection logs each statement it sends (``add_query_logger``): one
+logged statement is one round trip. Issue 19's budgets: a stale proposal at most 2 round
+trips (it was 4: head, key look-up, parked look-up, rejection), a lost compare-and-swap
+race at most 2 (it was 5: commit, head version, two look-ups, rejection). Issue 20's: an
+approving ApplyDecision at most 3 (it was 11: parked row, nonce, head, candidate state,
+BEGIN, lock, commit, receipt, announcement, COMMIT, head again).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from tests.citus.lanes import LANES, lane_database
 from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, new_thread_id
 from ztate.contract.canonical import canonical_bytes
 from ztate.contract.keyring import Keyring, generate_signing_key, load_public_keys, load_signing_key
@@ -28,6 +32,7 @@ from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.migrate import migrate
 from ztate.services.store.transitions import COMMIT, PostgresTransitionStore, keep_session
 from ztate.transition_service.decisions import APPROVAL_SERVICE_NAME, DecisionPipeline
 from ztate.transition_service.decisions import Outcome as DecidedOutcome
@@ -54,12 +59,30 @@ class Counted:
         self.statements.clear()
 
 
+@pytest_asyncio.fixture(scope="module", params=LANES)
+async def lane_dsn(request: pytest.FixtureRequest, settings: Settings) -> str:
+    """A migrated database of each lane (plain Postgres; Citus, distributed, in its lane):
+    the counts must hold on both."""
+    dsn = await lane_database(request.param, request)
+    if request.param == "postgres":
+        conn = await asyncpg.connect(dsn)
+        try:
+            await migrate(conn, settings.db_role)
+        finally:
+            await conn.close()
+    return dsn
+
+
+@pytest_asyncio.fixture
+async def ledger(lane_dsn: str, keyring: Keyring) -> Ledger:
+    return Ledger(lane_dsn, keyring)
+
+
 @pytest_asyncio.fixture
 async def replicas(
-    database_dsn: str, settings: Settings, keyring: Keyring, service: object
+    lane_dsn: str, settings: Settings, keyring: Keyring
 ) -> AsyncIterator[tuple[Counted, Counted]]:
-    """Two replicas of the service (each its own pool and head cache) on one database;
-    ``service`` is asked for so that the session's database is migrated."""
+    """Two replicas of the service (each its own pool and head cache) on one database."""
     made: list[Counted] = []
     policies = PolicySet.load(settings.policy_path)
     for _ in range(2):
@@ -69,7 +92,7 @@ async def replicas(
             conn.add_query_logger(lambda logged: into.append(logged.query))
 
         pool = await asyncpg.create_pool(
-            database_dsn,
+            lane_dsn,
             min_size=1,
             max_size=2,
             init=log_queries,
@@ -153,7 +176,7 @@ APPROVAL_SERVICE = Identity(TRUST_DOMAIN, Role.SERVICE, APPROVAL_SERVICE_NAME)
 async def test_an_approved_decision_costs_at_most_three_round_trips(
     replicas: tuple[Counted, Counted],
     ledger: Ledger,
-    database_dsn: str,
+    lane_dsn: str,
     keyring: Keyring,
     settings: Settings,
     tmp_path: Path,
@@ -190,7 +213,7 @@ async def test_an_approved_decision_costs_at_most_three_round_trips(
         keyring=keyring,
         public_keys=load_public_keys(tmp_path / "a.json"),
         heads=HeadCache(16),
-        listener=OutcomeListener(database_dsn, settings.db_role),  # not started: unused
+        listener=OutcomeListener(lane_dsn, settings.db_role),  # not started: unused
         policies=PolicySet.load(settings.policy_path),
     )
 
