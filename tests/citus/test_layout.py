@@ -4,13 +4,19 @@ shards are, and that the commit path is routed to one shard."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import cast
 
 import asyncpg
 
 from tests.citus.cluster import CitusCluster
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.services.store.optional import COORDINATOR_LOCAL, DISTRIBUTED, REFERENCE
-from ztate.services.store.transitions import COMMIT, HEAD_FOR_REQUEST, PARK
+from ztate.services.store.transitions import (
+    COMMIT,
+    HEAD_FOR_REQUEST,
+    PARK,
+    PostgresTransitionStore,
+)
 
 THREADS = 24
 
@@ -239,3 +245,40 @@ async def test_the_head_for_a_stale_request_is_one_read_on_the_worker_holding_th
     finally:
         await conn.close()
     assert [tuple(r) for r in refusals] == [(5, "expected 5, head at 0")]
+
+
+async def test_replays_and_head_reads_are_one_command_to_the_worker_holding_the_thread(
+    citus_dsn: str,
+) -> None:
+    """The store's idempotent replays (a committed or a parked request) and its head
+    read, as the service calls them: each one router query to the one worker."""
+    thread_id = "t-routing-replay"
+    holder, _, _ = await remote_commands(citus_dsn, thread_id, "SELECT 1")
+    conn = await asyncpg.connect(citus_dsn)
+    remote: list[str] = []
+    conn.add_log_listener(
+        lambda _conn, message: remote.append(f"{message.message} | {message.detail}")
+    )
+    await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
+    # the store's statements on one connection (a pool drops log listeners on release)
+    store = PostgresTransitionStore(cast(asyncpg.Pool, conn))
+    try:
+        calls = {
+            "find_by_idempotency_key": store.find_by_idempotency_key,
+            "find_pending": store.find_pending,
+        }
+        for name, call in calls.items():
+            remote.clear()
+            await call(thread_id, "n", "k")
+            await conn.fetchval("SELECT 1")  # the listener's messages have all arrived
+            issued = [m for m in remote if m.startswith("issuing ")]
+            assert len(issued) == 1, (name, remote)
+            assert f":{holder} " in issued[0], (name, remote)
+        remote.clear()
+        await store.read_head(thread_id)
+        await conn.fetchval("SELECT 1")
+        issued = [m for m in remote if m.startswith("issuing ")]
+        assert len(issued) == 1, remote
+        assert f":{holder} " in issued[0], remote
+    finally:
+        await conn.close()
