@@ -147,11 +147,6 @@ class ApprovalStore:
         self._pool = pool
 
     @translated
-    async def nonce_used(self, nonce: str) -> bool:
-        used = await self._pool.fetchval("SELECT 1 FROM ztate.receipts WHERE nonce = $1", nonce)
-        return used is not None
-
-    @translated
     async def commit_approved(
         self,
         sealed: SealedRecord,
@@ -329,12 +324,3 @@ class ApprovalStore:
         if row is None:
             raise LookupError(f"no record at {pending.thread_id}@{pending.base_version}")
         return bytes(row["record"]), None if row["state"] is None else bytes(row["state"])
-
-    @translated
-    async def candidate_state(self, pending: PendingKey) -> bytes | None:
-        state: bytes | None = await self._pool.fetchval(
-            "SELECT state FROM ztate.pending_transitions WHERE thread_id = $1 AND digest = $2",
-            pending.thread_id,
-            pending.digest,
-        )
-        return state
