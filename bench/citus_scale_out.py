@@ -7,7 +7,8 @@ cluster), and makes three databases on it: one migrated but not distributed (the
 tables stay on the coordinator: plain Postgres plus Citus' planner hook), one
 distributed over one worker, one over two (``ztate db citus``). On each it runs the
 floor of ``bench/floor.py``: the transition store's one-statement commit straight
-through asyncpg, as the service role, 32 writers on their own threads. Rounds
+through asyncpg, as the service role, 32 writers on their own threads; on two workers
+also through the store's group commit (several threads' commits in one statement). Rounds
 alternate the layouts; the best round of each counts. CPU per commit is measured
 for each node's whole process tree, so the coordinator's cost of routing shows.
 
@@ -31,6 +32,9 @@ from tests.citus.cluster import CitusCluster, Node, citus_installed, ztate_datab
 from ztate.contract.keyring import Keyring, generate_keyring_file
 
 ROLE = "ztate_transition"
+# the store's group commit (several threads' commits in one statement) on two workers:
+# multi-shard by nature, against the one-row commits of the other layouts
+GROUPED = "coordinator + 2 workers, group commit"
 
 
 async def measure(options: argparse.Namespace) -> list[str]:
@@ -47,6 +51,7 @@ async def measure(options: argparse.Namespace) -> list[str]:
             "coordinator only, not distributed": (alone, [cluster.coordinator]),
             "coordinator + 1 worker": (one, cluster.nodes[:2]),
             "coordinator + 2 workers": (two, cluster.nodes),
+            GROUPED: (two, cluster.nodes),
         }
         folder = Path(tempfile.mkdtemp(prefix="ztate-bench-citus-"))
         generate_keyring_file(folder / "keyring.json", "bench-k1")
@@ -65,6 +70,7 @@ async def measure(options: argparse.Namespace) -> list[str]:
                     warmup=options.warmup,
                     duration=options.duration,
                     meters=meters,
+                    grouped=name == GROUPED,
                 )
                 print(f"  {name}: {sample.rate:,.0f} commits/s", flush=True)
                 if name not in best or sample.rate > best[name].rate:

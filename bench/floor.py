@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 import asyncpg
 
@@ -26,7 +27,9 @@ from ztate.contract.keyring import Keyring
 from ztate.contract.record import GENESIS_PARENT, KIND_TRANSITION, build_record, seal
 from ztate.services.policy.changes import apply_patch
 from ztate.services.runtime.identity import Identity, Role
-from ztate.services.store.transitions import COMMIT
+from ztate.services.store.group_commit import CommitArgs, GroupCommitter, Outcome
+from ztate.services.store.interface import Commit
+from ztate.services.store.transitions import COMMIT, COMMIT_SLOTS, MAX_BATCH
 
 INSERT_HEAD = """
 INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, policy_digest)
@@ -74,9 +77,14 @@ class HeadWriter:
     """One worker: commits version after version on its own thread."""
 
     def __init__(
-        self, pool: asyncpg.Pool | asyncpg.Connection, thread_id: str, payload: CommitPayload
+        self,
+        pool: asyncpg.Pool | asyncpg.Connection,
+        thread_id: str,
+        payload: CommitPayload,
+        committer: GroupCommitter | None = None,
     ) -> None:
         self._pool = pool
+        self._committer = committer  # the store's group commit, or each commit alone
         self._thread_id = thread_id
         self._payload = payload
         self._version = 0
@@ -95,9 +103,12 @@ class HeadWriter:
         )
 
     async def commit(self) -> None:
-        committed = await self._pool.fetchval(
-            COMMIT, *commit_args(self._payload, self._thread_id, self._version, datetime.now(UTC))
-        )
+        args = commit_args(self._payload, self._thread_id, self._version, datetime.now(UTC))
+        if self._committer is not None:
+            outcome = await self._committer.commit(cast(CommitArgs, args))
+            committed = True if outcome.commit is Commit.COMMITTED else None
+        else:
+            committed = await self._pool.fetchval(COMMIT, *args)
         if committed is None:
             raise RuntimeError(f"floor: compare-and-swap lost on {self._thread_id}, a bench bug")
         self._version += 1
@@ -145,8 +156,11 @@ async def measure_floor(
     warmup: float,
     duration: float,
     meters: Mapping[str, cpu.CpuMeter],
+    grouped: bool = False,
 ) -> Sample:
-    """One closed-loop run of commits, ``concurrency`` workers on fresh threads."""
+    """One closed-loop run of commits, ``concurrency`` workers on fresh threads; through
+    the store's group commit (``COMMIT_SLOTS`` statements in flight, the commits that
+    arrive meanwhile together in one) when ``grouped``, else each alone."""
     pool = await asyncpg.create_pool(
         dsn,
         min_size=pool_size,
@@ -156,12 +170,27 @@ async def measure_floor(
     )
     try:
         prefix = f"floor-{uuid.uuid4().hex[:8]}"
-        writers = [HeadWriter(pool, f"{prefix}-{n}", payload) for n in range(concurrency)]
+        committer = None
+        if grouped:
+
+            async def alone(args: CommitArgs) -> Outcome:
+                watched = await pool.fetchval(COMMIT, *args)
+                commit = Commit.HEAD_MOVED if watched is None else Commit.COMMITTED
+                return Outcome(commit, bool(watched))
+
+            committer = GroupCommitter(pool, alone, max_in_flight=COMMIT_SLOTS, max_batch=MAX_BATCH)
+        writers = [
+            HeadWriter(pool, f"{prefix}-{n}", payload, committer) for n in range(concurrency)
+        ]
         for writer in writers:
             await writer.create()
         operations: list[Operation] = [writer.commit for writer in writers]
         return await closed_loop(
-            "floor: asyncpg CAS", operations, warmup=warmup, duration=duration, meters=meters
+            "floor: group commit" if grouped else "floor: asyncpg CAS",
+            operations,
+            warmup=warmup,
+            duration=duration,
+            meters=meters,
         )
     finally:
         await pool.close()

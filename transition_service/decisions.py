@@ -34,7 +34,7 @@ from ztate.services.runtime.telemetry import COMMITTED, NO_METRICS, Metrics, not
 from ztate.services.runtime.thread_ids import THREAD_ID
 from ztate.services.store.approvals import ApprovalStore, Approved
 from ztate.services.store.interface import TransitionStore
-from ztate.services.store.rows import PendingTransition, Rejection, StoredTransition
+from ztate.services.store.rows import Head, PendingTransition, Rejection, StoredTransition
 from ztate.transition_service.checks import (
     IDEMPOTENCY_KEY,
     check_credentials,
@@ -129,7 +129,14 @@ class DecisionPipeline:
             receipt = verify_receipt(signed, self._public_keys, now=now)
         except ContractError as exc:
             raise errors.from_contract(exc) from None
-        pending = await self._store.pending_by_digest(receipt["transition_digest"])
+        # one round trip by the receipt's thread (single-shard on Citus): the parked row,
+        # its candidate state, the head and whether the nonce was used
+        looked = await self._approvals.decision_lookup(
+            str(receipt["thread_id"]), str(receipt["transition_digest"]), str(receipt["nonce"])
+        )
+        pending = looked.pending
+        if pending is None:  # not parked on that thread: on another, or nowhere
+            pending = await self._store.pending_by_digest(receipt["transition_digest"])
         if pending is None:
             raise errors.ReceiptMismatch("no parked transition has the receipt's digest")
         if (receipt["thread_id"], receipt["base_version"]) != (
@@ -140,7 +147,7 @@ class DecisionPipeline:
                 "the receipt binds another thread or base version than the parked transition"
             )
         self._check_reviewers(receipt, pending)
-        if await self._approvals.nonce_used(receipt["nonce"]):
+        if looked.nonce_used:
             raise errors.ReceiptReplayed("the receipt's nonce was used before")
         if pending.status != "pending":
             raise errors.ReviewClosed(f"the transition is already {pending.status}")
@@ -150,16 +157,21 @@ class DecisionPipeline:
                 raise errors.ReviewClosed("the transition was decided meanwhile")
             note_transition(pending.thread_id, pending.base_version, Outcome.REJECTED.value)
             return Resolution(Outcome.REJECTED)
-        refusal = await self._recheck(pending)
+        head = looked.head
+        refusal = self._recheck(pending, head)
         if refusal is not None:
             return await self._refuse(pending, refusal, now)
-        return await self._commit(pending, signed, receipt["nonce"], now)
+        # a parked row has its thread (a foreign key) and its candidate state
+        assert head is not None
+        assert looked.candidate_state is not None
+        return await self._commit(
+            pending, looked.candidate_state, head.policy_name, signed, receipt["nonce"], now
+        )
 
-    async def _recheck(self, pending: PendingTransition) -> errors.ZtateError | None:
+    def _recheck(self, pending: PendingTransition, head: Head | None) -> errors.ZtateError | None:
         """The proposal against the policy in force now: a parked change must not outlive
         a tightening (a fresh identical proposal would be refused). None: it passes, or
         the head moved (the compare-and-swap then answers stale)."""
-        head = await self._store.read_head(pending.thread_id)
         if head is None or head.version != pending.base_version:
             return None
         patch = orjson.loads(pending.proposal)["patch"]
@@ -225,11 +237,17 @@ class DecisionPipeline:
             raise errors.ReceiptMismatch("a reviewer of the receipt proposed the transition")
 
     async def _commit(
-        self, pending: PendingTransition, signed: SignedReceipt, nonce: str, now: datetime
+        self,
+        pending: PendingTransition,
+        state_bytes: bytes,
+        policy_name: str,
+        signed: SignedReceipt,
+        nonce: str,
+        now: datetime,
     ) -> Resolution:
+        """Commit an approved transition; ``policy_name`` is its thread's (a commit
+        never changes it), for the head cache."""
         proposal = json.loads(pending.proposal)
-        state_bytes = await self._approvals.candidate_state(pending)
-        assert state_bytes is not None  # a pending row always holds its candidate state
         sealed = seal(
             build_record(
                 kind=KIND_TRANSITION,
@@ -265,7 +283,6 @@ class DecisionPipeline:
             )
         if result.outcome is Approved.NOT_PENDING:
             raise errors.ReviewClosed(f"the transition was {result.status} meanwhile")
-        policy_name = await self._policy_name(pending.thread_id)
         self._heads.put(
             pending.thread_id,
             CachedHead(
@@ -275,11 +292,6 @@ class DecisionPipeline:
         stored = as_stored(sealed, now, pending.idempotency_key, pending.request_digest)
         note_transition(stored.thread_id, stored.version, COMMITTED)
         return Resolution(Outcome.COMMITTED, stored)
-
-    async def _policy_name(self, thread_id: str) -> str:
-        head = await self._store.read_head(thread_id)
-        assert head is not None
-        return head.policy_name
 
     async def resolution(self, pending: PendingTransition) -> Resolution:
         outcome = Outcome(pending.status)

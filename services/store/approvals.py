@@ -23,11 +23,9 @@ from asyncpg.pool import PoolConnectionProxy
 from ztate.contract.receipts import SignedReceipt
 from ztate.contract.record import SealedRecord
 from ztate.services.store.boundary import translated
-from ztate.services.store.rows import PendingTransition, Rejection
+from ztate.services.store.rows import Head, PendingTransition, Rejection
 from ztate.services.store.transitions import (
     PENDING_COLUMNS,
-    WATCHED,
-    announce_commit,
     storable_rejection,
 )
 
@@ -60,33 +58,40 @@ OUTCOME_CHANNEL = "ztate_outcomes"
 # statements of the same transaction: Citus cannot write a reference table or a
 # coordinator table from a statement routed to a worker, and a pg_notify evaluated on
 # a worker would never reach the LISTEN connections on the coordinator. Postgres
-# delivers the announcement at commit, so a woken waiter finds everything written.
+# delivers the announcement at commit, so a woken waiter finds everything written. The
+# statements of an approved commit are one call of ztate.commit_approved, which runs
+# on the coordinator and sends each of them where it belongs.
 
-COMMIT_APPROVED = f"""
-WITH head AS (
-    UPDATE ztate.threads
-       SET version = $3, head_digest = $4, state = $5, updated_at = $10
-     WHERE thread_id = $1 AND version = $2 AND head_digest = $6
- RETURNING thread_id
-), pend AS (
-    UPDATE ztate.pending_transitions
-       SET status = 'committed', decided_at = $10
-     WHERE thread_id = $1 AND digest = $14 AND status = 'pending' AND EXISTS (SELECT 1 FROM head)
- RETURNING digest
-), appended AS (
-    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
-                                   signature, record, state, idempotency_key, request_digest,
-                                   committed_at, receipt, receipt_signature, receipt_key_id)
-    SELECT $1, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10, $15, $16, $17
-      FROM head, pend
-    RETURNING version
-)
-SELECT version, {WATCHED} AS watched FROM appended
-"""  # noqa: S608 - constant SQL
-
-LOCK_PENDING = """
-SELECT status FROM ztate.pending_transitions WHERE thread_id = $1 AND digest = $2 FOR UPDATE
+# Applying an approval: one call (migration 0016), one round trip; on Citus each of its
+# statements on the thread's tables is a router query to the worker holding the thread.
+COMMIT_APPROVED = """
+SELECT outcome, status FROM ztate.commit_approved($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
+                                                  $11, $12, $13, $14, $15, $16, $17, $18, $19)
 """
+
+# What a decision needs before it commits, in one query by the receipt's thread (a
+# router query on Citus): the parked row with its candidate state, the thread's head,
+# and whether the receipt's nonce authorised something before.
+DECISION_LOOKUP = f"""
+SELECT {", ".join(f"p.{c} AS p_{c}" for c in PENDING_COLUMNS.split(", "))},
+       p.state AS p_state, h.version AS h_version, h.head_digest AS h_digest,
+       h.state AS h_state, h.policy_name AS h_policy_name, h.policy_digest AS h_policy_digest,
+       EXISTS (SELECT 1 FROM ztate.receipts r WHERE r.nonce = $3) AS nonce_used
+  FROM (SELECT 1) AS one
+  LEFT JOIN ztate.pending_transitions p ON p.thread_id = $1 AND p.digest = $2
+  LEFT JOIN ztate.threads h ON h.thread_id = $1
+"""  # noqa: S608 - constant column list
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionLookup:
+    """``ApprovalStore.decision_lookup``: None where there is no such row."""
+
+    pending: PendingTransition | None
+    candidate_state: bytes | None
+    head: Head | None
+    nonce_used: bool
+
 
 CLOSE_PENDING = """
 UPDATE ztate.pending_transitions SET status = $3, decided_at = $4
@@ -142,11 +147,6 @@ class ApprovalStore:
         self._pool = pool
 
     @translated
-    async def nonce_used(self, nonce: str) -> bool:
-        used = await self._pool.fetchval("SELECT 1 FROM ztate.receipts WHERE nonce = $1", nonce)
-        return used is not None
-
-    @translated
     async def commit_approved(
         self,
         sealed: SealedRecord,
@@ -158,69 +158,62 @@ class ApprovalStore:
     ) -> ApprovedCommit:
         """Commit a parked transition under its receipt, in one transaction that
         first locks the parked row; every outcome but ``COMMITTED`` wrote nothing."""
+        record = sealed.record
         try:
-            async with self._pool.acquire() as conn, conn.transaction():
-                status = await conn.fetchval(LOCK_PENDING, pending.thread_id, pending.digest)
-                if status != "pending":
-                    return ApprovedCommit(Approved.NOT_PENDING, str(status))
-                appended = await self._commit_locked(
-                    conn, sealed, state_bytes, pending, receipt, nonce, committed_at
-                )
-                if appended is None:
-                    return ApprovedCommit(Approved.HEAD_MOVED)
-                await conn.execute(
-                    USE_RECEIPT,
-                    receipt.digest,
-                    pending.digest,
-                    "approve",
-                    nonce,
-                    receipt.receipt_bytes,
-                    receipt.signature,
-                    receipt.key_id,
-                    committed_at,
-                )
-                await announce(conn, [pending.digest])
-                if appended["watched"]:
-                    await announce_commit(conn, pending.thread_id)
+            row = await self._pool.fetchrow(
+                COMMIT_APPROVED,
+                record["thread_id"],
+                pending.base_version,
+                record["version"],
+                sealed.digest,
+                state_bytes,
+                record["parent_digest"],
+                record["node_id"],
+                sealed.key_id,
+                sealed.signature,
+                committed_at,
+                sealed.record_bytes,
+                pending.idempotency_key,
+                pending.request_digest,
+                pending.digest,
+                receipt.receipt_bytes,
+                receipt.signature,
+                receipt.key_id,
+                receipt.digest,
+                nonce,
+            )
         except asyncpg.UniqueViolationError as violation:
-            # the whole transaction rolled back
+            # the whole call rolled back
             if violation.constraint_name == NONCE_CONSTRAINT:
                 return ApprovedCommit(Approved.NONCE_USED)
             return ApprovedCommit(Approved.KEY_TAKEN)
+        assert row is not None  # a function's one row
+        if row["outcome"] == "not pending":
+            return ApprovedCommit(Approved.NOT_PENDING, str(row["status"]))
+        if row["outcome"] == "head moved":
+            return ApprovedCommit(Approved.HEAD_MOVED)
         return ApprovedCommit(Approved.COMMITTED)
 
-    @staticmethod
-    async def _commit_locked(
-        conn: PoolConnectionProxy[asyncpg.Record],
-        sealed: SealedRecord,
-        state_bytes: bytes,
-        pending: PendingTransition,
-        receipt: SignedReceipt,
-        nonce: str,
-        committed_at: datetime,
-    ) -> asyncpg.Record | None:
-        record = sealed.record
-        appended: asyncpg.Record | None = await conn.fetchrow(
-            COMMIT_APPROVED,
-            record["thread_id"],
-            pending.base_version,
-            record["version"],
-            sealed.digest,
-            state_bytes,
-            record["parent_digest"],
-            record["node_id"],
-            sealed.key_id,
-            sealed.signature,
-            committed_at,
-            sealed.record_bytes,
-            pending.idempotency_key,
-            pending.request_digest,
-            pending.digest,
-            receipt.receipt_bytes,
-            receipt.signature,
-            receipt.key_id,
-        )
-        return appended
+    @translated
+    async def decision_lookup(self, thread_id: str, digest: str, nonce: str) -> DecisionLookup:
+        """The parked transition ``digest`` of ``thread_id`` with its candidate state, the
+        thread's head, and whether ``nonce`` was used: one round trip."""
+        row = await self._pool.fetchrow(DECISION_LOOKUP, thread_id, digest, nonce)
+        assert row is not None  # (SELECT 1) LEFT JOIN ...: always one row
+        pending = None
+        if row["p_digest"] is not None:
+            pending = PendingTransition(**{c: row[f"p_{c}"] for c in PENDING_COLUMNS.split(", ")})
+        head = None
+        if row["h_version"] is not None:
+            head = Head(
+                thread_id=thread_id,
+                version=row["h_version"],
+                digest=row["h_digest"],
+                state_bytes=row["h_state"],
+                policy_name=row["h_policy_name"],
+                policy_digest=row["h_policy_digest"],
+            )
+        return DecisionLookup(pending, row["p_state"], head, row["nonce_used"])
 
     @translated
     async def close_rejected(
@@ -331,12 +324,3 @@ class ApprovalStore:
         if row is None:
             raise LookupError(f"no record at {pending.thread_id}@{pending.base_version}")
         return bytes(row["record"]), None if row["state"] is None else bytes(row["state"])
-
-    @translated
-    async def candidate_state(self, pending: PendingKey) -> bytes | None:
-        state: bytes | None = await self._pool.fetchval(
-            "SELECT state FROM ztate.pending_transitions WHERE thread_id = $1 AND digest = $2",
-            pending.thread_id,
-            pending.digest,
-        )
-        return state

@@ -53,25 +53,15 @@ COMMIT_CHANNEL = "ztate_commits"
 # together in the next free one (group_commit). Up to MAX_BATCH rows a statement.
 COMMIT_SLOTS = 2
 MAX_BATCH = 64
+# On Citus, commits leave one row each (PostgresTransitionStore.open).
+ON_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')"
 
-COMMIT = f"""
-WITH head AS (
-    UPDATE ztate.threads
-       SET version = $3, head_digest = $4, state = $5, updated_at = $10
-     WHERE thread_id = $1 AND version = $2 AND head_digest = $6
-       -- an idempotency key names one request, whether committed or parked
-       AND NOT EXISTS (SELECT 1 FROM ztate.pending_transitions p
-                        WHERE p.thread_id = $1 AND p.node_id = $7 AND p.idempotency_key = $12)
- RETURNING thread_id
-), appended AS (
-    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
-                                   signature, record, state, idempotency_key, request_digest,
-                                   committed_at)
-    SELECT $1, $3, $4, $6, $7, $8, $9, $11, $5, $12, $13, $10 FROM head
-    RETURNING version
-)
-SELECT version, {WATCHED} AS watched FROM appended
-"""  # noqa: S608 - constant SQL
+# The commit (migration 0016): the compare-and-swap on the head and the ledger insert,
+# one call. NULL: the head was not at the expected version and digest (nothing written);
+# otherwise whether some replica watches the thread (announce_commit). On Citus the
+# function is distributed by its first argument: the call runs on the worker holding the
+# thread, as one local transaction (docs/scale-out.md).
+COMMIT = "SELECT ztate.commit_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
 
 CREATE_THREAD = """
 WITH head AS (
@@ -99,39 +89,26 @@ PENDING_COLUMNS = (
 )
 
 
-def _prefixed(alias: str, columns: str) -> str:
-    return ", ".join(f"{alias}.{c} AS {alias}_{c}" for c in columns.split(", "))
-
-
 HEAD_COLUMNS = "thread_id, version, digest, state_bytes, policy_name, policy_digest"
+
 
 # One round trip for a proposal whose base is not the cached head: the head, what the
 # request's idempotency key already names, and the stale refusal's rejection row when
 # the proposal is stale (head_for_request).
+def _fields(alias: str, columns: str, renamed: dict[str, str] | None = None) -> str:
+    """``columns`` of the composite ``f.<alias>``, named ``<alias>_<column>``."""
+    renamed = renamed or {}
+    return ", ".join(f"(f.{alias}).{renamed.get(c, c)} AS {alias}_{c}" for c in columns.split(", "))
+
+
+# One round trip for a proposal whose base is not the cached head (migration 0016): the
+# head, what the request's idempotency key already names, and the stale refusal's
+# rejection row when the proposal is stale. On Citus its reads are one router query to
+# the worker holding the thread.
 HEAD_FOR_REQUEST = f"""
-WITH h AS (
-    SELECT thread_id, version, head_digest AS digest, state AS state_bytes, policy_name,
-           policy_digest
-      FROM ztate.threads WHERE thread_id = $1
-), e AS (
-    SELECT {TRANSITION_COLUMNS} FROM ztate.transitions
-     WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3
-), p AS (
-    SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions
-     WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3
-), refused AS (
-    INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
-                                  patch_digest, patch_bytes, message)
-    SELECT $4, $5, $6, $7, $8, $9, $10, $11, format($12, h.version)
-      FROM h
-     WHERE h.version <> $7 AND h.policy_name = $13
-       AND NOT EXISTS (SELECT 1 FROM e) AND NOT EXISTS (SELECT 1 FROM p)
-    RETURNING 1
-)
-SELECT {_prefixed("h", HEAD_COLUMNS)}, {_prefixed("e", TRANSITION_COLUMNS)},
-       {_prefixed("p", PENDING_COLUMNS)}, EXISTS (SELECT 1 FROM refused) AS refused
-  FROM (SELECT 1) AS one
-  LEFT JOIN h ON true LEFT JOIN e ON true LEFT JOIN p ON true
+SELECT {_fields("h", HEAD_COLUMNS, {"digest": "head_digest", "state_bytes": "state"})},
+       {_fields("e", TRANSITION_COLUMNS)}, {_fields("p", PENDING_COLUMNS)}, f.refused
+  FROM ztate.head_for_request($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) AS f
 """  # noqa: S608 - constant column lists
 
 
@@ -143,18 +120,8 @@ def _part(row: asyncpg.Record, alias: str, columns: str) -> dict[str, Any] | Non
     return {name: row[f"{alias}_{name}"] for name in names}
 
 
-PARK = f"""
-INSERT INTO ztate.pending_transitions (digest, thread_id, base_version, parent_digest, node_id,
-                                       proposal, state, risk_rules, idempotency_key,
-                                       request_digest, parked_at, sensitive_keys,
-                                       required_approvals)
-SELECT $1::text, $2::text, $3::bigint, $4::text, $5::text, $6::bytea, $7::bytea, $8::text[],
-       $9::text, $10::text, $11::timestamptz, $12::text[], $13::integer
- WHERE NOT EXISTS (SELECT 1 FROM ztate.transitions t  -- the key named a committed request
-                    WHERE t.thread_id = $2 AND t.node_id = $5 AND t.idempotency_key = $9)
-ON CONFLICT DO NOTHING
-RETURNING {PENDING_COLUMNS}
-"""  # noqa: S608 - constant column list
+# Parking a proposal (migration 0016): true when parked now. Distributed like COMMIT.
+PARK = "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
 
 
 async def session_backend(conn: asyncpg.Connection) -> Backend:
@@ -233,6 +200,11 @@ class PostgresTransitionStore:
             reset=keep_session,
             server_settings={"role": role, "application_name": "ztate-transition"},
         )
+        if await pool.fetchval(ON_CITUS):
+            # a group commit spans several threads' shards: a distributed statement with
+            # a two-phase commit, where one-row calls each run on one worker (measured in
+            # docs/scale-out.md): every pooled connection carries a commit of its own
+            return cls(pool, metrics, commit_slots=pool_size, max_batch=1)
         return cls(pool, metrics)
 
     @property
@@ -364,13 +336,13 @@ class PostgresTransitionStore:
     async def _commit_alone(self, args: CommitArgs) -> CommitOutcome:
         """The one-row statement (``COMMIT``)."""
         try:
-            row = await self._pool.fetchrow(COMMIT, *args)
+            watched: bool | None = await self._pool.fetchval(COMMIT, *args)
         except asyncpg.UniqueViolationError:
-            # the whole statement, head update included, rolled back
+            # the whole call, head update included, rolled back
             return CommitOutcome(Commit.KEY_TAKEN, watched=False)
-        if row is None:
+        if watched is None:
             return CommitOutcome(Commit.HEAD_MOVED, watched=False)
-        return CommitOutcome(Commit.COMMITTED, watched=row["watched"])
+        return CommitOutcome(Commit.COMMITTED, watched=watched)
 
     @translated
     async def find_by_idempotency_key(
@@ -524,10 +496,10 @@ class PostgresTransitionStore:
 
     @translated
     async def park(self, pending: PendingTransition, state_bytes: bytes) -> Parking:
-        row = await self._pool.fetchrow(
+        parked: bool = await self._pool.fetchval(
             PARK,
-            pending.digest,
             pending.thread_id,
+            pending.digest,
             pending.base_version,
             pending.parent_digest,
             pending.node_id,
@@ -540,8 +512,8 @@ class PostgresTransitionStore:
             pending.sensitive_keys,
             pending.required_approvals,
         )
-        if row is not None:
-            return Parking(Park.PARKED, PendingTransition.from_row(row))
+        if parked:
+            return Parking(Park.PARKED, replace(pending, status="pending"))
         existing = await self.find_pending(
             pending.thread_id, pending.node_id, pending.idempotency_key
         ) or await self.pending_by_digest(pending.digest)

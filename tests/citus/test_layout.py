@@ -3,16 +3,20 @@ shards are, and that the commit path is routed to one shard."""
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime
+from typing import cast
 
 import asyncpg
-import pytest
 
 from tests.citus.cluster import CitusCluster
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.services.store.optional import COORDINATOR_LOCAL, DISTRIBUTED, REFERENCE
-from ztate.services.store.transitions import COMMIT
+from ztate.services.store.transitions import (
+    COMMIT,
+    HEAD_FOR_REQUEST,
+    PARK,
+    PostgresTransitionStore,
+)
 
 THREADS = 24
 
@@ -83,19 +87,18 @@ async def test_threads_spread_over_both_workers(
     assert keys == THREADS  # the key index trigger ran on the workers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Citus plans the commit's INSERT ... SELECT FROM the UPDATE as a distributed "
-    "INSERT ... SELECT: intermediate results to every worker and a two-phase commit per "
-    "commit (docs/scale-out.md, 'The hot path is not yet single-shard')",
-)
-async def test_the_commit_is_one_round_trip_to_one_worker(citus_dsn: str) -> None:
-    """What the hot path should cost on Citus: the commit statement, as the service runs
-    it (parameters bound), sends its work to the one worker holding the thread and
-    commits there without a two-phase commit."""
+async def test_the_commit_is_one_round_trip_to_one_worker(
+    citus_cluster: CitusCluster, citus_dsn: str
+) -> None:
+    """The hot path on Citus: the commit, as the service runs it (parameters bound, the
+    statement prepared and run again, as asyncpg's cache does), is one command sent to
+    the one worker holding the thread, and commits there without a two-phase commit or
+    intermediate results (citus.log_remote_commands on the coordinator)."""
     conn = await asyncpg.connect(citus_dsn)
-    remote: list[str] = []
-    conn.add_log_listener(lambda _conn, message: remote.append(message.message))
+    remote: list[str] = []  # each remote command, and the server it went to (its detail)
+    conn.add_log_listener(
+        lambda _conn, message: remote.append(f"{message.message} | {message.detail}")
+    )
     try:
         thread_id = "t-routing"
         await conn.execute(
@@ -105,39 +108,177 @@ async def test_the_commit_is_one_round_trip_to_one_worker(citus_dsn: str) -> Non
             "0" * 64,
             "ab" * 32,
         )
+        holder = await conn.fetchval(
+            "SELECT nodeport FROM pg_dist_shard_placement "
+            "WHERE shardid = get_shard_id_for_distribution_column('ztate.threads', $1::text)",
+            thread_id,
+        )
         await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
-        digest = "1" * 64
-        committed = await conn.fetchval(
-            COMMIT, thread_id, 0, 1, digest, b"{}", "0" * 64, "n", "k", "a" * 64,
-            datetime.now(UTC), b"{}", "i", "r",
-        )  # fmt: skip
+        per_commit: list[list[str]] = []
+        parent = "0" * 64
+        for version in range(1, 8):  # past the 5 custom plans of a prepared statement
+            remote.clear()
+            digest = f"{version:064d}"
+            watched = await conn.fetchval(
+                COMMIT, thread_id, version - 1, version, digest, b"{}", parent, "n", "k",
+                "a" * 64, datetime.now(UTC), b"{}", f"i-{version}", "r",
+            )  # fmt: skip
+            assert watched is False  # committed, and no replica watches the thread
+            parent = digest
+            per_commit.append(list(remote))
+        head = await conn.fetchval(
+            "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id
+        )
     finally:
         await conn.close()
-    assert committed == 1
-    assert not [m for m in remote if "PREPARE TRANSACTION" in m], remote
-    assert not [m for m in remote if "intermediate" in m or "COPY" in m], remote
+    assert head == 7
+    for sent in per_commit:
+        assert len(sent) == 1, sent  # one command: the call itself
+        assert "ztate.commit_transition(" in sent[0], sent
+        assert f":{holder} " in sent[0], sent  # to the worker holding the thread
+        assert not [m for m in sent if "PREPARE TRANSACTION" in m or "COPY" in m], sent
+        assert not [m for m in sent if "intermediate" in m], sent
 
 
-COMMIT_VALUES = {
-    1: "'t-explain'", 2: "0", 3: "1", 4: "'d'", 5: "'\\x7b7d'::bytea", 6: "'p'", 7: "'n'",
-    8: "'k'", 9: "'s'", 10: "now()", 11: "'\\x7b7d'::bytea", 12: "'i'", 13: "'r'",
-}  # fmt: skip
-
-
-def with_literals(statement: str) -> str:
-    """``statement`` with its parameters written in: Citus cannot EXPLAIN a generic plan."""
-    return re.sub(r"\$(\d+)", lambda m: COMMIT_VALUES[int(m[1])], statement)
-
-
-async def test_the_commit_plan_ends_in_one_task(citus_dsn: str) -> None:
-    """The commit statement's plan, with its values written in, ends in one task on one
-    worker. Only its last step: Citus runs the UPDATE first, as a subplan, and ships
-    its result to the workers (test_the_commit_is_one_round_trip_to_one_worker)."""
+async def test_a_commit_that_loses_its_race_writes_nothing_on_the_cluster(
+    citus_dsn: str,
+) -> None:
+    """The delegated call keeps the statement's outcomes: a stale compare-and-swap
+    answers NULL and leaves head and ledger as they were."""
     conn = await asyncpg.connect(citus_dsn)
     try:
-        plan = await conn.fetchval(f"EXPLAIN (FORMAT JSON) {with_literals(COMMIT)}")
+        thread_id = "t-routing-stale"
+        await conn.execute(
+            "INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, "
+            "policy_digest) VALUES ($1, 0, $2, '\\x7b7d', 'p', $3)",
+            thread_id,
+            "0" * 64,
+            "ab" * 32,
+        )
+        lost = await conn.fetchval(
+            COMMIT, thread_id, 3, 4, "4" * 64, b"{}", "0" * 64, "n", "k",
+            "a" * 64, datetime.now(UTC), b"{}", "i-lost", "r",
+        )  # fmt: skip
+        head = await conn.fetchval(
+            "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id
+        )
+        ledger = await conn.fetchval(
+            "SELECT count(*) FROM ztate.transitions WHERE thread_id = $1", thread_id
+        )
     finally:
         await conn.close()
-    text = str(plan)
-    assert "Citus Adaptive" in text
-    assert "'Task Count': 1" in text.replace('"', "'")
+    assert lost is None
+    assert (head, ledger) == (0, 0)
+
+
+async def remote_commands(
+    citus_dsn: str, thread_id: str, statement: str, *args: object
+) -> tuple[int, object, list[str]]:
+    """On a new thread ``thread_id`` at version 0: the port of the worker holding it,
+    ``statement``'s first value, and the remote commands (each with the server it went
+    to) that ``statement`` sends, prepared and run as asyncpg does."""
+    conn = await asyncpg.connect(citus_dsn)
+    remote: list[str] = []
+    conn.add_log_listener(
+        lambda _conn, message: remote.append(f"{message.message} | {message.detail}")
+    )
+    try:
+        holder: int = await conn.fetchval(
+            "SELECT nodeport FROM pg_dist_shard_placement "
+            "WHERE shardid = get_shard_id_for_distribution_column('ztate.threads', $1::text)",
+            thread_id,
+        )
+        await conn.execute(
+            "INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, "
+            "policy_digest) VALUES ($1, 0, $2, '\\x7b7d', 'pipeline', $3)",
+            thread_id,
+            "0" * 64,
+            "ab" * 32,
+        )
+        await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
+        answer = await conn.fetchval(statement, *args)
+    finally:
+        await conn.close()
+    return holder, answer, remote
+
+
+async def test_parking_is_one_command_to_the_worker_holding_the_thread(citus_dsn: str) -> None:
+    thread_id = "t-routing-park"
+    holder, parked, sent = await remote_commands(
+        citus_dsn, thread_id, PARK, thread_id, "d" * 64, 0, "0" * 64, "n", b"{}", b"{}",
+        ["rule"], "i-park", "r", datetime.now(UTC), ["k"], 1,
+    )  # fmt: skip
+    assert parked is True
+    assert len(sent) == 1, sent
+    assert "ztate.park_transition(" in sent[0], sent
+    assert f":{holder} " in sent[0], sent
+
+
+async def test_the_head_for_a_stale_request_is_one_read_on_the_worker_holding_the_thread(
+    citus_dsn: str,
+) -> None:
+    """head_for_request writes a stale request's refusal to the coordinator's rejections
+    table, so it runs on the coordinator; its reads are one router query to the worker
+    holding the thread, which only reads: no two-phase commit, no intermediate results."""
+    thread_id = "t-routing-head"
+    holder, head, sent = await remote_commands(
+        citus_dsn, thread_id, HEAD_FOR_REQUEST, thread_id, "n", "i-head", "Propose", "n",
+        thread_id, 5, "STALE_VERSION", ["k"], "p" * 64, 2, "expected 5, head at %s",
+        "pipeline",
+    )  # fmt: skip
+    assert head == thread_id  # its first column: the head's thread id
+    issued = [m for m in sent if m.startswith("issuing ")]
+    assert len(issued) == 1, sent  # the one remote command: the read
+    assert "SELECT th.*" in issued[0], sent
+    assert f":{holder} " in issued[0], sent
+    # the refusal, on the coordinator itself
+    assert [m for m in sent if not m.startswith("issuing ")] == [
+        m
+        for m in sent
+        if m.startswith("executing the command locally: INSERT INTO ztate.rejections")
+    ], sent
+    conn = await asyncpg.connect(citus_dsn)
+    try:
+        refusals = await conn.fetch(
+            "SELECT base_version, message FROM ztate.rejections WHERE thread_id = $1", thread_id
+        )
+    finally:
+        await conn.close()
+    assert [tuple(r) for r in refusals] == [(5, "expected 5, head at 0")]
+
+
+async def test_replays_and_head_reads_are_one_command_to_the_worker_holding_the_thread(
+    citus_dsn: str,
+) -> None:
+    """The store's idempotent replays (a committed or a parked request) and its head
+    read, as the service calls them: each one router query to the one worker."""
+    thread_id = "t-routing-replay"
+    holder, _, _ = await remote_commands(citus_dsn, thread_id, "SELECT 1")
+    conn = await asyncpg.connect(citus_dsn)
+    remote: list[str] = []
+    conn.add_log_listener(
+        lambda _conn, message: remote.append(f"{message.message} | {message.detail}")
+    )
+    await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
+    # the store's statements on one connection (a pool drops log listeners on release)
+    store = PostgresTransitionStore(cast(asyncpg.Pool, conn))
+    try:
+        calls = {
+            "find_by_idempotency_key": store.find_by_idempotency_key,
+            "find_pending": store.find_pending,
+        }
+        for name, call in calls.items():
+            remote.clear()
+            await call(thread_id, "n", "k")
+            await conn.fetchval("SELECT 1")  # the listener's messages have all arrived
+            issued = [m for m in remote if m.startswith("issuing ")]
+            assert len(issued) == 1, (name, remote)
+            assert f":{holder} " in issued[0], (name, remote)
+        remote.clear()
+        await store.read_head(thread_id)
+        await conn.fetchval("SELECT 1")
+        issued = [m for m in remote if m.startswith("issuing ")]
+        assert len(issued) == 1, remote
+        assert f":{holder} " in issued[0], remote
+    finally:
+        await conn.close()

@@ -1,34 +1,48 @@
 """Database round trips off the happy path, counted so that they cannot creep back.
 
 Each pipeline here is the service's own (``TransitionPipeline`` over a
-``PostgresTransitionStore``) on the session's real Postgres, through an asyncpg pool
-whose every connection logs each statement it sends (``add_query_logger``): one logged
-statement is one round trip. Issue 19's budgets: a stale proposal at most 2 round trips
-(it was 4: head, key look-up, parked look-up, rejection), a lost compare-and-swap race at
-most 2 (it was 5: commit, head version, two look-ups, rejection).
+``PostgresTransitionStore``; ``DecisionPipeline`` for ApplyDecision) on a real database
+of each lane (plain Postgres; Citus, distributed, in the citus lane), through an asyncpg
+pool whose every connection logs each statement it sends (``add_query_logger``): one
+logged statement is one round trip. Issue 19's budgets: a stale proposal at most 2 round
+trips (it was 4: head, key look-up, parked look-up, rejection), a lost compare-and-swap
+race at most 2 (it was 5: commit, head version, two look-ups, rejection). Issue 20's: an
+approving ApplyDecision at most 3 (it was 11: parked row, nonce, head, candidate state,
+BEGIN, lock, commit, receipt, announcement, COMMIT, head again).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import asyncpg
 import pytest
 import pytest_asyncio
 
+from tests.citus.lanes import LANES, lane_database
 from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, new_thread_id
 from ztate.contract.canonical import canonical_bytes
-from ztate.contract.keyring import Keyring
+from ztate.contract.keyring import Keyring, generate_signing_key, load_public_keys, load_signing_key
+from ztate.contract.receipts import build_receipt, sign_receipt
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
-from ztate.services.store.transitions import PostgresTransitionStore, keep_session
+from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.migrate import migrate
+from ztate.services.store.transitions import COMMIT, PostgresTransitionStore, keep_session
+from ztate.transition_service.decisions import APPROVAL_SERVICE_NAME, DecisionPipeline
+from ztate.transition_service.decisions import Outcome as DecidedOutcome
+from ztate.transition_service.heads import HeadCache
+from ztate.transition_service.outcomes import OutcomeListener
 from ztate.transition_service.pipeline import TransitionPipeline
-from ztate.transition_service.requests import Committed, Proposal
+from ztate.transition_service.requests import Committed, Parked, Proposal
 from ztate.worker_sdk import encode_json
 
+OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"  # a sensitive change: parked
 STALE_BUDGET = 2
 LOST_RACE_BUDGET = 2
 
@@ -45,12 +59,30 @@ class Counted:
         self.statements.clear()
 
 
+@pytest_asyncio.fixture(scope="module", params=LANES)
+async def lane_dsn(request: pytest.FixtureRequest, settings: Settings) -> str:
+    """A migrated database of each lane (plain Postgres; Citus, distributed, in its lane):
+    the counts must hold on both."""
+    dsn = await lane_database(request.param, request)
+    if request.param == "postgres":
+        conn = await asyncpg.connect(dsn)
+        try:
+            await migrate(conn, settings.db_role)
+        finally:
+            await conn.close()
+    return dsn
+
+
+@pytest_asyncio.fixture
+async def ledger(lane_dsn: str, keyring: Keyring) -> Ledger:
+    return Ledger(lane_dsn, keyring)
+
+
 @pytest_asyncio.fixture
 async def replicas(
-    database_dsn: str, settings: Settings, keyring: Keyring, service: object
+    lane_dsn: str, settings: Settings, keyring: Keyring
 ) -> AsyncIterator[tuple[Counted, Counted]]:
-    """Two replicas of the service (each its own pool and head cache) on one database;
-    ``service`` is asked for so that the session's database is migrated."""
+    """Two replicas of the service (each its own pool and head cache) on one database."""
     made: list[Counted] = []
     policies = PolicySet.load(settings.policy_path)
     for _ in range(2):
@@ -60,7 +92,7 @@ async def replicas(
             conn.add_query_logger(lambda logged: into.append(logged.query))
 
         pool = await asyncpg.create_pool(
-            database_dsn,
+            lane_dsn,
             min_size=1,
             max_size=2,
             init=log_queries,
@@ -128,9 +160,69 @@ async def test_a_lost_race_costs_at_most_two_round_trips(
         await loser.pipeline.propose(PARSER, proposal(thread_id, 0, "k-lose"))
 
     assert refused.value.current_version == 1
-    assert loser.statements[0].lstrip().startswith("WITH head AS (")  # it did try to commit
+    assert loser.statements[0] == COMMIT  # it did try to commit
     assert len(loser.statements) <= LOST_RACE_BUDGET, loser.statements
     rows = await ledger.rejections(thread_id)
     assert [(r["reason"], r["base_version"]) for r in rows] == [("STALE_VERSION", 0)]
     assert rows[0]["message"] == "expected version 0, but the head is at 1"
+    assert (await ledger.snapshot(thread_id)).head_version == 1
+
+
+APPLY_DECISION_BUDGET = 3
+PLANNER = Identity(TRUST_DOMAIN, Role.NODE, "planner")
+APPROVAL_SERVICE = Identity(TRUST_DOMAIN, Role.SERVICE, APPROVAL_SERVICE_NAME)
+
+
+async def test_an_approved_decision_costs_at_most_three_round_trips(
+    replicas: tuple[Counted, Counted],
+    ledger: Ledger,
+    lane_dsn: str,
+    keyring: Keyring,
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """ApplyDecision of an approving receipt: the lookup by the receipt's thread (the
+    parked row, its candidate state, the head, the nonce) and the commit call (lock,
+    compare-and-swap, status, ledger record, receipt, announcements). It was 11."""
+    first, _ = replicas
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    parked = await first.pipeline.propose(
+        PLANNER,
+        Proposal(thread_id, 0, encode_json({"target_user_id": OTHER_USER}), "k-parked"),
+    )
+    assert isinstance(parked, Parked)
+    generate_signing_key(tmp_path / "a.pem", tmp_path / "a.json", "a")
+    now = datetime.now(UTC)
+    receipt = sign_receipt(
+        build_receipt(
+            transition_digest=parked.pending.digest,
+            thread_id=thread_id,
+            base_version=0,
+            decision="approve",
+            reviewers=[f"spiffe://{TRUST_DOMAIN}/reviewer/alice"],
+            issued_at=now,
+            expires_at=now + timedelta(minutes=5),
+            key_id="a",
+        ),
+        load_signing_key(tmp_path / "a.pem"),
+    )
+    decisions = DecisionPipeline(
+        store=PostgresTransitionStore(first.pool),
+        approvals=ApprovalStore(first.pool),
+        keyring=keyring,
+        public_keys=load_public_keys(tmp_path / "a.json"),
+        heads=HeadCache(16),
+        listener=OutcomeListener(lane_dsn, settings.db_role),  # not started: unused
+        policies=PolicySet.load(settings.policy_path),
+    )
+
+    first.reset()
+    resolution = await decisions.apply(APPROVAL_SERVICE, receipt)
+
+    assert resolution.outcome is DecidedOutcome.COMMITTED
+    assert len(first.statements) <= APPLY_DECISION_BUDGET, first.statements
+    rows = await ledger.rows(thread_id)
+    assert [r["version"] for r in rows] == [0, 1]
+    assert rows[1]["receipt"] == receipt.receipt_bytes
     assert (await ledger.snapshot(thread_id)).head_version == 1

@@ -21,13 +21,14 @@ import pytest_asyncio
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id, with_database
 from ztate.services.runtime.config import Settings
-from ztate.services.store.migrate import migrate
+from ztate.services.store.migrate import bundled_migrations, migrate
 from ztate.services.store.optional import (
     COORDINATOR_LOCAL,
     DISTRIBUTED,
     REFERENCE,
     CitusError,
     apply_citus_layout,
+    layout_sql,
     prepare_for_citus,
 )
 from ztate.services.store.transitions import COMMIT
@@ -147,15 +148,21 @@ async def test_the_keys_citus_needs_replace_the_global_ones(prepared: asyncpg.Co
 
 
 def test_the_commit_names_its_thread_in_every_table_it_touches() -> None:
-    """Single-shard: each table of the hot-path statement is reached by thread_id = $1
-    (the insert writes $1 itself). tests/citus/test_layout.py checks the plan on a
-    real cluster."""
-    tables = set(re.findall(r"ztate\.(\w+)", COMMIT))
-    assert tables <= set(DISTRIBUTED)
-    assert re.search(r"WHERE thread_id = \$1 AND version = \$2", COMMIT)
-    assert re.search(r"p\.thread_id = \$1", COMMIT)
-    assert re.search(r"w\.thread_id = \$1", COMMIT)
-    assert re.search(r"SELECT \$1, .* FROM head", COMMIT)
+    """Single-shard: the hot-path statement is a call of ztate.commit_transition with the
+    thread id first (the argument `ztate db citus` distributes it by), and each table the
+    function touches is a distributed one, reached by that thread id (the insert writes
+    it itself). tests/citus/test_layout.py checks the remote commands on a real cluster."""
+    assert re.fullmatch(r"SELECT ztate\.commit_transition\(\$1, .*\$13\)", COMMIT)
+    migration = next(m.sql for m in bundled_migrations() if m.number == 16)
+    body = migration.split("FUNCTION ztate.commit_transition(", 1)[1].split("$$;", 1)[0]
+    assert set(re.findall(r"ztate\.(\w+)", body)) <= set(DISTRIBUTED)
+    assert re.search(r"WHERE t\.thread_id = p_thread_id AND t\.version = p_expected", body)
+    assert re.search(r"p\.thread_id = p_thread_id", body)
+    assert re.search(r"w\.thread_id = p_thread_id", body)
+    assert re.search(r"VALUES \(p_thread_id, ", body)
+    distribute = layout_sql("citus_distribute")
+    assert "create_distributed_function(call, '$1'" in distribute
+    assert "colocate_with => 'ztate.threads'" in distribute
 
 
 async def test_the_service_commits_parks_and_indexes_on_the_prepared_schema(

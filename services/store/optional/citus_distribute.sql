@@ -9,6 +9,10 @@
 -- the commit (UPDATE threads ... WHERE thread_id = $1 ..., INSERT INTO
 -- transitions ...) is a single-shard router statement.
 
+-- The script runs as one transaction, and Citus distributes a function (below) only in
+-- a transaction that used one connection per worker: distribute sequentially.
+SET citus.multi_shard_modify_mode TO 'sequential';
+
 -- The triggers of transitions read or write only rows of the same thread_id
 -- (co-located); Citus runs triggers on distributed tables only with this set.
 DO $$
@@ -51,6 +55,29 @@ BEGIN
                     WHERE logicalrelid = 'ztate.policies'::regclass) THEN
         PERFORM citus_add_local_table_to_metadata('ztate.policies');
     END IF;
+END;
+$$;
+
+-- The calls of a worker's request (migration 0016), distributed by their thread id and
+-- co-located with ztate.threads: Citus delegates each call, made outside a transaction
+-- block, to the worker holding the thread's shard group, where it runs as one local
+-- transaction (no intermediate results, no two-phase commit).
+DO $$
+DECLARE
+    call regprocedure;
+BEGIN
+    FOREACH call IN ARRAY ARRAY[
+        'ztate.commit_transition(text, bigint, bigint, text, bytea, text, text, text, text,
+                                 timestamptz, bytea, text, text)'::regprocedure,
+        'ztate.park_transition(text, text, bigint, text, text, bytea, bytea, text[], text,
+                               text, timestamptz, text[], integer)'::regprocedure] LOOP
+        IF NOT EXISTS (SELECT 1 FROM pg_dist_object
+                        WHERE classid = 'pg_proc'::regclass AND objid = call
+                          AND distribution_argument_index IS NOT NULL) THEN
+            PERFORM create_distributed_function(call, '$1',
+                                                colocate_with => 'ztate.threads');
+        END IF;
+    END LOOP;
 END;
 $$;
 
