@@ -14,7 +14,7 @@ reaches (a pod's port, 127.0.0.1 behind a sidecar).
 
 The same endpoint answers the kubelet's ``httpGet`` probes, which cost the pod only
 this thread's work (an exec probe of ``ztate health`` is a Python start-up and an mTLS
-handshake, about 0.45 s of CPU each; docs/operations.md, "Health"):
+handshake, about 0.45 s of CPU each; docs/operations.md, "Health over HTTP"):
 
 - ``GET /readyz``: 200 ``ok`` while the service's ``grpc.health.v1`` status of the
   whole server (``""``) is SERVING, 503 ``not serving`` otherwise; read from the

@@ -1,7 +1,7 @@
 """The kubelet's probes over plain HTTP on the metrics endpoint (ZTATE_METRICS_LISTEN):
 ``GET /readyz`` is the service's grpc.health.v1 status, ``GET /livez`` whether its event
 loop still runs, asked over real HTTP of a real service on real Postgres
-(docs/operations.md, "Health")."""
+(docs/operations.md, "Health over HTTP")."""
 
 from __future__ import annotations
 
