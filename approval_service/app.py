@@ -223,7 +223,8 @@ async def _serve_on(
     port = server.add_secure_port(settings.listen, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {settings.listen}")
-    telemetry.serve_metrics()  # ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics
+    # ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics, /readyz, /livez (docs/operations.md)
+    telemetry.serve_metrics(health.serving_now)
     await server.start()
     delivery = ReceiptDelivery(
         service=service,

@@ -333,7 +333,8 @@ async def _start_traced(
         port = server.add_secure_port(settings.listen, credentials)
         if port == 0:
             raise OSError(f"cannot listen on {settings.listen}")
-        telemetry.serve_metrics()  # ZTATE_METRICS_LISTEN: GET /metrics (docs/operations.md)
+        # ZTATE_METRICS_LISTEN: GET /metrics, /readyz, /livez (docs/operations.md)
+        telemetry.serve_metrics(health.serving_now)
     except BaseException:
         await listener.close()
         await store.close()

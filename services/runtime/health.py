@@ -91,6 +91,13 @@ class HealthReport(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # unt
     def _moved(self, service: str, sent: Status) -> bool:
         return self._shutting_down or self._status.get(service, SERVICE_UNKNOWN) != sent
 
+    def serving_now(self) -> bool:
+        """Whether the whole server (``""``) is SERVING: one read of a dict the event
+        loop writes, atomic under the GIL, so safe from another thread (the endpoint's
+        ``GET /readyz``, ``ztate.services.runtime.scrape``)."""
+        serving: bool = self._status[""] == SERVING
+        return serving
+
     async def set_serving(self, serving: bool) -> None:
         """Report every name SERVING or NOT_SERVING (ignored once shutting down)."""
         await self._set(SERVING if serving else NOT_SERVING, shutting_down=False)

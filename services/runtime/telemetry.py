@@ -48,7 +48,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Status
 
 from ztate.services.runtime.config import ApprovalSettings, LogFormat, Settings
-from ztate.services.runtime.scrape import ScrapeEndpoint
+from ztate.services.runtime.scrape import ScrapeEndpoint, Serving
 from ztate.services.runtime.thread_ids import THREAD_ID as THREAD_ID_RULE
 
 log = logging.getLogger("ztate.telemetry")
@@ -465,11 +465,15 @@ class Telemetry:
             _scrape_registry=registry,
         )
 
-    def serve_metrics(self) -> None:
+    def serve_metrics(self, serving: Serving | None = None) -> None:
         """Start the scrape endpoint, if one is configured (binds now: a port in use
-        fails the start-up). The services call this; ``ztate verify`` does not."""
+        fails the start-up). The services call this from their event loop with their
+        ``HealthReport.serving_now``: ``GET /readyz`` answers from it and ``GET /livez``
+        from the running loop. ``ztate verify`` does not call it."""
         if self.scrape_listen and self.scrape is None:
             self.scrape = ScrapeEndpoint(self.scrape_listen, self._scrape_registry)
+            if serving is not None:
+                self.scrape.probes.attach(serving, asyncio.get_running_loop())
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor[Any, Any]]:
         """Server spans, continuing the caller's trace (W3C trace context)."""

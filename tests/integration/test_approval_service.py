@@ -33,6 +33,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
 from tests.harness import TRUST_DOMAIN, Credentials, Pki, new_thread_id
+from tests.integration.test_http_probes import get
 from ztate.approval_service.app import SERVICE_NAME, RunningApproval, start
 from ztate.approval_service.cli import register as add_approval_commands
 from ztate.approval_service.delivery import refusal_reason
@@ -898,14 +899,23 @@ async def test_a_revoked_reviewer_decides_nothing_more(
 async def test_the_approval_service_serves_its_metrics_for_prometheus(
     approval_settings: ApprovalSettings, database_dsn: str, service: RunningService
 ) -> None:
-    """ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics over real HTTP (docs/operations.md)."""
+    """ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics over real HTTP (docs/operations.md),
+    and the kubelet's probes: the approval service hands the endpoint its health and loop."""
     running = await start(
         approval_settings.model_copy(update={"metrics_listen": "127.0.0.1:0"}), dsn=database_dsn
     )
     try:
-        url = f"http://127.0.0.1:{running.telemetry.metrics_port}/metrics"
-        with await asyncio.to_thread(urllib.request.urlopen, url, timeout=10) as reply:
+        base = f"http://127.0.0.1:{running.telemetry.metrics_port}"
+        with await asyncio.to_thread(
+            urllib.request.urlopen, f"{base}/metrics", timeout=10
+        ) as reply:
             body = reply.read().decode()
+        assert await asyncio.to_thread(get, f"{base}/readyz") == (200, "ok")
+        assert await asyncio.to_thread(get, f"{base}/livez") == (200, "live")
+        await running.database_health.stop()  # as after two failed pings
+        await running.health.set_serving(False)
+        assert await asyncio.to_thread(get, f"{base}/readyz") == (503, "not serving")
+        assert await asyncio.to_thread(get, f"{base}/livez") == (200, "live")
     finally:
         await running.stop(grace=1.0)
     assert re.search(r'^ztate_db_pool_max\{[^}]*ztate_pool="approval"\} 4\.0$', body, re.M)

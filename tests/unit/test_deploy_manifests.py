@@ -3,7 +3,7 @@
 Docker is not available where these tests run, so no image is built: what can be
 checked statically is checked here (and schema validation also runs in
 `make deploy-check`), so that a regression (a root container, a probe that
-cannot authenticate, a NetworkPolicy that lets a worker reach the database, a
+starts a process in the pod, a NetworkPolicy that lets a worker reach the database, a
 real key in a committed Secret, a setting name that the service ignores) fails
 the suite.
 """
@@ -29,6 +29,7 @@ from packaging.utils import canonicalize_name
 from ztate.services.cli.main import build_parser
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime.config import ApprovalSettings, Settings
+from ztate.services.runtime.scrape import LIVE_PATH, LIVE_TIMEOUT_SECONDS, READY_PATH
 
 # distributions built from this repository (deploy/lock.py follows them but pins none)
 FIRST_PARTY = frozenset({"ztate-worker"})
@@ -108,31 +109,44 @@ def test_every_container_runs_unprivileged_with_a_read_only_root() -> None:
                 assert set(container["resources"][bound]) == {"cpu", "memory"}, name
 
 
-def test_probes_ask_grpc_health_over_mtls_with_the_service_name() -> None:
-    """The kubelet's grpc probe cannot present a client certificate, so each probe is
-    `ztate health`: grpc.health.v1 over mTLS, with the name the certificate carries
-    (the Service's name), for the service the container runs."""
+def test_probes_are_http_gets_of_readyz_and_livez_on_the_metrics_port() -> None:
+    """The kubelet probes over plain HTTP on the metrics endpoint, which costs the pod no
+    process (an exec of `ztate health` cost about 0.45 s of CPU): startup and readiness
+    ask /readyz (grpc.health.v1 SERVING), liveness /livez (the event loop runs; it must
+    not follow the database: a restart cures no outage), each on the named port
+    "metrics" that the service's metrics listen setting opens (docs/operations.md)."""
     for name, template in workloads():
         if name == "ztate-migrate":
             continue
         (container,) = template["spec"]["containers"]
-        env = {e["name"] for e in container["env"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
         service = named("Service", name)
         assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
-        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        (metrics,) = [p for p in container["ports"] if p["name"] == "metrics"]
+        assert metrics["protocol"] == "TCP"
+        listen = (
+            "ZTATE_APPROVAL_METRICS_LISTEN"
+            if "ZTATE_APPROVAL_LISTEN" in env
+            else ("ZTATE_METRICS_LISTEN")
+        )
+        assert env[listen] == f"0.0.0.0:{metrics['containerPort']}", name
+        paths = {
+            "startupProbe": READY_PATH,
+            "readinessProbe": READY_PATH,
+            "livenessProbe": LIVE_PATH,
+        }
+        assert {k for k in container if k.endswith("Probe")} == set(paths), name
+        for kind, path in paths.items():
             probe = container[kind]
-            assert set(probe) - {"periodSeconds", "timeoutSeconds", "failureThreshold"} == {
-                "exec"
-            }, f"{name} {kind}: only the mTLS health command can authenticate"
-            command = probe["exec"]["command"]
-            assert subcommand(command) == "cmd_health"
-            args = build_parser().parse_args(command[1:])
-            assert args.server_name == name
-            assert args.approval == ("ZTATE_APPROVAL_LISTEN" in env)
-            assert probe["timeoutSeconds"] > args.timeout
-            # liveness must not follow the database (a restart cures no outage);
-            # startup and readiness do (take the replica out while it cannot serve)
-            assert args.live == (kind == "livenessProbe"), f"{name} {kind}"
+            assert set(probe) == {
+                "httpGet",
+                "periodSeconds",
+                "timeoutSeconds",
+                "failureThreshold",
+            }, f"{name} {kind}"
+            assert probe["httpGet"] == {"path": path, "port": "metrics"}, f"{name} {kind}"
+            # /livez waits up to LIVE_TIMEOUT_SECONDS for the loop: the kubelet waits longer
+            assert probe["timeoutSeconds"] > LIVE_TIMEOUT_SECONDS, f"{name} {kind}"
 
 
 def test_transition_service_runs_three_replicas_that_survive_a_drain() -> None:
