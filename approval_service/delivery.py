@@ -150,8 +150,11 @@ class ReceiptDelivery:
                 self._failed()
                 log.exception("receipt delivery round failed: %s", type(unexpected).__name__)
             delay = min(self._interval * 2**self._failures, MAX_BACKOFF_SECONDS)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+            # cancellation that lands as the wait ends, and stop() then waits forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
             self._wake.clear()
 
     def _failed(self) -> None:

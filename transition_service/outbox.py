@@ -80,8 +80,11 @@ class ApprovalOutbox:
     async def _run(self) -> None:
         while True:
             delay = min(self._interval * 2**self._failures, MAX_BACKOFF_SECONDS)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+            # cancellation that lands as the wait ends, and stop() then waits forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 with untraced():  # a round every few seconds: not a trace each

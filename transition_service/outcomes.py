@@ -125,7 +125,8 @@ class OutcomeListener:
     async def _supervise(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._lost.wait(), self._sweep_interval)
+                async with asyncio.timeout(self._sweep_interval):  # not wait_for: see outbox
+                    await self._lost.wait()
             except TimeoutError:
                 await self._sweep_quietly()
                 continue

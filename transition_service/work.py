@@ -71,6 +71,16 @@ class Waker:
         self._again: set[str] = set()
         self._local: list[asyncio.Event] = []
 
+    async def stop(self) -> None:
+        """Cancel the wake decisions in flight (the sweep decides them later): none may
+        hold a database connection while the pool closes."""
+        running = list(self._running.values())
+        for task in running:
+            task.cancel()
+        for task in running:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
     def notify_locally(self, event: asyncio.Event) -> None:
         """Set ``event`` whenever this process recorded new work (no round trip)."""
         self._local.append(event)
@@ -215,6 +225,7 @@ class WorkDispatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
 
     @property
     def active(self) -> int:
@@ -289,8 +300,11 @@ class WorkDispatcher:
                 await self.dispatch()
             except Exception as failure:  # the next round tries again
                 log.warning("work dispatch round failed: %s", type(failure).__name__)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+            # cancellation that lands as the wait ends, and stop() then waits forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll_seconds)
+                async with asyncio.timeout(self._poll_seconds):
+                    await self._wake.wait()
             self._wake.clear()
 
     def _forget_lapsed(self) -> None:

@@ -9,6 +9,8 @@ version (or digest): nothing was written.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -44,6 +46,9 @@ from ztate.services.store.rows import (
     StoredTransition,
     VersionState,
 )
+
+log = logging.getLogger("ztate.store")
+POOL_CLOSE_SECONDS = 10.0  # then the connections still held are terminated
 
 # Whether some replica watches thread $1 (migration 0008): then the committer
 # announces the commit (announce_commit).
@@ -214,7 +219,14 @@ class PostgresTransitionStore:
         return self._pool
 
     async def close(self) -> None:
-        await self._pool.close()
+        """Close the pool gracefully; connections still held after POOL_CLOSE_SECONDS
+        are terminated (a shutdown must not hang on a stuck connection)."""
+        try:
+            async with asyncio.timeout(POOL_CLOSE_SECONDS):
+                await self._pool.close()
+        except TimeoutError:
+            log.warning("pool close took over %.0f s: terminated", POOL_CLOSE_SECONDS)
+            self._pool.terminate()
 
     @translated
     async def ping(self) -> None:

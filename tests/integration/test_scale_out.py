@@ -139,7 +139,12 @@ async def wait_serving(replica: Replica, pki: Pki) -> None:
 async def stop_replica(replica: Replica) -> int:
     if replica.process.returncode is None:
         replica.process.send_signal(signal.SIGTERM)
-    return await asyncio.wait_for(replica.process.wait(), 30)
+    try:
+        return await asyncio.wait_for(replica.process.wait(), 30)
+    except TimeoutError:
+        replica.process.kill()
+        log = replica.log.decode(errors="replace")[-4000:]
+        raise AssertionError(f"replica on port {replica.port} ignored SIGTERM:\n{log}") from None
 
 
 @pytest_asyncio.fixture(scope="module")
