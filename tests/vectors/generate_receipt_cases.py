@@ -12,17 +12,13 @@ transition).
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-from ztate.contract.canonical import canonical_bytes
+from tests.vectors._signing import public_b64, signed_case
 
 SEED = bytes(range(32, 64))  # the receipt-v1.json key
 OTHER_SEED = bytes(range(64, 96))
@@ -42,12 +38,6 @@ GOOD: dict[str, Any] = {
 }
 
 
-def public_b64(seed: bytes) -> str:
-    key = Ed25519PrivateKey.from_private_bytes(seed).public_key()
-    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return base64.b64encode(raw).decode()
-
-
 def case(
     name: str,
     why: str,
@@ -58,15 +48,12 @@ def case(
     seed: bytes = SEED,
     flip_bit: bool = False,
 ) -> dict[str, Any]:
-    body = canonical_bytes(members) if data is None else data
-    signature = bytearray(Ed25519PrivateKey.from_private_bytes(seed).sign(body))
-    if flip_bit:
-        signature[0] ^= 1
+    body, signature = signed_case(members, data, seed, flip_bit=flip_bit)
     return {
         "name": name,
         "why": why,
         "receipt_json": body.decode(),
-        "signature": bytes(signature).hex(),
+        "signature": signature,
         "key_id": KEY_ID,
         "public_key_base64": public_b64(SEED),
         "valid": valid,
