@@ -10,8 +10,12 @@ the service listens on a loopback port with mutual TLS.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import uuid
+from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -87,3 +91,32 @@ async def as_operator_sees_it(dsn: str, parked: AwaitingApproval) -> AwaitingApp
     return AwaitingApproval(
         row["digest"], thread_id, parked.base_version, tuple(row["risk_rules"]), parked.handle
     )
+
+
+async def run_example_worker(
+    node: str, script: Path, target: str, creds: Credentials, thread_id: str
+) -> list[dict[str, Any]]:
+    """Run a JavaScript example worker (``node script``) once against ``target``: it
+    views the thread, proposes one patch and tries a forbidden one, printing a JSON
+    line per step. Its lines, once it exited 0."""
+    process = await asyncio.create_subprocess_exec(
+        node,
+        str(script),
+        "--target",
+        target,
+        "--cert",
+        str(creds.cert),
+        "--key",
+        str(creds.key),
+        "--ca",
+        str(creds.ca),
+        "--thread",
+        thread_id,
+        "--patch",
+        '{"requested_action": {"action": "lookup", "order_id": "A-42"}}',
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, stderr.decode()
+    return [json.loads(line) for line in stdout.decode().splitlines()]

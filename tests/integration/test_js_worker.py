@@ -3,15 +3,13 @@ but the .proto files and its own certificate, against the real service."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id
+from tests.harness import INITIAL, Ledger, Pki, client, new_thread_id, run_example_worker
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "js-worker"
 NODE, NPM = shutil.which("node"), shutil.which("npm")
@@ -39,27 +37,9 @@ async def test_a_javascript_worker_reads_proposes_and_is_refused(
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")
     creds = pki.node("input-parser")
     assert NODE is not None
-    process = await asyncio.create_subprocess_exec(
-        NODE,
-        str(installed / "worker.js"),
-        "--target",
-        target,
-        "--cert",
-        str(creds.cert),
-        "--key",
-        str(creds.key),
-        "--ca",
-        str(creds.ca),
-        "--thread",
-        thread_id,
-        "--patch",
-        '{"requested_action": {"action": "lookup", "order_id": "A-42"}}',
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    view, committed, refused = await run_example_worker(
+        NODE, str(installed / "worker.js"), target, creds, thread_id
     )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode == 0, stderr.decode()
-    view, committed, refused = [json.loads(line) for line in stdout.decode().splitlines()]
     assert view == {"step": "view", "version": 0, "state": {"raw_text": INITIAL["raw_text"]}}
     assert committed["version"] == 1
     assert committed["node_id"] == "spiffe://ztate.test/node/input-parser"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import INITIAL, TRUST_DOMAIN, Pki, client, new_thread_id
+from tests.harness import INITIAL, TRUST_DOMAIN, Pki, client, new_thread_id, run_example_worker
 from ztate.approval_service.app import start as start_approval
 from ztate.contract.keyring import generate_signing_key
 from ztate.services.cli import ca
@@ -212,27 +211,9 @@ async def test_the_typescript_example_worker_uses_only_the_package(
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")
     creds = pki.node("input-parser")
     assert NODE is not None
-    process = await asyncio.create_subprocess_exec(
-        NODE,
-        str(example / "dist" / "worker.js"),
-        "--target",
-        target,
-        "--cert",
-        str(creds.cert),
-        "--key",
-        str(creds.key),
-        "--ca",
-        str(creds.ca),
-        "--thread",
-        thread_id,
-        "--patch",
-        '{"requested_action": {"action": "lookup", "order_id": "A-42"}}',
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    view, committed, refused = await run_example_worker(
+        NODE, str(example / "dist" / "worker.js"), target, creds, thread_id
     )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode == 0, stderr.decode()
-    view, committed, refused = [json.loads(line) for line in stdout.decode().splitlines()]
     assert view == {"step": "view", "version": 0, "state": {"raw_text": INITIAL["raw_text"]}}
     assert committed["version"] == 1
     assert committed["node_id"] == "spiffe://ztate.test/node/input-parser"
