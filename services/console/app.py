@@ -33,6 +33,7 @@ from aiohttp import web
 
 from ztate.services.console.backend import DIGEST, Backend, CallFailed
 from ztate.services.console.verification import VerifyResult, run_verify
+from ztate.services.runtime.thread_ids import THREAD_ID
 
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -49,7 +50,6 @@ HEADERS = {
     "Cross-Origin-Resource-Policy": "same-origin",
 }
 LOG = logging.getLogger("ztate.console")
-MAX_THREAD_ID = 256
 MAX_FORM_BYTES = 16 * 1024
 STATIC = Path(__file__).with_name("static")
 REVIEW_STATUSES = ("open", "approved", "rejected", "expired")
@@ -304,7 +304,7 @@ async def threads(request: web.Request) -> web.StreamResponse:
 def _thread_id(text: str | None) -> str | None:
     if text is None or text == "":
         return None
-    if len(text) > MAX_THREAD_ID or not text.isprintable():
+    if not THREAD_ID.fullmatch(text):  # the services' one rule: nothing else is asked for
         raise web.HTTPNotFound(text="not a thread id")
     return text
 

@@ -228,3 +228,23 @@ async def test_a_verification_that_cannot_run_says_so(
     assert (result.exit_code, result.verdict, result.summary) == (2, "could not run", None)
     assert result.error is not None
     assert result.error.startswith("ztate verify: cannot verify:")
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    ["<script>alert(1)</script>", "a\nb", "t" * 129, "..%2F..%2Fetc", "%00", "é"],
+)
+async def test_a_hostile_thread_id_is_refused_before_any_call(
+    console: Running, hostile: str
+) -> None:
+    """The thread box and the timeline's path take only what the services accept as a
+    thread id: anything else is 404, never a call, and never echoed into the page."""
+    await console.sign_in()
+    from urllib.parse import quote
+
+    for url in (f"/threads?thread={quote(hostile)}", f"/threads/{quote(hostile, safe='%')}"):
+        async with console.session.get(f"{console.base}{url}", allow_redirects=False) as got:
+            body = await got.text()
+            assert got.status == 404, (url, got.status)
+        assert "<script>" not in body
+        assert console.backend.calls == []
