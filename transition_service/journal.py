@@ -35,6 +35,7 @@ from ztate.contract.checkpoints import (
 )
 from ztate.contract.errors import CheckpointInvalid
 from ztate.contract.record import HEX_256
+from ztate.services.runtime.thread_ids import THREAD_ID
 
 
 class JournalError(Exception):
@@ -149,6 +150,8 @@ class NotePublisher:
         for checkpoint in signed:
             body = json.loads(checkpoint.checkpoint)  # signed just now, by this process
             thread_id, version = body["thread_id"], body["version"]
+            if not THREAD_ID.fullmatch(thread_id):  # a head row from the database: it names
+                continue  # the file, so a forged id ("../x") must never reach a path
             if thread_id not in latest or version > latest[thread_id][0]:
                 text = note_text(body, self._authority)
                 latest[thread_id] = (version, sign_note(text, self._authority, key))

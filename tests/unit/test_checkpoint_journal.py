@@ -14,11 +14,17 @@ from ztate.contract.checkpoints import (
     checkpoint_line,
     parse_checkpoint_line,
     sign_checkpoint,
+    verify_note,
 )
 from ztate.contract.errors import CheckpointInvalid
 from ztate.contract.keyring import generate_signing_key
 from ztate.services.cli.verify import main as verify_main
-from ztate.transition_service.journal import CheckpointJournal, JournalError, SignedHead
+from ztate.transition_service.journal import (
+    CheckpointJournal,
+    JournalError,
+    NotePublisher,
+    SignedHead,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = Ed25519PrivateKey.generate()
@@ -133,3 +139,26 @@ def test_a_hostile_checkpoints_file_is_a_usage_error_never_a_crash(
     assert code == 2
     assert f"{hostile}: line 1: " in err
     assert "Traceback" not in err
+
+
+def test_notes_keep_the_latest_head_per_thread_and_never_follow_a_forged_id(
+    tmp_path: Path,
+) -> None:
+    """A head row comes from the database, which the signer does not trust: a thread id
+    that is not one ("../escaped", "a/b") names no file; an honest thread keeps only
+    its latest checkpoint's note."""
+    notes = NotePublisher(tmp_path / "notes", "ztate.test")
+    notes.publish(
+        [
+            signed("t-1", 1, "a" * 64),
+            signed("t-1", 2, "b" * 64),
+            signed("../escaped", 1, "c" * 64),
+            signed("a/b", 1, "d" * 64),
+        ],
+        KEY,
+    )
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["thread-t-1.note"]
+    text = verify_note(
+        (tmp_path / "notes" / "thread-t-1.note").read_bytes(), "ztate.test", KEY.public_key()
+    )
+    assert text.startswith(b"ztate.test/ztate/thread/t-1\n3\n")
