@@ -272,11 +272,15 @@ class DecisionPipeline:
         )
         if result.outcome is Approved.NONCE_USED:
             raise errors.ReceiptReplayed("the receipt's nonce was used before")
-        # KEY_TAKEN: a committed request took the idempotency key meanwhile, so this
-        # parked transition can never commit (stale, though not a CAS conflict)
-        if result.outcome in (Approved.HEAD_MOVED, Approved.KEY_TAKEN):
-            if result.outcome is Approved.HEAD_MOVED:
-                self._metrics.cas_conflicts.add(1)  # the head moved since it was parked
+        if result.outcome is Approved.HEAD_MOVED:  # the call closed the row as stale
+            self._metrics.cas_conflicts.add(1)  # the head moved since it was parked
+            raise errors.ApprovalStale(
+                "the thread moved on since the transition was parked; propose again"
+            )
+        # a committed request took the idempotency key meanwhile, so this parked
+        # transition can never commit (stale, though not a CAS conflict); rare, so the
+        # row is closed by a second call
+        if result.outcome is Approved.KEY_TAKEN:
             await self._approvals.close_without_decision([pending], "stale", now)
             raise errors.ApprovalStale(
                 "the thread moved on since the transition was parked; propose again"

@@ -43,6 +43,7 @@ from ztate.transition_service.requests import (
     Proposal,
 )
 from ztate.transition_service.usecase import UseCase, as_stored
+from ztate.transition_service.work import author_node
 
 
 class Propose(UseCase):
@@ -134,6 +135,8 @@ class Propose(UseCase):
             committed_at=now,
             idempotency_key=proposal.idempotency_key,
             request_digest=digest_of_request,
+            # whom the version wakes, recorded by the commit itself (docs/work.md)
+            woken=policy.woken(frozenset(patch), state, author_node(caller.spiffe_id)),
         )
         if result is Commit.COMMITTED:
             self._heads.put(

@@ -28,6 +28,7 @@ from ztate.transition_service.requests import (
     Revert,
 )
 from ztate.transition_service.usecase import UseCase, as_stored
+from ztate.transition_service.work import author_node
 
 
 class RevertThread(UseCase):
@@ -83,6 +84,7 @@ class RevertThread(UseCase):
             committed_at=now,
             idempotency_key=revert.idempotency_key,
             request_digest=digest,
+            woken=policy.woken(frozenset(patch), state, author_node(caller.spiffe_id)),
         )
         if result is not Commit.COMMITTED:
             return await self._revert_lost_race(caller, revert, result)

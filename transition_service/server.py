@@ -26,7 +26,7 @@ from ztate.transition_service.decisions import (
 )
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
-from ztate.transition_service.requests import Committed, Parked, Proposal, Revert
+from ztate.transition_service.requests import Parked, Proposal, Revert
 from ztate.transition_service.watch import Subscription, Watcher
 from ztate.transition_service.work import Work, WorkStream
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
@@ -94,7 +94,9 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         self._work = work
 
     def _committed(self, thread_id: str) -> None:
-        """A new version of ``thread_id``: decide whom it wakes."""
+        """A new version of ``thread_id`` committed without its wakes (a creation, an
+        approved decision): decide whom it wakes. A proposal's and a revert's commits
+        record theirs themselves (migration 0018)."""
         if self._work is not None:
             self._work.waker.committed(thread_id)
 
@@ -145,8 +147,6 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                     await self._pipeline.refused(caller, proposal, refusal)
                     raise
             outcome = await self._pipeline.propose(caller, proposal)
-            if isinstance(outcome, Committed) and not outcome.replayed:
-                self._committed(request.thread_id)
             if epoch and self._work is not None:
                 # the node is done with the version it built on: the lease goes back
                 with contextlib.suppress(errors.LeaseLost):
@@ -281,7 +281,6 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                     idempotency_key=request.idempotency_key,
                 ),
             )
-            self._committed(request.thread_id)
             return transition_pb2.RevertThreadResponse(
                 transition=transition_message(outcome.transition, disclose=True),
                 replayed=outcome.replayed,

@@ -2,12 +2,14 @@
 
 Three parts, one of each per process:
 
-- ``Waker`` decides, after each commit, whom the new versions of a thread wake
-  (the policy's wake declarations, ``Policy.woken``) and records it in
-  ``ztate.node_work`` with the thread's wake mark; it then announces the woken
-  nodes on ``ztate_work`` to every replica. A sweep picks up threads whose head is
-  ahead of their mark (a replica that died between a commit and its wakes, commits
-  made before a node declared a wake), so no commit is left undecided.
+- ``Waker`` decides, after a commit that did not record its wakes itself (a thread's
+  creation, an approved decision; a proposal's and a revert's commit does, migration
+  0018), whom the new versions of a thread wake (the policy's wake declarations,
+  ``Policy.woken``) and records it in ``ztate.node_work`` with the thread's wake mark;
+  it then announces the woken nodes on ``ztate_work`` to every replica. A sweep picks
+  up threads whose head is ahead of their mark (a replica that died between a commit
+  and its wakes, a commit that found the mark elsewhere, commits made before a node
+  declared a wake), so no commit is left undecided.
 - ``WorkDispatcher`` hands work to the SubscribeWork streams of this process: woken
   by the announcements (the process's one LISTEN connection) and every
   ``poll_seconds`` (one query for every subscribed node together, which also finds

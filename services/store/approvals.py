@@ -33,10 +33,13 @@ NONCE_CONSTRAINT = "receipts_nonce_key"
 
 
 class Approved(enum.Enum):
-    """What ``ApprovalStore.commit_approved`` did; only ``COMMITTED`` wrote anything."""
+    """What ``ApprovalStore.commit_approved`` did: ``COMMITTED`` wrote the commit,
+    ``HEAD_MOVED`` only closed the parked row as stale, the others wrote nothing."""
 
     COMMITTED = "committed"
-    HEAD_MOVED = "head moved"  # the thread moved on since the proposal was parked
+    # the thread moved on since the proposal was parked: the parked row is closed as
+    # stale (and announced) in the same call, nothing else written
+    HEAD_MOVED = "head moved"
     KEY_TAKEN = "key taken"  # a committed request took its idempotency key meanwhile
     NONCE_USED = "nonce used"  # the receipt's nonce authorised something before
     NOT_PENDING = "not pending"  # decided, expired or made stale meanwhile
@@ -99,19 +102,12 @@ UPDATE ztate.pending_transitions SET status = $3, decided_at = $4
 RETURNING digest
 """
 
-USE_RECEIPT = """
-INSERT INTO ztate.receipts (receipt_digest, transition_digest, decision, nonce, receipt,
-                            signature, key_id, applied_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-"""
+# A decision that does not commit, in one call each (migration 0017); like an approved
+# commit, they run on the coordinator and send each statement where it belongs.
+CLOSE_REJECTED = "SELECT ztate.close_rejected($1, $2, $3, $4, $5, $6, $7, $8)"
+CLOSE_REFUSED = "SELECT ztate.close_refused($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 
 ANNOUNCE = "SELECT pg_notify('ztate_outcomes', d) FROM unnest($1::text[]) AS d"
-
-RECORD_REFUSAL = """
-INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, keys,
-                              patch_digest, patch_bytes, message)
-VALUES ($1, $2, $3, $4, $5, $6, NULL, NULL, $7)
-"""
 
 
 async def announce(conn: PoolConnectionProxy[asyncpg.Record], digests: list[str]) -> None:
@@ -157,7 +153,7 @@ class ApprovalStore:
         committed_at: datetime,
     ) -> ApprovedCommit:
         """Commit a parked transition under its receipt, in one transaction that
-        first locks the parked row; every outcome but ``COMMITTED`` wrote nothing."""
+        first locks the parked row (see ``Approved`` for what each outcome wrote)."""
         record = sealed.record
         try:
             row = await self._pool.fetchrow(
@@ -219,55 +215,44 @@ class ApprovalStore:
     async def close_rejected(
         self, pending: PendingTransition, receipt: SignedReceipt, nonce: str, at: datetime
     ) -> bool:
-        """Record a rejection; False if the transition was no longer pending.
+        """Record a rejection in one call (migration 0017); False if the transition was no
+        longer pending (nothing written).
 
         Raises ``asyncpg.UniqueViolationError`` if the receipt's nonce was used."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            closed = await conn.fetchval(
-                CLOSE_PENDING, pending.thread_id, pending.digest, "rejected", at
-            )
-            if closed is None:
-                return False
-            await conn.execute(
-                USE_RECEIPT,
-                receipt.digest,
-                pending.digest,
-                "reject",
-                nonce,
-                receipt.receipt_bytes,
-                receipt.signature,
-                receipt.key_id,
-                at,
-            )
-            await announce(conn, [pending.digest])
-            return True
+        closed: bool = await self._pool.fetchval(
+            CLOSE_REJECTED,
+            pending.thread_id,
+            pending.digest,
+            at,
+            receipt.digest,
+            nonce,
+            receipt.receipt_bytes,
+            receipt.signature,
+            receipt.key_id,
+        )
+        return closed
 
     @translated
     async def close_refused(
         self, pending: PendingTransition, rejection: Rejection, at: datetime
     ) -> bool:
         """Close an approved transition the policy no longer allows, recording why, in
-        one transaction (a woken waiter always finds the reason); False if it was no
-        longer pending (nothing written)."""
+        one call (migration 0017: a woken waiter always finds the reason); False if it
+        was no longer pending (nothing written)."""
         safe = storable_rejection(rejection)
-        async with self._pool.acquire() as conn, conn.transaction():
-            closed = await conn.fetchval(
-                CLOSE_PENDING, pending.thread_id, pending.digest, "refused", at
-            )
-            if closed is None:
-                return False
-            await conn.execute(
-                RECORD_REFUSAL,
-                safe.method,
-                safe.node_id,
-                safe.thread_id,
-                safe.base_version,
-                safe.reason,
-                list(safe.keys),
-                safe.message,
-            )
-            await announce(conn, [pending.digest])
-            return True
+        closed: bool = await self._pool.fetchval(
+            CLOSE_REFUSED,
+            pending.thread_id,
+            pending.digest,
+            at,
+            safe.method,
+            safe.node_id,
+            safe.base_version,
+            safe.reason,
+            list(safe.keys),
+            safe.message,
+        )
+        return closed
 
     @translated
     async def close_without_decision(

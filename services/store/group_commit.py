@@ -9,7 +9,8 @@ that arrive meanwhile wait, and the next free slot sends them all (up to
 one WAL flush for the lot.
 
 Inside that statement every row keeps its own outcome, exactly the one-row statement's:
-its own compare-and-swap on its thread's version and digest, its own idempotency key
+its own compare-and-swap on its thread's version and digest (and, when it commits, the
+nodes it wakes and its thread's wake mark, migration 0018), its own idempotency key
 (taken by a committed request: ``KEY_TAKEN``; by a parked one: the CAS refuses it), so
 one stale row never fails another. A batch holds at most one commit per thread (a
 second waits for the next batch, as it would have lost the race anyway or follows the
@@ -36,9 +37,22 @@ import asyncpg
 
 from ztate.services.store.interface import Commit
 
-# One row's parameters, in COMMIT's order ($1..$13).
+# One row's parameters, in COMMIT's order ($1..$14; the last: the nodes it wakes).
 CommitArgs = tuple[
-    str, int, int, str, bytes, str, str, str, str, datetime, bytes, str | None, str | None
+    str,
+    int,
+    int,
+    str,
+    bytes,
+    str,
+    str,
+    str,
+    str,
+    datetime,
+    bytes,
+    str | None,
+    str | None,
+    list[str],
 ]
 
 GROUP_COMMIT = """
@@ -83,6 +97,22 @@ WITH input AS (
            i.record, i.state, i.idempotency_key, i.request_digest, i.committed_at
       FROM input i JOIN head h ON h.thread_id = i.thread_id
     RETURNING thread_id
+), woke AS (
+    -- the nodes each committed row wakes ($14: the row's ordinal, $15: the node), and
+    -- its thread's wake mark, as ztate.commit_transition records them (migration 0018)
+    INSERT INTO ztate.node_work AS w (thread_id, node, wake_version)
+    SELECT i.thread_id, k.node, i.version
+      FROM unnest($14::bigint[], $15::text[]) AS k(n, node)
+      JOIN input i ON i.n = k.n
+      JOIN head h ON h.thread_id = i.thread_id
+    ON CONFLICT (thread_id, node) DO UPDATE
+       SET wake_version = greatest(w.wake_version, excluded.wake_version)
+    RETURNING 1
+), marked AS (
+    UPDATE ztate.wake_marks m SET evaluated_version = i.version
+      FROM input i JOIN head h ON h.thread_id = i.thread_id
+     WHERE m.thread_id = i.thread_id AND m.evaluated_version = i.expected
+    RETURNING 1
 )
 SELECT i.n,
        EXISTS (SELECT 1 FROM appended a WHERE a.thread_id = i.thread_id) AS committed,
@@ -193,9 +223,13 @@ class GroupCommitter:
         return await self._single(args)
 
     async def _together(self, batch: list[_Waiting]) -> list[Outcome]:
-        columns = list(zip(*(waiting.args for waiting in batch), strict=True))
+        # a row's first 13 arguments unnest as columns; its wakes (the 14th) are flattened
+        columns = list(zip(*(waiting.args[:13] for waiting in batch), strict=True))
+        woken = [(n, node) for n, w in enumerate(batch, start=1) for node in w.args[13]]
         try:
-            rows = await self._pool.fetch(GROUP_COMMIT, *columns)
+            rows = await self._pool.fetch(
+                GROUP_COMMIT, *columns, [n for n, _ in woken], [node for _, node in woken]
+            )
         except asyncpg.PostgresError:
             # one row's failure (a key taken since the snapshot, a constraint) must stay
             # that row's: each commits again alone, in the one-row statement

@@ -156,9 +156,12 @@ class TransitionStore(Protocol):
         committed_at: datetime,
         idempotency_key: str,
         request_digest: str,
+        woken: Sequence[str] = (),
     ) -> Commit:
         """Compare-and-swap the head from ``expected_version`` (and the record's
-        parent digest) to the record's version, and append the record, atomically.
+        parent digest) to the record's version, append the record, and record the
+        work of the ``woken`` nodes (advancing the thread's wake mark from
+        ``expected_version``), atomically; the woken nodes are announced after.
         ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was elsewhere (or the
         thread does not exist); nothing was written. ``KEY_TAKEN``: this node already
         used ``idempotency_key`` on this thread, committed or parked; nothing was

@@ -46,6 +46,7 @@ from ztate.services.store.rows import (
     StoredTransition,
     VersionState,
 )
+from ztate.services.store.work import announce_work
 
 log = logging.getLogger("ztate.store")
 POOL_CLOSE_SECONDS = 10.0  # then the connections still held are terminated
@@ -61,12 +62,15 @@ MAX_BATCH = 64
 # On Citus, commits leave one row each (PostgresTransitionStore.open).
 ON_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')"
 
-# The commit (migration 0016): the compare-and-swap on the head and the ledger insert,
-# one call. NULL: the head was not at the expected version and digest (nothing written);
-# otherwise whether some replica watches the thread (announce_commit). On Citus the
-# function is distributed by its first argument: the call runs on the worker holding the
-# thread, as one local transaction (docs/scale-out.md).
-COMMIT = "SELECT ztate.commit_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+# The commit (migrations 0016 and 0018): the compare-and-swap on the head, the ledger
+# insert and the nodes the version wakes with the thread's wake mark, one call. NULL: the
+# head was not at the expected version and digest (nothing written); otherwise whether
+# some replica watches the thread (announce_commit). On Citus the function is
+# distributed by its first argument: the call runs on the worker holding the thread, as
+# one local transaction (docs/scale-out.md).
+COMMIT = (
+    "SELECT ztate.commit_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+)
 
 CREATE_THREAD = """
 WITH head AS (
@@ -318,9 +322,11 @@ class PostgresTransitionStore:
         committed_at: datetime,
         idempotency_key: str,
         request_digest: str,
+        woken: Sequence[str] = (),
     ) -> Commit:
-        """In one statement: the compare-and-swap and the ledger insert; with the commits
-        that arrive meanwhile, when every commit slot is busy (``group_commit``)."""
+        """In one statement: the compare-and-swap, the ledger insert and the nodes the
+        version wakes; with the commits that arrive meanwhile, when every commit slot is
+        busy (``group_commit``). The woken nodes are announced once it committed."""
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
         outcome = await self._committer.commit(
@@ -338,11 +344,15 @@ class PostgresTransitionStore:
                 sealed.record_bytes,
                 idempotency_key,
                 request_digest,
+                list(woken),
             )
         )
         self._metrics.commit_duration.record(time.perf_counter() - started)
-        if outcome.commit is Commit.COMMITTED and outcome.watched:
-            await announce_commit(self._pool, record["thread_id"])
+        if outcome.commit is Commit.COMMITTED:
+            if outcome.watched:
+                await announce_commit(self._pool, record["thread_id"])
+            if woken:
+                await announce_work(self._pool, woken)
         return outcome.commit
 
     async def _commit_alone(self, args: CommitArgs) -> CommitOutcome:

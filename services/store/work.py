@@ -19,6 +19,7 @@ import orjson
 from ztate.services.store.boundary import translated
 
 WORK_CHANNEL = "ztate_work"
+ANNOUNCE_WORK = "SELECT pg_notify($1, n) FROM unnest($2::text[]) AS n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +220,10 @@ class WorkStore:
     @translated
     async def announce(self, nodes: Sequence[str]) -> None:
         """Tell every replica's dispatcher that these nodes have new work."""
-        await self._pool.execute(
-            "SELECT pg_notify($1, n) FROM unnest($2::text[]) AS n", WORK_CHANNEL, list(nodes)
-        )
+        await announce_work(self._pool, nodes)
+
+
+async def announce_work(pool: asyncpg.Pool, nodes: Sequence[str]) -> None:
+    """Tell every replica's dispatcher (its LISTEN on ``ztate_work``) that ``nodes`` have
+    new work; sent after the commit that recorded it, by a coordinator session."""
+    await pool.execute(ANNOUNCE_WORK, WORK_CHANNEL, list(nodes))

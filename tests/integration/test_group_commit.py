@@ -26,8 +26,10 @@ from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.interface import Commit
 from ztate.services.store.transitions import PostgresTransitionStore, keep_session
+from ztate.services.store.work import WorkStore
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.requests import Committed, Proposal
+from ztate.transition_service.work import Waker
 from ztate.worker_sdk import encode_json
 
 OPERATOR = Identity(TRUST_DOMAIN, Role.OPERATOR, "admin")
@@ -190,3 +192,70 @@ async def test_the_same_request_twice_in_a_burst_is_replayed(
     assert (first.replayed, second.replayed) == (False, True)
     assert first.transition.digest == second.transition.digest
     assert (await ledger.snapshot(threads[1])).transitions == 2  # committed once
+
+
+async def test_a_burst_records_each_rows_wakes_in_its_transaction(
+    pools: list[asyncpg.Pool],
+    settings: Settings,
+    keyring: Keyring,
+    database_dsn: str,
+) -> None:
+    """Migration 0018 in the batch statement: each committed row records the nodes its
+    version wakes and advances its thread's wake mark, in the batch's one transaction;
+    a row that wakes no one records no work, and a stale row records nothing."""
+    ours, other_replica = (
+        pipeline(pools[0], settings, keyring),
+        pipeline(pools[1], settings, keyring),
+    )
+    waker = Waker(WorkStore(pools[0]), PolicySet.load(settings.policy_path))
+    threads = [new_thread_id() for _ in range(6)]
+    for thread_id in threads:
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+        await waker.evaluate(thread_id)  # the creation's decision: each mark at 0
+    stale = threads[5]
+    moved = await other_replica.propose(PARSER, proposal(stale, 0, "elsewhere"))
+    assert isinstance(moved, Committed)
+    # even rows and the stale one would wake the planner (an action); odd ones do not
+    # (action 'none')
+    actions = ["refund" if n % 2 == 0 or n == 5 else "none" for n in range(len(threads))]
+
+    outcomes = await asyncio.gather(
+        *(
+            ours.propose(
+                PARSER,
+                Proposal(t, 0, encode_json({"requested_action": act(t, a)}), f"burst-{t}"),
+            )
+            for t, a in zip(threads, actions, strict=True)
+        ),
+        return_exceptions=True,
+    )
+
+    assert isinstance(outcomes[5], errors.StaleVersion)
+    assert all(isinstance(o, Committed) for o in outcomes[:5]), outcomes
+    conn = await asyncpg.connect(database_dsn)
+    try:
+        work = await conn.fetch(
+            "SELECT w.thread_id, w.xmin::text::bigint AS txid FROM ztate.node_work w "
+            "WHERE w.thread_id = ANY($1) AND w.node = 'planner'",
+            threads,
+        )
+        marks = await conn.fetch(
+            "SELECT thread_id, evaluated_version FROM ztate.wake_marks WHERE thread_id = ANY($1)",
+            threads,
+        )
+    finally:
+        await conn.close()
+    woke = {r["thread_id"]: r["txid"] for r in work}
+    # the stale thread's planner was woken by the other replica's commit (an action):
+    # the refused row, though it would wake it too, wrote nothing (its transaction
+    # would be the burst's)
+    assert sorted(woke) == sorted([threads[0], threads[2], threads[4], stale])
+    # the first left alone; the others of the burst in one statement, their work with them
+    burst_txids = await inserting_transactions(database_dsn, threads[1:5], 1)
+    assert len(set(burst_txids)) == 1
+    assert woke[threads[2]] == woke[threads[4]] == burst_txids[0]
+    assert woke[threads[0]] == (await inserting_transactions(database_dsn, threads[:1], 1))[0]
+    assert woke[stale] == (await inserting_transactions(database_dsn, [stale], 1))[0]
+    assert woke[stale] != burst_txids[0]
+    # every thread's mark moved to version 1 with the commit that made it
+    assert {r["thread_id"]: r["evaluated_version"] for r in marks} == {t: 1 for t in threads}

@@ -8,11 +8,15 @@ logged statement is one round trip. Issue 19's budgets: a stale proposal at most
 trips (it was 4: head, key look-up, parked look-up, rejection), a lost compare-and-swap
 race at most 2 (it was 5: commit, head version, two look-ups, rejection). Issue 20's: an
 approving ApplyDecision at most 3 (it was 11: parked row, nonce, head, candidate state,
-BEGIN, lock, commit, receipt, announcement, COMMIT, head again).
+BEGIN, lock, commit, receipt, announcement, COMMIT, head again), and so every other
+ApplyDecision outcome: a rejection, an approval the policy now refuses, an approval whose
+thread moved on (each was 6 or 7: the lookup, then a transaction of four or five
+statements; migration 0017 makes each one call).
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -26,7 +30,7 @@ from tests.citus.lanes import LANES, lane_database
 from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, new_thread_id
 from ztate.contract.canonical import canonical_bytes
 from ztate.contract.keyring import Keyring, generate_signing_key, load_public_keys, load_signing_key
-from ztate.contract.receipts import build_receipt, sign_receipt
+from ztate.contract.receipts import SignedReceipt, build_receipt, sign_receipt
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
@@ -34,12 +38,14 @@ from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.migrate import migrate
 from ztate.services.store.transitions import COMMIT, PostgresTransitionStore, keep_session
+from ztate.services.store.work import ANNOUNCE_WORK, WorkStore
 from ztate.transition_service.decisions import APPROVAL_SERVICE_NAME, DecisionPipeline
 from ztate.transition_service.decisions import Outcome as DecidedOutcome
 from ztate.transition_service.heads import HeadCache
 from ztate.transition_service.outcomes import OutcomeListener
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.requests import Committed, Parked, Proposal
+from ztate.transition_service.work import Waker
 from ztate.worker_sdk import encode_json
 
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"  # a sensitive change: parked
@@ -173,18 +179,28 @@ PLANNER = Identity(TRUST_DOMAIN, Role.NODE, "planner")
 APPROVAL_SERVICE = Identity(TRUST_DOMAIN, Role.SERVICE, APPROVAL_SERVICE_NAME)
 
 
-async def test_an_approved_decision_costs_at_most_three_round_trips(
-    replicas: tuple[Counted, Counted],
-    ledger: Ledger,
+@dataclass
+class Decided:
+    """A parked transition, the receipt that decides it, and a decision pipeline over the
+    first replica's counted pool."""
+
+    thread_id: str
+    parked: Parked
+    receipt: SignedReceipt
+    decisions: DecisionPipeline
+
+
+async def park_and_decide(
+    first: Counted,
     lane_dsn: str,
     keyring: Keyring,
     settings: Settings,
     tmp_path: Path,
-) -> None:
-    """ApplyDecision of an approving receipt: the lookup by the receipt's thread (the
-    parked row, its candidate state, the head, the nonce) and the commit call (lock,
-    compare-and-swap, status, ledger record, receipt, announcements). It was 11."""
-    first, _ = replicas
+    decision: str,
+    policies: PolicySet | None = None,
+) -> Decided:
+    """Park a sensitive change by the planner and sign a receipt deciding it; the decision
+    pipeline judges it under ``policies`` (the service's by default)."""
     thread_id = new_thread_id()
     await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
     parked = await first.pipeline.propose(
@@ -199,7 +215,7 @@ async def test_an_approved_decision_costs_at_most_three_round_trips(
             transition_digest=parked.pending.digest,
             thread_id=thread_id,
             base_version=0,
-            decision="approve",
+            decision=decision,
             reviewers=[f"spiffe://{TRUST_DOMAIN}/reviewer/alice"],
             issued_at=now,
             expires_at=now + timedelta(minutes=5),
@@ -214,15 +230,185 @@ async def test_an_approved_decision_costs_at_most_three_round_trips(
         public_keys=load_public_keys(tmp_path / "a.json"),
         heads=HeadCache(16),
         listener=OutcomeListener(lane_dsn, settings.db_role),  # not started: unused
-        policies=PolicySet.load(settings.policy_path),
+        policies=policies or PolicySet.load(settings.policy_path),
     )
+    return Decided(thread_id, parked, receipt, decisions)
+
+
+async def decided_rows(lane_dsn: str, digest: str) -> tuple[str, list[str]]:
+    """The parked row's status and the decisions of the receipts recorded for it."""
+    conn = await asyncpg.connect(lane_dsn)
+    try:
+        status = await conn.fetchval(
+            "SELECT status FROM ztate.pending_transitions WHERE digest = $1", digest
+        )
+        receipts = await conn.fetch(
+            "SELECT decision FROM ztate.receipts WHERE transition_digest = $1", digest
+        )
+    finally:
+        await conn.close()
+    return str(status), [r["decision"] for r in receipts]
+
+
+async def test_an_approved_decision_costs_at_most_three_round_trips(
+    replicas: tuple[Counted, Counted],
+    ledger: Ledger,
+    lane_dsn: str,
+    keyring: Keyring,
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """ApplyDecision of an approving receipt: the lookup by the receipt's thread (the
+    parked row, its candidate state, the head, the nonce) and the commit call (lock,
+    compare-and-swap, status, ledger record, receipt, announcements). It was 11."""
+    first, _ = replicas
+    case = await park_and_decide(first, lane_dsn, keyring, settings, tmp_path, "approve")
 
     first.reset()
-    resolution = await decisions.apply(APPROVAL_SERVICE, receipt)
+    resolution = await case.decisions.apply(APPROVAL_SERVICE, case.receipt)
 
     assert resolution.outcome is DecidedOutcome.COMMITTED
     assert len(first.statements) <= APPLY_DECISION_BUDGET, first.statements
-    rows = await ledger.rows(thread_id)
+    rows = await ledger.rows(case.thread_id)
     assert [r["version"] for r in rows] == [0, 1]
-    assert rows[1]["receipt"] == receipt.receipt_bytes
-    assert (await ledger.snapshot(thread_id)).head_version == 1
+    assert rows[1]["receipt"] == case.receipt.receipt_bytes
+    assert (await ledger.snapshot(case.thread_id)).head_version == 1
+
+
+async def test_a_rejecting_decision_costs_at_most_three_round_trips(
+    replicas: tuple[Counted, Counted],
+    ledger: Ledger,
+    lane_dsn: str,
+    keyring: Keyring,
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """A rejection: the lookup and one call (status, receipt, announcement). It was 6
+    (the lookup, then BEGIN, status, receipt, announcement, COMMIT)."""
+    first, _ = replicas
+    case = await park_and_decide(first, lane_dsn, keyring, settings, tmp_path, "reject")
+
+    first.reset()
+    resolution = await case.decisions.apply(APPROVAL_SERVICE, case.receipt)
+
+    assert resolution.outcome is DecidedOutcome.REJECTED
+    assert len(first.statements) <= APPLY_DECISION_BUDGET, first.statements
+    digest = case.parked.pending.digest
+    assert await decided_rows(lane_dsn, digest) == ("rejected", ["reject"])
+    assert [r["version"] for r in await ledger.rows(case.thread_id)] == [0]  # nothing committed
+    # the nonce is spent all the same: the same receipt again is a replay, nothing written
+    with pytest.raises(errors.ReceiptReplayed):
+        await case.decisions.apply(APPROVAL_SERVICE, case.receipt)
+    assert await decided_rows(lane_dsn, digest) == ("rejected", ["reject"])
+
+
+async def test_an_approval_the_policy_now_refuses_costs_at_most_three_round_trips(
+    replicas: tuple[Counted, Counted],
+    ledger: Ledger,
+    lane_dsn: str,
+    keyring: Keyring,
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """An approval of a change the policy in force no longer allows (the planner lost
+    target_user_id): the lookup and one call (status, rejection row, announcement). It
+    was 6."""
+    first, _ = replicas
+    tightened = tmp_path / "tightened"
+    shutil.copytree(settings.policy_path, tightened)
+    policy = tightened / "pipeline.yaml"
+    text = policy.read_text()
+    assert text.count("write: [pending_transition, target_user_id]") == 1
+    policy.write_text(text.replace("write: [pending_transition, target_user_id]", "write: []"))
+    case = await park_and_decide(
+        first, lane_dsn, keyring, settings, tmp_path, "approve", PolicySet.load(tightened)
+    )
+
+    first.reset()
+    resolution = await case.decisions.apply(APPROVAL_SERVICE, case.receipt)
+
+    assert (resolution.outcome, resolution.reason) == (DecidedOutcome.REFUSED, "KEY_NOT_WRITABLE")
+    assert len(first.statements) <= APPLY_DECISION_BUDGET, first.statements
+    assert await decided_rows(lane_dsn, case.parked.pending.digest) == ("refused", [])
+    refusals = await ledger.rejections(case.thread_id)
+    assert [(r["method"], r["reason"], r["keys"]) for r in refusals] == [
+        ("ApplyDecision", "KEY_NOT_WRITABLE", ["target_user_id"])
+    ]
+    assert [r["version"] for r in await ledger.rows(case.thread_id)] == [0]  # nothing committed
+
+
+async def test_an_approval_after_the_thread_moved_costs_at_most_three_round_trips(
+    replicas: tuple[Counted, Counted],
+    ledger: Ledger,
+    lane_dsn: str,
+    keyring: Keyring,
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """An approval whose thread moved on since the change was parked: the lookup and the
+    commit call, which loses its compare-and-swap and closes the parked row as stale. It
+    was 7 (a second transaction closed the row)."""
+    first, second = replicas
+    case = await park_and_decide(first, lane_dsn, keyring, settings, tmp_path, "approve")
+    moved = await second.pipeline.propose(PARSER, proposal(case.thread_id, 0, "k-moved"))
+    assert isinstance(moved, Committed)
+
+    first.reset()
+    with pytest.raises(errors.ApprovalStale):
+        await case.decisions.apply(APPROVAL_SERVICE, case.receipt)
+
+    assert len(first.statements) <= APPLY_DECISION_BUDGET, first.statements
+    assert await decided_rows(lane_dsn, case.parked.pending.digest) == ("stale", [])
+    rows = await ledger.rows(case.thread_id)
+    assert [(r["version"], r["receipt"]) for r in rows] == [(0, None), (1, None)]  # the parser's
+
+
+async def work_rows(lane_dsn: str, thread_id: str) -> tuple[list[tuple[str, int]], int | None]:
+    """The nodes with work on the thread (node, wake version) and its wake mark."""
+    conn = await asyncpg.connect(lane_dsn)
+    try:
+        work = await conn.fetch(
+            "SELECT node, wake_version FROM ztate.node_work WHERE thread_id = $1 ORDER BY node",
+            thread_id,
+        )
+        mark = await conn.fetchval(
+            "SELECT evaluated_version FROM ztate.wake_marks WHERE thread_id = $1", thread_id
+        )
+    finally:
+        await conn.close()
+    return [(r["node"], r["wake_version"]) for r in work], mark
+
+
+async def test_a_commit_records_whom_it_wakes_in_its_own_statement(
+    replicas: tuple[Counted, Counted], lane_dsn: str, settings: Settings
+) -> None:
+    """Migration 0018: a proposal's commit records the nodes its version wakes and
+    advances the thread's wake mark in the commit statement itself. A version that
+    wakes no one costs that one statement; one that wakes a node, the announcement
+    after it. Before, the service decided every commit's wakes in the background with
+    three more round trips and a transaction of their own."""
+    first, _ = replicas
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    waker = Waker(WorkStore(first.pool), PolicySet.load(settings.policy_path))
+    # the creation's decision, in the background: its raw_text wakes the parser
+    assert await waker.evaluate(thread_id) == ["input-parser"]
+    assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0)], 0)
+
+    first.reset()  # the planner is woken only by an action other than 'none'
+    quiet = await first.pipeline.propose(
+        PARSER,
+        Proposal(thread_id, 0, encode_json({"requested_action": act("q", "none")}), "k-q"),
+    )
+    assert isinstance(quiet, Committed)
+    assert first.statements == [COMMIT]
+    assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0)], 1)
+
+    first.reset()
+    waking = await first.pipeline.propose(PARSER, proposal(thread_id, 1, "k-w"))
+    assert isinstance(waking, Committed)
+    assert first.statements == [COMMIT, ANNOUNCE_WORK]
+    assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0), ("planner", 2)], 2)
+    # nothing is left for the background decision
+    assert await waker.evaluate(thread_id) == []
+    assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0), ("planner", 2)], 2)

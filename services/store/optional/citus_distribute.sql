@@ -58,7 +58,7 @@ BEGIN
 END;
 $$;
 
--- The calls of a worker's request (migration 0016), distributed by their thread id and
+-- The calls of a worker's request (migrations 0016 and 0018), distributed by their thread id and
 -- co-located with ztate.threads: Citus delegates each call, made outside a transaction
 -- block, to the worker holding the thread's shard group, where it runs as one local
 -- transaction (no intermediate results, no two-phase commit).
@@ -68,7 +68,7 @@ DECLARE
 BEGIN
     FOREACH call IN ARRAY ARRAY[
         'ztate.commit_transition(text, bigint, bigint, text, bytea, text, text, text, text,
-                                 timestamptz, bytea, text, text)'::regprocedure,
+                                 timestamptz, bytea, text, text, text[])'::regprocedure,
         'ztate.park_transition(text, text, bigint, text, text, bytea, bytea, text[], text,
                                text, timestamptz, text[], integer)'::regprocedure] LOOP
         IF NOT EXISTS (SELECT 1 FROM pg_dist_object
