@@ -135,6 +135,7 @@ def commit_args(
         payload.record_bytes,
         digest[:32],
         digest[32:],
+        [],  # a version that wakes no node, as ztate's 1 KB receipt
     )
 
 

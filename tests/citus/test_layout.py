@@ -113,6 +113,10 @@ async def test_the_commit_is_one_round_trip_to_one_worker(
             "WHERE shardid = get_shard_id_for_distribution_column('ztate.threads', $1::text)",
             thread_id,
         )
+        await conn.execute(
+            "INSERT INTO ztate.wake_marks (thread_id, evaluated_version) VALUES ($1, 0)",
+            thread_id,
+        )
         await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
         per_commit: list[list[str]] = []
         parent = "0" * 64
@@ -121,7 +125,7 @@ async def test_the_commit_is_one_round_trip_to_one_worker(
             digest = f"{version:064d}"
             watched = await conn.fetchval(
                 COMMIT, thread_id, version - 1, version, digest, b"{}", parent, "n", "k",
-                "a" * 64, datetime.now(UTC), b"{}", f"i-{version}", "r",
+                "a" * 64, datetime.now(UTC), b"{}", f"i-{version}", "r", ["planner"],
             )  # fmt: skip
             assert watched is False  # committed, and no replica watches the thread
             parent = digest
@@ -129,9 +133,19 @@ async def test_the_commit_is_one_round_trip_to_one_worker(
         head = await conn.fetchval(
             "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id
         )
+        await conn.execute("SET citus.log_remote_commands = off")
+        work = await conn.fetch(
+            "SELECT node, wake_version FROM ztate.node_work WHERE thread_id = $1", thread_id
+        )
+        mark = await conn.fetchval(
+            "SELECT evaluated_version FROM ztate.wake_marks WHERE thread_id = $1", thread_id
+        )
     finally:
         await conn.close()
     assert head == 7
+    # the nodes each version woke and the wake mark, written by the same call (0018)
+    assert [(r["node"], r["wake_version"]) for r in work] == [("planner", 7)]
+    assert mark == 7
     for sent in per_commit:
         assert len(sent) == 1, sent  # one command: the call itself
         assert "ztate.commit_transition(" in sent[0], sent
@@ -157,7 +171,7 @@ async def test_a_commit_that_loses_its_race_writes_nothing_on_the_cluster(
         )
         lost = await conn.fetchval(
             COMMIT, thread_id, 3, 4, "4" * 64, b"{}", "0" * 64, "n", "k",
-            "a" * 64, datetime.now(UTC), b"{}", "i-lost", "r",
+            "a" * 64, datetime.now(UTC), b"{}", "i-lost", "r", ["planner"],
         )  # fmt: skip
         head = await conn.fetchval(
             "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id
@@ -165,10 +179,13 @@ async def test_a_commit_that_loses_its_race_writes_nothing_on_the_cluster(
         ledger = await conn.fetchval(
             "SELECT count(*) FROM ztate.transitions WHERE thread_id = $1", thread_id
         )
+        work = await conn.fetchval(
+            "SELECT count(*) FROM ztate.node_work WHERE thread_id = $1", thread_id
+        )
     finally:
         await conn.close()
     assert lost is None
-    assert (head, ledger) == (0, 0)
+    assert (head, ledger, work) == (0, 0, 0)  # nor the node it would have woken
 
 
 async def remote_commands(

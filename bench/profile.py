@@ -1,0 +1,127 @@
+"""Profile ``ztate serve`` under the end-to-end load: ``python -m bench.profile``.
+
+Starts what the end-to-end measurement (c) starts (an embedded Postgres, a throw-away
+PKI and keyring, a fresh migrated database, ``ztate serve`` as a child process), drives
+it with ``--concurrency`` closed-loop proposers of the bench's 1 KB patch, and records
+the server with py-spy (``pip install py-spy``; ``--nonblocking``, native frames
+included) for ``--seconds``. Writes the raw collapsed stacks to ``--out`` and prints
+the share of samples under the functions that matter most, so a change to the commit
+path can be judged by where the server's time goes (docs/performance.md, "The
+profile"). Not part of ``make bench``: py-spy needs ptrace rights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import uvloop
+
+from bench.end_to_end import measure_ztate
+from bench.environment import (
+    bench_database,
+    make_keyring,
+    make_pki,
+    postgres_server,
+    temporary_folder,
+    wait_until_serving,
+)
+from bench.end_to_end import health_check, ztate_service
+from bench.workload import receipt_patch
+from ztate.worker_sdk import encode_json
+
+DB_ROLE = "ztate_transition"
+
+
+def shares(collapsed: Path, top: int) -> list[str]:
+    """The ``top`` frames by inclusive share of samples (a frame counted once a stack)."""
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.read_text(encoding="utf-8", errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        for frame in set(stack.split(";")):
+            inclusive[frame] += count
+    lines = [f"{total} samples"]
+    for frame, count in inclusive.most_common(top):
+        lines.append(f"{100 * count / max(total, 1):5.1f}%  {frame[:150]}")
+    return lines
+
+
+async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list[str]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    async with AsyncExitStack() as stack:
+        root = stack.enter_context(temporary_folder())
+        keyring_file = make_keyring(root)
+        server_dsn, postmaster_pid = stack.enter_context(postgres_server(root))
+        database = await stack.enter_async_context(
+            bench_database(server_dsn, postmaster_pid, DB_ROLE)
+        )
+        pki = make_pki(root / "pki")
+        service = stack.enter_context(
+            ztate_service(
+                dsn=database.dsn,
+                home=root / "home",
+                pki=pki,
+                keyring_file=keyring_file,
+                log=root / "ztate-serve.log",
+            )
+        )
+        await wait_until_serving(service, lambda: health_check(service.target, pki.operator))
+        patch_json = encode_json(receipt_patch(1024))
+        recorder = subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--nonblocking",
+                "--native",
+                "-r",
+                "250",
+                "-f",
+                "raw",
+                "-d",
+                str(int(seconds)),
+                "-o",
+                str(out),
+                "-p",
+                str(service.process.pid),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        sample = await measure_ztate(
+            service,
+            pki,
+            patch_json,
+            concurrency=concurrency,
+            warmup=0.5,
+            duration=seconds + 1.0,
+            meters={},
+        )
+        await asyncio.to_thread(recorder.wait)
+    return [f"{sample.rate:,.0f} commits/s at c={concurrency}", *shares(out, top)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=Path("ztate-serve.profile.txt"))
+    parser.add_argument("--top", type=int, default=60)
+    options = parser.parse_args(argv)
+    lines = uvloop.run(profile(options.concurrency, options.seconds, options.out, options.top))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
