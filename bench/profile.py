@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import subprocess
 import sys
 from collections import Counter
 from contextlib import AsyncExitStack
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import uvloop
 
-from bench.end_to_end import measure_ztate
+from bench.end_to_end import health_check, measure_ztate, ztate_service
 from bench.environment import (
     bench_database,
     make_keyring,
@@ -32,7 +31,6 @@ from bench.environment import (
     temporary_folder,
     wait_until_serving,
 )
-from bench.end_to_end import health_check, ztate_service
 from bench.workload import receipt_patch
 from ztate.worker_sdk import encode_json
 
@@ -78,25 +76,23 @@ async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list
         )
         await wait_until_serving(service, lambda: health_check(service.target, pki.operator))
         patch_json = encode_json(receipt_patch(1024))
-        recorder = subprocess.Popen(
-            [
-                spy,
-                "record",
-                "--nonblocking",
-                "--native",
-                "-r",
-                "250",
-                "-f",
-                "raw",
-                "-d",
-                str(int(seconds)),
-                "-o",
-                str(out),
-                "-p",
-                str(service.process.pid),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        recorder = await asyncio.create_subprocess_exec(
+            spy,
+            "record",
+            "--nonblocking",
+            "--native",
+            "-r",
+            "250",
+            "-f",
+            "raw",
+            "-d",
+            str(int(seconds)),
+            "-o",
+            str(out),
+            "-p",
+            str(service.process.pid),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
         )
         sample = await measure_ztate(
             service,
@@ -107,7 +103,7 @@ async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list
             duration=seconds + 1.0,
             meters={},
         )
-        await asyncio.to_thread(recorder.wait)
+        await recorder.wait()
     return [f"{sample.rate:,.0f} commits/s at c={concurrency}", *shares(out, top)]
 
 
