@@ -37,9 +37,18 @@ from ztate.worker_sdk import encode_json
 DB_ROLE = "ztate_transition"
 
 
+def _function(frame: str) -> str:
+    """``name (file:line)`` without its line: one entry a function."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rsplit(':', 1)[0]})" if where else name
+
+
 def shares(collapsed: Path, top: int) -> list[str]:
-    """The ``top`` frames by inclusive share of samples (a frame counted once a stack)."""
+    """The ``top`` functions by inclusive share of samples (counted once a stack), then
+    by self share (the innermost Python frame: with --nonblocking, native time such as
+    gRPC's core, uvloop or asyncpg's protocol shows as the frame that called into it)."""
     inclusive: Counter[str] = Counter()
+    innermost: Counter[str] = Counter()
     total = 0
     for line in collapsed.read_text(encoding="utf-8", errors="replace").splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -47,10 +56,15 @@ def shares(collapsed: Path, top: int) -> list[str]:
             continue
         count = int(count_text)
         total += count
-        for frame in set(stack.split(";")):
+        frames = [_function(frame) for frame in stack.split(";")]
+        for frame in set(frames):
             inclusive[frame] += count
-    lines = [f"{total} samples"]
+        innermost[frames[-1]] += count
+    lines = [f"{total} samples; inclusive:"]
     for frame, count in inclusive.most_common(top):
+        lines.append(f"{100 * count / max(total, 1):5.1f}%  {frame[:150]}")
+    lines.append("self (innermost Python frame):")
+    for frame, count in innermost.most_common(top):
         lines.append(f"{100 * count / max(total, 1):5.1f}%  {frame[:150]}")
     return lines
 
@@ -80,7 +94,6 @@ async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list
             spy,
             "record",
             "--nonblocking",
-            "--native",
             "-r",
             "250",
             "-f",
@@ -92,7 +105,7 @@ async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list
             "-p",
             str(service.process.pid),
             stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
         )
         sample = await measure_ztate(
             service,
@@ -103,7 +116,9 @@ async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list
             duration=seconds + 1.0,
             meters={},
         )
-        await recorder.wait()
+        _, errors = await recorder.communicate()
+        if recorder.returncode != 0 or not out.exists():
+            raise SystemExit(f"py-spy failed: {errors.decode(errors='replace').strip()}")
     return [f"{sample.rate:,.0f} commits/s at c={concurrency}", *shares(out, top)]
 
 
