@@ -42,12 +42,16 @@ from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _timestamp(moment: datetime) -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromDatetime(moment)
-    return stamp
+def timestamp_message(moment: datetime) -> timestamp_pb2.Timestamp:
+    """``moment`` (timezone-aware) as a protobuf Timestamp: what ``FromDatetime`` gives,
+    at a quarter of its cost (it runs on every answered proposal)."""
+    delta = moment - EPOCH
+    return timestamp_pb2.Timestamp(
+        seconds=delta.days * 86_400 + delta.seconds, nanos=delta.microseconds * 1000
+    )
 
 
 class _WithTimes(Protocol):
@@ -119,7 +123,7 @@ def page_after(token: str) -> int | None:
 def rejection_message(row: StoredRejection) -> ledger_pb2.Rejection:
     return ledger_pb2.Rejection(
         id=row.id,
-        rejected_at=_timestamp(row.rejected_at),
+        rejected_at=timestamp_message(row.rejected_at),
         method=row.method,
         node_id=row.node_id,
         thread_id=row.thread_id or "",
@@ -134,7 +138,6 @@ def rejection_message(row: StoredRejection) -> ledger_pb2.Rejection:
 
 DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
 PAGE_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "²"
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def entry_page_token(entry: StoredEntry) -> str:
@@ -171,7 +174,7 @@ def entry_message(row: StoredEntry) -> ledger_pb2.LedgerEntry:
         node_id=row.node_id,
         kind=row.kind or "",
         status=row.status,
-        at=_timestamp(row.at),
+        at=timestamp_message(row.at),
         changed_keys=row.changed_keys,
         has_receipt=row.has_receipt,
     )
@@ -200,7 +203,7 @@ def key_change_message(row: StoredKeyChange, key: str) -> ledger_pb2.KeyChange:
         version=row.version,
         digest=row.digest,
         node_id=row.node_id,
-        committed_at=_timestamp(row.committed_at),
+        committed_at=timestamp_message(row.committed_at),
         removed=value is None,
         value_json="" if value is None else canonical_bytes(value).decode(),
     )
@@ -256,8 +259,8 @@ def thread_head_message(row: StoredThread) -> ledger_pb2.ThreadHead:
         policy=row.policy,
         version=row.version,
         head_digest=row.head_digest,
-        created_at=_timestamp(row.created_at),
-        updated_at=_timestamp(row.updated_at),
+        created_at=timestamp_message(row.created_at),
+        updated_at=timestamp_message(row.updated_at),
     )
 
 
@@ -271,7 +274,7 @@ def node_work_message(row: StoredWork) -> ledger_pb2.NodeWork:
         lease_epoch=row.epoch,
     )
     if row.expires_at is not None:
-        message.lease_expires_at.CopyFrom(_timestamp(row.expires_at))
+        message.lease_expires_at.CopyFrom(timestamp_message(row.expires_at))
     return message
 
 

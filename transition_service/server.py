@@ -24,6 +24,7 @@ from ztate.transition_service.decisions import (
     WaitFor,
     pending_handle,
 )
+from ztate.transition_service.ledger_server import timestamp_message
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
 from ztate.transition_service.requests import Parked, Proposal, Revert
@@ -37,8 +38,7 @@ log = logging.getLogger("ztate.rpc")
 def transition_message(stored: StoredTransition, *, disclose: bool) -> transition_pb2.Transition:
     """A committed record; without ``disclose``, its version and metadata only (no record
     and no digest: each commits to the whole state, keys the caller may not read included)."""
-    committed_at = timestamp_pb2.Timestamp()
-    committed_at.FromDatetime(stored.committed_at)
+    committed_at = timestamp_message(stored.committed_at)
     message = transition_pb2.Transition(
         thread_id=stored.thread_id,
         version=stored.version,
@@ -59,8 +59,7 @@ def pending_message(
 ) -> transition_pb2.PendingTransition:
     """A parked proposal; without ``disclose``, no digest, proposal or matched rules (a
     rule may test keys the caller may not read), only what names it for WaitForOutcome."""
-    parked_at = timestamp_pb2.Timestamp()
-    parked_at.FromDatetime(pending.parked_at)
+    parked_at = timestamp_message(pending.parked_at)
     message = transition_pb2.PendingTransition(
         thread_id=pending.thread_id,
         base_version=pending.base_version,
@@ -302,8 +301,7 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         assert work is not None
         try:
             async for item in work.dispatcher.items(stream):
-                expires = timestamp_pb2.Timestamp()
-                expires.FromDatetime(item.expires_at)
+                expires = timestamp_message(item.expires_at)
                 yield transition_pb2.SubscribeWorkResponse(
                     thread_id=item.thread_id,
                     version=item.version,
