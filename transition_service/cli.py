@@ -223,4 +223,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--workers needs DATABASE_URL (each worker would start its own embedded Postgres)",
             USAGE,
         )
-    return supervise(workers, settings.listen)
+    return supervise(workers, settings.listen, settings.metrics_listen)

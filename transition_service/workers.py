@@ -29,6 +29,8 @@ import subprocess
 import sys
 from types import FrameType
 
+from ztate.services.runtime.config import parse_listen
+
 PR_SET_PDEATHSIG = 1
 WORKER_FLAG = "--worker-of-group"
 
@@ -51,13 +53,44 @@ def _die_with_parent() -> None:  # in the child, before exec
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def supervise(workers: int, listen: str) -> int:
-    """Start ``workers`` copies of ``ztate serve`` sharing ``listen``; wait for all."""
-    if not port_is_free(listen):
-        print(f"ztate: cannot start: {listen} is in use", file=sys.stderr)
+def metrics_listens(metrics_listen: str | None, workers: int) -> list[str | None]:
+    """Each worker's own scrape endpoint (``ZTATE_METRICS_LISTEN``): worker k (from 0)
+    on the configured port + k, since each process has its own metrics and probes (a
+    shared port would answer a scrape from whichever worker the kernel picked); port 0:
+    each picks a free one. Raises ``ValueError`` when the ports would pass 65535."""
+    if metrics_listen is None:
+        return [None] * workers
+    host, port = parse_listen(metrics_listen)
+    if port == 0:
+        return [metrics_listen] * workers
+    if port + workers - 1 > 65535:
+        raise ValueError(
+            f"ZTATE_METRICS_LISTEN {metrics_listen}: {workers} ports from it pass 65535"
+        )
+    shown = f"[{host}]" if ":" in host else host
+    return [f"{shown}:{port + k}" for k in range(workers)]
+
+
+def supervise(workers: int, listen: str, metrics_listen: str | None = None) -> int:
+    """Start ``workers`` copies of ``ztate serve`` sharing ``listen``, each with its own
+    metrics endpoint (``metrics_listens``); wait for all."""
+    try:
+        metrics = metrics_listens(metrics_listen, workers)
+    except ValueError as exc:
+        print(f"ztate: cannot start: {exc}", file=sys.stderr)
         return 2
+    for address in [listen, *(m for m in metrics if m and not m.endswith(":0"))]:
+        if not port_is_free(address):
+            print(f"ztate: cannot start: {address} is in use", file=sys.stderr)
+            return 2
     argv = [sys.executable, "-m", "ztate.services.cli.main", "serve", WORKER_FLAG]
-    children = [subprocess.Popen(argv, preexec_fn=_die_with_parent) for _ in range(workers)]
+    children = []
+    for number, address in enumerate(metrics):
+        env = dict(os.environ)
+        if address is not None:
+            env["ZTATE_METRICS_LISTEN"] = address
+            print(f"ztate: worker {number}: metrics and probes on {address}", file=sys.stderr)
+        children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         for child in children:

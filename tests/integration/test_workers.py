@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import urllib.error
 from pathlib import Path
 
 import pytest
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
+from tests.integration.test_http_probes import get
+from tests.integration.test_metrics_scrape import scrape
 from tests.integration.test_run_command import free_port
 from tests.integration.test_scale_out import ZTATE, Replica, replica_env, wait_serving
-from ztate.transition_service.workers import port_is_free
+from ztate.transition_service.workers import metrics_listens, port_is_free
 
 WORKERS = 2
 DEADLINE = 30.0
@@ -109,3 +112,75 @@ async def test_a_negative_worker_count_is_a_usage_error(workers: str) -> None:
         stderr=asyncio.subprocess.PIPE,
     )
     assert await asyncio.wait_for(process.wait(), DEADLINE) == 2
+
+
+def probe(url: str) -> tuple[int, str] | None:
+    """``GET url`` (status, body), or None while nothing listens there."""
+    try:
+        return get(url)
+    except urllib.error.URLError as failed:
+        if isinstance(failed, urllib.error.HTTPError):
+            raise
+        return None
+
+
+def two_free_ports() -> int:
+    """A port that is free, with the next one free too."""
+    while True:
+        port = free_port()
+        if port < 65535 and port_is_free(f"127.0.0.1:{port + 1}"):
+            return port
+
+
+async def test_each_worker_answers_scrapes_and_probes_on_a_port_of_its_own(
+    database_dsn: str,
+    pki: Pki,
+    keyring_file: Path,
+    policy_dir: Path,
+    tmp_path: Path,
+    service: object,
+) -> None:
+    """With ZTATE_METRICS_LISTEN, worker k of ``--workers N`` serves its metrics and the
+    kubelet's probes on the configured port + k: each process has its own counters and
+    health. (All on one port, the second worker could not bind it and the whole group
+    stopped.)"""
+    env = replica_env(database_dsn, pki, keyring_file, policy_dir, tmp_path)
+    port, metrics = free_port(), two_free_ports()
+    group = await serve(
+        dict(env, ZTATE_METRICS_LISTEN=f"127.0.0.1:{metrics}"), port, "--workers", str(WORKERS)
+    )
+    try:
+        await wait_serving(group, pki)
+        for number in range(WORKERS):
+            base = f"http://127.0.0.1:{metrics + number}"
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + DEADLINE
+            while (ready := await asyncio.to_thread(probe, f"{base}/readyz")) != (200, "ok"):
+                assert group.process.returncode is None, "the group stopped"
+                assert loop.time() < deadline, (number, ready)
+                await asyncio.sleep(0.05)  # the polling interval of a deadline-bounded wait
+            assert await asyncio.to_thread(get, f"{base}/livez") == (200, "live")
+            status, _, body = await asyncio.to_thread(scrape, f"{base}/metrics")
+            assert status == 200
+            assert "# TYPE" in body
+    finally:
+        if group.process.returncode is None:
+            group.process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(group.process.wait(), DEADLINE)
+    assert group.process.stderr is not None
+    stderr = (await group.process.stderr.read()).decode(errors="replace")
+    for number in range(WORKERS):
+        assert f"worker {number}: metrics and probes on 127.0.0.1:{metrics + number}" in stderr
+
+
+def test_worker_metrics_ports_are_counted_from_the_configured_one() -> None:
+    assert metrics_listens(None, 2) == [None, None]
+    assert metrics_listens("127.0.0.1:9464", 3) == [
+        "127.0.0.1:9464",
+        "127.0.0.1:9465",
+        "127.0.0.1:9466",
+    ]
+    assert metrics_listens("[::1]:9464", 2) == ["[::1]:9464", "[::1]:9465"]
+    assert metrics_listens("0.0.0.0:0", 2) == ["0.0.0.0:0", "0.0.0.0:0"]  # each picks one
+    with pytest.raises(ValueError, match="pass 65535"):
+        metrics_listens("127.0.0.1:65535", 2)
