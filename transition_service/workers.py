@@ -85,11 +85,11 @@ def supervise(workers: int, listen: str, metrics_listen: str | None = None) -> i
             return 2
     argv = [sys.executable, "-m", "ztate.services.cli.main", "serve", WORKER_FLAG]
     children = []
-    for number, address in enumerate(metrics):
+    for number, own in enumerate(metrics):
         env = dict(os.environ)
-        if address is not None:
-            env["ZTATE_METRICS_LISTEN"] = address
-            print(f"ztate: worker {number}: metrics and probes on {address}", file=sys.stderr)
+        if own is not None:
+            env["ZTATE_METRICS_LISTEN"] = own
+            print(f"ztate: worker {number}: metrics and probes on {own}", file=sys.stderr)
         children.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
 
     def forward(signum: int, _frame: FrameType | None) -> None:
