@@ -69,7 +69,9 @@ def shares(collapsed: Path, top: int) -> list[str]:
     return lines
 
 
-async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list[str]:
+async def profile(
+    concurrency: int, seconds: float, out: Path, top: int, *, native: bool = False
+) -> list[str]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     async with AsyncExitStack() as stack:
         root = stack.enter_context(temporary_folder())
@@ -93,7 +95,7 @@ async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list
         recorder = await asyncio.create_subprocess_exec(
             spy,
             "record",
-            "--nonblocking",
+            *(["--native"] if native else ["--nonblocking"]),
             "-r",
             "250",
             "-f",
@@ -117,7 +119,7 @@ async def profile(concurrency: int, seconds: float, out: Path, top: int) -> list
             meters={},
         )
         _, errors = await recorder.communicate()
-        if recorder.returncode != 0 or not out.exists():
+        if recorder.returncode != 0 or not await asyncio.to_thread(out.exists):
             raise SystemExit(f"py-spy failed: {errors.decode(errors='replace').strip()}")
     return [f"{sample.rate:,.0f} commits/s at c={concurrency}", *shares(out, top)]
 
@@ -128,8 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=Path("ztate-serve.profile.txt"))
     parser.add_argument("--top", type=int, default=60)
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="native frames too (py-spy then pauses the server at each sample: slower)",
+    )
     options = parser.parse_args(argv)
-    lines = uvloop.run(profile(options.concurrency, options.seconds, options.out, options.top))
+    lines = uvloop.run(
+        profile(
+            options.concurrency, options.seconds, options.out, options.top, native=options.native
+        )
+    )
     print("\n".join(lines))
     return 0
 
