@@ -82,8 +82,6 @@ class RunningService:
         if self.checkpointer is not None:
             await self.checkpointer.stop()
         await self.server.stop(grace)
-        if self.work is not None:  # after the last commit: no wake decision is left running
-            await self.work.waker.stop()
         await self.listener.close()
         await self.telemetry.stop_sampling()  # it queries through the store's pool
         await self.store.close()

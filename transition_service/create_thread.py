@@ -24,6 +24,7 @@ from ztate.transition_service.checks import (
 )
 from ztate.transition_service.heads import CachedHead
 from ztate.transition_service.usecase import UseCase, as_stored
+from ztate.transition_service.work import author_node
 
 
 class CreateThread(UseCase):
@@ -64,7 +65,12 @@ class CreateThread(UseCase):
             self._keyring,
         )
         created = await self._store.create_thread(
-            sealed, state_bytes, policy_name=policy.name, committed_at=now
+            sealed,
+            state_bytes,
+            policy_name=policy.name,
+            committed_at=now,
+            # whom the genesis wakes, recorded by the creation itself (docs/work.md)
+            woken=policy.woken(frozenset(initial), state, author_node(caller.spiffe_id)),
         )
         if created is Creation.ID_TAKEN:
             raise errors.ThreadExists(f"thread {thread_id!r} already exists")

@@ -47,6 +47,7 @@ from ztate.transition_service.checks import (
 from ztate.transition_service.heads import CachedHead, HeadCache
 from ztate.transition_service.outcomes import OutcomeListener
 from ztate.transition_service.usecase import as_stored
+from ztate.transition_service.work import author_node
 
 APPROVAL_SERVICE_NAME = "approval"
 MAX_WAIT_SECONDS = 60.0
@@ -267,8 +268,19 @@ class DecisionPipeline:
             ),
             self._keyring,
         )
+        # whom the version wakes, recorded by the commit itself (docs/work.md)
+        policy = self._policies.get(policy_name)
+        woken = (
+            policy.woken(
+                frozenset(proposal["patch"]),
+                orjson.loads(state_bytes),
+                author_node(pending.node_id),
+            )
+            if policy is not None
+            else []
+        )
         result = await self._approvals.commit_approved(
-            sealed, state_bytes, pending, signed, nonce, now
+            sealed, state_bytes, pending, signed, nonce, now, woken
         )
         if result.outcome is Approved.NONCE_USED:
             raise errors.ReceiptReplayed("the receipt's nonce was used before")

@@ -92,13 +92,6 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         self._watcher = watcher
         self._work = work
 
-    def _committed(self, thread_id: str) -> None:
-        """A new version of ``thread_id`` committed without its wakes (a creation, an
-        approved decision): decide whom it wakes. A proposal's and a revert's commits
-        record theirs themselves (migration 0018)."""
-        if self._work is not None:
-            self._work.waker.committed(thread_id)
-
     async def CreateThread(
         self, request: transition_pb2.CreateThreadRequest, context: Context
     ) -> transition_pb2.CreateThreadResponse:
@@ -106,7 +99,6 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             genesis = await self._pipeline.create_thread(
                 caller, request.thread_id, request.policy, request.initial_state_json
             )
-            self._committed(genesis.thread_id)
             return transition_pb2.CreateThreadResponse(
                 genesis=transition_message(genesis, disclose=True)
             )
@@ -240,8 +232,6 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             resolution = await self._decisions.apply(
                 caller, SignedReceipt(receipt.receipt_json, receipt.signature, receipt.key_id)
             )
-            if resolution.transition is not None:
-                self._committed(resolution.transition.thread_id)
             return transition_pb2.ApplyDecisionResponse(
                 **resolution_fields(resolution, disclose=True)
             )

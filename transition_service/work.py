@@ -2,14 +2,13 @@
 
 Three parts, one of each per process:
 
-- ``Waker`` decides, after a commit that did not record its wakes itself (a thread's
-  creation, an approved decision; a proposal's and a revert's commit does, migration
-  0018), whom the new versions of a thread wake (the policy's wake declarations,
-  ``Policy.woken``) and records it in ``ztate.node_work`` with the thread's wake mark;
-  it then announces the woken nodes on ``ztate_work`` to every replica. A sweep picks
-  up threads whose head is ahead of their mark (a replica that died between a commit
-  and its wakes, a commit that found the mark elsewhere, commits made before a node
-  declared a wake), so no commit is left undecided.
+- Every commit decides whom its version wakes (the policy's wake declarations,
+  ``Policy.woken``, evaluated by the use case before it commits) and records it with
+  the version (migration 0018); the store announces the woken nodes on
+  ``ztate_work`` to every replica. ``Waker`` is what remains of deciding after the
+  fact: a sweep that catches up threads whose wake mark is behind their head, which
+  only threads committed before that migration can be (their versions are read back
+  and decided; deciding twice changes nothing).
 - ``WorkDispatcher`` hands work to the SubscribeWork streams of this process: woken
   by the announcements (the process's one LISTEN connection) and every
   ``poll_seconds`` (one query for every subscribed node together, which also finds
@@ -64,50 +63,16 @@ def author_node(node_id: str) -> str | None:
 
 
 class Waker:
-    """Decides whom new versions wake, and tells every replica."""
+    """Decides after the fact whom versions wake (the sweep), and tells every replica."""
 
     def __init__(self, work: WorkStore, policies: PolicySet) -> None:
         self._work = work
         self._policies = policies
-        self._running: dict[str, asyncio.Task[None]] = {}
-        self._again: set[str] = set()
         self._local: list[asyncio.Event] = []
-
-    async def stop(self) -> None:
-        """Cancel the wake decisions in flight (the sweep decides them later): none may
-        hold a database connection while the pool closes."""
-        running = list(self._running.values())
-        for task in running:
-            task.cancel()
-        for task in running:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
 
     def notify_locally(self, event: asyncio.Event) -> None:
         """Set ``event`` whenever this process recorded new work (no round trip)."""
         self._local.append(event)
-
-    def committed(self, thread_id: str) -> None:
-        """A version of ``thread_id`` was committed here: decide its wakes soon."""
-        if thread_id in self._running:
-            self._again.add(thread_id)
-            return
-        with untraced():
-            task = asyncio.create_task(self._evaluate_quietly(thread_id))
-        self._running[thread_id] = task
-
-    async def _evaluate_quietly(self, thread_id: str) -> None:
-        try:
-            while True:
-                self._again.discard(thread_id)
-                try:
-                    await self.evaluate(thread_id)
-                except Exception as failure:  # the sweep decides it later
-                    log.warning("deciding wakes failed: %s", type(failure).__name__)
-                if thread_id not in self._again:
-                    return
-        finally:
-            self._running.pop(thread_id, None)
 
     async def evaluate(self, thread_id: str) -> list[str]:
         """Decide the wakes of every version after the thread's mark; the woken nodes."""

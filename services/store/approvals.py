@@ -13,6 +13,7 @@ any replica, wake up.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -65,11 +66,13 @@ OUTCOME_CHANNEL = "ztate_outcomes"
 # statements of an approved commit are one call of ztate.commit_approved, which runs
 # on the coordinator and sends each of them where it belongs.
 
-# Applying an approval: one call (migration 0016), one round trip; on Citus each of its
+# Applying an approval: one call (migrations 0016 and 0018: with the nodes the version
+# wakes), one round trip; on Citus each of its
 # statements on the thread's tables is a router query to the worker holding the thread.
 COMMIT_APPROVED = """
 SELECT outcome, status FROM ztate.commit_approved($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-                                                  $11, $12, $13, $14, $15, $16, $17, $18, $19)
+                                                  $11, $12, $13, $14, $15, $16, $17, $18, $19,
+                                                  $20)
 """
 
 # What a decision needs before it commits, in one query by the receipt's thread (a
@@ -151,6 +154,7 @@ class ApprovalStore:
         receipt: SignedReceipt,
         nonce: str,
         committed_at: datetime,
+        woken: Sequence[str] = (),
     ) -> ApprovedCommit:
         """Commit a parked transition under its receipt, in one transaction that
         first locks the parked row (see ``Approved`` for what each outcome wrote)."""
@@ -177,6 +181,7 @@ class ApprovalStore:
                 receipt.key_id,
                 receipt.digest,
                 nonce,
+                list(woken),
             )
         except asyncpg.UniqueViolationError as violation:
             # the whole call rolled back

@@ -109,9 +109,9 @@ WITH input AS (
        SET wake_version = greatest(w.wake_version, excluded.wake_version)
     RETURNING 1
 ), marked AS (
-    UPDATE ztate.wake_marks m SET evaluated_version = i.version
+    UPDATE ztate.wake_marks m SET evaluated_version = greatest(m.evaluated_version, i.version)
       FROM input i JOIN head h ON h.thread_id = i.thread_id
-     WHERE m.thread_id = i.thread_id AND m.evaluated_version = i.expected
+     WHERE m.thread_id = i.thread_id
     RETURNING 1
 )
 SELECT i.n,

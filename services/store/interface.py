@@ -122,11 +122,18 @@ class TransitionStore(Protocol):
         """Release every connection; the store is not used afterwards."""
 
     async def create_thread(
-        self, sealed: SealedRecord, state_bytes: bytes, *, policy_name: str, committed_at: datetime
+        self,
+        sealed: SealedRecord,
+        state_bytes: bytes,
+        *,
+        policy_name: str,
+        committed_at: datetime,
+        woken: Sequence[str] = (),
     ) -> Creation:
         """Create a thread at version 0 with its genesis record and state, bound to
-        ``policy_name``: ``CREATED``, or ``ID_TAKEN`` (nothing written) when a thread
-        of that id exists."""
+        ``policy_name``, with the work of the ``woken`` nodes and the thread's wake mark
+        at 0: ``CREATED`` (the woken nodes announced after), or ``ID_TAKEN`` (nothing
+        written) when a thread of that id exists."""
 
     async def read_head(self, thread_id: str) -> Head | None:
         """The thread's head (version, digest, state, policy), or None if no such thread."""
@@ -160,8 +167,8 @@ class TransitionStore(Protocol):
     ) -> Commit:
         """Compare-and-swap the head from ``expected_version`` (and the record's
         parent digest) to the record's version, append the record, and record the
-        work of the ``woken`` nodes (advancing the thread's wake mark from
-        ``expected_version``), atomically; the woken nodes are announced after.
+        work of the ``woken`` nodes (advancing the thread's wake mark to the version),
+        atomically; the woken nodes are announced after.
         ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was elsewhere (or the
         thread does not exist); nothing was written. ``KEY_TAKEN``: this node already
         used ``idempotency_key`` on this thread, committed or parked; nothing was

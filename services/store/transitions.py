@@ -72,6 +72,8 @@ COMMIT = (
     "SELECT ztate.commit_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
 )
 
+# A creation: the head, the genesis record, the nodes the genesis wakes and the thread's
+# wake mark (migration 0018: every version is decided by the statement that commits it).
 CREATE_THREAD = """
 WITH head AS (
     INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name,
@@ -79,6 +81,14 @@ WITH head AS (
     VALUES ($1, 0, $2, $3, $4, $5, $6, $6)
     ON CONFLICT (thread_id) DO NOTHING
     RETURNING thread_id
+), woke AS (
+    INSERT INTO ztate.node_work (thread_id, node, wake_version)
+    SELECT h.thread_id, n, 0 FROM head h, unnest($12::text[]) AS n
+    RETURNING 1
+), marked AS (
+    INSERT INTO ztate.wake_marks (thread_id, evaluated_version)
+    SELECT thread_id, 0 FROM head
+    RETURNING 1
 )
 INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
                                signature, record, state, committed_at)
@@ -238,7 +248,13 @@ class PostgresTransitionStore:
 
     @translated
     async def create_thread(
-        self, sealed: SealedRecord, state_bytes: bytes, *, policy_name: str, committed_at: datetime
+        self,
+        sealed: SealedRecord,
+        state_bytes: bytes,
+        *,
+        policy_name: str,
+        committed_at: datetime,
+        woken: Sequence[str] = (),
     ) -> Creation:
         record = sealed.record
         version = await self._pool.fetchval(
@@ -254,8 +270,13 @@ class PostgresTransitionStore:
             sealed.key_id,
             sealed.signature,
             sealed.record_bytes,
+            list(woken),
         )
-        return Creation.ID_TAKEN if version is None else Creation.CREATED
+        if version is None:
+            return Creation.ID_TAKEN
+        if woken:
+            await announce_work(self._pool, woken)
+        return Creation.CREATED
 
     @translated
     async def read_head(self, thread_id: str) -> Head | None:

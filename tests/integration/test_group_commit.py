@@ -26,10 +26,8 @@ from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.interface import Commit
 from ztate.services.store.transitions import PostgresTransitionStore, keep_session
-from ztate.services.store.work import WorkStore
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.requests import Committed, Proposal
-from ztate.transition_service.work import Waker
 from ztate.worker_sdk import encode_json
 
 OPERATOR = Identity(TRUST_DOMAIN, Role.OPERATOR, "admin")
@@ -207,11 +205,9 @@ async def test_a_burst_records_each_rows_wakes_in_its_transaction(
         pipeline(pools[0], settings, keyring),
         pipeline(pools[1], settings, keyring),
     )
-    waker = Waker(WorkStore(pools[0]), PolicySet.load(settings.policy_path))
     threads = [new_thread_id() for _ in range(6)]
     for thread_id in threads:
         await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
-        await waker.evaluate(thread_id)  # the creation's decision: each mark at 0
     stale = threads[5]
     moved = await other_replica.propose(PARSER, proposal(stale, 0, "elsewhere"))
     assert isinstance(moved, Committed)

@@ -37,7 +37,12 @@ from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.migrate import migrate
-from ztate.services.store.transitions import COMMIT, PostgresTransitionStore, keep_session
+from ztate.services.store.transitions import (
+    COMMIT,
+    CREATE_THREAD,
+    PostgresTransitionStore,
+    keep_session,
+)
 from ztate.services.store.work import ANNOUNCE_WORK, WorkStore
 from ztate.transition_service.decisions import APPROVAL_SERVICE_NAME, DecisionPipeline
 from ztate.transition_service.decisions import Outcome as DecidedOutcome
@@ -273,6 +278,8 @@ async def test_an_approved_decision_costs_at_most_three_round_trips(
     assert [r["version"] for r in rows] == [0, 1]
     assert rows[1]["receipt"] == case.receipt.receipt_bytes
     assert (await ledger.snapshot(case.thread_id)).head_version == 1
+    # the approved version's wakes were decided by the same call: the mark is at it
+    assert (await work_rows(lane_dsn, case.thread_id))[1] == 1
 
 
 async def test_a_rejecting_decision_costs_at_most_three_round_trips(
@@ -382,17 +389,16 @@ async def work_rows(lane_dsn: str, thread_id: str) -> tuple[list[tuple[str, int]
 async def test_a_commit_records_whom_it_wakes_in_its_own_statement(
     replicas: tuple[Counted, Counted], lane_dsn: str, settings: Settings
 ) -> None:
-    """Migration 0018: a proposal's commit records the nodes its version wakes and
-    advances the thread's wake mark in the commit statement itself. A version that
-    wakes no one costs that one statement; one that wakes a node, the announcement
+    """Migration 0018: the statement that commits a version records the nodes it wakes
+    and advances the thread's wake mark, for a creation as for a proposal. A version
+    that wakes no one costs that one statement; one that wakes a node, the announcement
     after it. Before, the service decided every commit's wakes in the background with
     three more round trips and a transaction of their own."""
     first, _ = replicas
     thread_id = new_thread_id()
+    first.reset()  # the initial raw_text wakes the parser
     await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
-    waker = Waker(WorkStore(first.pool), PolicySet.load(settings.policy_path))
-    # the creation's decision, in the background: its raw_text wakes the parser
-    assert await waker.evaluate(thread_id) == ["input-parser"]
+    assert first.statements == [CREATE_THREAD, ANNOUNCE_WORK]
     assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0)], 0)
 
     first.reset()  # the planner is woken only by an action other than 'none'
@@ -409,6 +415,7 @@ async def test_a_commit_records_whom_it_wakes_in_its_own_statement(
     assert isinstance(waking, Committed)
     assert first.statements == [COMMIT, ANNOUNCE_WORK]
     assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0), ("planner", 2)], 2)
-    # nothing is left for the background decision
+    # nothing is left for the sweep to decide
+    waker = Waker(WorkStore(first.pool), PolicySet.load(settings.policy_path))
     assert await waker.evaluate(thread_id) == []
     assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0), ("planner", 2)], 2)

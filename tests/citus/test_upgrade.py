@@ -1,0 +1,116 @@
+"""Upgrading a distributed cluster across migration 0018, which replaces the commit
+function (a new argument: the nodes a version wakes) that ``ztate db citus`` distributed.
+
+The cluster is laid out as the version before it left it (migrations up to 0017, the
+commit function of 13 arguments distributed by its thread id), then upgraded as
+docs/scale-out.md says: ``ztate db migrate`` (the service also migrates at start-up),
+then ``ztate db citus`` again. The migration must apply on the distributed schema, and
+afterwards the commit must again be one command to the worker holding the thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import asyncpg
+
+from tests.citus.cluster import CitusCluster
+from ztate.services.store.migrate import (
+    TRANSITION_MIGRATIONS,
+    Migration,
+    MigrationSet,
+    apply_migrations,
+    migrate,
+)
+from ztate.services.store.optional import apply_citus_layout, layout_sql, prepare_for_citus
+from ztate.services.store.transitions import COMMIT
+
+SERVICE_ROLE = "ztate_transition"
+OLD_COMMIT = (
+    "ztate.commit_transition(text, bigint, bigint, text, bytea, text, text, text, text, "
+    "timestamptz, bytea, text, text)"
+)
+NEW_COMMIT = OLD_COMMIT.removesuffix(")") + ", text[])"
+
+
+@dataclass(frozen=True)
+class UpTo(MigrationSet):
+    """The transition service's migrations as a release that ended at ``last`` shipped them."""
+
+    last: int = 0
+
+    def bundled(self) -> list[Migration]:
+        return [m for m in super().bundled() if m.number <= self.last]
+
+
+# the argument a function is distributed by (0: the thread id), if it is distributed
+DISTRIBUTED_BY = (
+    "SELECT distribution_argument_index FROM pg_dist_object "
+    "WHERE classid = 'pg_proc'::regclass AND objid = to_regprocedure($1)::oid"
+)
+
+
+async def test_the_commit_stays_on_one_worker_across_the_upgrade_to_0018(
+    citus_cluster: CitusCluster,
+) -> None:
+    dsn = await citus_cluster.database()
+    conn = await asyncpg.connect(dsn)
+    remote: list[str] = []
+    conn.add_log_listener(
+        lambda _conn, message: remote.append(f"{message.message} | {message.detail}")
+    )
+    try:
+        before = UpTo(TRANSITION_MIGRATIONS.package, TRANSITION_MIGRATIONS.table,
+                      TRANSITION_MIGRATIONS.lock, last=17)  # fmt: skip
+        roles = {
+            ":service_role": SERVICE_ROLE,
+            ":reader_role": "ztate_reader",
+            ":pruner_role": "ztate_pruner",
+        }
+        await apply_migrations(conn, before, roles)
+        # the layout as that release's `ztate db citus` applied it: its commit function
+        await prepare_for_citus(conn)
+        await conn.execute(
+            layout_sql("citus_distribute").replace(
+                "timestamptz, bytea, text, text, text[])", "timestamptz, bytea, text, text)"
+            )
+        )
+        assert await conn.fetchval(DISTRIBUTED_BY, OLD_COMMIT) == 0
+
+        applied = await migrate(conn, SERVICE_ROLE)  # `ztate db migrate`
+        assert applied == ["0018_wakes_in_the_commit"]
+        assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
+        await apply_citus_layout(conn)  # `ztate db citus`, again
+        assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
+
+        thread_id = "t-upgraded"
+        holder = await conn.fetchval(
+            "SELECT nodeport FROM pg_dist_shard_placement "
+            "WHERE shardid = get_shard_id_for_distribution_column('ztate.threads', $1::text)",
+            thread_id,
+        )
+        await conn.execute(
+            "INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, "
+            "policy_digest) VALUES ($1, 0, $2, '\\x7b7d', 'p', $3)",
+            thread_id,
+            "0" * 64,
+            "ab" * 32,
+        )
+        await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
+        watched = await conn.fetchval(
+            COMMIT, thread_id, 0, 1, "1" * 64, b"{}", "0" * 64, "n", "k",
+            "a" * 64, datetime.now(UTC), b"{}", "i-1", "r", ["planner"],
+        )  # fmt: skip
+        await conn.execute("SET citus.log_remote_commands = off")
+        work = await conn.fetch(
+            "SELECT node, wake_version FROM ztate.node_work WHERE thread_id = $1", thread_id
+        )
+    finally:
+        await conn.close()
+    assert watched is False  # committed
+    assert [(r["node"], r["wake_version"]) for r in work] == [("planner", 1)]
+    sent = [m for m in remote if "ztate.commit_transition(" in m]
+    assert len(sent) == 1, remote  # one command: the call itself
+    assert f":{holder} " in sent[0], sent  # to the worker holding the thread
+    assert not [m for m in remote if "PREPARE TRANSACTION" in m], remote
