@@ -1,5 +1,6 @@
-"""Upgrading a distributed cluster across migration 0018, which replaces the commit
-function (a new argument: the nodes a version wakes) that ``ztate db citus`` distributed.
+"""``ztate db citus`` on a database it laid out before: again after ``citus_add_node``,
+and after an upgrade across migration 0018, which replaces the commit function (a new
+argument: the nodes a version wakes) that ``ztate db citus`` distributed.
 
 The cluster is laid out as the version before it left it (migrations up to 0017, the
 commit function of 13 arguments distributed by its thread id), then upgraded as
@@ -114,3 +115,24 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrade_to_0018(
     assert len(sent) == 1, remote  # one command: the call itself
     assert f":{holder} " in sent[0], sent  # to the worker holding the thread
     assert not [m for m in remote if "PREPARE TRANSACTION" in m], remote
+
+
+async def test_db_citus_runs_again_on_a_distributed_database(citus_dsn: str) -> None:
+    """docs/scale-out.md has operators run ``ztate db citus`` again after each
+    ``citus_add_node``: on a database it laid out already, it succeeds and changes
+    nothing. (It failed: the transition_keys back-fill updated a distribution column,
+    which Citus refuses to plan, and the whole file sent at once reached the workers as
+    several commands in one prepared statement.)"""
+    conn = await asyncpg.connect(citus_dsn)
+    try:
+        layout = "SELECT logicalrelid::text, partmethod FROM pg_dist_partition ORDER BY 1"
+        before = [tuple(r) for r in await conn.fetch(layout)]
+        await apply_citus_layout(conn)
+        await apply_citus_layout(conn)
+        after = [tuple(r) for r in await conn.fetch(layout)]
+        distributed = await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT)
+    finally:
+        await conn.close()
+    assert after == before
+    assert len(before) == 11  # 8 distributed, 1 reference, 2 on the coordinator
+    assert distributed == 0

@@ -39,10 +39,36 @@ def layout_sql(name: str) -> str:
     return resources.files(__name__).joinpath(f"{name}.sql").read_text(encoding="utf-8")
 
 
+def layout_statements(name: str) -> list[str]:
+    """The statements of a layout file, in order. Each is sent alone: Citus propagates
+    some commands on a distributed table to the workers as the text the client sent,
+    so a whole file sent at once, once the tables are distributed (a second ``ztate db
+    citus``), reached the workers as several commands in one prepared statement, which
+    they refuse. The files are ours: a statement ends with the first line ending in
+    ``;`` outside a dollar-quoted body (``$$``), and comment lines between statements
+    are dropped."""
+    statements: list[str] = []
+    lines: list[str] = []
+    quoted = False
+    for line in layout_sql(name).splitlines():
+        if not quoted and not lines and (not line.strip() or line.lstrip().startswith("--")):
+            continue
+        lines.append(line)
+        if line.count("$$") % 2:
+            quoted = not quoted
+        if not quoted and line.rstrip().endswith(";"):
+            statements.append("\n".join(lines))
+            lines = []
+    if lines:
+        raise CitusError(f"{name}.sql ends inside a statement")
+    return statements
+
+
 async def prepare_for_citus(conn: asyncpg.Connection) -> None:
     """The schema changes the layout needs, in one transaction (any Postgres)."""
     async with conn.transaction():
-        await conn.execute(layout_sql("citus_prepare"))
+        for statement in layout_statements("citus_prepare"):
+            await conn.execute(statement)
 
 
 async def apply_citus_layout(conn: asyncpg.Connection) -> list[str]:
@@ -54,7 +80,8 @@ async def apply_citus_layout(conn: asyncpg.Connection) -> list[str]:
             "(CREATE EXTENSION citus on the coordinator, add the workers, then retry)"
         )
     await prepare_for_citus(conn)
-    await conn.execute(layout_sql("citus_distribute"))
+    for statement in layout_statements("citus_distribute"):
+        await conn.execute(statement)
     return [
         f"citus {version}: distributed by thread_id: {', '.join(DISTRIBUTED)}",
         f"reference: {', '.join(REFERENCE)}; on the coordinator: {', '.join(COORDINATOR_LOCAL)}",

@@ -44,6 +44,12 @@
 -- shard group, and Citus runs them with citus.enable_unsafe_triggers (set by
 -- citus_distribute.sql).
 
+-- On a database laid out already (a second `ztate db citus`), the statements below
+-- read and alter distributed tables and replace a function Citus propagates: over
+-- one connection per node, or Citus refuses the function command after a parallel
+-- read in the same transaction. (A placeholder setting on plain Postgres.)
+SET LOCAL citus.multi_shard_modify_mode TO 'sequential';
+
 ALTER TABLE ztate.transitions DROP CONSTRAINT IF EXISTS transitions_digest_key;
 DO $$
 BEGIN
@@ -71,14 +77,25 @@ END;
 $$;
 
 ALTER TABLE ztate.transition_keys ADD COLUMN IF NOT EXISTS thread_id text;
--- derived rows only: the append-only trigger is lifted for the back-fill alone
-ALTER TABLE ztate.transition_keys DISABLE TRIGGER transition_keys_append_only;
-UPDATE ztate.transition_keys k SET thread_id = t.thread_id
-  FROM ztate.transitions t
- WHERE k.thread_id IS NULL AND t.digest = k.digest;
--- a key row whose record is gone (only a superuser's repair can do that) has no thread
-DELETE FROM ztate.transition_keys WHERE thread_id IS NULL;
-ALTER TABLE ztate.transition_keys ENABLE TRIGGER transition_keys_append_only;
+-- The back-fill runs only while some row lacks its thread, that is before the table is
+-- distributed (thread_id is then its distribution column, never NULL). Citus refuses
+-- even to plan an UPDATE of a distribution column, so outside this guard a second
+-- `ztate db citus` (after citus_add_node, or after an upgrade) failed.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM ztate.transition_keys WHERE thread_id IS NULL) THEN
+        -- derived rows only: the append-only trigger is lifted for the back-fill alone
+        ALTER TABLE ztate.transition_keys DISABLE TRIGGER transition_keys_append_only;
+        UPDATE ztate.transition_keys k SET thread_id = t.thread_id
+          FROM ztate.transitions t
+         WHERE k.thread_id IS NULL AND t.digest = k.digest;
+        -- a key row whose record is gone (only a superuser's repair can do that) has no
+        -- thread
+        DELETE FROM ztate.transition_keys WHERE thread_id IS NULL;
+        ALTER TABLE ztate.transition_keys ENABLE TRIGGER transition_keys_append_only;
+    END IF;
+END;
+$$;
 ALTER TABLE ztate.transition_keys ALTER COLUMN thread_id SET NOT NULL;
 DO $$
 BEGIN
