@@ -3,8 +3,10 @@
 Starts what the end-to-end measurement (c) starts (an embedded Postgres, a throw-away
 PKI and keyring, a fresh migrated database, ``ztate serve`` as a child process), drives
 it with ``--concurrency`` closed-loop proposers of the bench's 1 KB patch, and records
-the server with py-spy (``pip install py-spy``; ``--nonblocking``, native frames
-included) for ``--seconds``. Writes the raw collapsed stacks to ``--out`` and prints
+the server with py-spy (in the ``bench`` extra, which ``make bench`` installs) for
+``--seconds``: ``--nonblocking`` by default (Python frames only: native time shows as
+the Python frame that called into it), ``--native`` to pause the server at each
+sample and see native frames too. Writes the raw collapsed stacks to ``--out`` and prints
 the share of samples under the functions that matter most, so a change to the commit
 path can be judged by where the server's time goes (docs/performance.md, "The
 profile"). Not part of ``make bench``: py-spy needs ptrace rights.
