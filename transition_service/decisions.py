@@ -32,7 +32,7 @@ from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import COMMITTED, NO_METRICS, Metrics, note_transition
 from ztate.services.runtime.thread_ids import THREAD_ID
-from ztate.services.store.approvals import ApprovalStore, Approved
+from ztate.services.store.approvals import ApprovalStore, Approved, Rejected
 from ztate.services.store.interface import TransitionStore
 from ztate.services.store.rows import Head, PendingTransition, Rejection, StoredTransition
 from ztate.transition_service.checks import (
@@ -154,7 +154,9 @@ class DecisionPipeline:
             raise errors.ReviewClosed(f"the transition is already {pending.status}")
         if receipt["decision"] != APPROVE:
             closed = await self._approvals.close_rejected(pending, signed, receipt["nonce"], now)
-            if not closed:
+            if closed is Rejected.NONCE_USED:
+                raise errors.ReceiptReplayed("the receipt's nonce was used before")
+            if closed is Rejected.NOT_PENDING:
                 raise errors.ReviewClosed("the transition was decided meanwhile")
             note_transition(pending.thread_id, pending.base_version, Outcome.REJECTED.value)
             return Resolution(Outcome.REJECTED)

@@ -46,6 +46,14 @@ class Approved(enum.Enum):
     NOT_PENDING = "not pending"  # decided, expired or made stale meanwhile
 
 
+class Rejected(enum.Enum):
+    """What ``ApprovalStore.close_rejected`` did; only ``CLOSED`` wrote anything."""
+
+    CLOSED = "closed"
+    NONCE_USED = "nonce used"  # the receipt (its nonce) authorised something before
+    NOT_PENDING = "not pending"  # decided, expired or made stale meanwhile
+
+
 @dataclass(frozen=True, slots=True)
 class ApprovedCommit:
     """The outcome, and the parked row's status when it was ``NOT_PENDING``."""
@@ -219,23 +227,25 @@ class ApprovalStore:
     @translated
     async def close_rejected(
         self, pending: PendingTransition, receipt: SignedReceipt, nonce: str, at: datetime
-    ) -> bool:
-        """Record a rejection in one call (migration 0017); False if the transition was no
-        longer pending (nothing written).
-
-        Raises ``asyncpg.UniqueViolationError`` if the receipt's nonce was used."""
-        closed: bool = await self._pool.fetchval(
-            CLOSE_REJECTED,
-            pending.thread_id,
-            pending.digest,
-            at,
-            receipt.digest,
-            nonce,
-            receipt.receipt_bytes,
-            receipt.signature,
-            receipt.key_id,
-        )
-        return closed
+    ) -> Rejected:
+        """Record a rejection in one call (migration 0017). A receipt used before (its
+        nonce, or the receipt itself, by a decision that won a race with this one's
+        look-up) rolls the whole call back."""
+        try:
+            closed = await self._pool.fetchval(
+                CLOSE_REJECTED,
+                pending.thread_id,
+                pending.digest,
+                at,
+                receipt.digest,
+                nonce,
+                receipt.receipt_bytes,
+                receipt.signature,
+                receipt.key_id,
+            )
+        except asyncpg.UniqueViolationError:
+            return Rejected.NONCE_USED
+        return Rejected.CLOSED if closed else Rejected.NOT_PENDING
 
     @translated
     async def close_refused(

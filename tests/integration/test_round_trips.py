@@ -17,12 +17,13 @@ statements; migration 0017 makes each one call).
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
+import orjson
 import pytest
 import pytest_asyncio
 
@@ -35,7 +36,7 @@ from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
-from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.approvals import ApprovalStore, DecisionLookup
 from ztate.services.store.migrate import migrate
 from ztate.services.store.transitions import (
     COMMIT,
@@ -203,9 +204,13 @@ async def park_and_decide(
     tmp_path: Path,
     decision: str,
     policies: PolicySet | None = None,
+    *,
+    nonce: str | None = None,
+    approvals: ApprovalStore | None = None,
 ) -> Decided:
-    """Park a sensitive change by the planner and sign a receipt deciding it; the decision
-    pipeline judges it under ``policies`` (the service's by default)."""
+    """Park a sensitive change by the planner and sign a receipt deciding it (under
+    ``nonce``, if given); the decision pipeline judges it under ``policies`` (the
+    service's by default), through ``approvals`` (the store, by default)."""
     thread_id = new_thread_id()
     await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
     parked = await first.pipeline.propose(
@@ -225,12 +230,13 @@ async def park_and_decide(
             issued_at=now,
             expires_at=now + timedelta(minutes=5),
             key_id="a",
+            nonce=nonce,
         ),
         load_signing_key(tmp_path / "a.pem"),
     )
     decisions = DecisionPipeline(
         store=PostgresTransitionStore(first.pool),
-        approvals=ApprovalStore(first.pool),
+        approvals=approvals or ApprovalStore(first.pool),
         keyring=keyring,
         public_keys=load_public_keys(tmp_path / "a.json"),
         heads=HeadCache(16),
@@ -307,6 +313,58 @@ async def test_a_rejecting_decision_costs_at_most_three_round_trips(
     with pytest.raises(errors.ReceiptReplayed):
         await case.decisions.apply(APPROVAL_SERVICE, case.receipt)
     assert await decided_rows(lane_dsn, digest) == ("rejected", ["reject"])
+
+
+class LookedUpBefore(ApprovalStore):
+    """The store, with another decision committed between a decision's look-up and its
+    call: the race a look-up cannot see."""
+
+    def __init__(self, pool: asyncpg.Pool, meanwhile: Callable[[], Awaitable[object]]) -> None:
+        super().__init__(pool)
+        self._meanwhile = meanwhile
+
+    async def decision_lookup(self, thread_id: str, digest: str, nonce: str) -> DecisionLookup:
+        looked = await super().decision_lookup(thread_id, digest, nonce)
+        await self._meanwhile()
+        return looked
+
+
+async def test_a_rejection_whose_nonce_was_used_meanwhile_is_a_replay_and_writes_nothing(
+    replicas: tuple[Counted, Counted],
+    ledger: Ledger,
+    lane_dsn: str,
+    keyring: Keyring,
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """Two receipts with one nonce, the second looked up before the first was applied:
+    the second's call finds the nonce taken (a unique violation, which reached the
+    caller as INTERNAL) and is refused as a replay; its transition stays pending, and
+    no receipt of it is stored."""
+    first, _ = replicas
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    winner = await park_and_decide(first, lane_dsn, keyring, settings, tmp_path / "a", "reject")
+    nonce = str(orjson.loads(winner.receipt.receipt_bytes)["nonce"])
+    loser = await park_and_decide(
+        first,
+        lane_dsn,
+        keyring,
+        settings,
+        tmp_path / "b",
+        "reject",
+        nonce=nonce,
+        approvals=LookedUpBefore(
+            first.pool, lambda: winner.decisions.apply(APPROVAL_SERVICE, winner.receipt)
+        ),
+    )
+
+    with pytest.raises(errors.ReceiptReplayed):
+        await loser.decisions.apply(APPROVAL_SERVICE, loser.receipt)
+
+    assert await decided_rows(lane_dsn, winner.parked.pending.digest) == ("rejected", ["reject"])
+    assert await decided_rows(lane_dsn, loser.parked.pending.digest) == ("pending", [])
+    assert [r["version"] for r in await ledger.rows(loser.thread_id)] == [0]
 
 
 async def test_an_approval_the_policy_now_refuses_costs_at_most_three_round_trips(
