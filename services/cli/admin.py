@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ztate.services.cli.context import home
 from ztate.services.cli.output import USAGE, CliError, add_output_flag, dumps, emit_list, write
+from ztate.services.cli.resources import bounded_int
 
 if TYPE_CHECKING:
     from ztate.services.cli import ca
@@ -70,8 +71,7 @@ def cmd_ca_issue(args: argparse.Namespace) -> int:
     from ztate.services.runtime.identity import NAME, Identity, Role
 
     if not NAME.fullmatch(args.name):
-        print(f"ztate: name must match {NAME.pattern}", file=sys.stderr)
-        return 1
+        raise CliError(f"--name must match {NAME.pattern}", USAGE)
     identity = Identity(args.trust_domain, Role(args.role), args.name)
     ttl = _ttl(args) or ca.DEFAULT_TTL
     try:
@@ -250,7 +250,10 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
         "--trust-domain", default="ztate.local", help="SPIFFE trust domain (default %(default)s)"
     )
     init.add_argument(
-        "--days", type=int, default=3650, help="how long the CA is valid (default %(default)s)"
+        "--days",
+        type=bounded_int(1, 36_500),
+        default=3650,
+        help="how long the CA is valid (default %(default)s)",
     )
     init.set_defaults(func=cmd_ca_init)
     issue = ca_sub.add_parser("issue", help="issue a certificate for one identity")

@@ -26,7 +26,14 @@ from ztate.services.cli.output import (
     emit_one,
     usage,
 )
-from ztate.services.cli.resources import TIME_FORMS, as_resource, parse_time
+from ztate.services.cli.resources import (
+    MAX_VERSION,
+    TIME_FORMS,
+    as_resource,
+    bounded_float,
+    bounded_int,
+    parse_time,
+)
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,62}[a-z0-9])?\Z")  # runtime.identity.NAME
@@ -401,7 +408,9 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     )
     show.add_argument("digest", nargs="?", metavar="DIGEST", help="the record's digest")
     show.add_argument("--thread", help="the thread (with --version)")
-    show.add_argument("--version", type=int, help="the version (with --thread)")
+    show.add_argument(
+        "--version", type=bounded_int(0, MAX_VERSION), help="the version (with --thread)"
+    )
     add_output_flag(show)
     add_connection_flags(show)
     show.set_defaults(func=cmd_show)
@@ -423,8 +432,15 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
         description="Irreversible: asks first on a terminal; elsewhere needs --yes. "
         "--dry-run counts what would go and changes nothing.",
     )
-    prune.add_argument("--keep-versions", type=int, help="keep the newest N state bodies")
-    prune.add_argument("--older-than", type=float, metavar="DAYS", help="prune bodies older")
+    prune.add_argument(
+        "--keep-versions", type=bounded_int(0, MAX_VERSION), help="keep the newest N state bodies"
+    )
+    prune.add_argument(
+        "--older-than",
+        type=bounded_float(0, 365_000),
+        metavar="DAYS",
+        help="prune bodies older (0 to 365000 days)",
+    )
     prune.add_argument("--thread", help="one thread only (default: every thread)")
     prune.add_argument("--dry-run", action="store_true", help="count only; change nothing")
     prune.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
@@ -435,7 +451,13 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
         "revert", help="append a transition restoring the state of an earlier version"
     )
     revert.add_argument("thread", metavar="THREAD", help="the thread")
-    revert.add_argument("--to", type=int, required=True, metavar="VERSION", help="the version")
+    revert.add_argument(
+        "--to",
+        type=bounded_int(0, MAX_VERSION),
+        required=True,
+        metavar="VERSION",
+        help="the version",
+    )
     revert.add_argument(
         "--idempotency-key", help="retry-safe key of this revert (default: a new random one)"
     )

@@ -11,12 +11,51 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 RELATIVE = re.compile(r"^([1-9][0-9]{0,5})([smhdw])\Z")
 UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 TIME_FORMS = "RFC 3339 (2026-11-25T08:00:00Z) or a duration ago (90s, 30m, 1h, 2d, 1w)"
+
+
+MAX_VERSION = 2**63 - 1  # a version is a Postgres bigint (and a protobuf int64)
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` to ``high`` (else exit 2, never a
+    traceback from a number the wire or the database cannot hold)."""
+
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}")
+        return value
+
+    return parse
+
+
+def bounded_float(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number from ``low`` to ``high`` (else exit 2)."""
+
+    def parse(text: str) -> float:
+        import argparse
+
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low <= value <= high:  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"must be {low:g} to {high:g}")
+        return value
+
+    return parse
 
 
 def as_resource(message: Any) -> dict[str, Any]:
@@ -51,16 +90,24 @@ def as_resource(message: Any) -> dict[str, Any]:
 
 
 def parse_time(text: str, flag: str) -> datetime:
-    """An instant as people write it: RFC 3339, or a duration before now (``2d``)."""
-    relative = RELATIVE.fullmatch(text.strip())
-    if relative:
-        amount = timedelta(**{UNITS[relative.group(2)]: int(relative.group(1))})
-        return datetime.now(UTC) - amount
+    """An instant as people write it: RFC 3339, or a duration before now (``2d``), in
+    UTC; a usage error (exit 2) for anything else, or for an instant before year 1 or
+    after 9999 (what a protobuf Timestamp holds)."""
+    when: datetime | None = None
     try:
-        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
+        relative = RELATIVE.fullmatch(text.strip())
+        if relative:
+            amount = timedelta(**{UNITS[relative.group(2)]: int(relative.group(1))})
+            when = datetime.now(UTC) - amount
+        elif "T" in text.upper():
+            parsed = datetime.fromisoformat(
+                text.strip().replace("Z", "+00:00").replace("z", "+00:00")
+            )
+            if parsed.tzinfo is not None:
+                when = parsed.astimezone(UTC)
+    except (ValueError, OverflowError):
         when = None
-    if when is None or when.tzinfo is None or "T" not in text.upper():
+    if when is None:
         from ztate.services.cli.output import usage
 
         usage(f"{flag} {text!r}: give {TIME_FORMS}")

@@ -62,14 +62,20 @@ def _initial_state(text: str) -> bytes:
     if text.startswith("@"):
         name = text[1:]
         try:
-            text = (
-                sys.stdin.read(MAX_STATE_BYTES + 1)
-                if name == "-"
-                else Path(name).read_text(encoding="utf-8")
-            )
-        except (OSError, UnicodeDecodeError) as exc:
-            usage(f"--state {text}: cannot read ({exc})")
-    if len(text) > MAX_STATE_BYTES:
+            if name == "-":
+                raw = sys.stdin.buffer.read(MAX_STATE_BYTES + 1)
+            else:  # no more than the limit is read, whatever the file (/dev/zero)
+                with Path(name).open("rb") as handle:
+                    raw = handle.read(MAX_STATE_BYTES + 1)
+        except OSError as exc:
+            usage(f"--state {text}: cannot read ({exc.strerror or exc})")
+        if len(raw) > MAX_STATE_BYTES:
+            usage(f"--state: more than {MAX_STATE_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            usage(f"--state {text}: not UTF-8")
+    elif len(text.encode("utf-8", "surrogatepass")) > MAX_STATE_BYTES:
         usage(f"--state: more than {MAX_STATE_BYTES} bytes")
     try:
         parsed = json.loads(text)

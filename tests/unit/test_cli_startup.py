@@ -119,7 +119,8 @@ def test_times_in_rfc_3339_or_as_a_duration_ago() -> None:
     before = datetime.now(UTC)
     got = parse_time("2d", "--since")
     assert before - timedelta(days=2) <= got <= datetime.now(UTC) - timedelta(days=2)
-    for text in ("yesterday", "2026-11-25", "2026-11-25T08:00:00", "0h", "-1h", "1y", ""):
+    hostile = ("999999d", "999999w", "0001-01-01T00:00:00+01:00")  # before year 1
+    for text in ("yesterday", "2026-11-25", "2026-11-25T08:00:00", "0h", "-1h", "1y", "", *hostile):
         with pytest.raises(CliError) as refused:
             parse_time(text, "--since")
         assert refused.value.code == USAGE
@@ -145,3 +146,38 @@ def test_ca_and_keys_honour_ztate_home(tmp_path: Path, monkeypatch: pytest.Monke
     assert (home / "certs" / "operator-ops.crt").exists()
     assert (home / "keys" / "hmac-keyring.json").exists()
     assert not (tmp_path / ".ztate").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("ledger", "list", "--since", "999999d"), "--since '999999d'"),
+        (("ledger", "list", "--until", "0001-01-01T00:00:00+01:00"), "--until"),
+        (("ledger", "show", "--thread", "t", "--version", "99999999999999999999"), "--version"),
+        (("ledger", "show", "--thread", "t", "--version", "-1"), "--version"),
+        (("ledger", "prune", "--older-than", "nan", "--dry-run"), "--older-than"),
+        (("ledger", "prune", "--older-than", "inf", "--dry-run"), "--older-than"),
+        (("ledger", "prune", "--older-than", "1e10", "--dry-run"), "--older-than"),
+        (("ledger", "prune", "--keep-versions", "1" + "0" * 30, "--dry-run"), "--keep-versions"),
+        (("threads", "revert", "t", "--to", "99999999999999999999"), "--to"),
+        (("threads", "create", "t-x", "--policy", "p", "--state", "@/dev/zero"), "--state"),
+        (("ca", "init", "--days", "10000000000"), "--days"),
+        (("ca", "issue", "--role", "node", "--name", "A_B"), "--name"),
+    ],
+)
+def test_out_of_range_numbers_and_times_are_usage_errors_not_tracebacks(
+    args: tuple[str, ...], said: str, tmp_path: Path
+) -> None:
+    """Each is refused before anything is sent or written: exit 2, one message naming the
+    flag, no traceback (they raised OverflowError or ValueError, or read without end)."""
+    done = subprocess.run(
+        [str(ZTATE), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ZTATE_HOME": str(tmp_path)},
+    )
+    assert done.returncode == USAGE, done.stderr
+    assert "Traceback" not in done.stderr
+    assert said in done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written (no CA, no context)
