@@ -111,7 +111,7 @@ WITH input AS (
 ), marked AS (
     UPDATE ztate.wake_marks m SET evaluated_version = greatest(m.evaluated_version, i.version)
       FROM input i JOIN head h ON h.thread_id = i.thread_id
-     WHERE m.thread_id = i.thread_id
+     WHERE m.thread_id = i.thread_id AND m.evaluated_version >= i.expected
     RETURNING 1
 )
 SELECT i.n,

@@ -167,8 +167,9 @@ class TransitionStore(Protocol):
     ) -> Commit:
         """Compare-and-swap the head from ``expected_version`` (and the record's
         parent digest) to the record's version, append the record, and record the
-        work of the ``woken`` nodes (advancing the thread's wake mark to the version),
-        atomically; the woken nodes are announced after.
+        work of the ``woken`` nodes (advancing the thread's wake mark to the version
+        when it was at ``expected_version``), atomically; the woken nodes are announced
+        after.
         ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was elsewhere (or the
         thread does not exist); nothing was written. ``KEY_TAKEN``: this node already
         used ``idempotency_key`` on this thread, committed or parked; nothing was

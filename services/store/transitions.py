@@ -274,8 +274,7 @@ class PostgresTransitionStore:
         )
         if version is None:
             return Creation.ID_TAKEN
-        if woken:
-            await announce_work(self._pool, woken)
+        await self._announce(None, woken)
         return Creation.CREATED
 
     @translated
@@ -370,11 +369,22 @@ class PostgresTransitionStore:
         )
         self._metrics.commit_duration.record(time.perf_counter() - started)
         if outcome.commit is Commit.COMMITTED:
-            if outcome.watched:
-                await announce_commit(self._pool, record["thread_id"])
+            await self._announce(record["thread_id"] if outcome.watched else None, woken)
+        return outcome.commit
+
+    async def _announce(self, watched_thread: str | None, woken: Sequence[str]) -> None:
+        """Tell the replicas about a commit that is durable already: best effort. A
+        failure here must not answer the commit as failed (the caller would count a
+        committed proposal as refused, and its retry replays without announcing
+        anything); the work dispatchers poll, and a watcher re-reads on its next
+        wake-up."""
+        try:
+            if watched_thread is not None:
+                await announce_commit(self._pool, watched_thread)
             if woken:
                 await announce_work(self._pool, woken)
-        return outcome.commit
+        except Exception as failure:  # logged: the commit stands
+            log.warning("announcing a commit failed: %s", type(failure).__name__)
 
     async def _commit_alone(self, args: CommitArgs) -> CommitOutcome:
         """The one-row statement (``COMMIT``)."""

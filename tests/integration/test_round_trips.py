@@ -477,3 +477,58 @@ async def test_a_commit_records_whom_it_wakes_in_its_own_statement(
     waker = Waker(WorkStore(first.pool), PolicySet.load(settings.policy_path))
     assert await waker.evaluate(thread_id) == []
     assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0), ("planner", 2)], 2)
+
+
+async def test_a_commit_never_moves_a_mark_past_a_version_nobody_decided(
+    replicas: tuple[Counted, Counted], lane_dsn: str, settings: Settings
+) -> None:
+    """A thread committed before migration 0018 can have a version whose wakes were never
+    decided (a replica died between the commit and its background decision): its mark is
+    behind. A new commit then leaves the mark alone, so that the sweep still finds the
+    thread and decides the version it missed."""
+    first, _ = replicas
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    woke = await first.pipeline.propose(PARSER, proposal(thread_id, 0, "k-1"))  # wakes planner
+    assert isinstance(woke, Committed)
+    conn = await asyncpg.connect(lane_dsn)
+    try:  # as the version looked before 0018, its decision lost: no work, the mark at 0
+        await conn.execute("DELETE FROM ztate.node_work WHERE thread_id = $1", thread_id)
+        await conn.execute(
+            "UPDATE ztate.wake_marks SET evaluated_version = 0 WHERE thread_id = $1", thread_id
+        )
+    finally:
+        await conn.close()
+
+    quiet = await first.pipeline.propose(
+        PARSER,
+        Proposal(thread_id, 1, encode_json({"requested_action": act("q", "none")}), "k-2"),
+    )
+    assert isinstance(quiet, Committed)
+    assert await work_rows(lane_dsn, thread_id) == ([], 0)  # the mark stayed behind
+    waker = Waker(WorkStore(first.pool), PolicySet.load(settings.policy_path))
+    assert await waker.evaluate(thread_id) == ["planner"]  # the sweep's decision
+    assert await work_rows(lane_dsn, thread_id) == ([("planner", 1)], 2)
+
+
+async def test_a_commit_whose_announcement_fails_is_still_answered_committed(
+    replicas: tuple[Counted, Counted], ledger: Ledger, lane_dsn: str
+) -> None:
+    """The announcement after a commit is best effort: when it fails (here pg_notify is
+    refused to the service role), the proposal is still answered committed, as it is
+    durable; before, the failure reached the caller, which counted it as refused."""
+    first, _ = replicas
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    conn = await asyncpg.connect(lane_dsn)
+    await conn.execute("REVOKE EXECUTE ON FUNCTION pg_notify(text, text) FROM PUBLIC")
+    try:
+        first.reset()
+        committed = await first.pipeline.propose(PARSER, proposal(thread_id, 0, "k-1"))
+    finally:
+        await conn.execute("GRANT EXECUTE ON FUNCTION pg_notify(text, text) TO PUBLIC")
+        await conn.close()
+    assert isinstance(committed, Committed)
+    assert first.statements == [COMMIT, ANNOUNCE_WORK]  # it tried to announce the planner
+    assert [r["version"] for r in await ledger.rows(thread_id)] == [0, 1]
+    assert (await work_rows(lane_dsn, thread_id))[0][-1] == ("planner", 1)

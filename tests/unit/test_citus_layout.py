@@ -163,7 +163,7 @@ def test_the_commit_names_its_thread_in_every_table_it_touches() -> None:
     assert re.search(r"w\.thread_id = p_thread_id", body)
     assert re.search(r"VALUES \(p_thread_id, ", body)
     assert re.search(r"SELECT p_thread_id, n, p_version FROM unnest\(p_woken\)", body)
-    assert re.search(r"WHERE m\.thread_id = p_thread_id;", body)
+    assert re.search(r"m\.thread_id = p_thread_id AND m\.evaluated_version >= p_expected", body)
     distribute = layout_sql("citus_distribute")
     assert "create_distributed_function(call, '$1'" in distribute
     assert "colocate_with => 'ztate.threads'" in distribute

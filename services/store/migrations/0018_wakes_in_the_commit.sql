@@ -9,9 +9,12 @@
 -- holds the patch, the new state and the author, all a wake declaration needs), and
 -- the commit writes them with the version, atomically: ztate.node_work rows for the
 -- nodes it wakes (none, mostly) and the thread's wake mark advanced to the new
--- version. A version is therefore never committed undecided, and the mark only says
--- how far a thread committed before this migration was decided (the sweep catches
--- such threads up; deciding twice changes nothing, a wake version only grows).
+-- version when every version before it was decided (the mark at the expected
+-- version or beyond). A version is therefore never committed undecided. Only a
+-- thread committed before this migration can have a mark behind its head: commits
+-- then leave the mark where it is, so that it never passes a version nobody decided,
+-- and the sweep catches the thread up (deciding twice changes nothing: a wake
+-- version only grows).
 --
 -- The new argument changes the functions' signatures: the old ones are dropped.
 -- `ztate db citus` distributes the new commit function by its thread id like the old
@@ -52,7 +55,7 @@ BEGIN
            SET wake_version = greatest(w.wake_version, excluded.wake_version);
     END IF;
     UPDATE ztate.wake_marks m SET evaluated_version = greatest(m.evaluated_version, p_version)
-     WHERE m.thread_id = p_thread_id;
+     WHERE m.thread_id = p_thread_id AND m.evaluated_version >= p_expected;
     RETURN EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = p_thread_id);
 END;
 $$;
@@ -120,7 +123,7 @@ BEGIN
            SET wake_version = greatest(w.wake_version, excluded.wake_version);
     END IF;
     UPDATE ztate.wake_marks m SET evaluated_version = greatest(m.evaluated_version, p_version)
-     WHERE m.thread_id = p_thread_id;
+     WHERE m.thread_id = p_thread_id AND m.evaluated_version >= p_expected;
     PERFORM pg_notify('ztate_outcomes', p_pending);
     IF EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = p_thread_id) THEN
         PERFORM pg_notify('ztate_commits', p_thread_id);
