@@ -31,7 +31,12 @@ from ztate.contract.keyring import Keyring
 from ztate.contract.record import GENESIS_PARENT, verify_record
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.interface import TransitionStore, UnsignedHead
-from ztate.transition_service.journal import CheckpointJournal, NotePublisher, SignedHead
+from ztate.transition_service.journal import (
+    CheckpointJournal,
+    JournalError,
+    NotePublisher,
+    SignedHead,
+)
 
 log = logging.getLogger("ztate.transition")
 BATCH = 1000
@@ -133,7 +138,12 @@ class Checkpointer:
         self._journal.append([(h.thread_id, h.version, c) for h, c, _ in signed])
         await self._store.save_checkpoints(signed)
         if self._notes is not None:  # a copy for transparency-log tooling, written last
-            self._notes.publish([c for _, c, _ in signed], self._key)
+            try:
+                self._notes.publish([c for _, c, _ in signed], self._key)
+            except JournalError as failure:
+                # the checkpoints are journalled and stored: the round and its next
+                # pages go on, and each thread's note is replaced at its next signed head
+                log.warning("publishing checkpoint notes failed: %s", failure)
         return len(signed)
 
     async def _check_extends(self, head: UnsignedHead, last: SignedHead | None) -> None:

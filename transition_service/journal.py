@@ -19,8 +19,10 @@ signed note (``notes/thread-<id>.note``), the envelope transparency-log tooling 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,9 +160,19 @@ class NotePublisher:
         try:
             self._folder.mkdir(parents=True, exist_ok=True)
             for thread_id, (_version, note) in latest.items():
-                target = self._folder / f"thread-{thread_id}.note"
-                partial = target.with_name(target.name + ".partial")
-                partial.write_bytes(note)
-                os.replace(partial, target)
+                # a temporary file of this writer's own: replicas sharing the folder
+                # never write into each other's
+                fd, partial = tempfile.mkstemp(
+                    dir=self._folder, prefix=f".thread-{thread_id}.", suffix=".partial"
+                )
+                try:
+                    with os.fdopen(fd, "wb") as handle:
+                        handle.write(note)
+                    os.chmod(partial, 0o644)
+                    os.replace(partial, self._folder / f"thread-{thread_id}.note")
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(partial)
+                    raise
         except OSError as exc:
             raise JournalError(f"{self._folder}: cannot publish notes ({exc.strerror})") from None

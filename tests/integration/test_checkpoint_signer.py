@@ -346,3 +346,30 @@ async def test_each_threads_latest_checkpoint_is_published_as_a_c2sp_signed_note
     forged = note.replace(b"\n3\n", b"\n4\n", 1)
     with pytest.raises(CheckpointInvalid):
         verify_note(forged, "ztate.test", public)
+
+
+async def test_notes_that_cannot_be_published_do_not_stop_the_signer(
+    service: RunningService,
+    target: str,
+    pki: Pki,
+    keyring: Keyring,
+    tmp_path: Path,
+    database_dsn: str,
+) -> None:
+    """The notes are a copy: when their folder cannot be written (here a file stands where
+    it should be), the round still journals, stores and counts its checkpoints, and the
+    next round publishes the notes of the heads it signs."""
+    signer = Signer(service, keyring, tmp_path)
+    (tmp_path / "notes").write_bytes(b"not a folder")
+    thread_id = await three_records(target, pki)
+
+    assert await signer.checkpointer.run_once() >= 1
+    assert sorted(signer.kept()[thread_id]) == [2]
+    assert await checkpoint_versions(database_dsn, thread_id) == [2]
+
+    (tmp_path / "notes").unlink()
+    async with client(target, pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 2, {"requested_action": act("n")})
+    await signer.checkpointer.run_once()
+    notes = sorted(p.name for p in (tmp_path / "notes").iterdir())
+    assert notes == [f"thread-{thread_id}.note"]  # no temporary file left behind
