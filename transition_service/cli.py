@@ -223,4 +223,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--workers needs DATABASE_URL (each worker would start its own embedded Postgres)",
             USAGE,
         )
-    return supervise(workers, settings.listen, settings.metrics_listen)
+    # each worker runs with the supervisor's own flags
+    flags = ["--log-level", args.log_level, "--wait-for-database", str(args.wait_for_database)]
+    return supervise(workers, settings.listen, settings.metrics_listen, flags)

@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from types import FrameType
 
 from ztate.services.runtime.config import parse_listen
@@ -37,12 +38,12 @@ WORKER_FLAG = "--worker-of-group"
 
 def port_is_free(listen: str) -> bool:
     """Whether ``host:port`` can be bound exclusively right now."""
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - what the service itself would bind
+    # validated with the settings; ":port" is every interface, as the service binds it
+    host, port = parse_listen(f"0.0.0.0{listen}" if listen.startswith(":") else listen)  # noqa: S104
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
-            probe.bind((host, int(port)))
+            probe.bind((host, port))
         except OSError:
             return False
     return True
@@ -71,9 +72,11 @@ def metrics_listens(metrics_listen: str | None, workers: int) -> list[str | None
     return [f"{shown}:{port + k}" for k in range(workers)]
 
 
-def supervise(workers: int, listen: str, metrics_listen: str | None = None) -> int:
+def supervise(
+    workers: int, listen: str, metrics_listen: str | None = None, flags: Sequence[str] = ()
+) -> int:
     """Start ``workers`` copies of ``ztate serve`` sharing ``listen``, each with its own
-    metrics endpoint (``metrics_listens``); wait for all."""
+    metrics endpoint (``metrics_listens``) and the supervisor's ``flags``; wait for all."""
     try:
         metrics = metrics_listens(metrics_listen, workers)
     except ValueError as exc:
@@ -83,7 +86,7 @@ def supervise(workers: int, listen: str, metrics_listen: str | None = None) -> i
         if not port_is_free(address):
             print(f"ztate: cannot start: {address} is in use", file=sys.stderr)
             return 2
-    argv = [sys.executable, "-m", "ztate.services.cli.main", "serve", WORKER_FLAG]
+    argv = [sys.executable, "-m", "ztate.services.cli.main", "serve", *flags, WORKER_FLAG]
     children = []
     for number, own in enumerate(metrics):
         env = dict(os.environ)

@@ -2,7 +2,9 @@
  * (services/policy/credentials.py; the pure Python there is the reference and the
  * fallback, and tests/unit/test_credentials.py checks that both agree).
  *
- * Every function takes ASCII bytes; the callers only pass token runs.
+ * found() takes the whole text (and its lower-case form) as UTF-8 bytes and only
+ * looks for ASCII literals in them; the statistics functions take token runs, which
+ * are ASCII.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -106,6 +106,14 @@ class Settings(TelemetrySettings):
         description="Postgres DSN; unset starts an embedded Postgres under <home>/pg",
     )
     listen: str = Field(default="127.0.0.1:7443", description="host:port of the gRPC server")
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        # host:port (":port": every interface), the port 0-65535: refused at start-up
+        parse_listen(f"0.0.0.0{value}" if value.startswith(":") else value)  # noqa: S104
+        return value
+
     trust_domain: str = Field(default="ztate.local", pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -268,6 +276,14 @@ class ApprovalSettings(TelemetrySettings):
         validation_alias=_shared("trust_domain"),
     )
     listen: str = Field(default="127.0.0.1:7444", description="host:port of the gRPC server")
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        # host:port (":port": every interface), the port 0-65535: refused at start-up
+        parse_listen(f"0.0.0.0{value}" if value.startswith(":") else value)  # noqa: S104
+        return value
+
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None

@@ -51,9 +51,6 @@ from ztate.services.store.work import announce_work
 log = logging.getLogger("ztate.store")
 POOL_CLOSE_SECONDS = 10.0  # then the connections still held are terminated
 
-# Whether some replica watches thread $1 (migration 0008): then the committer
-# announces the commit (announce_commit).
-WATCHED = "EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = $1)"
 COMMIT_CHANNEL = "ztate_commits"
 # Commit statements in flight at once; the commits that arrive while all are busy leave
 # together in the next free one (group_commit). Up to MAX_BATCH rows a statement.
@@ -325,6 +322,7 @@ class PostgresTransitionStore:
             refused=row["refused"],
         )
 
+    @translated
     async def head_versions(self, thread_ids: Sequence[str]) -> dict[str, int]:
         rows = await self._pool.fetch(
             "SELECT thread_id, version FROM ztate.threads WHERE thread_id = ANY($1::text[])",

@@ -10,6 +10,7 @@ with SIGKILL takes its workers with it, so the port is free again.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import urllib.error
 from pathlib import Path
@@ -184,3 +185,55 @@ def test_worker_metrics_ports_are_counted_from_the_configured_one() -> None:
     assert metrics_listens("0.0.0.0:0", 2) == ["0.0.0.0:0", "0.0.0.0:0"]  # each picks one
     with pytest.raises(ValueError, match="pass 65535"):
         metrics_listens("127.0.0.1:65535", 2)
+
+
+async def test_each_worker_runs_with_the_supervisors_flags(
+    database_dsn: str,
+    pki: Pki,
+    keyring_file: Path,
+    policy_dir: Path,
+    tmp_path: Path,
+    service: object,
+) -> None:
+    """``--log-level warning`` reaches the workers: none logs its informational start-up
+    line (they ran with the default, info, when only the supervisor had the flag)."""
+    env = replica_env(database_dsn, pki, keyring_file, policy_dir, tmp_path)
+    env.pop("ZTATE_LOG_LEVEL", None)
+    port = free_port()
+    group = await serve(env, port, "--workers", str(WORKERS), "--log-level", "warning")
+    try:
+        await wait_serving(group, pki)
+        await until(lambda: len(children(group.process.pid)) == WORKERS, "workers")
+    finally:
+        if group.process.returncode is None:
+            group.process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(group.process.wait(), DEADLINE)
+    assert group.process.stderr is not None
+    stderr = (await group.process.stderr.read()).decode(errors="replace")
+    assert "transition service listening" not in stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("listen", ["foo", "127.0.0.1:abc", "127.0.0.1:99999"])
+async def test_a_malformed_listen_address_is_refused_at_start(listen: str, tmp_path: Path) -> None:
+    """ZTATE_LISTEN is checked with the settings: one message naming it, exit 2, never a
+    traceback (``serve --workers`` split it by hand and raised)."""
+    process = await asyncio.create_subprocess_exec(
+        str(ZTATE),
+        "serve",
+        "--workers",
+        "2",
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")},
+            "ZTATE_HOME": str(tmp_path),
+            "ZTATE_LISTEN": listen,
+            "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+        },
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), DEADLINE)
+    assert process.returncode == 2
+    text = stderr.decode(errors="replace")
+    assert "Traceback" not in text
+    assert "listen" in text.lower()
