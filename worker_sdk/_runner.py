@@ -94,7 +94,9 @@ class NodeRunner:
         released when it proposes (or returns None, or is refused). On shutdown no
         new work is taken, running handlers get ``shutdown_grace`` seconds to
         finish, and the leases of those that did not are released undone, so that
-        another process of the node takes them at once."""
+        another process of the node takes them at once. A handler that raises (or a
+        service that cannot be reached) is logged with the exception's type, and its
+        lease is left to lapse: the thread is handed out again after its TTL."""
         stop = stop or asyncio.Event()
         working: dict[asyncio.Task[None], WorkItem] = {}
         room = asyncio.Semaphore(self.concurrency)
@@ -147,6 +149,17 @@ class NodeRunner:
         done = False
         try:
             done = await self._lease_step(item)
+        except Exception as failure:
+            # the handler raised, or the service could not be reached: said here (the
+            # type only: a message may hold state values), and the lease is kept until
+            # it lapses, so that the work comes back after its TTL, not at once
+            log.warning(
+                "%s: handling thread %s failed (%s); it is handed out again once its lease lapses",
+                self.node_name,
+                item.thread_id,
+                type(failure).__name__,
+            )
+            return
         finally:
             renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
