@@ -3,6 +3,7 @@
  * TypeScript twin of the Python SDK's NodeRunner (docs/api.md, "TypeScript").
  */
 import { randomUUID } from "node:crypto";
+import { Code } from "@connectrpc/connect";
 import type { Committed, Parked, View, ZtateClient } from "./client.js";
 import { StaleVersion, ZtateError } from "./errors.js";
 import type { Json } from "./evidence.js";
@@ -116,7 +117,9 @@ export class NodeRunner {
           view = await this.client.getView(this.threadId);
           continue;
         }
-        if (error instanceof ZtateError && error.reason !== "" && error.reason !== "STORAGE_UNAVAILABLE") {
+        // a refusal is recorded; a service out of reach (UNAVAILABLE: the database, the
+        // network, a refused certificate, all with a reason of their own) is thrown
+        if (error instanceof ZtateError && error.reason !== "" && error.code !== Code.Unavailable) {
           return this.#record({ viewVersion: view.version, patch, status: "refused", error });
         }
         throw error;

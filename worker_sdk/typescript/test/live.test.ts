@@ -185,6 +185,15 @@ test("a service that is down is unreachable, not a certificate", { skip: !live }
   });
 });
 
+test("a runner throws a service it cannot reach, and records no step", { skip: !live }, async () => {
+  const runner = new NodeRunner(clientWith({ target: env.ZTATE_DOWN_TARGET! }), THREAD, () => ACTION, {
+    nodeName: "input-parser",
+  });
+  const view = { threadId: THREAD, version: 0n, state: {}, headDigest: "" };
+  await assert.rejects(runner.handle(view), (error: unknown) => error instanceof Unreachable);
+  assert.deepEqual(runner.steps, [], "not recorded as refused: the patch was not judged");
+});
+
 test("a proxy whose backend is down is not a refused certificate", { skip: !live }, async () => {
   // accepts each connection and closes it at once, as a TCP proxy in front of a dead service
   const proxy = createServer((socket) => socket.destroy());
