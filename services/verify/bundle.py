@@ -746,11 +746,17 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
     versions: list[StoredPolicy] = []
     try:
         with path.open("rb") as handle:
-            for number, line in enumerate(handle, 1):
+            number = 0
+            while line := handle.readline(MAX_POLICY_LINE + 1):  # never more in memory
+                number += 1
                 hasher.update(line)
                 lines += 1
                 if len(line) > MAX_POLICY_LINE:
-                    versions.append(StoredPolicy(f"line {number}", "?", b"", len(line)))
+                    length = len(line)
+                    while not line.endswith(b"\n") and (line := handle.readline(1 << 20)):
+                        hasher.update(line)  # the rest of the line: hashed, not kept
+                        length += len(line)
+                    versions.append(StoredPolicy(f"line {number}", "?", b"", length))
                     continue
                 try:
                     versions.append(_policy_from_line(line))

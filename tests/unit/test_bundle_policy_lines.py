@@ -1,0 +1,55 @@
+"""``read_policies`` of a bundle holds at most one bounded line in memory: a
+``policies.jsonl`` line too long to hold a policy the verifier would read is hashed and
+counted, and kept by its length alone (the body check then reports it), however long."""
+
+from __future__ import annotations
+
+import hashlib
+import tracemalloc
+from pathlib import Path
+
+from ztate.services.verify.bundle import MAX_POLICY_LINE, POLICIES, Manifest, read_policies
+from ztate.services.verify.checks import Finding
+
+LONG = 10 * MAX_POLICY_LINE  # 40 MiB without a newline until its end
+
+
+def test_an_over_long_policy_line_is_measured_without_being_held(tmp_path: Path) -> None:
+    short = b'{"not": "a policy"}\n'
+    with (tmp_path / POLICIES).open("wb") as out:
+        chunk = b"x" * (1 << 20)
+        for _ in range(LONG // len(chunk)):
+            out.write(chunk)
+        out.write(b"\n")
+        out.write(short)
+    hasher = hashlib.sha256()
+    with (tmp_path / POLICIES).open("rb") as whole:
+        while block := whole.read(1 << 20):
+            hasher.update(block)
+    manifest = Manifest(
+        created_at="2026-11-25T00:00:00Z",
+        thread_id=None,
+        threads=0,
+        records=0,
+        records_sha256="0" * 64,
+        policy_digests=(),
+        heads={},
+        policies=2,
+        policies_sha256=hasher.hexdigest(),
+    )
+    findings: list[Finding] = []
+
+    tracemalloc.start()
+    try:
+        versions = read_policies(tmp_path, manifest, findings.append)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert peak < 3 * MAX_POLICY_LINE, f"{peak} bytes at the peak"  # it held 40 MiB
+    [long] = versions
+    assert (long.digest, long.body, long.size) == ("line 1", b"", LONG + 1)
+    # the short line is not a policy version: said as such; the hash and count agree
+    [finding] = findings
+    assert finding.check == "bundle.line"
+    assert finding.found.startswith(f"{POLICIES} line 2: ")
