@@ -171,8 +171,9 @@ class TransitionStore(Protocol):
         when it was at ``expected_version``), atomically; the woken nodes are announced
         after.
         ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was elsewhere (or the
-        thread does not exist); nothing was written. ``KEY_TAKEN``: this node already
-        used ``idempotency_key`` on this thread, committed or parked; nothing was
+        thread does not exist, or ``idempotency_key`` names a request of this node
+        parked on the thread); nothing was written. ``KEY_TAKEN``: this node already
+        committed a request under ``idempotency_key`` on this thread; nothing was
         written."""
 
     async def find_by_idempotency_key(

@@ -108,9 +108,6 @@ PENDING_COLUMNS = (
 HEAD_COLUMNS = "thread_id, version, digest, state_bytes, policy_name, policy_digest"
 
 
-# One round trip for a proposal whose base is not the cached head: the head, what the
-# request's idempotency key already names, and the stale refusal's rejection row when
-# the proposal is stale (head_for_request).
 def _fields(alias: str, columns: str, renamed: dict[str, str] | None = None) -> str:
     """``columns`` of the composite ``f.<alias>``, named ``<alias>_<column>``."""
     renamed = renamed or {}
