@@ -43,7 +43,6 @@ from ztate.transition_service.requests import (
     Proposal,
 )
 from ztate.transition_service.usecase import UseCase, as_stored
-from ztate.transition_service.work import author_node
 
 
 class Propose(UseCase):
@@ -87,7 +86,7 @@ class Propose(UseCase):
         limit = policy.max_patch_bytes(node) or self._max_patch_bytes
         check_size(proposal.patch_json, limit, "patch")
         patch = parse_admitted(proposal.patch_json, "patch", self._max_depth)
-        check_storable(patch, "patch")
+        check_storable(patch, "patch", proposal.patch_json)
         check_writable(patch, policy.writable(node))
         check_schema(patch, policy)
         check_credentials(patch, policy)
@@ -136,7 +135,7 @@ class Propose(UseCase):
             idempotency_key=proposal.idempotency_key,
             request_digest=digest_of_request,
             # whom the version wakes, recorded by the commit itself (docs/work.md)
-            woken=policy.woken(frozenset(patch), state, author_node(caller.spiffe_id)),
+            woken=policy.woken(frozenset(patch), state, node),
         )
         if result is Commit.COMMITTED:
             self._heads.put(

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ztate.contract.canonical import parse_object
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import Policy, PolicyDocument
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role, parse_spiffe_id
-from ztate.transition_service.checks import check_layers, check_size, check_writable, request_digest
+from ztate.transition_service.checks import (
+    check_layers,
+    check_size,
+    check_storable,
+    check_writable,
+    request_digest,
+)
 from ztate.transition_service.heads import CachedHead, HeadCache
 from ztate.transition_service.requests import Proposal
 
@@ -102,3 +113,56 @@ def test_layers_are_enforced_on_every_proposal_even_if_granted(key: str, fragmen
         check_layers({"w": True, key: True}, policy, "n")
     assert caught.value.keys == (key,)
     assert fragment in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        rb'{"a":"x\u0000"}',
+        rb'{"a\u0000":1}',
+        rb'{"a":[{"b":"\u0000"}]}',
+        rb'{"a":"\\\u0000"}',  # an escaped backslash, then the escape itself
+    ],
+)
+def test_check_storable_refuses_u0000_in_a_string_or_name_when_given_its_source(
+    source: bytes,
+) -> None:
+    value = parse_object(source, what="patch")
+    with pytest.raises(errors.UnsupportedCharacter):
+        check_storable(value, "patch", source)
+
+
+def test_check_storable_walks_a_source_that_merely_spells_the_escape() -> None:
+    source = rb'{"a":"\\u0000"}'  # a backslash, then the letters u0000: no U+0000
+    value = parse_object(source, what="patch")
+    assert value == {"a": "\\u0000"}
+    check_storable(value, "patch", source)
+
+
+def _holds_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_nul(item) for item in value)
+    return False
+
+
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)))
+
+
+@given(
+    st.recursive(
+        _TEXT | st.integers(-5, 5),
+        lambda inner: st.dictionaries(_TEXT, inner) | st.lists(inner),
+    )
+)
+def test_text_without_the_escape_never_parses_to_u0000(value: object) -> None:
+    """What lets ``check_storable`` skip its walk: JSON text holds U+0000 only as
+    the escape, whatever the encoder (here the standard library's, ASCII or not)."""
+    for ensure_ascii in (True, False):
+        source = json.dumps({"k": value}, ensure_ascii=ensure_ascii).encode("utf-8")
+        parsed = parse_object(source, what="patch")
+        if b"\\u0000" not in source:
+            assert not _holds_nul(parsed)
