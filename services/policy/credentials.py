@@ -451,6 +451,8 @@ def _rules_present(text: str) -> list[_Rule]:
     # an ASCII literal occurs in a string exactly when it occurs in its UTF-8
     plain = _textstats.found(text.encode("utf-8", "surrogatepass"), _NEEDLES)
     low = _textstats.found(lowered.encode("utf-8", "surrogatepass"), _LOWERED_NEEDLES)
+    if not plain | low:
+        return []
     return [rule for rule, lower, mask in _ORDERED if (low if lower else plain) & mask]
 
 
@@ -643,7 +645,14 @@ def find_credential(value: object, *, high_entropy: bool = True) -> CredentialFi
     Scans strings, object member names and nested lists and objects, as produced by
     ``json.loads``. ``high_entropy=False`` turns off only the entropy heuristic, for
     keys a policy marks opaque; the well-known formats always apply.
+
+    A string is judged at once (``_text_kind`` filters it itself); anything else is
+    first serialised and filtered whole, so that a large value that cannot hold a
+    credential is not walked.
     """
+    if type(value) is str:
+        kind = _text_kind(value, high_entropy, False)
+        return None if kind is None else CredentialFinding(kind, "")
     try:
         serialised = orjson.dumps(value)
     except TypeError:  # orjson.JSONEncodeError: lone surrogates, non-str keys, big ints
