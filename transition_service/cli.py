@@ -15,6 +15,11 @@ from typing import TYPE_CHECKING
 from ztate.services.cli.main import Subparsers, settings_or_exit
 from ztate.services.cli.output import UNREACHABLE, USAGE, CliError, set_log_level
 
+# More workers than cores only contend (one process uses one core), and each holds its
+# own pools of database connections: past this, a typo (--workers 1000) would exhaust
+# Postgres's connections rather than serve faster.
+MAX_WORKERS = 64
+
 if TYPE_CHECKING:
     import subprocess
     import threading
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
 def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``run`` and ``serve`` to the ``ztate`` command."""
     from ztate.approval_service.cli import add_service_flags
+    from ztate.services.cli.resources import bounded_int
 
     run = subparsers.add_parser(
         "run",
@@ -46,11 +52,11 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     add_service_flags(serve)
     serve.add_argument(
         "--workers",
-        type=int,
+        type=bounded_int(0, MAX_WORKERS),
         default=1,
         metavar="N",
-        help="processes sharing the listening port, one per core at most (default 1; 0: one "
-        "per core); needs DATABASE_URL",
+        help=f"processes sharing the listening port, one per core at most (default 1; 0: one "
+        f"per core; at most {MAX_WORKERS}); needs DATABASE_URL",
     )
     serve.add_argument("--worker-of-group", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
@@ -213,9 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_log_level(args.log_level)
     if args.worker_of_group:
         return _serve(settings, args.wait_for_database, share_port=True)
-    if args.workers < 0:
-        raise CliError("--workers must be 0 (one per core) or more", USAGE)
-    workers = args.workers or default_workers()
+    workers = args.workers or min(default_workers(), MAX_WORKERS)
     if workers == 1:
         return _serve(settings, args.wait_for_database)
     if settings.database_url is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,17 @@ from ztate.services.cli.output import (
     usage,
     write,
 )
-from ztate.services.cli.resources import TIME_FORMS, as_resource, parse_time
+from ztate.services.cli.resources import TIME_FORMS, as_resource, bounded_float, parse_time
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 CALL_TIMEOUT_SECONDS = 30.0
 MAX_LIMIT = 100_000
 TAIL_PAGE = 200
-TAIL_PAGES = 50  # a backlog larger than this is shown from its newest part
+TAIL_PAGES = 50
+TAIL_KEPT = TAIL_PAGE * TAIL_PAGES  # new entries one look shows, the newest
+TAIL_COUNT_PAGES = 500  # pages past those read only to count what is skipped
+DEFAULT_LOOKBACK_SECONDS = 10.0
+MAX_LOOKBACK_SECONDS = 3600.0
 MAX_STATE_BYTES = 4 * 1024 * 1024
 
 
@@ -204,52 +209,134 @@ def _emit_entry(entry: dict[str, Any], output: str) -> None:
         write(_entry_line(entry))
 
 
-def cmd_ledger_tail(args: argparse.Namespace) -> int:
-    """Follow new transitions live (Ctrl-C to stop): one page query per ``--interval``,
-    whatever the number of threads."""
-    import asyncio
-    from datetime import UTC, datetime, timedelta
+def _at(entry: Any) -> datetime:
+    from datetime import UTC
 
-    from ztate.v1 import ledger_pb2, ledger_pb2_grpc
+    moment: datetime = entry.at.ToDatetime(tzinfo=UTC)
+    return moment
+
+
+class _Look:
+    """One look of ``ledger tail``: the entries not shown yet, newest first, at most
+    ``TAIL_KEPT``; past them, how many more unseen ones were only counted (skipped);
+    whether it read back to ``since`` (``complete``), else the oldest instant it read."""
+
+    def __init__(self) -> None:
+        self.entries: list[Any] = []
+        self.skipped = 0
+        self.complete = True
+        self.oldest_read: datetime | None = None
+
+    @property
+    def floor(self) -> datetime | None:
+        """Where the next looks stop, when this one skipped entries or stopped reading
+        before ``since``: nothing older is asked again (and a warning says so)."""
+        if self.skipped:
+            return _at(self.entries[-1])
+        return None if self.complete else self.oldest_read
+
+
+async def _look(stub: Any, thread: str, since: datetime, seen: dict[str, datetime]) -> _Look:
+    """Page ListTransitions (newest first) back to ``since``, keeping what ``seen`` lacks."""
+    from ztate.v1 import ledger_pb2
+
+    request = ledger_pb2.ListTransitionsRequest(thread_id=thread, page_size=TAIL_PAGE)
+    request.since.FromDatetime(since)
+    found = _Look()
+    for _ in range(TAIL_PAGES + TAIL_COUNT_PAGES):
+        response = await stub.ListTransitions(request, timeout=CALL_TIMEOUT_SECONDS)
+        if response.entries:
+            found.oldest_read = _at(response.entries[-1])
+        for entry in response.entries:
+            if entry.digest in seen:
+                continue
+            if len(found.entries) < TAIL_KEPT:
+                found.entries.append(entry)
+            elif _at(entry) < _at(found.entries[-1]):
+                found.skipped += 1
+            # else: the kept oldest instant's other entries, asked again at the next look
+        if not response.next_page_token:
+            return found
+        request.page_token = response.next_page_token
+    found.complete = False
+    return found
+
+
+def cmd_ledger_tail(args: argparse.Namespace) -> int:
+    """Follow new transitions live (Ctrl-C to stop): one look per ``--interval``,
+    whatever the number of threads.
+
+    Each look asks from ``--lookback`` seconds before the newest commit time shown (never
+    before ``--since``) and prints what it has not printed yet: a commit time is taken
+    before its transaction commits, so a commit can become visible after a later one was
+    shown. The digests shown within that window are remembered (memory bounded by the
+    window's transitions). A look keeps at most ``TAIL_KEPT`` new entries; older new
+    ones are counted and reported on stderr, never dropped silently."""
+    import asyncio
+    from datetime import UTC, timedelta
+
+    from ztate.v1 import ledger_pb2_grpc
 
     start = datetime.now(UTC) - timedelta(seconds=1)
     if args.since:
         start = parse_time(args.since, "--since")
+    lookback = timedelta(seconds=args.lookback)
 
     async def call(channel: Any) -> int:
         stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-        since, shown = start, 0
-        seen: set[str] = set()
+        shown, floor = 0, start
+        newest: datetime | None = None  # the newest commit time shown
+        seen: dict[str, datetime] = {}  # digest -> commit time, within the window
         while args.count is None or shown < args.count:
-            request = ledger_pb2.ListTransitionsRequest(
-                thread_id=args.thread or "", page_size=TAIL_PAGE
-            )
-            request.since.FromDatetime(since)
-            entries: list[Any] = []
-            for _ in range(TAIL_PAGES):  # newest first: back to `since`, shown oldest first
-                response = await stub.ListTransitions(request, timeout=CALL_TIMEOUT_SECONDS)
-                entries += response.entries
-                if not response.next_page_token:
-                    break
-                request.page_token = response.next_page_token
-            for entry in reversed(entries):
-                if entry.digest in seen:
-                    continue
-                seen.add(entry.digest)
+            since = floor if newest is None else max(floor, newest - lookback)
+            look = await _look(stub, args.thread or "", since, seen)
+            if look.floor is not None:
+                floor = look.floor
+                _warn_skipped(look, since, floor)
+            for entry in reversed(look.entries):  # oldest first
+                seen[entry.digest] = _at(entry)
                 _emit_entry(as_resource(entry), args.output)
                 shown += 1
                 if args.count is not None and shown >= args.count:
                     return shown
-            if entries:
-                newest = max(e.at.ToDatetime(tzinfo=UTC) for e in entries)
-                # keep the digests of the newest instant only: earlier ones fall out of range
-                since = newest
-                seen = {e.digest for e in entries if e.at.ToDatetime(tzinfo=UTC) == newest}
+            if look.entries:
+                latest = _at(look.entries[0])
+                newest = latest if newest is None else max(newest, latest)
+            if newest is not None:  # what no later look can return is forgotten
+                window = max(floor, newest - lookback)
+                seen = {digest: at for digest, at in seen.items() if at >= window}
             await asyncio.sleep(args.interval)  # the follow interval, not synchronisation
         return shown
 
     run_client(args, call)
     return OK
+
+
+def _warn_skipped(look: _Look, since: datetime, floor: datetime) -> None:
+    span = f"committed from {_rfc3339(since)} to before {_rfc3339(floor)}"
+    if look.skipped:
+        count = f"{look.skipped}" if look.complete else f"at least {look.skipped}"
+        said = (
+            f"{count} transitions {span} were skipped: more than {TAIL_KEPT} new ones in "
+            "one look (narrow with --thread, or a later --since)"
+        )
+    else:
+        read = (TAIL_PAGES + TAIL_COUNT_PAGES) * TAIL_PAGE
+        said = (
+            f"transitions {span} were not checked: more than {read} in one look "
+            "(narrow with --thread, or a smaller --lookback)"
+        )
+    print(f"ztate ledger tail: {said}", file=sys.stderr, flush=True)
+
+
+def _rfc3339(moment: datetime) -> str:
+    """As an entry's ``at`` is printed (protobuf's JSON form of a Timestamp)."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    stamp = Timestamp()
+    stamp.FromDatetime(moment)
+    text: str = stamp.ToJsonString()
+    return text
 
 
 # --- registration -----------------------------------------------------------------------
@@ -291,6 +378,15 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
         "--interval", type=_interval, default=1.0, help="seconds between looks (default 1)"
     )
     tail.add_argument("--count", type=_limit, help="stop after this many transitions")
+    tail.add_argument(
+        "--lookback",
+        type=bounded_float(0, MAX_LOOKBACK_SECONDS),
+        default=DEFAULT_LOOKBACK_SECONDS,
+        metavar="SECONDS",
+        help="also print a commit that becomes visible up to this long after its commit "
+        f"time, behind later ones already printed (0 to {MAX_LOOKBACK_SECONDS:g}; "
+        f"default {DEFAULT_LOOKBACK_SECONDS:g})",
+    )
     add_output_flag(tail)
     add_connection_flags(tail)
     tail.set_defaults(func=cmd_ledger_tail)

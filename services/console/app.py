@@ -54,6 +54,22 @@ MAX_FORM_BYTES = 16 * 1024
 STATIC = Path(__file__).with_name("static")
 REVIEW_STATUSES = ("open", "approved", "rejected", "expired")
 
+# The HTTP status of a page whose gRPC call failed, by the call's status code: the one
+# mapping (the services map their errors to gRPC in services/runtime/rpc_errors.py).
+# The service out of reach is 503, whatever the page; a code not named here is 502.
+CALL_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "OUT_OF_RANGE": 400,
+    "UNAUTHENTICATED": 403,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "FAILED_PRECONDITION": 409,
+    "ABORTED": 409,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -200,6 +216,11 @@ def _page(request: web.Request, template: str, code: int = 200, **values: Any) -
     return web.Response(status=code, text=body, content_type="text/html", charset="utf-8")
 
 
+def call_status(failed: CallFailed) -> int:
+    """The HTTP status of a page whose call failed (``CALL_STATUS``, else 502)."""
+    return CALL_STATUS.get(failed.code, 502)
+
+
 def _see(location: str) -> web.Response:
     return web.Response(status=303, headers={"Location": location})
 
@@ -230,7 +251,9 @@ async def reviews(request: web.Request) -> web.StreamResponse:
     try:
         rows = await console.backend.reviews(status)
     except CallFailed as failed:
-        return _page(request, "reviews.html", 502, status=status, rows=[], error=failed)
+        return _page(
+            request, "reviews.html", call_status(failed), status=status, rows=[], error=failed
+        )
     return _page(request, "reviews.html", status=status, rows=rows, error=None)
 
 
@@ -249,7 +272,13 @@ async def review(request: web.Request) -> web.StreamResponse:
         found = await console.backend.review(digest)
     except CallFailed as failed:
         return _page(
-            request, "review.html", 502, digest=digest, review=None, error=failed, decided=None
+            request,
+            "review.html",
+            call_status(failed),
+            digest=digest,
+            review=None,
+            error=failed,
+            decided=None,
         )
     return _page(
         request,
@@ -280,7 +309,7 @@ async def decide(request: web.Request) -> web.StreamResponse:
         return _page(
             request,
             "review.html",
-            403 if failed.code == "PERMISSION_DENIED" else 409,
+            call_status(failed),
             digest=digest,
             review=found,
             error=failed,
@@ -291,34 +320,49 @@ async def decide(request: web.Request) -> web.StreamResponse:
 
 async def threads(request: web.Request) -> web.StreamResponse:
     console: Console = request.app[CONSOLE]
-    wanted = _thread_id(request.query.get("thread"))
+    wanted = _thread_field(request.query.get("thread"))
     if wanted is not None:
         return _see(f"/threads/{quote(wanted, safe='')}")
     try:
         rows = await console.backend.threads()
     except CallFailed as failed:
-        return _page(request, "threads.html", 502, rows=[], error=failed)
+        return _page(request, "threads.html", call_status(failed), rows=[], error=failed)
     return _page(request, "threads.html", rows=rows, error=None)
 
 
-def _thread_id(text: str | None) -> str | None:
+def _thread_field(text: str | None) -> str | None:
+    """A thread id given in a query or a form (empty: none): anything the services would
+    refuse as a thread id is a bad request (400), never a call, never echoed."""
     if text is None or text == "":
         return None
     if not THREAD_ID.fullmatch(text):  # the services' one rule: nothing else is asked for
+        raise web.HTTPBadRequest(text="not a thread id")
+    return text
+
+
+def _thread_path(request: web.Request) -> str:
+    """The thread id of a page's path: no such page (404) for anything else."""
+    text = request.match_info["thread_id"]
+    if not THREAD_ID.fullmatch(text):
         raise web.HTTPNotFound(text="not a thread id")
     return text
 
 
 async def thread(request: web.Request) -> web.StreamResponse:
     console: Console = request.app[CONSOLE]
-    thread_id = _thread_id(request.match_info["thread_id"])
-    assert thread_id is not None
+    thread_id = _thread_path(request)
     try:
         rows = await console.backend.timeline(thread_id)
         refusals = await console.backend.rejections(thread_id)
     except CallFailed as failed:
         return _page(
-            request, "thread.html", 502, thread_id=thread_id, rows=[], refusals=[], error=failed
+            request,
+            "thread.html",
+            call_status(failed),
+            thread_id=thread_id,
+            rows=[],
+            refusals=[],
+            error=failed,
         )
     return _page(
         request, "thread.html", thread_id=thread_id, rows=rows, refusals=refusals, error=None
@@ -327,11 +371,18 @@ async def thread(request: web.Request) -> web.StreamResponse:
 
 async def rejections(request: web.Request) -> web.StreamResponse:
     console: Console = request.app[CONSOLE]
-    thread_id = _thread_id(request.query.get("thread"))
+    thread_id = _thread_field(request.query.get("thread"))
     try:
         rows = await console.backend.rejections(thread_id)
     except CallFailed as failed:
-        return _page(request, "rejections.html", 502, thread_id=thread_id, rows=[], error=failed)
+        return _page(
+            request,
+            "rejections.html",
+            call_status(failed),
+            thread_id=thread_id,
+            rows=[],
+            error=failed,
+        )
     return _page(request, "rejections.html", thread_id=thread_id, rows=rows, error=None)
 
 
@@ -343,8 +394,10 @@ async def verify_page(request: web.Request) -> web.StreamResponse:
 async def verify_run(request: web.Request) -> web.StreamResponse:
     console: Console = request.app[CONSOLE]
     form = await request.post()
-    offered = form.get("thread")
-    thread_id = _thread_id(offered if isinstance(offered, str) else None)
+    offered = form.get("thread", "")
+    if not isinstance(offered, str):  # a file where the form has a text box
+        raise web.HTTPBadRequest(text="not a thread id")
+    thread_id = _thread_field(offered)
     async with console.verifying:
         console.last_verify = await run_verify(console.bundle, thread_id)
     return _see("/verify")

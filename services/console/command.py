@@ -8,49 +8,49 @@ in the printed URL. Exit codes: 0 stopped by a signal, 2 unusable flags or crede
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ztate.services.console.backend import Backend
+    from ztate.services.console.backend import Backend, Identity
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
-DEFAULT_TARGET = "127.0.0.1:7443"
-DEFAULT_APPROVAL_TARGET = "127.0.0.1:7444"
 
 
 def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``console`` to the ``ztate`` command (imports nothing heavy until it runs)."""
+    from ztate.services.cli.context import add_connection_flags
+
     console = subparsers.add_parser(
         "console",
         help="a local web console for reviews, threads, rejections and verification",
         description="Serves a web UI on 127.0.0.1 and prints its URL with a one-time token. "
-        "Ledger pages use the operator certificate, review pages the reviewer certificate "
-        "(defaults: $ZTATE_HOME/certs/operator-admin.* and reviewer-<name>.*). "
+        "Ledger pages call the transition service, review pages the approval service, each "
+        "connected as every client command is: flags, then the environment, then the "
+        "current context, then $ZTATE_HOME/certs (operator-admin.*, reviewer-alice.*). "
         "See docs/console.md.",
     )
     console.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: free)")
-    console.add_argument(
-        "--target",
-        default=os.environ.get("ZTATE_LISTEN", DEFAULT_TARGET),
-        help="host:port of the transition service (default: ZTATE_LISTEN or %(default)s)",
+    add_connection_flags(console)
+    reviewing = console.add_argument_group(
+        "the approval service (flags > environment > context > $ZTATE_HOME)"
     )
-    console.add_argument("--cert", type=Path, help="operator certificate (PEM)")
-    console.add_argument("--key", type=Path, help="operator private key (PEM)")
-    console.add_argument("--ca", type=Path, help="CA certificate (PEM)")
-    console.add_argument(
-        "--approval-target",
-        default=os.environ.get("ZTATE_APPROVAL_LISTEN", DEFAULT_APPROVAL_TARGET),
-        help="host:port of the approval service (default: ZTATE_APPROVAL_LISTEN or %(default)s)",
+    reviewing.add_argument(
+        "--approval-address",
+        metavar="HOST:PORT",
+        help="the approval service (env ZTATE_APPROVAL_ADDRESS; default: "
+        "ZTATE_APPROVAL_LISTEN on localhost)",
     )
-    console.add_argument(
-        "--reviewer", default="alice", help="picks $ZTATE_HOME/certs/reviewer-<name>.crt/.key"
+    reviewing.add_argument("--approval-target", dest="approval_address", help=argparse.SUPPRESS)
+    reviewing.add_argument(
+        "--reviewer",
+        metavar="NAME",
+        help="use $ZTATE_HOME/certs/reviewer-NAME.crt/.key (default: the certificate the "
+        "client commands use, else reviewer-alice)",
     )
-    console.add_argument("--reviewer-cert", type=Path, help="reviewer certificate (PEM)")
-    console.add_argument("--reviewer-key", type=Path, help="reviewer private key (PEM)")
-    console.add_argument("--server-name", help="expected server name, if not the target host")
+    reviewing.add_argument("--reviewer-cert", type=Path, help="reviewer certificate (PEM)")
+    reviewing.add_argument("--reviewer-key", type=Path, help="reviewer private key (PEM)")
     console.add_argument(
         "--verify-bundle",
         type=Path,
@@ -60,6 +60,31 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     console.set_defaults(func=cmd_console)
 
 
+def identities(args: argparse.Namespace) -> tuple[Identity, Identity]:
+    """The operator's and the reviewer's connections, resolved as every client command's
+    (services/cli/context.py: flags, environment, context, development layout)."""
+    from ztate.services.cli.context import APPROVAL, TRANSITION, resolve
+    from ztate.services.console.backend import Identity
+
+    operator = resolve(args, TRANSITION)
+    reviewer = resolve(
+        argparse.Namespace(
+            address=args.approval_address,
+            client_cert=args.reviewer_cert,
+            client_key=args.reviewer_key,
+            ca_cert=args.ca_cert,
+            server_name=args.server_name,
+            context=args.context,
+            reviewer=args.reviewer,
+        ),
+        APPROVAL,
+    )
+    return (
+        Identity(operator.address, operator.cert, operator.key, operator.ca, operator.server_name),
+        Identity(reviewer.address, reviewer.cert, reviewer.key, reviewer.ca, reviewer.server_name),
+    )
+
+
 def cmd_console(args: argparse.Namespace) -> int:
     try:
         import aiohttp  # noqa: F401
@@ -67,28 +92,14 @@ def cmd_console(args: argparse.Namespace) -> int:
     except ImportError:
         print("ztate console needs its extra: pip install 'ztate[console]'", file=sys.stderr)
         return 2
-    from ztate.services.console.backend import Backend, Identity
+    from ztate.services.console.backend import Backend
 
-    home = Path(os.environ.get("ZTATE_HOME", ".ztate"))
-    certs = home / "certs"
-    ca = args.ca or certs / "ca.crt"
-    operator = Identity(
-        args.target,
-        args.cert or certs / "operator-admin.crt",
-        args.key or certs / "operator-admin.key",
-        ca,
-        args.server_name,
-    )
-    reviewer = Identity(
-        args.approval_target,
-        args.reviewer_cert or certs / f"reviewer-{args.reviewer}.crt",
-        args.reviewer_key or certs / f"reviewer-{args.reviewer}.key",
-        ca,
-        args.server_name,
-    )
+    operator, reviewer = identities(args)
     missing = [
         str(path)
-        for path in (operator.cert, operator.key, reviewer.cert, reviewer.key, ca)
+        for path in dict.fromkeys(
+            (operator.cert, operator.key, reviewer.cert, reviewer.key, operator.ca, reviewer.ca)
+        )
         if not path.is_file()
     ]
     if missing:

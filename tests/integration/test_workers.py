@@ -22,6 +22,7 @@ from tests.integration.test_http_probes import get
 from tests.integration.test_metrics_scrape import scrape
 from tests.integration.test_run_command import free_port
 from tests.integration.test_scale_out import ZTATE, Replica, replica_env, wait_serving
+from ztate.transition_service.cli import MAX_WORKERS
 from ztate.transition_service.workers import metrics_listens, port_is_free
 
 WORKERS = 2
@@ -102,17 +103,25 @@ async def test_workers_share_the_port_and_refuse_a_second_service(
     await until(lambda: port_is_free(f"127.0.0.1:{port}"), "the port freed")
 
 
-@pytest.mark.parametrize("workers", ["-1"])
-async def test_a_negative_worker_count_is_a_usage_error(workers: str) -> None:
+@pytest.mark.parametrize("workers", ["-1", "65", "100000", "9" * 40, "two"])
+async def test_a_worker_count_out_of_bounds_is_a_usage_error(workers: str) -> None:
+    """0 (one per core) to MAX_WORKERS; anything else is exit 2 naming the bound, before
+    any configuration is read or a worker started (without DATABASE_URL here, so that a
+    count that got through would stop on that instead, with another message)."""
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
     process = await asyncio.create_subprocess_exec(
         str(ZTATE),
         "serve",
-        "--workers",
-        workers,
+        f"--workers={workers}",
+        env=env,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    assert await asyncio.wait_for(process.wait(), DEADLINE) == 2
+    _, stderr = await asyncio.wait_for(process.communicate(), DEADLINE)
+    assert process.returncode == 2
+    said = stderr.decode()
+    expected = "'two' is not a whole number" if workers == "two" else f"must be 0 to {MAX_WORKERS}"
+    assert f"argument --workers: {expected}" in said, said
 
 
 def probe(url: str) -> tuple[int, str] | None:

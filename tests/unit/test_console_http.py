@@ -9,6 +9,7 @@ refusal can assert that nothing was called.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, CookieJar, web
 
-from ztate.services.console.app import CSP, Guard, guard_of, make_app
+from tests.harness import Pki
+from ztate.services.console.app import CSP, guard_of, make_app
 from ztate.services.console.backend import Backend, Identity
+from ztate.services.runtime.identity import Role
 
 DIGEST = "ab" * 32
 NOBODY = Identity("127.0.0.1:1", Path("none"), Path("none"), Path("none"))
@@ -38,10 +41,15 @@ class Recording(Backend):
         self.calls.append(("decide", (digest, decision)))
         return {}
 
+    async def rejections(self, thread_id: str | None) -> list[dict[str, Any]]:
+        self.calls.append(("rejections", thread_id))
+        return []
+
 
 class Running:
-    def __init__(self, backend: Recording, guard: Guard, session: ClientSession) -> None:
-        self.backend, self.guard, self.session = backend, guard, session
+    def __init__(self, backend: Recording, app: web.Application, session: ClientSession) -> None:
+        self.backend, self.app, self.session = backend, app, session
+        self.guard = guard_of(app)
 
     @property
     def base(self) -> str:
@@ -63,20 +71,26 @@ class Running:
             return got.status, await got.text()
 
 
-@pytest_asyncio.fixture
-async def console() -> AsyncIterator[Running]:
-    backend = Recording()
+@asynccontextmanager
+async def serving(backend: Backend) -> AsyncIterator[Running]:
     app = make_app(backend, 0)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     assert site._server is not None
-    guard = guard_of(app)
-    guard.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
-        yield Running(backend, guard, session)
-    await runner.cleanup()
+    guard_of(app).port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    try:
+        async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
+            yield Running(backend, app, session)  # type: ignore[arg-type]
+    finally:
+        await runner.cleanup()
+
+
+@pytest_asyncio.fixture
+async def console() -> AsyncIterator[Running]:
+    async with serving(Recording()) as running:
+        yield running
 
 
 def csrf_of(console: Running) -> str:
@@ -238,13 +252,192 @@ async def test_a_hostile_thread_id_is_refused_before_any_call(
     console: Running, hostile: str
 ) -> None:
     """The thread box and the timeline's path take only what the services accept as a
-    thread id: anything else is 404, never a call, and never echoed into the page."""
+    thread id: anything else is 400 (the box) or 404 (the path), never a call, and never
+    echoed into the page."""
     await console.sign_in()
     from urllib.parse import quote
 
-    for url in (f"/threads?thread={quote(hostile)}", f"/threads/{quote(hostile, safe='%')}"):
+    for url, status in (
+        (f"/threads?thread={quote(hostile)}", 400),
+        (f"/threads/{quote(hostile, safe='%')}", 404),
+    ):
         async with console.session.get(f"{console.base}{url}", allow_redirects=False) as got:
             body = await got.text()
-            assert got.status == 404, (url, got.status)
-        assert "<script>" not in body
+            assert (got.status, body) == (status, "not a thread id"), url
+            assert got.headers["Content-Security-Policy"] == CSP
         assert console.backend.calls == []
+
+
+HOSTILE_THREADS = [
+    "t" * 129,  # one past the services' bound
+    "t" * 7000,  # long, still inside one request line
+    "a\nb",
+    "a\rb",
+    "a\x00b",
+    "\x1b[31mred",
+    "\u202eevil",
+    "<script>alert(1)</script>",
+    '"><img src=x onerror=alert(1)>',
+    "' onmouseover='alert(1)",
+    "..%2F..%2Fetc",
+    "é",
+    "a b",
+]
+
+
+def reflected(body: str, hostile: str) -> bool:
+    """Whether ``hostile`` (or any markup) came back in ``body``."""
+    return hostile in body or "<" in body or "onerror" in body
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_THREADS)
+async def test_a_hostile_rejections_filter_is_refused_before_any_call(
+    console: Running, hostile: str
+) -> None:
+    from urllib.parse import quote
+
+    await console.sign_in()
+    async with console.session.get(f"{console.base}/rejections?thread={quote(hostile)}") as got:
+        body = await got.text()
+        assert (got.status, body) == (400, "not a thread id")
+        assert got.headers["Content-Security-Policy"] == CSP
+    assert not reflected(body, hostile)
+    assert console.backend.calls == []
+
+
+async def test_an_overlong_request_line_is_refused_without_reflection(console: Running) -> None:
+    """Past aiohttp's request-line bound (8190 bytes) aiohttp answers 400 itself, before
+    the console: nothing is called, and what it echoes of the line (its first hundred
+    bytes, as Python's repr of percent-encoded bytes) is text/plain, no markup."""
+    from urllib.parse import quote
+
+    await console.sign_in()
+    hostile = "<script>" + "t" * 20_000
+    async with console.session.get(f"{console.base}/rejections?thread={quote(hostile)}") as got:
+        body = await got.text()
+        assert (got.status, got.content_type) == (400, "text/plain")
+    assert body.startswith("Got more than 8190 bytes when reading")
+    assert "<" not in body
+    assert len(body) < 300
+    assert console.backend.calls == []
+
+
+async def test_a_valid_rejections_filter_is_asked(console: Running) -> None:
+    await console.sign_in()
+    async with console.session.get(f"{console.base}/rejections?thread=order-42.a:b_c") as got:
+        assert got.status == 200
+    assert console.backend.calls == [("rejections", "order-42.a:b_c")]
+
+
+NOT_DIGESTS = [
+    "not-hex",
+    "AB" * 32,  # digests are lower-case hex
+    "ab" * 31,
+    "ab" * 33,
+    "ab" * 32 + "\n",
+    "ab" * 31 + "zz",
+    "<script>alert(1)</script>",
+    "\x00" * 64,
+    "sha256:" + "ab" * 32,
+]
+
+
+@pytest.mark.parametrize("value", NOT_DIGESTS)
+async def test_review_paths_take_only_a_digest(console: Running, value: str) -> None:
+    """A review page and its decision exist only for a transition digest: anything else
+    is 404 (no page), with nothing asked, decided or echoed."""
+    from urllib.parse import quote
+
+    await console.sign_in()
+    path = f"/reviews/{quote(value, safe='')}"
+    async with console.session.get(f"{console.base}{path}") as got:
+        body = await got.text()
+        assert (got.status, body) == (404, "not a transition digest")
+        assert got.headers["Content-Security-Policy"] == CSP
+    form = {"csrf": csrf_of(console), "digest": value, "decision": "approve"}
+    status, body = await console.post(f"{path}/decide", form, Origin=console.base)
+    assert (status, body) == (404, "not a transition digest")
+    assert not reflected(body, value)
+    assert console.backend.calls == []
+
+
+def verify_ran(console: Running) -> bool:
+    from ztate.services.console.app import CONSOLE
+
+    return console.app[CONSOLE].last_verify is not None
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_THREADS[:1] + HOSTILE_THREADS[2:])
+async def test_a_verification_of_a_hostile_thread_runs_nothing(
+    console: Running, hostile: str
+) -> None:
+    await console.sign_in()
+    form = {"csrf": csrf_of(console), "thread": hostile}
+    status, body = await console.post("/verify", form, Origin=console.base)
+    assert (status, body) == (400, "not a thread id")
+    assert not reflected(body, hostile)
+    assert not verify_ran(console)
+
+
+async def test_hostile_verification_bodies_run_nothing(console: Running) -> None:
+    """A file where the thread box is (not "every thread"), a body past 16 KiB, a JSON
+    body, a form without the CSRF token: each a precise 4xx, and no verification ran."""
+    from aiohttp import FormData
+
+    await console.sign_in()
+    csrf = csrf_of(console)
+    upload = FormData()
+    upload.add_field("csrf", csrf)
+    upload.add_field("thread", b"t-1", filename="thread.txt")
+    async with console.session.post(
+        f"{console.base}/verify", data=upload, headers={"Origin": console.base}
+    ) as got:
+        assert (got.status, await got.text()) == (400, "not a thread id")
+    status, _ = await console.post(
+        "/verify", {"csrf": csrf, "thread": "t-1", "pad": "x" * 20_000}, Origin=console.base
+    )
+    assert status == 413
+    async with console.session.post(
+        f"{console.base}/verify",
+        json={"csrf": csrf, "thread": "t-1"},
+        headers={"Origin": console.base},
+    ) as got:
+        assert got.status == 403  # no form, so no CSRF token
+    status, _ = await console.post("/verify", {"thread": "t-1"}, Origin=console.base)
+    assert status == 403
+    assert not verify_ran(console)
+    assert console.backend.calls == []
+
+
+async def test_a_service_out_of_reach_is_503_on_every_page(pki: Pki) -> None:
+    """The real backend, with real certificates, against an address where nothing
+    listens (a port held bound, not listening): every page, and a decision, answer 503
+    with the call's status shown, not 502 or 409."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        operator, reviewer = pki.operator(), pki.identity(Role.REVIEWER, "alice")
+        backend = Backend(
+            Identity(address, operator.cert, operator.key, operator.ca),
+            Identity(address, reviewer.cert, reviewer.key, reviewer.ca),
+        )
+        async with serving(backend) as console:
+            await console.sign_in()
+            form = {"csrf": csrf_of(console), "digest": DIGEST, "decision": "approve"}
+            status, body = await console.post(
+                f"/reviews/{DIGEST}/decide", form, Origin=console.base
+            )
+            assert status == 503
+            assert "UNAVAILABLE" in body
+            for path in ("/reviews", f"/reviews/{DIGEST}", "/threads", "/threads/t-1"):
+                async with console.session.get(f"{console.base}{path}") as got:
+                    body = await got.text()
+                    assert got.status == 503, (path, got.status)
+                    assert "UNAVAILABLE" in body, path
+            async with console.session.get(f"{console.base}/rejections?thread=t-1") as got:
+                assert got.status == 503
+    finally:
+        held.close()

@@ -1,0 +1,135 @@
+"""``ztate console`` connects as every client command does (services/cli/context.py):
+flags, then the environment, then the current context, then ``$ZTATE_HOME/certs``.
+
+Real processes against the session's transition service (real gRPC, mTLS, Postgres):
+the context is written by ``ztate context set``, and the console, started with no
+connection flag and an empty ``$ZTATE_HOME``, shows a thread through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp import ClientSession, CookieJar
+
+from tests.harness import INITIAL, Pki, act, client, new_thread_id
+
+ZTATE = str(Path(sys.executable).with_name("ztate"))
+URL = re.compile(r"(http://127\.0\.0\.1:(\d+))/\?token=([A-Za-z0-9_-]{43})")
+
+
+def clean_env(tmp_path: Path) -> dict[str, str]:
+    """No ZTATE_* of the caller's: an empty home, and a context file of this test's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    (tmp_path / "home").mkdir()
+    env.update(ZTATE_HOME=str(tmp_path / "home"), ZTATE_CONFIG=str(tmp_path / "config.yaml"))
+    return env
+
+
+async def ztate(env: dict[str, str], *argv: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        ZTATE, *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+@pytest_asyncio.fixture
+async def console_of_context(
+    tmp_path: Path, target: str, pki: Pki
+) -> AsyncIterator[tuple[str, str]]:
+    """A console started with no flag but --port, after ``ztate context set ... --use``
+    named the service and the operator's certificate: its origin and one-time token."""
+    env = clean_env(tmp_path)
+    operator = pki.operator()
+    code, _, err = await ztate(
+        env,
+        "context",
+        "set",
+        "ops",
+        *("--address", target, "--approval-address", "127.0.0.1:1"),
+        *("--client-cert", str(operator.cert), "--client-key", str(operator.key)),
+        *("--ca-cert", str(operator.ca), "--use"),
+    )
+    assert code == 0, err
+    process = await asyncio.create_subprocess_exec(
+        ZTATE,
+        "console",
+        "--port",
+        "0",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        if not line:
+            pytest.fail(f"ztate console stopped: {(await process.stderr.read()).decode()}")
+        found = URL.search(line)
+        assert found, line
+        yield found.group(1), found.group(3)
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 30)
+
+
+async def test_the_console_connects_through_the_current_context(
+    console_of_context: tuple[str, str], target: str, pki: Pki
+) -> None:
+    thread_id = f"ctx-{new_thread_id()[:12]}"
+    async with (
+        client(target, pki.operator()) as operator,
+        client(target, pki.node("input-parser")) as parser,
+    ):
+        await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        await parser.propose(thread_id, 0, {"requested_action": act("ctx")})
+    origin, token = console_of_context
+    async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
+        async with session.get(f"{origin}/?token={token}", allow_redirects=False) as got:
+            assert got.status == 303
+        async with session.get(f"{origin}/threads/{thread_id}") as got:
+            page = await got.text()
+            assert got.status == 200, page
+    assert thread_id in page
+    assert "input-parser" in page  # version 1's node, read with the context's certificate
+
+
+async def test_flags_and_environment_come_before_the_context(tmp_path: Path, pki: Pki) -> None:
+    """As for every client command: a flag over the environment over the context; the
+    files that cannot be read are named as resolved (exit 2, nothing served)."""
+    env = clean_env(tmp_path)
+    operator = pki.operator()
+    code, _, err = await ztate(
+        env,
+        "context",
+        "set",
+        "ops",
+        *("--address", "127.0.0.1:1", "--client-cert", "/ctx/ana.crt"),
+        *("--client-key", "/ctx/ana.key", "--ca-cert", str(operator.ca), "--use"),
+    )
+    assert code == 0, err
+    code, out, err = await ztate(env, "console", "--port", "0")
+    assert (code, out) == (2, "")
+    assert err.startswith("ztate console: cannot read /ctx/ana.crt, /ctx/ana.key\n"), err
+    env["ZTATE_CERT"] = "/env/ana.crt"
+    code, _, err = await ztate(env, "console", "--port", "0", "--client-key", "/flag/ana.key")
+    assert code == 2
+    # the reviewer side keeps the context's key: --client-key is the operator's
+    assert err.startswith(
+        "ztate console: cannot read /env/ana.crt, /flag/ana.key, /ctx/ana.key\n"
+    ), err
+    code, _, err = await ztate(env, "console", "--context", "nope")
+    assert code == 2
+    assert "no context 'nope'" in err, err
