@@ -28,7 +28,13 @@ from ztate.services.cli.output import (
     usage,
     write,
 )
-from ztate.services.cli.resources import TIME_FORMS, as_resource, bounded_float, parse_time
+from ztate.services.cli.resources import (
+    TIME_FORMS,
+    as_resource,
+    bounded_float,
+    bounded_int,
+    parse_time,
+)
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 CALL_TIMEOUT_SECONDS = 30.0
@@ -42,24 +48,8 @@ MAX_LOOKBACK_SECONDS = 3600.0
 MAX_STATE_BYTES = 4 * 1024 * 1024
 
 
-def _limit(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= value <= MAX_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_LIMIT}")
-    return value
-
-
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.05 <= value <= 3600:
-        raise argparse.ArgumentTypeError("must be 0.05 to 3600 seconds")
-    return value
+_limit = bounded_int(1, MAX_LIMIT)
+_interval = bounded_float(0.05, 3600)
 
 
 def _initial_state(text: str) -> bytes:

@@ -208,11 +208,8 @@ class StateValidator:
 
     def __init__(self, name: str, types: dict[str, TypeSpec]) -> None:
         annotations = {key: python_type(spec, key) for key, spec in types.items()}
-        self.model = create_model(
-            f"State_{name}",
-            __config__=_STRICT,
-            **{key: (annotation, None) for key, annotation in annotations.items()},
-        )
+        fields: dict[str, Any] = {key: (kind, None) for key, kind in annotations.items()}
+        self.model = create_model(f"State_{name}", __config__=_STRICT, **fields)
         self._adapters = {key: _strict_adapter(kind) for key, kind in annotations.items()}
         self._rank = {key: rank for rank, key in enumerate(annotations)}
 
