@@ -209,7 +209,9 @@ class NodeRunner:
 
     async def run(self, *, stop_after: int | None = None) -> list[Step]:
         """Watch the thread and act on it until cancelled, or until ``stop_after``
-        proposals were made; returns the steps."""
+        proposals were made; returns the steps. The server ends every watch stream
+        after its maximum lifetime: ``ZtateClient.watch`` resumes from the last version,
+        so the runner goes on (a transport failure past its reconnects is raised)."""
         self._seen = self.from_version
         async for event in self.client.watch(self.thread_id, self.from_version):
             if event.version <= self._seen:
