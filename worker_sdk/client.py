@@ -42,6 +42,8 @@ NORMAL_END_SECONDS = 1.0
 # The largest reply a ztate server can be configured to send (64 MiB of state, two 4 MiB
 # patches and the other fields); the server's own limits are docs/api.md's "Limits".
 MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
+# wait_for_outcome asks again after a "pending" answer while more than this is left
+ASK_AGAIN_SECONDS = 0.5
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 Reply = TypeVar("Reply")
 
@@ -655,16 +657,27 @@ class ZtateClient:
         ``parked`` is the ``AwaitingApproval`` a proposal raised, its ``handle``, or (for
         operators and ``read_records`` nodes) a transition digest. The server answers
         as soon as the outcome is known, without polling on this side; a "pending"
-        outcome means the time ran out first.
+        outcome means the time ran out first. The server holds one call at most 60
+        seconds: a longer ``within`` asks again until it has passed.
         """
         request = wait_request(parked)
-        pems = self._connection.pems
-        try:
-            async with self._connected() as connection:
-                pems = connection.pems
-                response = await connection.stub.WaitForOutcome(request, timeout=within)
-        except grpc.aio.AioRpcError as error:
-            raise await self._diagnosed(error, pems) from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while True:
+            pems = self._connection.pems
+            try:
+                async with self._connected() as connection:
+                    pems = connection.pems
+                    response = await connection.stub.WaitForOutcome(
+                        request, timeout=max(deadline - loop.time(), 0.0)
+                    )
+            except grpc.aio.AioRpcError as error:
+                raise await self._diagnosed(error, pems) from None
+            if response.outcome != transition_pb2.OUTCOME_PENDING:
+                break
+            # the server answers "pending" 0.2 s before a call's deadline, or at its cap
+            if deadline - loop.time() <= ASK_AGAIN_SECONDS:
+                break
         status = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()
         transition = (
             Transition.from_message(response.transition)

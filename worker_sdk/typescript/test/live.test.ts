@@ -336,6 +336,25 @@ test("NodeRunner.run() stops when aborted while the server's streams come and go
   assert.deepEqual(await running, [], "aborted: returns the steps, none");
 });
 
+test("waitForOutcome asks again past the server's hold of one call", { skip: !live }, async () => {
+  // the services of this suite hold one WaitForOutcome call at most 1 s (60 s in production)
+  const planner = clientWith({
+    target: env.ZTATE_SHORT_TARGET!,
+    certFile: env.ZTATE_PLANNER_CERT!,
+    keyFile: env.ZTATE_PLANNER_KEY!,
+  });
+  const thread = env.ZTATE_SHORT_THREAD!;
+  const head = (await planner.getView(thread)).version;
+  const parked = await planner.propose(thread, head, { target_user_id: "223e4567-e89b-42d3-a456-426614174000" });
+  assert.ok(parked.kind === "parked", "acting for another user is parked for a reviewer");
+  const began = Date.now();
+  const outcome = await planner.waitForOutcome(parked.handle, 3_000);
+  const waited = Date.now() - began;
+  assert.equal(outcome.status, "pending");
+  assert.ok(waited >= 2_500, `answered after ${waited} ms: one call's hold, not the 3 s asked for`);
+  assert.equal((await planner.getView(thread)).version, head, "nothing committed");
+});
+
 // --- the check before acting, end to end: approved through the approval service ---
 
 /** Calls `probe` until it returns a value, within `ms`: a condition with a deadline. */
