@@ -20,13 +20,23 @@ import asyncpg
 import grpc
 import pytest
 
-from tests.harness import INITIAL, Credentials, Ledger, Pki, act, client, new_thread_id
+from tests.harness import (
+    INITIAL,
+    Credentials,
+    Ledger,
+    Pki,
+    act,
+    as_operator_sees_it,
+    client,
+    new_thread_id,
+)
 from tests.integration.workers.langgraph_node import OTHER_USER
 from ztate.contract.keyring import generate_signing_key
 from ztate.services.runtime.config import Settings
 from ztate.testing._approval import deliver_approval
 from ztate.transition_service.app import start
 from ztate.v1 import transition_pb2
+from ztate.worker_sdk import AwaitingApproval
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = 64 * 1024 + 1
@@ -171,7 +181,7 @@ async def test_an_update_stale_when_approved_is_rerun_on_the_new_head_and_parked
             # the thread moves on before the reviewer decides
             async with client(target, pki.node("input-parser")) as parser:
                 await parser.propose(thread_id, 0, {"requested_action": act("moved")})
-            stale_digest = await pending_digest(database_dsn, thread_id)
+            stale_digest = await operator_digest(database_dsn, thread_id, first)
             before = await ledger.snapshot(thread_id)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await deliver_approval(target, pki, signing, stale_digest, thread_id, 0)
@@ -181,7 +191,7 @@ async def test_an_update_stale_when_approved_is_rerun_on_the_new_head_and_parked
             # the worker re-ran the function on the new head: parked again, on version 1
             second = await answer(process)
             assert (second["id"], second["event"], second["base_version"]) == (1, "parked", 1)
-            digest = await pending_digest(database_dsn, thread_id)
+            digest = await operator_digest(database_dsn, thread_id, second)
             assert digest != stale_digest
             applied = await deliver_approval(target, pki, signing, digest, thread_id, 1)
             assert applied.outcome == transition_pb2.OUTCOME_COMMITTED
@@ -200,20 +210,6 @@ async def test_an_update_stale_when_approved_is_rerun_on_the_new_head_and_parked
     assert await statuses(database_dsn, thread_id) == {stale_digest: "stale", digest: "committed"}
 
 
-async def pending_digest(dsn: str, thread_id: str) -> str:
-    conn = await asyncpg.connect(dsn)
-    try:
-        found: str = await conn.fetchval(
-            "SELECT digest FROM ztate.pending_transitions "
-            "WHERE thread_id = $1 AND status = 'pending'",
-            thread_id,
-        )
-    finally:
-        await conn.close()
-    assert found, "nothing is parked"
-    return found
-
-
 async def statuses(dsn: str, thread_id: str) -> dict[str, str]:
     conn = await asyncpg.connect(dsn)
     try:
@@ -224,3 +220,10 @@ async def statuses(dsn: str, thread_id: str) -> dict[str, str]:
     finally:
         await conn.close()
     return {row["digest"]: row["status"] for row in rows}
+
+
+async def operator_digest(dsn: str, thread_id: str, parked: dict[str, Any]) -> str:
+    """The digest of the proposal a "parked" event announced (a node not marked
+    read_records is told its handle only)."""
+    announced = AwaitingApproval("", thread_id, int(parked["base_version"]), (), parked["handle"])
+    return (await as_operator_sees_it(dsn, announced)).digest

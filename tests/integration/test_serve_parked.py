@@ -7,13 +7,20 @@ the slot kept a node at concurrency 1 from all other work for ``approval_wait``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
-from tests.harness import INITIAL, USER, Ledger, Pki, act, client, new_thread_id
+from tests.harness import (
+    INITIAL,
+    USER,
+    Ledger,
+    Pki,
+    act,
+    as_operator_sees_it,
+    client,
+    new_thread_id,
+)
+from tests.integration.test_watch_limits import eventually
 from ztate.contract.keyring import Keyring, generate_signing_key
 from ztate.services.runtime.config import Settings
 from ztate.testing._approval import deliver_approval
@@ -23,15 +30,6 @@ from ztate.v1 import transition_pb2
 from ztate.worker_sdk import AwaitingApproval, NodeRunner, Step, View
 
 OTHER_USER = USER.replace("1", "2")
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], within: float) -> None:
-    """Re-check a real condition until it holds, or fail after ``within`` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not await check():
-        assert loop.time() < deadline, "the condition never held"
-        await asyncio.sleep(0.05)  # polling a condition, with a deadline
 
 
 async def test_a_parked_proposal_frees_its_slot_and_its_outcome_is_still_recorded(
@@ -49,6 +47,7 @@ async def test_a_parked_proposal_frees_its_slot_and_its_outcome_is_still_recorde
     risky, plain = new_thread_id(), new_thread_id()
     handled: list[tuple[str, int]] = []
     parked = asyncio.Event()
+    proposals: list[AwaitingApproval] = []
     steps: list[Step] = []
 
     def plan(view: View) -> dict[str, Any]:
@@ -57,7 +56,8 @@ async def test_a_parked_proposal_frees_its_slot_and_its_outcome_is_still_recorde
             return {"target_user_id": OTHER_USER}
         return {"pending_transition": {"action": "lookup", "order_id": "P-1"}}
 
-    def on_parked(_: AwaitingApproval) -> None:
+    def on_parked(proposal: AwaitingApproval) -> None:
+        proposals.append(proposal)
         parked.set()
 
     try:
@@ -90,7 +90,7 @@ async def test_a_parked_proposal_frees_its_slot_and_its_outcome_is_still_recorde
                 assert (await ledger.snapshot(risky)).head_version == 1  # still parked
                 assert [s.status for s in steps] == ["committed"]
                 # the decision commits the parked proposal: its wait records it
-                digest = await _parked_digest(dsn, risky)
+                digest = (await as_operator_sees_it(dsn, proposals[0])).digest
                 applied = await deliver_approval(target, pki, signing, digest, risky, 1)
                 assert applied.outcome == transition_pb2.OUTCOME_COMMITTED, applied
                 await eventually(lambda: _recorded(steps, 2), within=10)
@@ -161,16 +161,3 @@ async def _head_is(ledger: Ledger, thread_id: str, version: int) -> bool:
 
 async def _recorded(steps: list[Step], count: int) -> bool:
     return len(steps) >= count
-
-
-async def _parked_digest(dsn: str, thread_id: str) -> str:
-    conn = await asyncpg.connect(dsn)
-    try:
-        digest: str = await conn.fetchval(
-            "SELECT digest FROM ztate.pending_transitions WHERE thread_id = $1 "
-            "AND status = 'pending'",
-            thread_id,
-        )
-    finally:
-        await conn.close()
-    return digest

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import asyncpg
 import pytest
 
-from tests.harness import INITIAL, USER, Ledger, Pki, client, new_thread_id
+from tests.harness import INITIAL, USER, Ledger, Pki, as_operator_sees_it, client, new_thread_id
 from ztate.contract.keyring import generate_signing_key
 from ztate.services.runtime.config import Settings
 from ztate.testing._approval import deliver_approval
@@ -73,7 +72,7 @@ async def test_a_wait_longer_than_the_servers_cap_asks_again_until_decided(
             waiting = asyncio.create_task(planner.wait_for_outcome(parked.value, within=20))
             done, _ = await asyncio.wait({waiting}, timeout=1.5)
             assert not done, waiting.result()  # past the cap of a call: still waiting
-            digest = await ledger_pending_digest(database_dsn, thread_id)
+            digest = (await as_operator_sees_it(database_dsn, parked.value)).digest
             applied = await deliver_approval(target, pki, signing, digest, thread_id, 0)
             assert applied.outcome == transition_pb2.OUTCOME_COMMITTED
             outcome = await asyncio.wait_for(waiting, 10)
@@ -83,16 +82,3 @@ async def test_a_wait_longer_than_the_servers_cap_asks_again_until_decided(
     finally:
         await running.stop(grace=1.0)
     assert (await ledger.snapshot(thread_id)).head_version == 1
-
-
-async def ledger_pending_digest(dsn: str, thread_id: str) -> str:
-    conn = await asyncpg.connect(dsn)
-    try:
-        digest: str = await conn.fetchval(
-            "SELECT digest FROM ztate.pending_transitions "
-            "WHERE thread_id = $1 AND status = 'pending'",
-            thread_id,
-        )
-    finally:
-        await conn.close()
-    return digest
