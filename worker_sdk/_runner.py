@@ -77,6 +77,8 @@ class NodeRunner:
     concurrency: int = 1
     shutdown_grace: float = 10.0
     _seen: int = field(default=-1, init=False, repr=False)
+    # serve: the waits for the outcomes of parked proposals (they hold no slot)
+    _waiting: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
     @classmethod
     def for_node(
@@ -91,12 +93,17 @@ class NodeRunner:
 
         Up to ``concurrency`` handlers run at once, each on the node's projection of
         the head it was handed, under a lease that is renewed while it runs and
-        released when it proposes (or returns None, or is refused). On shutdown no
+        released when it proposes (or returns None, or is refused). A proposal parked
+        for approval frees its slot at once (the service released its lease when it
+        parked it): its outcome is waited for (``approval_wait``) beside the handlers
+        and recorded as a step, and ``on_parked`` is called first. On shutdown no
         new work is taken, running handlers get ``shutdown_grace`` seconds to
         finish, and the leases of those that did not are released undone, so that
-        another process of the node takes them at once. A handler that raises (or a
-        service that cannot be reached) is logged with the exception's type, and its
-        lease is left to lapse: the thread is handed out again after its TTL."""
+        another process of the node takes them at once; waits for parked outcomes end
+        at once, recorded "pending" (the decision is taken without this process). A
+        handler that raises (or a service that cannot be reached) is logged with the
+        exception's type, and its lease is left to lapse: the thread is handed out
+        again after its TTL."""
         stop = stop or asyncio.Event()
         working: dict[asyncio.Task[None], WorkItem] = {}
         room = asyncio.Semaphore(self.concurrency)
@@ -129,6 +136,10 @@ class NodeRunner:
                     await task
                 with contextlib.suppress(ZtateError):
                     await self.client.release_lease(item.thread_id, item.lease_epoch, -1)
+            waiting = list(self._waiting)
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
         if taking.done() and not taking.cancelled() and taking.exception() is not None:
             raise taking.exception()  # type: ignore[misc]
         return self.steps
@@ -198,18 +209,45 @@ class NodeRunner:
                 self._refused(view, patch, refused)
                 return False
             except AwaitingApproval as parked:
+                # Parked, the lease is released (handled up to the view's version) and
+                # the slot is freed: holding it while a reviewer decides would keep the
+                # node from all other work for up to approval_wait. Whatever the
+                # decision, nothing is left for this lease to do: an approval commits
+                # as this node (its own commit does not wake it), and the version that
+                # makes it stale is a new version, which wakes the node if it changed
+                # what the node waits on.
                 if self.on_parked is not None:
                     self.on_parked(parked)
-                outcome = await self.client.wait_for_outcome(parked, within=self.approval_wait)
-                self._record(view, patch, outcome, parked.digest or None)
+                waiting = asyncio.create_task(self._outcome_of(view, patch, parked))
+                self._waiting.add(waiting)
+                waiting.add_done_callback(self._waiting.discard)
                 return True
             self._record(view, patch, Outcome("committed", committed), None)
             return True
         return False
 
+    async def _outcome_of(self, view: View, patch: Patch, parked: AwaitingApproval) -> None:
+        """Wait for a parked proposal's outcome (serve) and record it."""
+        try:
+            outcome = await self.client.wait_for_outcome(parked, within=self.approval_wait)
+        except asyncio.CancelledError:
+            self._record(view, patch, Outcome("pending"), parked.digest or None)  # shutdown
+            raise
+        except Exception as failure:
+            log.warning(
+                "%s: waiting for the outcome of a parked proposal on thread %s failed (%s)",
+                self.node_name,
+                view.thread_id,
+                type(failure).__name__,
+            )
+            return
+        self._record(view, patch, outcome, parked.digest or None)
+
     async def run(self, *, stop_after: int | None = None) -> list[Step]:
         """Watch the thread and act on it until cancelled, or until ``stop_after``
-        proposals were made; returns the steps."""
+        proposals were made; returns the steps. The server ends every watch stream
+        after its maximum lifetime: ``ZtateClient.watch`` resumes from the last version,
+        so the runner goes on (a transport failure past its reconnects is raised)."""
         self._seen = self.from_version
         async for event in self.client.watch(self.thread_id, self.from_version):
             if event.version <= self._seen:

@@ -42,6 +42,8 @@ NORMAL_END_SECONDS = 1.0
 # The largest reply a ztate server can be configured to send (64 MiB of state, two 4 MiB
 # patches and the other fields); the server's own limits are docs/api.md's "Limits".
 MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
+# wait_for_outcome asks again after a "pending" answer while more than this is left
+ASK_AGAIN_SECONDS = 0.5
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 Reply = TypeVar("Reply")
 
@@ -525,30 +527,85 @@ class ZtateClient:
         stops): the watch then resumes at once from the last version; only a
         normal end that came quickly and brought nothing counts as a failure.
         Refusals (a thread of another workflow, a stream limit:
-        ``TooManyStreams``) are raised at once. Break out of the loop to stop
+        ``TooManyStreams``) are raised at once, and so is a certificate the
+        handshake refuses (``HandshakeFailed``). Break out of the loop to stop
         watching.
         """
-        loop = asyncio.get_running_loop()
         last = from_version
+
+        def open_watch(stub: transition_pb2_grpc.TransitionServiceStub) -> Any:
+            # re-opened after the last version received
+            return stub.WatchThread(
+                transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=last)
+            )
+
+        # closed with this generator, so that its stream ends when the caller stops
+        async with contextlib.aclosing(
+            self._resumed(open_watch, reconnects, "the watch stream keeps ending")
+        ) as messages:
+            async for message in messages:
+                last = message.version
+                yield WatchEvent(
+                    thread_id=message.thread_id,
+                    version=message.version,
+                    digest=message.digest,
+                    state=None if message.state_pruned else json.loads(message.state_json),
+                )
+
+    async def subscribe_work(
+        self, *, max_in_flight: int = 1, reconnects: int = 10
+    ) -> AsyncGenerator[WorkItem, None]:
+        """The threads on which this node has work, each leased to this process, forever.
+
+        The stream is re-opened when it breaks in transport or the server ends it,
+        and its failures are raised typed, as ``watch``'s are (a certificate the
+        handshake refuses: ``HandshakeFailed`` at once); leases already received stay
+        this process's until they lapse. At most ``max_in_flight`` leases are held
+        through the stream at once: release (or propose under) one to receive the next."""
+        request = transition_pb2.SubscribeWorkRequest(max_in_flight=max_in_flight)
+        async with contextlib.aclosing(
+            self._resumed(
+                lambda stub: stub.SubscribeWork(request), reconnects, "the work stream keeps ending"
+            )
+        ) as messages:
+            async for message in messages:
+                yield WorkItem(
+                    thread_id=message.thread_id,
+                    version=message.version,
+                    state=json.loads(message.state_json),
+                    lease_epoch=message.lease_epoch,
+                    lease_expires_at=message.lease_expires_at.ToDatetime(),
+                    lease_ttl=message.lease_ttl_seconds,
+                    head_digest=message.head_digest,
+                )
+
+    async def _resumed(
+        self,
+        open_stream: Callable[[transition_pb2_grpc.TransitionServiceStub], Any],
+        reconnects: int,
+        keeps_ending: str,
+    ) -> AsyncGenerator[Any, None]:
+        """The messages of a server stream (``open_stream`` opens it on a stub), re-opened
+        when it breaks in transport or the server ends it, on the newest channel.
+
+        A refusal is raised at once, typed; a transport failure before any message is
+        diagnosed (a certificate the handshake refuses is ``HandshakeFailed``, raised at
+        once: the same files fail the same way); after ``reconnects`` failures in a row
+        without a message, the typed error is raised. A normal end of a stream that
+        brought a message or lasted ``NORMAL_END_SECONDS`` is resumed at once; one that
+        came quickly and brought nothing counts as a failure (``keeps_ending``)."""
+        loop = asyncio.get_running_loop()
         failures = 0
         while True:
             opened = loop.time()
             received = False
             async with self._connected() as connection:
-                call = connection.stub.WatchThread(
-                    transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=last)
-                )
+                call = open_stream(connection.stub)
                 try:
                     async for message in call:
                         failures = 0
                         received = True
-                        last = message.version
-                        yield WatchEvent(
-                            thread_id=message.thread_id,
-                            version=message.version,
-                            digest=message.digest,
-                            state=None if message.state_pruned else json.loads(message.state_json),
-                        )
+                        yield message
                         if connection.retired:
                             break  # new certificate files: resume on the new channel
                 except grpc.aio.AioRpcError as error:
@@ -566,60 +623,10 @@ class ZtateClient:
                         continue  # a normal end of a stream that served: resume now
                 finally:
                     call.cancel()
-            # the stream broke, or ended at once: resume after the last version
+            # the stream broke, or ended at once: resume after the last message
             failures += 1
             if failures > reconnects:
-                raise Unavailable(
-                    grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "the watch stream keeps ending"
-                )
-            await asyncio.sleep(min(self._backoff * 2 ** (failures - 1), 5.0))
-
-    async def subscribe_work(
-        self, *, max_in_flight: int = 1, reconnects: int = 10
-    ) -> AsyncGenerator[WorkItem, None]:
-        """The threads on which this node has work, each leased to this process, forever.
-
-        The stream is re-opened when it breaks in transport or the server ends it
-        (as ``watch``); leases already received stay this process's until they lapse.
-        At most ``max_in_flight`` leases are held through the stream at once: release
-        (or propose under) one to receive the next."""
-        loop = asyncio.get_running_loop()
-        failures = 0
-        while True:
-            opened = loop.time()
-            received = False
-            async with self._connected() as connection:
-                call = connection.stub.SubscribeWork(
-                    transition_pb2.SubscribeWorkRequest(max_in_flight=max_in_flight)
-                )
-                try:
-                    async for message in call:
-                        failures = 0
-                        received = True
-                        yield WorkItem(
-                            thread_id=message.thread_id,
-                            version=message.version,
-                            state=json.loads(message.state_json),
-                            lease_epoch=message.lease_epoch,
-                            lease_expires_at=message.lease_expires_at.ToDatetime(),
-                            lease_ttl=message.lease_ttl_seconds,
-                            head_digest=message.head_digest,
-                        )
-                        if connection.retired:
-                            break
-                except grpc.aio.AioRpcError as error:
-                    if error.code() not in RETRYABLE or failures >= reconnects:
-                        raise from_rpc_error(error) from None
-                else:
-                    if received or loop.time() - opened >= NORMAL_END_SECONDS:
-                        continue
-                finally:
-                    call.cancel()
-            failures += 1
-            if failures > reconnects:
-                raise Unavailable(
-                    grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "the work stream keeps ending"
-                )
+                raise Unavailable(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", keeps_ending)
             await asyncio.sleep(min(self._backoff * 2 ** (failures - 1), 5.0))
 
     async def renew_lease(self, thread_id: str, lease_epoch: int) -> datetime:
@@ -650,16 +657,27 @@ class ZtateClient:
         ``parked`` is the ``AwaitingApproval`` a proposal raised, its ``handle``, or (for
         operators and ``read_records`` nodes) a transition digest. The server answers
         as soon as the outcome is known, without polling on this side; a "pending"
-        outcome means the time ran out first.
+        outcome means the time ran out first. The server holds one call at most 60
+        seconds: a longer ``within`` asks again until it has passed.
         """
         request = wait_request(parked)
-        pems = self._connection.pems
-        try:
-            async with self._connected() as connection:
-                pems = connection.pems
-                response = await connection.stub.WaitForOutcome(request, timeout=within)
-        except grpc.aio.AioRpcError as error:
-            raise await self._diagnosed(error, pems) from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while True:
+            pems = self._connection.pems
+            try:
+                async with self._connected() as connection:
+                    pems = connection.pems
+                    response = await connection.stub.WaitForOutcome(
+                        request, timeout=max(deadline - loop.time(), 0.0)
+                    )
+            except grpc.aio.AioRpcError as error:
+                raise await self._diagnosed(error, pems) from None
+            if response.outcome != transition_pb2.OUTCOME_PENDING:
+                break
+            # the server answers "pending" 0.2 s before a call's deadline, or at its cap
+            if deadline - loop.time() <= ASK_AGAIN_SECONDS:
+                break
         status = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()
         transition = (
             Transition.from_message(response.transition)

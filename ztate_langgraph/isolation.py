@@ -15,7 +15,9 @@ state receives, so LangGraph's channels follow the ztate thread's keys.
 * An update that matches a risk rule is parked: ``on_parked`` is called with
   ``Parked`` (the handle a reviewer's decision is waited on) and the run blocks until
   it is decided, up to ``approval_wait`` seconds. Approved, it commits and the run
-  continues; otherwise ``NodeUpdateNotApproved``.
+  continues; approved after the thread moved on (stale: nothing committed), the node
+  runs again on the new head and proposes again (parked again if still risky), up to 5
+  attempts; otherwise ``NodeUpdateNotApproved``.
 
 LangGraph thread = ztate thread: ``config["configurable"]["thread_id"]`` is the ztate
 thread id; channels = keys: every channel of the state schema must be a last-value
@@ -109,7 +111,8 @@ class NodeUpdateRefused(IsolationError):
 
 class NodeUpdateNotApproved(IsolationError):
     """A node's update was parked for approval and not committed (``status``: rejected,
-    expired, stale, refused, or pending when ``approval_wait`` ran out)."""
+    expired, refused, pending when ``approval_wait`` ran out, or stale when its last
+    attempt was approved after the thread moved on: a stale one is re-run first)."""
 
     def __init__(self, node: str, status: str) -> None:
         super().__init__(f"node {node!r}: update parked for approval and not committed: {status}")

@@ -7,7 +7,11 @@ line on its standard input (``{"thread_id": ...}``) it reads its view of the thr
 (only the keys its policy lets it read), calls the function with that projection,
 proposes the returned update under its own identity, and writes what became of it as
 one line on its standard output. A proposal parked for approval is announced at once
-(``{"event": "parked", ...}``) and then waited for. The function's own prints go to
+(``{"event": "parked", ...}``) and then waited for. A request line that is not one
+(not UTF-8, not JSON, not an object, no ``thread_id``, a bad ``approval_wait``, longer
+than ``MAX_REQUEST_BYTES``) is answered ``{"event": "done", "status": "failed",
+"reason": "BAD_REQUEST", "message": <what is wrong>}`` and the worker reads the next
+one. The function's own prints go to
 standard error, so they cannot corrupt the protocol. ``isolation.IsolatedGraph``
 starts and drives these processes.
 
@@ -23,11 +27,78 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from ztate.worker_sdk import AwaitingApproval, NodeRunner, View, ZtateClient, ZtateError
 
 MESSAGE_MAX = 500  # characters of a failure message sent back
+MAX_REQUEST_BYTES = 64 * 1024  # a request line is a thread id and two numbers
+BAD_REQUEST = "BAD_REQUEST"
+MAX_APPROVAL_WAIT = 30 * 24 * 3600  # seconds: a month
+JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number"}
+JSON_TYPES |= {bool: "a boolean", type(None): "null"}
+
+
+class BadRequest(ValueError):
+    """A request line that is not a request; the message says what is wrong, and
+    ``request_id`` is the line's ``id`` when it had one."""
+
+    def __init__(self, message: str, request_id: int | str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def read_line(stream: BinaryIO, limit: int = MAX_REQUEST_BYTES) -> bytes | None:
+    """One line of ``stream``, at most ``limit`` bytes of it kept; None at its end.
+    The rest of a longer line is read and dropped, and ``BadRequest`` raised."""
+    line = stream.readline(limit + 1)
+    if not line:
+        return None
+    if len(line) <= limit or line.endswith(b"\n"):
+        return line
+    while line and not line.endswith(b"\n"):
+        line = stream.readline(limit)
+    raise BadRequest(f"the request line is longer than {limit} bytes")
+
+
+def parse_request(line: bytes) -> dict[str, Any]:
+    """A request: a JSON object with ``thread_id`` (a non-empty string) and optionally
+    ``id`` and ``approval_wait`` (seconds, 0 to ``MAX_APPROVAL_WAIT``)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise BadRequest(f"the request line is not UTF-8 (byte {bad.start})") from None
+    try:
+        request = json.loads(text)
+    except json.JSONDecodeError as bad:
+        raise BadRequest(
+            f"the request line is not JSON: {bad.msg} at character {bad.pos}"
+        ) from None
+    except RecursionError:
+        raise BadRequest(
+            "the request line is not JSON this worker reads: it nests too deeply"
+        ) from None
+    if not isinstance(request, dict):
+        raise BadRequest(f"a request is a JSON object, not {JSON_TYPES[type(request)]}")
+    answer = request_id(request)
+    thread_id = request.get("thread_id")
+    if not isinstance(thread_id, str) or not thread_id:
+        raise BadRequest("thread_id must be a non-empty string", answer)
+    wait = request.get("approval_wait", 300.0)
+    if isinstance(wait, bool) or not isinstance(wait, int | float):
+        raise BadRequest("approval_wait must be a number of seconds", answer)
+    if not 0 <= wait <= MAX_APPROVAL_WAIT:  # NaN is neither; a huge int is compared exactly
+        raise BadRequest(f"approval_wait must be 0 to {MAX_APPROVAL_WAIT} seconds", answer)
+    return request
+
+
+def request_id(request: object) -> int | str | None:
+    """The ``id`` to answer with: a request's own, when it is a number or a string."""
+    if isinstance(request, dict):
+        found = request.get("id")
+        if isinstance(found, int | str) and not isinstance(found, bool):
+            return found
+    return None
 
 
 def load_function(spec: str) -> Callable[..., Any]:
@@ -79,7 +150,7 @@ async def step(
     def parked(awaiting: AwaitingApproval) -> None:
         protocol.send(
             {
-                "id": request.get("id"),
+                "id": request_id(request),
                 "event": "parked",
                 "handle": awaiting.handle,
                 "base_version": awaiting.base_version,
@@ -127,12 +198,25 @@ async def serve(node: str, spec: str, protocol: Protocol) -> None:
     async with ZtateClient.from_env() as client:
         protocol.send({"event": "ready", "node": node})
         while True:
-            line = await asyncio.to_thread(sys.stdin.readline)
-            if not line:
-                return  # the graph run closed our input: done
-            request = json.loads(line)
+            try:
+                line = await asyncio.to_thread(read_line, sys.stdin.buffer)
+                if line is None:
+                    return  # the graph run closed our input: done
+                request = parse_request(line)
+            except BadRequest as bad:
+                # answered, and the next line is read: a bad line is not the end
+                protocol.send(
+                    {
+                        "id": bad.request_id,
+                        "event": "done",
+                        "status": "failed",
+                        "reason": BAD_REQUEST,
+                        "message": str(bad)[:MESSAGE_MAX],
+                    }
+                )
+                continue
             reply = await step(client, node, function, request, protocol)
-            protocol.send({"id": request.get("id"), "event": "done", **reply})
+            protocol.send({"id": request_id(request), "event": "done", **reply})
 
 
 def main(argv: list[str] | None = None) -> int:

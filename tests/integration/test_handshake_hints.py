@@ -6,6 +6,7 @@ a service that is truly down is still "unreachable"."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
@@ -160,7 +161,6 @@ async def test_a_service_that_is_down_is_unreachable_not_a_certificate(pki: Pki)
 async def accepting_then_closing() -> AsyncIterator[str]:
     """A listener that takes each connection and closes it at once, as a TCP proxy does
     whose backend is down (seen under kill -9 behind a relay)."""
-    import asyncio
 
     async def close_at_once(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.close()
@@ -182,3 +182,26 @@ async def test_a_proxy_whose_backend_is_down_is_not_a_refused_certificate(pki: P
                 await worker.get_view("t-anything")
     assert not isinstance(caught.value, HandshakeFailed), caught.value
     assert caught.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_refused_certificate_on_the_work_stream_is_named_at_once(
+    target: str, pki: Pki, ledger: Ledger
+) -> None:
+    """SubscribeWork goes through the same diagnosis as the other calls: a certificate
+    of another CA is ``HandshakeFailed`` (CERTIFICATE_REFUSED) on the first failure,
+    not retried ``reconnects`` times and then raised as a bare UNAVAILABLE."""
+    thread_id = await new_thread(target, pki)  # work for input-parser: its raw_text
+    before = await ledger.snapshot(thread_id)
+    creds = pki.foreign("input-parser")
+    worker = ZtateClient.from_files(target, cert=creds.cert, key=creds.key, ca=creds.ca)
+    async with worker:
+        stream = worker.subscribe_work(reconnects=3)
+        with pytest.raises(HandshakeFailed) as caught:
+            # the retries of the old code took 0.1 + 0.2 + 0.4 s and more: a diagnosis
+            # is one TLS connection
+            await asyncio.wait_for(anext(stream), 10)
+        await stream.aclose()
+    assert caught.value.reason == "CERTIFICATE_REFUSED"
+    assert caught.value.code is grpc.StatusCode.UNAVAILABLE
+    assert "the client certificate is not issued by the CA file's CA" in caught.value.hint
+    assert await ledger.snapshot(thread_id) == before  # nothing committed

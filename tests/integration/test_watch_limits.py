@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 import grpc
@@ -20,7 +21,7 @@ from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.transitions import session_backend
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import transition_pb2
-from ztate.worker_sdk import TooManyStreams
+from ztate.worker_sdk import NodeRunner, TooManyStreams, View, ZtateClient
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within: float = 15.0) -> None:
@@ -119,7 +120,59 @@ async def test_a_stream_ends_cleanly_at_its_lifetime_and_the_sdk_resumes(
         await stream.aclose()
 
 
-async def _more_opened(running: RunningService, than: int) -> bool:
+async def test_the_runner_acts_across_stream_lifetimes(limited: RunningService, pki: Pki) -> None:
+    """``NodeRunner.run`` goes on when the server ends its watch stream at the stream's
+    lifetime (the SDK's ``watch`` resumes from the last version): a change committed
+    after two lifetimes is acted on, once; run ends at ``stop_after``, not with the
+    stream (the TypeScript runner had this defect; the Python one is held to it here)."""
+    target = f"localhost:{limited.port}"
+    thread_id = await new_thread(target, pki)
+    watching = asyncio.Event()
+
+    def plan(view: View) -> dict[str, Any] | None:
+        if view.version == 0:
+            watching.set()
+        requested = view.state.get("requested_action")
+        if requested is None:
+            return None
+        return {"pending_transition": {"action": "lookup", "order_id": requested["order_id"]}}
+
+    async with (
+        client(target, pki.node("planner")) as planner,
+        client(target, pki.node("input-parser")) as parser,
+    ):
+        runner = NodeRunner(planner, thread_id, plan, node_name="planner")
+        running = asyncio.create_task(runner.run(stop_after=2))
+        try:
+            await asyncio.wait_for(watching.wait(), 10)
+            for base in (0, 2):
+                for _ in range(2):  # two lifetimes: the runner's stream ended and was re-opened
+                    opened = limited.watcher.opened if limited.watcher else 0
+                    await eventually(
+                        lambda opened=opened: _more_opened(limited, opened, unless=running)
+                    )
+                assert not running.done(), "run() ended with the server's stream"
+                await parser.propose(thread_id, base, {"requested_action": act(f"L-{base}")})
+                await eventually(lambda base=base: _committed(planner, thread_id, base + 2))
+            steps = await asyncio.wait_for(running, 15)
+        finally:
+            running.cancel()
+    assert [(s.view_version, s.status, s.transition and s.transition.version) for s in steps] == [
+        (1, "committed", 2),
+        (3, "committed", 4),
+    ]
+
+
+async def _committed(reader: ZtateClient, thread_id: str, version: int) -> bool:
+    return (await reader.get_view(thread_id)).version >= version
+
+
+async def _more_opened(
+    running: RunningService, than: int, *, unless: asyncio.Task[Any] | None = None
+) -> bool:
+    """More streams were opened than ``than`` (or ``unless`` ended: stop waiting)."""
+    if unless is not None and unless.done():
+        return True
     return running.watcher is not None and running.watcher.opened > than
 
 

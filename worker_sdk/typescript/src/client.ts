@@ -162,6 +162,8 @@ const UNTRUSTED = new Set([
   "CERT_HAS_EXPIRED",
   "CERT_NOT_YET_VALID",
 ]);
+/** waitForOutcome asks again after a "pending" answer while more than this is left (the Python SDK's ASK_AGAIN_SECONDS). */
+const ASK_AGAIN_MS = 500;
 const UNREACHABLE = new Set(["ECONNREFUSED", "ENOTFOUND", "EHOSTUNREACH", "ENETUNREACH", "EAI_AGAIN", "ETIMEDOUT"]);
 
 type TlsFiles = { cert: Buffer; key: Buffer; ca: Buffer };
@@ -369,17 +371,24 @@ export class ZtateClient {
    * Waits until a parked proposal is decided, or `withinMs` pass: `handle` is
    * Parked.handle (or, for operators and read_records nodes, the transition digest).
    * The server answers as soon as the outcome is known; "pending" means the time ran
-   * out first.
+   * out first. The server holds one call at most 60 s: a longer `withinMs` asks again
+   * until it has passed.
    */
   async waitForOutcome(handle: string, withinMs: number = 60_000): Promise<Outcome> {
     const request = handle.includes("/") ? { handle } : { digest: handle };
-    const reply = await this.#call(() => this.#client.waitForOutcome(request, { timeoutMs: withinMs }));
-    const status = (OutcomeKind[reply.outcome] ?? "UNSPECIFIED").toLowerCase();
-    return {
-      status,
-      ...(reply.transition === undefined ? {} : { transition: reply.transition }),
-      ...(reply.reason === "" ? {} : { reason: reply.reason }),
-    };
+    const deadline = Date.now() + withinMs;
+    for (;;) {
+      const timeoutMs = Math.max(deadline - Date.now(), 1);
+      const reply = await this.#call(() => this.#client.waitForOutcome(request, { timeoutMs }));
+      // the server answers "pending" 0.2 s before a call's deadline, or at its cap
+      if (reply.outcome === OutcomeKind.PENDING && deadline - Date.now() > ASK_AGAIN_MS) continue;
+      const status = (OutcomeKind[reply.outcome] ?? "UNSPECIFIED").toLowerCase();
+      return {
+        status,
+        ...(reply.transition === undefined ? {} : { transition: reply.transition }),
+        ...(reply.reason === "" ? {} : { reason: reply.reason }),
+      };
+    }
   }
 
   /** One ledger record with its receipt and risk rules (read_records nodes and operators). */

@@ -3,11 +3,17 @@
  * TypeScript twin of the Python SDK's NodeRunner (docs/api.md, "TypeScript").
  */
 import { randomUUID } from "node:crypto";
+import { setTimeout as delay } from "node:timers/promises";
 import { Code } from "@connectrpc/connect";
 import type { Committed, Parked, View, ZtateClient } from "./client.js";
 import { StaleVersion, ZtateError } from "./errors.js";
 import type { Json } from "./evidence.js";
 import type { Transition } from "./gen/ztate/v1/transition_pb.js";
+
+/** A watch stream that ended normally after this long served its purpose (the Python SDK's NORMAL_END_SECONDS). */
+const NORMAL_END_MS = 1_000;
+/** Streams that end at once with nothing, in a row, before `run` gives up (the Python SDK's `reconnects`). */
+const REWATCHES = 10;
 
 /** What a handler returns: the patch to propose, or null/undefined to do nothing. */
 export type Patch = { [key: string]: Json };
@@ -78,21 +84,51 @@ export class NodeRunner {
     return this.#seen;
   }
 
-  /** Watch the thread and act on it until aborted, or until `stopAfter` proposals. */
+  /**
+   * Watch the thread and act on it until aborted, or until `stopAfter` proposals. The
+   * server ends every watch stream after its maximum lifetime
+   * (ZTATE_WATCH_MAX_STREAM_SECONDS), or when it stops: the runner then watches again
+   * from the last version it saw, as the Python runner does. A stream that ends at
+   * once with nothing counts as a failure: after REWATCHES of them in a row (waiting
+   * 0.1 s, 0.2 s, ... up to 5 s between them) an UNAVAILABLE ZtateError is thrown. A
+   * transport failure or a refusal is thrown at once.
+   */
   async run(): Promise<Step[]> {
     const { stopAfter, signal } = this.#options;
     const stop = new AbortController();
     const abort = () => stop.abort();
     signal?.addEventListener("abort", abort, { once: true });
+    if (signal?.aborted) stop.abort();
     try {
-      for await (const event of this.client.watch(this.threadId, this.#seen, stop.signal)) {
-        if (event.version <= this.#seen) continue; // our own commit, or superseded
-        const view: View =
-          event.state === null
-            ? await this.client.getView(this.threadId)
-            : { threadId: event.threadId, version: event.version, state: event.state, headDigest: event.digest };
-        await this.handle(view);
-        if (stopAfter !== undefined && this.steps.length >= stopAfter) break;
+      let quickEnds = 0;
+      while (!stop.signal.aborted) {
+        const opened = Date.now();
+        let received = false;
+        for await (const event of this.client.watch(this.threadId, this.#seen, stop.signal)) {
+          received = true;
+          if (event.version <= this.#seen) continue; // our own commit, or superseded
+          const view: View =
+            event.state === null
+              ? await this.client.getView(this.threadId)
+              : { threadId: event.threadId, version: event.version, state: event.state, headDigest: event.digest };
+          await this.handle(view);
+          if (stopAfter !== undefined && this.steps.length >= stopAfter) return this.steps;
+        }
+        if (stop.signal.aborted) break;
+        // the server ended the stream: one that served is resumed at once
+        if (received || Date.now() - opened >= NORMAL_END_MS) {
+          quickEnds = 0;
+          continue;
+        }
+        quickEnds += 1;
+        if (quickEnds > REWATCHES) {
+          throw new ZtateError("the watch stream keeps ending", Code.Unavailable, "UNAVAILABLE");
+        }
+        try {
+          await delay(Math.min(100 * 2 ** (quickEnds - 1), 5_000), undefined, { signal: stop.signal });
+        } catch {
+          break; // aborted while waiting
+        }
       }
     } finally {
       signal?.removeEventListener("abort", abort);

@@ -256,6 +256,105 @@ test("NodeRunner acts once per change of others and never on its own commit", { 
   assert.equal(head.version, 4n, "no extra proposal after its own commits");
 });
 
+/** Resolves when the server ends a watch stream of `client` opened now (its lifetime), with nothing new. */
+async function oneStreamLifetime(client: ZtateClient, thread: string): Promise<void> {
+  const head = (await client.getView(thread)).version;
+  for await (const event of client.watch(thread, head)) {
+    throw new Error(`a version came while waiting for the stream's end: ${event.version}`);
+  }
+}
+
+test("NodeRunner watches again when the server ends its stream at the stream lifetime", { skip: !live }, async () => {
+  // a service whose watch streams last 1.5 s (ZTATE_WATCH_MAX_STREAM_SECONDS)
+  const target = env.ZTATE_SHORT_TARGET!;
+  const thread = env.ZTATE_SHORT_THREAD!;
+  const planner = clientWith({ target, certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  const parser = clientWith({ target });
+  let watching!: () => void;
+  const sawGenesis = new Promise<void>((resolve) => (watching = resolve));
+  let stepped!: (step: Step) => void;
+  let nextStep = new Promise<Step>((resolve) => (stepped = resolve));
+  const runner = new NodeRunner(
+    planner,
+    thread,
+    (view) => {
+      if (view.version === 0n) watching();
+      const requested = view.state.requested_action as { order_id: string } | undefined;
+      if (requested === undefined) return null;
+      return { pending_transition: { action: "lookup", order_id: requested.order_id } };
+    },
+    { nodeName: "planner", stopAfter: 2, onStep: (step) => stepped(step) },
+  );
+  let settled = false;
+  const running = runner.run().finally(() => (settled = true));
+  await sawGenesis; // the runner's stream is open
+  for (const [order, base] of [
+    ["L-1", 0n],
+    ["L-2", 2n],
+  ] as const) {
+    // a stream opened after the runner's has reached its lifetime: so has the runner's
+    await oneStreamLifetime(parser, thread);
+    assert.equal(settled, false, "run() ended with the server's stream");
+    const proposed = await parser.propose(thread, base, { requested_action: { action: "lookup", order_id: order } });
+    assert.ok(proposed.kind === "committed" && proposed.transition.version === base + 1n);
+    const step = await nextStep;
+    assert.equal(step.status, "committed");
+    assert.equal(step.transition?.version, base + 2n);
+    nextStep = new Promise<Step>((resolve) => (stepped = resolve));
+  }
+  const steps = await running;
+  assert.deepEqual(
+    steps.map((step) => [step.viewVersion, step.status, step.transition?.version]),
+    [
+      [1n, "committed", 2n],
+      [3n, "committed", 4n],
+    ],
+  );
+  assert.equal((await planner.getView(thread)).version, 4n, "nothing proposed twice");
+});
+
+test("NodeRunner.run() stops when aborted while the server's streams come and go", { skip: !live }, async () => {
+  const target = env.ZTATE_SHORT_TARGET!;
+  const planner = clientWith({ target, certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  const stop = new AbortController();
+  let watching!: () => void;
+  const sawGenesis = new Promise<void>((resolve) => (watching = resolve));
+  const thread = env.ZTATE_SHORT_THREAD!;
+  const runner = new NodeRunner(
+    planner,
+    thread,
+    (view) => {
+      if (view.version === 0n) watching();
+      return null;
+    },
+    { nodeName: "planner", signal: stop.signal },
+  );
+  const running = runner.run();
+  await sawGenesis;
+  await oneStreamLifetime(planner, thread); // the runner is on its second stream by now
+  stop.abort();
+  assert.deepEqual(await running, [], "aborted: returns the steps, none");
+});
+
+test("waitForOutcome asks again past the server's hold of one call", { skip: !live }, async () => {
+  // the services of this suite hold one WaitForOutcome call at most 1 s (60 s in production)
+  const planner = clientWith({
+    target: env.ZTATE_SHORT_TARGET!,
+    certFile: env.ZTATE_PLANNER_CERT!,
+    keyFile: env.ZTATE_PLANNER_KEY!,
+  });
+  const thread = env.ZTATE_SHORT_THREAD!;
+  const head = (await planner.getView(thread)).version;
+  const parked = await planner.propose(thread, head, { target_user_id: "223e4567-e89b-42d3-a456-426614174000" });
+  assert.ok(parked.kind === "parked", "acting for another user is parked for a reviewer");
+  const began = Date.now();
+  const outcome = await planner.waitForOutcome(parked.handle, 3_000);
+  const waited = Date.now() - began;
+  assert.equal(outcome.status, "pending");
+  assert.ok(waited >= 2_500, `answered after ${waited} ms: one call's hold, not the 3 s asked for`);
+  assert.equal((await planner.getView(thread)).version, head, "nothing committed");
+});
+
 // --- the check before acting, end to end: approved through the approval service ---
 
 /** Calls `probe` until it returns a value, within `ms`: a condition with a deadline. */
