@@ -157,7 +157,7 @@ class DecisionPipeline:
             if closed is Rejected.NONCE_USED:
                 raise errors.ReceiptReplayed("the receipt's nonce was used before")
             if closed is Rejected.NOT_PENDING:
-                raise errors.ReviewClosed("the transition was decided meanwhile")
+                raise await self._decided_meanwhile(pending, receipt["nonce"], "decided")
             note_transition(pending.thread_id, pending.base_version, Outcome.REJECTED.value)
             return Resolution(Outcome.REJECTED)
         head = looked.head
@@ -300,7 +300,7 @@ class DecisionPipeline:
                 "the thread moved on since the transition was parked; propose again"
             )
         if result.outcome is Approved.NOT_PENDING:
-            raise errors.ReviewClosed(f"the transition was {result.status} meanwhile")
+            raise await self._decided_meanwhile(pending, nonce, str(result.status))
         self._heads.put(
             pending.thread_id,
             CachedHead(
@@ -310,6 +310,19 @@ class DecisionPipeline:
         stored = as_stored(sealed, now, pending.idempotency_key, pending.request_digest)
         note_transition(stored.thread_id, stored.version, COMMITTED)
         return Resolution(Outcome.COMMITTED, stored)
+
+    async def _decided_meanwhile(
+        self, pending: PendingTransition, nonce: str, status: str
+    ) -> errors.ZtateError:
+        """The error for a decision that found the parked row closed after its look-up
+        found it pending and the nonce unused. When the decision that won the race used
+        this receipt's nonce (the same receipt, delivered twice at once), this one is its
+        replay, answered as a replay after the commit is: ``RECEIPT_REPLAYED``, the
+        check that comes before the row's status (one more round trip, only here)."""
+        looked = await self._approvals.decision_lookup(pending.thread_id, pending.digest, nonce)
+        if looked.nonce_used:
+            return errors.ReceiptReplayed("the receipt's nonce was used before")
+        return errors.ReviewClosed(f"the transition was {status} meanwhile")
 
     async def resolution(self, pending: PendingTransition) -> Resolution:
         outcome = Outcome(pending.status)

@@ -118,6 +118,8 @@ RETURNING digest
 CLOSE_REJECTED = "SELECT ztate.close_rejected($1, $2, $3, $4, $5, $6, $7, $8)"
 CLOSE_REFUSED = "SELECT ztate.close_refused($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 
+NONCE_TAKEN = "SELECT EXISTS (SELECT 1 FROM ztate.receipts WHERE nonce = $1)"
+
 ANNOUNCE = "SELECT pg_notify('ztate_outcomes', d) FROM unnest($1::text[]) AS d"
 
 
@@ -192,8 +194,14 @@ class ApprovalStore:
                 list(woken),
             )
         except asyncpg.UniqueViolationError as violation:
-            # the whole call rolled back
-            if violation.constraint_name == NONCE_CONSTRAINT:
+            # the whole call rolled back. Citus relays a worker's violation without the
+            # constraint's name, so a nameless one is told apart by asking whether the
+            # nonce is taken (committed: the violation waited for its writer). Taking
+            # it for KEY_TAKEN closed a parked transition whose receipt merely lost a
+            # race with another receipt of the same nonce as stale.
+            if violation.constraint_name == NONCE_CONSTRAINT or await self._pool.fetchval(
+                NONCE_TAKEN, nonce
+            ):
                 return ApprovedCommit(Approved.NONCE_USED)
             return ApprovedCommit(Approved.KEY_TAKEN)
         assert row is not None  # a function's one row

@@ -691,3 +691,180 @@ async def approve_with_the_cli(world: World, digest: str) -> tuple[int, str]:
     out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode is not None
     return process.returncode, (out + err).decode()
+
+
+# --- races inside the approved commit (ztate.commit_approved) -------------------------------
+#
+# Each race is ordered by a row lock that a second connection holds: the parked row, which
+# commit_approved locks first. A call blocked on it has made its look-up already (the receipt's
+# nonce unused, the row pending); what the other call commits meanwhile decides its answer.
+
+PARKED_ROW = (
+    "SELECT 1 FROM ztate.pending_transitions WHERE thread_id = $1 AND digest = $2 FOR UPDATE"
+)
+
+
+async def committing(dsn: str, calls: int, *tasks: asyncio.Task[Any]) -> None:
+    """Until ``calls`` ApplyDecision calls are inside ztate.commit_approved (their look-ups
+    done, the parked row's lock in the way), with a deadline."""
+    watcher = await asyncpg.connect(dsn)
+    try:
+
+        async def inside() -> bool | None:
+            for task in tasks:
+                assert not task.done(), task  # none may get past the held row
+            # pg_stat_activity is read once per transaction: the watcher is not in one
+            count = await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                "AND state = 'active' AND query LIKE '%ztate.commit_approved(%'"
+            )
+            return True if count >= calls else None
+
+        await eventually(inside)
+    finally:
+        await watcher.close()
+
+
+async def receipt_rows(dsn: str, nonce: str) -> list[str]:
+    """The transition digests the receipts with ``nonce`` were applied to."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT transition_digest FROM ztate.receipts WHERE nonce = $1", nonce
+        )
+    finally:
+        await conn.close()
+    return [r["transition_digest"] for r in rows]
+
+
+async def test_two_receipts_racing_with_one_nonce_commit_once(world: World) -> None:
+    """Two receipts with the same nonce, for two parked transitions, both pass the look-up
+    (the nonce unused); the one that commits second is refused RECEIPT_REPLAYED by the
+    nonce's uniqueness, and writes nothing: its parked row stays pending."""
+    first_thread, second_thread = await world.thread(), await world.thread()
+    first, second = await world.park(first_thread), await world.park(second_thread)
+    winner = world.receipt(second)
+    nonce = json.loads(winner.receipt_bytes)["nonce"]
+    loser = world.receipt(first, nonce=nonce)
+    before = await world.ledger.snapshot(first_thread)
+    holder = await asyncpg.connect(world.dsn)
+    try:
+        held = holder.transaction()
+        await held.start()
+        await holder.execute(PARKED_ROW, first_thread, first.digest)
+        blocked = asyncio.create_task(world.apply(loser))
+        await committing(world.dsn, 1, blocked)
+        applied = await world.apply(winner)  # commits under the nonce meanwhile
+        assert applied.outcome == transition_pb2.OUTCOME_COMMITTED
+        await held.rollback()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(blocked, 30)
+    finally:
+        await holder.close()
+    from ztate.worker_sdk.errors import from_rpc_error
+
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert from_rpc_error(caught.value).reason == "RECEIPT_REPLAYED"
+    assert await world.ledger.snapshot(first_thread) == before  # head, ledger: untouched
+    assert await world.pending_status(first.digest) == "pending"  # still to decide
+    assert await receipt_rows(world.dsn, nonce) == [second.digest]  # one receipt row
+    assert await world.ledger.verify(second_thread) == 2  # one commit: genesis and v1
+
+
+async def test_one_receipt_applied_twice_at_once_commits_once(world: World) -> None:
+    """The same receipt delivered twice at once (a retried delivery): both pass the look-up;
+    the second to lock the parked row finds it committed by the first, under this very
+    receipt. It is told RECEIPT_REPLAYED, as a replay after the commit is, and writes
+    nothing. Before: REVIEW_CLOSED ("the transition was committed meanwhile")."""
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    receipt = world.receipt(parked)
+    nonce = json.loads(receipt.receipt_bytes)["nonce"]
+    holder = await asyncpg.connect(world.dsn)
+    try:
+        held = holder.transaction()
+        await held.start()
+        await holder.execute(PARKED_ROW, thread_id, parked.digest)
+        earlier = asyncio.create_task(world.apply(receipt))
+        await committing(world.dsn, 1, earlier)
+        later = asyncio.create_task(world.apply(receipt))
+        await committing(world.dsn, 2, earlier, later)
+        await held.rollback()
+        answers = await asyncio.wait_for(asyncio.gather(earlier, later, return_exceptions=True), 30)
+    finally:
+        await holder.close()
+    from ztate.worker_sdk.errors import from_rpc_error
+
+    committed = [a for a in answers if not isinstance(a, BaseException)]
+    refused = [a for a in answers if isinstance(a, grpc.aio.AioRpcError)]
+    assert [c.outcome for c in committed] == [transition_pb2.OUTCOME_COMMITTED], answers
+    assert [(r.code(), from_rpc_error(r).reason) for r in refused] == [
+        (grpc.StatusCode.ALREADY_EXISTS, "RECEIPT_REPLAYED")
+    ]
+    assert await receipt_rows(world.dsn, nonce) == [parked.digest]  # one receipt row
+    assert await world.ledger.verify(thread_id) == 2  # one commit: genesis and v1
+    assert await world.pending_status(parked.digest) == "committed"
+
+
+async def test_an_approval_whose_idempotency_key_was_taken_meanwhile_commits_nothing(
+    world: World,
+) -> None:
+    """KEY_TAKEN inside ztate.commit_approved: while the approval waits on the parked row,
+    a record of the same node with the proposal's idempotency key is committed on the
+    thread. No request can do that through the API (a key parked refuses the commit of
+    another request under it, and parking checks the committed keys), so the taking
+    record is written by SQL here, as a replica of another version or a repair might.
+    The approval must not commit a second record under the key: the caller is told
+    APPROVAL_STALE, the parked row is closed as stale, no receipt is recorded, the head
+    stays, and the key names the one record."""
+    thread_id = await world.thread()
+    parked = await world.park(thread_id)
+    receipt = world.receipt(parked)
+    nonce = json.loads(receipt.receipt_bytes)["nonce"]
+    before = await world.ledger.snapshot(thread_id)
+    holder, writer = await asyncpg.connect(world.dsn), await asyncpg.connect(world.dsn)
+    try:
+        row = await writer.fetchrow(
+            "SELECT node_id, idempotency_key FROM ztate.pending_transitions WHERE digest = $1",
+            parked.digest,
+        )
+        held = holder.transaction()
+        await held.start()
+        await holder.execute(PARKED_ROW, thread_id, parked.digest)
+        blocked = asyncio.create_task(world.apply(receipt))
+        await committing(world.dsn, 1, blocked)
+        # the taking record: a copy of the genesis at a version far ahead, under the key
+        await writer.execute(
+            "INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, "
+            "key_id, signature, record, state, idempotency_key, request_digest, committed_at) "
+            "SELECT thread_id, 99, $2, $3, $4, key_id, signature, record, state, $5, "
+            "request_digest, committed_at FROM ztate.transitions "
+            "WHERE thread_id = $1 AND version = 0",
+            thread_id,
+            "ee" * 32,
+            "ff" * 32,
+            row["node_id"],
+            row["idempotency_key"],
+        )
+        await held.rollback()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(blocked, 30)
+        keyed = await writer.fetch(
+            "SELECT version FROM ztate.transitions "
+            "WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3",
+            thread_id,
+            row["node_id"],
+            row["idempotency_key"],
+        )
+    finally:
+        await holder.close()
+        await writer.close()
+    from ztate.worker_sdk.errors import from_rpc_error
+
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert from_rpc_error(caught.value).reason == "APPROVAL_STALE"
+    assert [r["version"] for r in keyed] == [99]  # the key names the one record
+    after = await world.ledger.snapshot(thread_id)
+    assert (after.head_version, after.head_digest) == (before.head_version, before.head_digest)
+    assert await world.pending_status(parked.digest) == "stale"
+    assert await receipt_rows(world.dsn, nonce) == []
