@@ -74,15 +74,15 @@ class Waker:
         """Set ``event`` whenever this process recorded new work (no round trip)."""
         self._local.append(event)
 
-    async def evaluate(self, thread_id: str) -> list[str]:
-        """Decide the wakes of every version after the thread's mark; the woken nodes."""
+    async def evaluate(self, thread_id: str) -> None:
+        """Decide the wakes of every version after the thread's mark."""
         head = await self._work.progress(thread_id)
         if head is None:
-            return []
+            return
         policy = self._policies.get(head.policy_name)
         mark = head.evaluated_version
         if mark >= head.version:
-            return []
+            return
         woken: dict[str, int] = {}
         last = mark
         while policy is not None and policy.wakes and last < head.version:
@@ -99,7 +99,6 @@ class Waker:
             await self._work.announce(sorted(woken))
             for event in self._local:
                 event.set()
-        return sorted(woken)
 
     async def sweep(self) -> int:
         """Decide the wakes of threads whose head is ahead of their mark."""

@@ -28,7 +28,6 @@ by one with the one-row statement, so that the failure stays the failing row's.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -148,13 +147,11 @@ class GroupCommitter:
         *,
         max_in_flight: int,
         max_batch: int,
-        on_batch: Callable[[int, float], None] | None = None,
     ) -> None:
         self._pool = pool
         self._single = single  # the one-row statement
         self._max_in_flight = max(1, max_in_flight)
         self._max_batch = max(1, max_batch)
-        self._on_batch = on_batch
         self._in_flight = 0
         self._queue: list[_Waiting] = []
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
@@ -198,7 +195,6 @@ class GroupCommitter:
             self._start()
 
     async def _send(self, batch: list[_Waiting]) -> None:
-        started = time.perf_counter()
         try:
             if len(batch) == 1:
                 outcomes = [await self._one(batch[0].args)]
@@ -213,8 +209,6 @@ class GroupCommitter:
             for waiting in batch:
                 waiting.answer.cancel()
             raise
-        if self._on_batch is not None:
-            self._on_batch(len(batch), time.perf_counter() - started)
         for waiting, outcome in zip(batch, outcomes, strict=True):
             if not waiting.answer.done():
                 waiting.answer.set_result(outcome)

@@ -46,7 +46,6 @@ class Unevaluated:
     """A thread whose newest versions have not been looked at for wakes yet."""
 
     thread_id: str
-    evaluated_version: int  # -1: none yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +88,7 @@ SELECT t.version, t.policy_name, coalesce(m.evaluated_version, -1) AS evaluated_
 """
 
 UNEVALUATED = """
-SELECT t.thread_id, coalesce(m.evaluated_version, -1) AS evaluated_version
+SELECT t.thread_id
   FROM ztate.threads t LEFT JOIN ztate.wake_marks m ON m.thread_id = t.thread_id
  WHERE m.evaluated_version IS NULL OR m.evaluated_version < t.version
  LIMIT $1
@@ -179,7 +178,7 @@ class WorkStore:
     async def unevaluated(self, limit: int) -> list[Unevaluated]:
         """Threads whose head is ahead of their wake mark."""
         rows = await self._pool.fetch(UNEVALUATED, limit)
-        return [Unevaluated(r["thread_id"], r["evaluated_version"]) for r in rows]
+        return [Unevaluated(r["thread_id"]) for r in rows]
 
     @translated
     async def waiting(self, nodes: Sequence[str], limit: int) -> list[Waiting]:

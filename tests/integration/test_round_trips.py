@@ -475,7 +475,7 @@ async def test_a_commit_records_whom_it_wakes_in_its_own_statement(
     assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0), ("planner", 2)], 2)
     # nothing is left for the sweep to decide
     waker = Waker(WorkStore(first.pool), PolicySet.load(settings.policy_path))
-    assert await waker.evaluate(thread_id) == []
+    await waker.evaluate(thread_id)
     assert await work_rows(lane_dsn, thread_id) == ([("input-parser", 0), ("planner", 2)], 2)
 
 
@@ -507,7 +507,7 @@ async def test_a_commit_never_moves_a_mark_past_a_version_nobody_decided(
     assert isinstance(quiet, Committed)
     assert await work_rows(lane_dsn, thread_id) == ([], 0)  # the mark stayed behind
     waker = Waker(WorkStore(first.pool), PolicySet.load(settings.policy_path))
-    assert await waker.evaluate(thread_id) == ["planner"]  # the sweep's decision
+    await waker.evaluate(thread_id)  # the sweep's decision
     assert await work_rows(lane_dsn, thread_id) == ([("planner", 1)], 2)
 
 
