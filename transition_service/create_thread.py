@@ -24,7 +24,7 @@ from ztate.transition_service.checks import (
 )
 from ztate.transition_service.heads import CachedHead
 from ztate.transition_service.usecase import UseCase, as_stored
-from ztate.transition_service.work import author_node
+from ztate.transition_service.work import acting_node
 
 
 class CreateThread(UseCase):
@@ -70,7 +70,7 @@ class CreateThread(UseCase):
             policy_name=policy.name,
             committed_at=now,
             # whom the genesis wakes, recorded by the creation itself (docs/work.md)
-            woken=policy.woken(frozenset(initial), state, author_node(caller.spiffe_id)),
+            woken=policy.woken(frozenset(initial), state, acting_node(caller)),
         )
         if created is Creation.ID_TAKEN:
             raise errors.ThreadExists(f"thread {thread_id!r} already exists")

@@ -28,7 +28,7 @@ from ztate.transition_service.requests import (
     Revert,
 )
 from ztate.transition_service.usecase import UseCase, as_stored
-from ztate.transition_service.work import author_node
+from ztate.transition_service.work import acting_node
 
 
 class RevertThread(UseCase):
@@ -84,7 +84,7 @@ class RevertThread(UseCase):
             committed_at=now,
             idempotency_key=revert.idempotency_key,
             request_digest=digest,
-            woken=policy.woken(frozenset(patch), state, author_node(caller.spiffe_id)),
+            woken=policy.woken(frozenset(patch), state, acting_node(caller)),
         )
         if result is not Commit.COMMITTED:
             return await self._revert_lost_race(caller, revert, result)

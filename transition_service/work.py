@@ -56,10 +56,17 @@ LEASE_LOST = "this lease is no longer held"
 
 
 def author_node(node_id: str) -> str | None:
-    """The node name of a record's author (``spiffe://<td>/node/<name>``), else None."""
+    """The node name of a stored record's author (``spiffe://<td>/node/<name>``), else
+    None; for the caller of a request, ``acting_node`` of its identity."""
     _, _, path = node_id.partition("://")
     parts = path.split("/")
     return parts[2] if len(parts) == 3 and parts[1] == "node" else None
+
+
+def acting_node(caller: Identity) -> str | None:
+    """The node an authenticated caller is (None for operators and services): the
+    author whose own commits never wake it."""
+    return caller.name if caller.role is Role.NODE else None
 
 
 class Waker:
