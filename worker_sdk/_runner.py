@@ -23,6 +23,9 @@ from ztate.worker_sdk.errors import (
 log = logging.getLogger("ztate.worker_sdk.runner")
 
 Patch = dict[str, Any]
+# serve: WaitForOutcome calls at once for parked proposals (each holds a stream of the
+# client's one channel, for up to approval_wait; a server takes 256 streams at most)
+MAX_OUTCOME_WAITS = 32
 Handler = Callable[[View], Patch | Awaitable[Patch | None] | None]
 
 
@@ -30,7 +33,8 @@ Handler = Callable[[View], Patch | Awaitable[Patch | None] | None]
 class Step:
     """What one proposal of the runner became: ``status`` is "committed", "refused"
     (``error`` says why: nothing was written), or a parked transition's outcome
-    ("rejected", "expired", "stale", "pending" when the wait ran out);
+    ("rejected", "expired", "stale", "pending" when the wait ran out or there was
+    none: see ``NodeRunner.serve``);
     ``transition`` is set once committed, ``digest`` once parked."""
 
     view_version: int
@@ -76,6 +80,7 @@ class NodeRunner:
     steps: list[Step] = field(default_factory=list)
     concurrency: int = 1
     shutdown_grace: float = 10.0
+    max_outcome_waits: int = MAX_OUTCOME_WAITS
     _seen: int = field(default=-1, init=False, repr=False)
     # serve: the waits for the outcomes of parked proposals (they hold no slot)
     _waiting: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
@@ -96,7 +101,10 @@ class NodeRunner:
         released when it proposes (or returns None, or is refused). A proposal parked
         for approval frees its slot at once (the service released its lease when it
         parked it): its outcome is waited for (``approval_wait``) beside the handlers
-        and recorded as a step, and ``on_parked`` is called first. On shutdown no
+        and recorded as a step, and ``on_parked`` is called first. At most
+        ``max_outcome_waits`` (32) such waits run at once, one ``WaitForOutcome`` call
+        each: a proposal parked while that many run is recorded "pending" at once, not
+        waited for (the decision is taken without this process). On shutdown no
         new work is taken, running handlers get ``shutdown_grace`` seconds to
         finish, and the leases of those that did not are released undone, so that
         another process of the node takes them at once; waits for parked outcomes end
@@ -218,6 +226,10 @@ class NodeRunner:
                 # what the node waits on.
                 if self.on_parked is not None:
                     self.on_parked(parked)
+                if len(self._waiting) >= self.max_outcome_waits:
+                    # bounded: one call per wait, each for up to approval_wait
+                    self._record(view, patch, Outcome("pending"), parked.digest or None)
+                    return True
                 waiting = asyncio.create_task(self._outcome_of(view, patch, parked))
                 self._waiting.add(waiting)
                 waiting.add_done_callback(self._waiting.discard)

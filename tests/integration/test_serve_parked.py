@@ -155,6 +155,73 @@ async def test_a_parked_wait_cut_short_by_shutdown_is_recorded_pending(
     assert (await ledger.snapshot(risky)).head_version == 1
 
 
+async def test_parked_outcomes_are_waited_for_at_most_max_outcome_waits_at_once(
+    settings: Settings, postgres_server_dsn: str, pki: Pki, keyring: Keyring, tmp_path: Path
+) -> None:
+    """Each parked proposal's wait is a WaitForOutcome call of up to ``approval_wait``;
+    before, ``serve`` started one for every parked proposal, with no bound. With
+    ``max_outcome_waits=1`` the first is waited for, the second, parked meanwhile, is
+    recorded "pending" at once; the first is still recorded when it is decided."""
+    dsn = await fresh_database(postgres_server_dsn)
+    signing, public = tmp_path / "approval-signing.pem", tmp_path / "approval-public.json"
+    generate_signing_key(signing, public, "approval-k1")
+    running = await start(
+        settings.model_copy(update={"listen": "127.0.0.1:0", "approval_public_keys_file": public}),
+        dsn=dsn,
+    )
+    ledger = Ledger(dsn, keyring)
+    target = f"localhost:{running.port}"
+    first, second = new_thread_id(), new_thread_id()
+    proposals: list[AwaitingApproval] = []
+    steps: list[Step] = []
+    try:
+        async with client(target, pki.operator()) as operator:
+            await operator.create_thread(first, INITIAL, policy="pipeline")
+            await operator.create_thread(second, INITIAL, policy="pipeline")
+        async with (
+            client(target, pki.node("input-parser")) as parser,
+            client(target, pki.node("planner")) as planner,
+        ):
+            runner = NodeRunner.for_node(
+                planner,
+                lambda _view: {"target_user_id": OTHER_USER},  # parked, every one
+                node_name="planner",
+                approval_wait=60.0,
+                shutdown_grace=1.0,
+                max_outcome_waits=1,
+                on_parked=proposals.append,
+                on_step=steps.append,
+            )
+            stop = asyncio.Event()
+            serving = asyncio.create_task(runner.serve(stop))
+            try:
+                await parser.propose(first, 0, {"requested_action": act("W-1")})
+                await eventually(lambda: _parked(proposals, 1), within=15)
+                await parser.propose(second, 0, {"requested_action": act("W-2")})
+                # well within approval_wait: the second is not waited for
+                await eventually(lambda: _recorded(steps, 1), within=15)
+                assert [(s.thread_id, s.status) for s in steps] == [(second, "pending")]
+                digest = (await as_operator_sees_it(dsn, proposals[0])).digest
+                applied = await deliver_approval(target, pki, signing, digest, first, 1)
+                assert applied.outcome == transition_pb2.OUTCOME_COMMITTED, applied
+                await eventually(lambda: _recorded(steps, 2), within=10)
+            finally:
+                stop.set()
+            await asyncio.wait_for(serving, 15)
+    finally:
+        await running.stop(grace=1.0)
+    assert [(s.thread_id, s.view_version, s.status) for s in steps] == [
+        (second, 1, "pending"),
+        (first, 1, "committed"),
+    ]
+    assert steps[0].digest == (proposals[1].digest or None)
+    assert (await ledger.snapshot(second)).head_version == 1  # still parked, undecided
+
+
+async def _parked(proposals: list[AwaitingApproval], count: int) -> bool:
+    return len(proposals) >= count
+
+
 async def _head_is(ledger: Ledger, thread_id: str, version: int) -> bool:
     return (await ledger.snapshot(thread_id)).head_version == version
 
