@@ -48,8 +48,12 @@ from ztate.transition_service.outcomes import OutcomeListener
 log = logging.getLogger("ztate.transition")
 CHANGES_BATCH = 64
 SWEEP_BATCH = 200
-# the sweep for undecided wakes scans every thread: once per this many poll periods
+# The sweep for undecided wakes scans every thread. Since migration 0018 no commit leaves
+# a thread behind, so it runs at start-up, after the LISTEN connection came back, once
+# per SWEEP_EVERY poll periods while it keeps finding threads behind, and otherwise once
+# per IDLE_SWEEP_SECONDS (docs/work.md).
 SWEEP_EVERY = 10
+IDLE_SWEEP_SECONDS = 3600.0
 MAX_IN_FLIGHT = 256
 DISPATCH_CONCURRENCY = 8  # lease grants in flight at once per process (pool connections)
 LEASE_LOST = "this lease is no longer held"
@@ -108,7 +112,8 @@ class Waker:
                 event.set()
 
     async def sweep(self) -> int:
-        """Decide the wakes of threads whose head is ahead of their mark."""
+        """Decide the wakes of threads whose head is ahead of their mark; how many
+        were behind."""
         total = 0
         for _ in range(10):  # a bounded round; the next sweep goes on
             behind = await self._work.unevaluated(SWEEP_BATCH)
@@ -181,7 +186,10 @@ class WorkDispatcher:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.polls = 0  # rounds that queried (for tests and diagnostics)
+        self.sweeps = 0  # sweeps for undecided wakes (for tests and diagnostics)
+        self._sweep_due = True  # at start-up first
         listener.on_work(self._announced)
+        listener.on_reconnect(self._reconnected)
         waker.notify_locally(self._wake)
 
     def start(self) -> None:
@@ -203,6 +211,12 @@ class WorkDispatcher:
     @property
     def active(self) -> int:
         return sum(len(s) for s in self._streams.values())
+
+    async def _reconnected(self) -> None:
+        """The LISTEN connection came back (the database may have failed over, or been
+        upgraded under the service): sweep in the next round."""
+        self._sweep_due = True
+        self._wake.set()
 
     def _announced(self, node: str | None) -> None:
         if node is None or node in self._streams:
@@ -264,12 +278,21 @@ class WorkDispatcher:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        swept = -SWEEP_EVERY * self._poll_seconds  # at start-up first
+        next_sweep = loop.time()
         while True:
             try:
-                if loop.time() - swept >= SWEEP_EVERY * self._poll_seconds:
-                    swept = loop.time()
-                    await self._waker.sweep()
+                if self._sweep_due or loop.time() >= next_sweep:
+                    self._sweep_due = False
+                    try:
+                        behind = await self._waker.sweep()
+                    except BaseException:
+                        self._sweep_due = True  # the next round tries again
+                        raise
+                    self.sweeps += 1
+                    # a clean sweep: nothing can fall behind since migration 0018 but
+                    # a thread a pre-0018 replica committed, so the full scan is rare
+                    period = SWEEP_EVERY * self._poll_seconds if behind else IDLE_SWEEP_SECONDS
+                    next_sweep = loop.time() + period
                 await self.dispatch()
             except Exception as failure:  # the next round tries again
                 log.warning("work dispatch round failed: %s", type(failure).__name__)
