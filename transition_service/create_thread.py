@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from ztate.contract.canonical import canonical_bytes, sha256_hex
+import orjson
+
+from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
 from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants
 from ztate.services.runtime import errors
@@ -73,6 +75,25 @@ class CreateThread(UseCase):
             woken=policy.woken(frozenset(initial), state, acting_node(caller)),
         )
         if created is Creation.ID_TAKEN:
-            raise errors.ThreadExists(f"thread {thread_id!r} already exists")
+            earlier = await self._created_before(caller, thread_id, policy.name, initial)
+            if earlier is None:
+                raise errors.ThreadExists(f"thread {thread_id!r} already exists")
+            return earlier
         self._heads.put(thread_id, CachedHead(0, sealed.digest, state, policy.name))
         return as_stored(sealed, now, None, None)
+
+    async def _created_before(
+        self, caller: Identity, thread_id: str, policy_name: str, initial: JsonObject
+    ) -> StoredTransition | None:
+        """The genesis of ``thread_id`` when this caller created it with this initial state
+        and policy: a retry whose first reply was lost gets the answer it missed, not
+        THREAD_EXISTS for its own creation (the SDK retries CreateThread). Anyone else,
+        or another state or policy: None."""
+        genesis = await self._store.transition_at(thread_id, 0)
+        head = await self._store.read_head(thread_id)
+        if genesis is None or head is None or genesis.node_id != caller.spiffe_id:
+            return None
+        patch = orjson.loads(genesis.record)["patch"]
+        if head.policy_name != policy_name or canonical_bytes(patch) != canonical_bytes(initial):
+            return None
+        return genesis

@@ -397,16 +397,15 @@ class ZtateClient:
         """Create a thread bound to ``policy`` (operator and service identities only).
 
         ``policy`` may be empty when the service loads a single policy. Returns the
-        genesis transition.
+        genesis transition. Retried like the other calls: the service answers a
+        caller that creates the same thread again with the same state and policy
+        with its genesis, so a retry after a lost reply is not ``THREAD_EXISTS``
+        (another state, policy or caller is).
         """
         request = transition_pb2.CreateThreadRequest(
             thread_id=thread_id, initial_state_json=encode_json(initial_state), policy=policy
         )
-        try:
-            async with self._connected() as connection:
-                response = await connection.stub.CreateThread(request, timeout=self._timeout)
-        except grpc.aio.AioRpcError as error:
-            raise from_rpc_error(error) from None
+        response = await self._call(lambda stub: stub.CreateThread, request)
         return Transition.from_message(response.genesis)
 
     async def get_view(self, thread_id: str) -> View:

@@ -87,6 +87,22 @@ async def test_a_certificate_of_another_ca_is_refused_by_the_service(
     assert "the client certificate is not issued by the CA file's CA" in refused.hint
 
 
+async def test_creating_a_thread_with_a_refused_certificate_is_named_too(
+    target: str, pki: Pki, ledger: Ledger
+) -> None:
+    """Before: create_thread alone raised the bare UNAVAILABLE ("server down") for a
+    certificate the handshake refuses; it is diagnosed as every other call is."""
+    creds = pki.foreign("admin")
+    thread_id = new_thread_id()
+    worker = ZtateClient.from_files(target, cert=creds.cert, key=creds.key, ca=creds.ca)
+    async with worker:
+        with pytest.raises(HandshakeFailed) as caught:
+            await worker.create_thread(thread_id, INITIAL, policy="pipeline")
+    assert caught.value.reason == "CERTIFICATE_REFUSED"
+    assert "the client certificate is not issued by the CA file's CA" in caught.value.hint
+    assert (await ledger.snapshot(thread_id)).head_version is None  # nothing created
+
+
 async def test_a_ca_that_did_not_sign_the_service_does_not_trust_it(
     target: str, pki: Pki, ledger: Ledger
 ) -> None:
