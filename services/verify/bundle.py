@@ -740,7 +740,8 @@ def check_manifest_signature(directory: Path, run: Verification) -> None:
 def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[StoredPolicy]:
     """The policy versions of ``policies.jsonl``, read line by line; a line that is not
     one, and a file the manifest does not describe, are reported. A line too long to
-    hold a policy the verifier would read is kept by its length alone."""
+    hold a policy the verifier would read is hashed and counted, never held whole, and
+    reported as the line it is (it has no digest the verifier read)."""
     path = directory / POLICIES
     hasher, lines = hashlib.sha256(), 0
     versions: list[StoredPolicy] = []
@@ -756,7 +757,7 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
                     while not line.endswith(b"\n") and (line := handle.readline(1 << 20)):
                         hasher.update(line)  # the rest of the line: hashed, not kept
                         length += len(line)
-                    versions.append(StoredPolicy(f"line {number}", "?", b"", length))
+                    report(Finding(None, None, BUNDLE_LINE, "a policy version", too_long(number)))
                     continue
                 try:
                     versions.append(_policy_from_line(line))
@@ -773,6 +774,11 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
         expected = f"{manifest.policies} policy lines (the manifest's)"
         report(Finding(None, None, BUNDLE_COUNT, expected, f"{lines} lines"))
     return versions
+
+
+def too_long(number: int) -> str:
+    """What a ``policies.jsonl`` line over ``MAX_POLICY_LINE`` bytes is found to be."""
+    return f"{POLICIES} line {number}: too long (over {MAX_POLICY_LINE} bytes): not read"
 
 
 def _policy_from_line(line: bytes) -> StoredPolicy:
