@@ -44,7 +44,7 @@ import queue
 import re
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkProcess
@@ -208,15 +208,31 @@ def _work_database(inbox: Connection, outbox: _Outbox, trust: Trust) -> None:
     run = Verification(trust, lambda finding: outbox.put("finding", finding))
     share: _Share | None = inbox.recv()
     if share is not None:
-        # forked from a running event loop: this process has none of its own yet
-        asyncio.events._set_running_loop(None)
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(_verify_share(run, share))
-        finally:
-            loop.close()
+        _run_in_a_thread(_verify_share(run, share))
     outbox.put("kept", sorted(run.kept_seen))
     outbox.put("done", run.summary)
+
+
+def _run_in_a_thread(work: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run(work)`` on a new thread, re-raising what it raised.
+
+    The worker is forked from the leader's running event loop, and its main thread
+    still counts as running that loop (Python 3.11 does not reset it at fork), so
+    asyncio refuses to run another there; a new thread has no loop. This costs one
+    thread per worker, not per record, and uses no private asyncio API."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(work)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name="ztate-verify-share")
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
 
 
 async def _verify_share(run: Verification, share: _Share) -> None:
