@@ -13,7 +13,8 @@ Two properties shape the code:
 
 * **Streaming.** Rows arrive in ``(thread_id, version)`` order and a
   ``ThreadVerifier`` keeps only what the next record needs (the previous digest
-  and state), so a ledger of any size verifies in constant memory.
+  and state, and the state digests of the thread's earlier versions, which a
+  revert may restore), so memory grows with the longest thread, not the ledger.
 * **Every failure, precisely.** A check never raises: it reports a ``Finding``
   (thread, version, check, expected, found) and verification goes on, to the
   next record and the next thread. After a gap or a misplaced record the chain

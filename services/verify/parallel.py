@@ -13,7 +13,7 @@ For a bundle the leader does not parse a line: the thread id and version sit
 at the start of every line the exporter writes, and a line that does not start
 so is parsed by the leader (and reported there if it is no row). Workers are
 forked, so they inherit the trust (keys and policies) without it ever being
-serialised; memory stays constant per worker (one thread's previous record).
+serialised; a worker holds one thread at a time.
 
 For a database nothing passes through the leader: it opens the snapshot, exports
 it (``pg_export_snapshot``), cuts the threads into ``N`` ranges of about as many

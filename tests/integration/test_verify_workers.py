@@ -233,64 +233,99 @@ async def a_ledger(server_dsn: str, threads: list[str]) -> str:
     return dsn
 
 
-async def test_a_worker_whose_connection_drops_stops_the_run_naming_its_range(
-    postgres_server_dsn: str, tmp_path: Path
-) -> None:
-    dsn = await a_ledger(postgres_server_dsn, ["drop-a", "drop-b"])
-    keyring = tmp_path / "hmac-keyring.json"
+def cli_env(dsn: str, root: Path) -> dict[str, str]:
+    """``ztate verify`` configured as an auditor's script would: key files and the policy."""
+    keyring = root / "hmac-keyring.json"
     keyring.write_text(
         json.dumps({"current": "k1", "keys": {"k1": base64.b64encode(bytes(range(32))).decode()}})
     )
-    approval = tmp_path / "approval-public.json"
+    approval = root / "approval-public.json"
     raw = APPROVAL_KEY.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
     approval.write_text(json.dumps({"approval-k1": base64.b64encode(raw).decode()}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
     env.update(
         DATABASE_URL=dsn,
-        ZTATE_HOME=str(tmp_path / "home"),
+        ZTATE_HOME=str(root / "home"),
         ZTATE_HMAC_KEYRING_FILE=str(keyring),
         ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(approval),
         ZTATE_POLICY_PATH=str(POLICY_FILE),
     )
-    # the workers' first read waits behind this lock: each is then inside its share
-    locker = await asyncpg.connect(dsn)
-    watcher = await asyncpg.connect(dsn)
-    lock = locker.transaction()
-    await lock.start()
-    await locker.execute("LOCK TABLE ztate.transitions IN ACCESS EXCLUSIVE MODE")
-    process = await asyncio.create_subprocess_exec(
-        str(ZTATE),
-        *("verify", "--jobs", "2", "--json"),
-        env=env,
-        cwd=REPO,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    return env
+
+
+class HeldRun:
+    """``ztate verify --jobs N`` started while the test holds an exclusive lock on
+    ``ztate.transitions``: each worker's first read waits behind it, inside its share,
+    until ``release``. ``watcher`` is a connection of the test's own."""
+
+    def __init__(self, dsn: str, locker: asyncpg.Connection, watcher: asyncpg.Connection) -> None:
+        self.dsn, self.locker, self.watcher = dsn, locker, watcher
+        self._lock = locker.transaction()
+        self.process: asyncio.subprocess.Process | None = None
+
+    @classmethod
+    async def start(cls, dsn: str, env: dict[str, str], jobs: int) -> HeldRun:
+        held = cls(dsn, await asyncpg.connect(dsn), await asyncpg.connect(dsn))
+        await held._lock.start()
+        await held.locker.execute("LOCK TABLE ztate.transitions IN ACCESS EXCLUSIVE MODE")
+        held.process = await asyncio.create_subprocess_exec(
+            str(ZTATE),
+            *("verify", "--jobs", str(jobs), "--json"),
+            env=env,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        return held
+
+    async def sessions(self) -> list[asyncpg.Record]:
+        """The run's sessions: every client backend of the database but the test's two."""
+        return await self.watcher.fetch(
+            "SELECT pid, state, wait_event_type, backend_xmin::text AS xmin "
+            "FROM pg_stat_activity WHERE datname = current_database() "
+            "AND backend_type = 'client backend' AND pid <> ALL($1::int[]) ORDER BY pid",
+            [self.locker.get_server_pid(), self.watcher.get_server_pid()],
+        )
+
+    async def waiting(self, count: int) -> list[int]:
+        """Once ``count`` of the run's sessions wait on the lock: their pids."""
+        pids: list[int] = []
+
+        async def they_wait() -> bool:
+            pids[:] = [r["pid"] for r in await self.sessions() if r["wait_event_type"] == "Lock"]
+            return len(pids) == count
+
+        await eventually(they_wait)
+        return pids
+
+    async def release_and_finish(self) -> tuple[int, bytes, bytes]:
+        await self._lock.rollback()
+        assert self.process is not None
+        out, err = await asyncio.wait_for(self.process.communicate(), 60)
+        assert self.process.returncode is not None
+        return self.process.returncode, out, err
+
+    async def close(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+        await self.locker.close()
+        await self.watcher.close()
+
+
+async def test_a_worker_whose_connection_drops_stops_the_run_naming_its_range(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    dsn = await a_ledger(postgres_server_dsn, ["drop-a", "drop-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=2)
     try:
-        waiting: list[int] = []
-
-        async def both_workers_wait() -> bool:
-            waiting[:] = [
-                row["pid"]
-                for row in await watcher.fetch(
-                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock' ORDER BY pid"
-                )
-            ]
-            return len(waiting) == 2
-
-        await eventually(both_workers_wait)
-        assert await watcher.fetchval("SELECT pg_terminate_backend($1)", waiting[0])
-        await lock.rollback()  # the other worker goes on and finishes its share
-        out, err = await asyncio.wait_for(process.communicate(), 60)
+        first, _ = await held.waiting(2)  # both workers inside their share
+        assert await held.watcher.fetchval("SELECT pg_terminate_backend($1)", first)
+        code, out, err = await held.release_and_finish()  # the other worker finishes
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-        await locker.close()
-        await watcher.close()
+        await held.close()
 
-    assert process.returncode == 2
+    assert code == 2
     assert out == b""  # no finding and, above all, no summary
     message = err.decode()
     shares = {"1": "the threads before drop-b", "2": "the threads from drop-b on"}
@@ -303,3 +338,34 @@ async def test_a_worker_whose_connection_drops_stops_the_run_naming_its_range(
     assert match is not None, message
     assert match[4] == shares[match[1]]
     assert match[2] in {"AdminShutdownError", "ConnectionDoesNotExistError"}, message
+
+
+async def test_a_database_run_holds_the_connections_docs_verification_md_names(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    """docs/verification.md: at most N + 1 connections at once, a worker with no range
+    opens none, and every worker reads in the leader's exported snapshot."""
+    dsn = await a_ledger(postgres_server_dsn, ["conn-a", "conn-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=3)  # two ranges, 3 workers
+    try:
+        workers = await held.waiting(2)
+        sessions = await held.sessions()
+        code, out, err = await held.release_and_finish()
+    finally:
+        await held.close()
+
+    # the leader (idle in its transaction) and the two workers with a range: the policy
+    # read's connection is closed, the third worker has none
+    assert len(sessions) == 3, sessions
+    [leader] = [r for r in sessions if r["pid"] not in workers]
+    assert leader["state"] == "idle in transaction"
+    assert len({r["xmin"] for r in sessions}) == 1  # one snapshot: the exported one
+    assert leader["xmin"] is not None
+    assert code == 0, err.decode()
+    assert json.loads(out.splitlines()[-1]) == {
+        "type": "summary",
+        "threads": 2,
+        "records": 6,
+        "failures": 0,
+        "verified": True,
+    }
