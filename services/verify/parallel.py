@@ -62,7 +62,7 @@ from ztate.services.verify.bundle import (
     check_records_file,
     head_of,
     line_finding,
-    open_records,
+    record_lines,
     row_from_line,
     usable_manifest,
 )
@@ -520,45 +520,44 @@ def _dispatch(
             workers.send(worker, (_LINES, run_first, b"".join(run)), now=True)
             run, run_bytes = [], 0
 
-    with open_records(directory) as handle:
-        for number, line in enumerate(handle, 1):
-            hasher.update(line)
-            lines += 1
-            start = _start_of(line, number, leader.finding)
-            if start is None:
-                send_run()  # line numbers in a run are consecutive
-                continue
-            owner, version = start
-            threads.add(owner)
-            if thread_id is not None and owner != thread_id:
-                send_run()
-                continue
-            if owner != current:
-                send_run()
-                if current is not None:
-                    workers.send(worker, (_END, head_of(manifest, current)))
-                if owner in seen:
-                    leader.finding(
-                        Finding(
-                            owner,
-                            version,
-                            BUNDLE_ORDER,
-                            "each thread's lines together, in version order",
-                            "the thread's lines resume after another thread's",
-                        )
+    for number, line in enumerate(record_lines(directory), 1):
+        hasher.update(line)
+        lines += 1
+        start = _start_of(line, number, leader.finding)
+        if start is None:
+            send_run()  # line numbers in a run are consecutive
+            continue
+        owner, version = start
+        threads.add(owner)
+        if thread_id is not None and owner != thread_id:
+            send_run()
+            continue
+        if owner != current:
+            send_run()
+            if current is not None:
+                workers.send(worker, (_END, head_of(manifest, current)))
+            if owner in seen:
+                leader.finding(
+                    Finding(
+                        owner,
+                        version,
+                        BUNDLE_ORDER,
+                        "each thread's lines together, in version order",
+                        "the thread's lines resume after another thread's",
                     )
-                seen.add(owner)
-                current, worker = owner, workers.assign(owner)
-                taken: dict[int, SignedCheckpoint] | None = (
-                    checkpoints.take(owner) if checkpoints is not None else None
                 )
-                workers.send(worker, (_START, owner, taken))
-            if not run:
-                run_first = number
-            run.append(line)
-            run_bytes += len(line)
-            if run_bytes >= LINES_BYTES:
-                send_run()
+            seen.add(owner)
+            current, worker = owner, workers.assign(owner)
+            taken: dict[int, SignedCheckpoint] | None = (
+                checkpoints.take(owner) if checkpoints is not None else None
+            )
+            workers.send(worker, (_START, owner, taken))
+        if not run:
+            run_first = number
+        run.append(line)
+        run_bytes += len(line)
+        if run_bytes >= LINES_BYTES:
+            send_run()
     send_run()
     if current is not None:
         workers.send(worker, (_END, head_of(manifest, current)))

@@ -39,7 +39,15 @@ from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, KIND_TRANSITION, build_record, seal
 from ztate.services.policy.changes import apply_patch
 from ztate.services.store.migrate import migrate
-from ztate.services.verify.bundle import BUNDLE_COUNT, BUNDLE_HASH, BUNDLE_LINE, RECORDS
+from ztate.services.verify.bundle import (
+    BUNDLE_COUNT,
+    BUNDLE_HASH,
+    BUNDLE_LINE,
+    CHECKPOINTS,
+    RECORDS,
+    BundleError,
+    verify_bundle,
+)
 from ztate.services.verify.checks import HEAD, Finding, Trust, VerifyError
 from ztate.services.verify.parallel import verify_bundle_parallel
 
@@ -135,6 +143,37 @@ def test_a_bundle_file_that_ends_while_workers_run_is_never_verified(
         (BUNDLE_LINE, "", 0),  # line 3: the part of it that arrived is no row
         (HEAD, THREAD, 3),  # the manifest's head is version 3, the last record read is 1
     ]
+
+
+@pytest.mark.parametrize("jobs", [1, 2], ids=["one-process", "two-workers"])
+@pytest.mark.parametrize("name", [RECORDS, CHECKPOINTS])
+def test_a_bundle_file_whose_read_fails_stops_the_run_naming_it(
+    tmp_path: Path, watchdog: None, jobs: int, name: str
+) -> None:
+    """A read that fails (a disk error, a network share gone) is no end of file: the
+    run stops (exit 2), never verifying what it could not read. The file is a link to
+    /proc/self/mem, whose read at offset 0 fails with EIO in whichever process reads it."""
+    folder = write_bundle(tmp_path / "bundle", honest_chain().rows)
+    (folder / name).unlink()
+    (folder / name).symlink_to("/proc/self/mem")
+    # checkpoints are read whenever their public keys are at hand (none needed here)
+    trust = Trust(KEYRING, {"approval-k1": APPROVAL_KEY.public_key()}, POLICIES, {})
+    findings: list[Finding] = []
+
+    def run() -> None:
+        if jobs == 1:
+            verify_bundle(folder, trust, findings.append)
+        else:
+            verify_bundle_parallel(folder, trust, findings.append, jobs=jobs)
+
+    with pytest.raises(BundleError) as stopped:
+        run()
+
+    assert str(stopped.value) == (
+        f"{folder / name}: reading failed after line 0 (Input/output error): "
+        "the rest of the bundle is not verified"
+    )
+    assert findings == []
 
 
 def trust_of_bundle() -> Trust:
