@@ -15,6 +15,21 @@ from ztate.services.verify.checks import BUNDLE_LINE, Finding, Trust, admit_poli
 LONG = 10 * MAX_POLICY_LINE  # 40 MiB without a newline until its end
 
 
+def policies_only(lines: int, sha256: str) -> Manifest:
+    """The manifest of a bundle of ``lines`` policy lines (with that SHA-256) and nothing else."""
+    return Manifest(
+        created_at="2026-11-25T00:00:00Z",
+        thread_id=None,
+        threads=0,
+        records=0,
+        records_sha256="0" * 64,
+        policy_digests=(),
+        heads={},
+        policies=lines,
+        policies_sha256=sha256,
+    )
+
+
 def test_an_over_long_policy_line_is_measured_without_being_held(tmp_path: Path) -> None:
     short = b'{"not": "a policy"}\n'
     with (tmp_path / POLICIES).open("wb") as out:
@@ -27,17 +42,7 @@ def test_an_over_long_policy_line_is_measured_without_being_held(tmp_path: Path)
     with (tmp_path / POLICIES).open("rb") as whole:
         while block := whole.read(1 << 20):
             hasher.update(block)
-    manifest = Manifest(
-        created_at="2026-11-25T00:00:00Z",
-        thread_id=None,
-        threads=0,
-        records=0,
-        records_sha256="0" * 64,
-        policy_digests=(),
-        heads={},
-        policies=2,
-        policies_sha256=hasher.hexdigest(),
-    )
+    manifest = policies_only(2, hasher.hexdigest())
     findings: list[Finding] = []
 
     tracemalloc.start()
@@ -61,17 +66,7 @@ def test_an_over_long_policy_line_is_reported_as_that_line_never_as_a_digest(
 ) -> None:
     line = b"x" * MAX_POLICY_LINE + b"\n"  # one byte over, with its newline
     (tmp_path / POLICIES).write_bytes(line)
-    manifest = Manifest(
-        created_at="2026-11-25T00:00:00Z",
-        thread_id=None,
-        threads=0,
-        records=0,
-        records_sha256="0" * 64,
-        policy_digests=(),
-        heads={},
-        policies=1,
-        policies_sha256=hashlib.sha256(line).hexdigest(),
-    )
+    manifest = policies_only(1, hashlib.sha256(line).hexdigest())
     findings: list[Finding] = []
 
     versions = read_policies(tmp_path, manifest, findings.append)
