@@ -487,6 +487,28 @@ def open_records(directory: Path) -> BinaryIO:
         raise BundleError(f"{path}: cannot read the records ({exc.strerror})") from None
 
 
+def record_lines(directory: Path) -> Iterator[bytes]:
+    """The lines of ``records.jsonl``; ``BundleError`` if reading fails part way (a disk
+    error, a network share gone): what was not read is not verified, and a run must say
+    so rather than end as if the file ended there."""
+    with open_records(directory) as handle:
+        yield from lines_or_error(handle, directory / RECORDS)
+
+
+def lines_or_error(handle: BinaryIO, path: Path, read: int = 0) -> Iterator[bytes]:
+    """The lines of ``handle`` (after ``read`` lines already read): a read that fails
+    is ``BundleError`` naming the file and the last line read."""
+    try:
+        for line in handle:
+            yield line
+            read += 1
+    except OSError as exc:
+        raise BundleError(
+            f"{path}: reading failed after line {read} ({exc.strerror}): "
+            "the rest of the bundle is not verified"
+        ) from None
+
+
 def line_finding(number: int, problem: LineProblem) -> Finding:
     return Finding(None, None, BUNDLE_LINE, "a ledger row", f"line {number}: {problem}")
 
@@ -527,18 +549,17 @@ def read_rows(
     """
     hasher, lines = hashlib.sha256(), 0
     threads: set[str] = set()
-    with open_records(directory) as handle:
-        for number, line in enumerate(handle, 1):
-            hasher.update(line)
-            lines += 1
-            try:
-                row = row_from_line(line)
-            except LineProblem as problem:
-                report(line_finding(number, problem))
-                continue
-            threads.add(row.thread_id)
-            if thread_id is None or row.thread_id == thread_id:
-                yield row
+    for number, line in enumerate(record_lines(directory), 1):
+        hasher.update(line)
+        lines += 1
+        try:
+            row = row_from_line(line)
+        except LineProblem as problem:
+            report(line_finding(number, problem))
+            continue
+        threads.add(row.thread_id)
+        if thread_id is None or row.thread_id == thread_id:
+            yield row
     check_records_file(manifest, hasher.hexdigest(), lines, len(threads), report)
 
 
@@ -622,7 +643,7 @@ class CheckpointReader:
 
     def _advance(self) -> None:
         self._next = None
-        for line in self._handle:
+        for line in lines_or_error(self._handle, self._path, self._lines):
             self._hasher.update(line)
             self._lines += 1
             try:
@@ -740,7 +761,8 @@ def check_manifest_signature(directory: Path, run: Verification) -> None:
 def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[StoredPolicy]:
     """The policy versions of ``policies.jsonl``, read line by line; a line that is not
     one, and a file the manifest does not describe, are reported. A line too long to
-    hold a policy the verifier would read is kept by its length alone."""
+    hold a policy the verifier would read is hashed and counted, never held whole, and
+    reported as the line it is (it has no digest the verifier read)."""
     path = directory / POLICIES
     hasher, lines = hashlib.sha256(), 0
     versions: list[StoredPolicy] = []
@@ -756,7 +778,7 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
                     while not line.endswith(b"\n") and (line := handle.readline(1 << 20)):
                         hasher.update(line)  # the rest of the line: hashed, not kept
                         length += len(line)
-                    versions.append(StoredPolicy(f"line {number}", "?", b"", length))
+                    report(Finding(None, None, BUNDLE_LINE, "a policy version", too_long(number)))
                     continue
                 try:
                     versions.append(_policy_from_line(line))
@@ -773,6 +795,11 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
         expected = f"{manifest.policies} policy lines (the manifest's)"
         report(Finding(None, None, BUNDLE_COUNT, expected, f"{lines} lines"))
     return versions
+
+
+def too_long(number: int) -> str:
+    """What a ``policies.jsonl`` line over ``MAX_POLICY_LINE`` bytes is found to be."""
+    return f"{POLICIES} line {number}: too long (over {MAX_POLICY_LINE} bytes): not read"
 
 
 def _policy_from_line(line: bytes) -> StoredPolicy:

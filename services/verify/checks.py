@@ -13,7 +13,8 @@ Two properties shape the code:
 
 * **Streaming.** Rows arrive in ``(thread_id, version)`` order and a
   ``ThreadVerifier`` keeps only what the next record needs (the previous digest
-  and state), so a ledger of any size verifies in constant memory.
+  and state, and the state digests of the thread's earlier versions, which a
+  revert may restore), so memory grows with the longest thread, not the ledger.
 * **Every failure, precisely.** A check never raises: it reports a ``Finding``
   (thread, version, check, expected, found) and verification goes on, to the
   next record and the next thread. After a gap or a misplaced record the chain
@@ -374,6 +375,7 @@ class Summary:
 
 
 Report = Callable[[Finding], None]
+Matched = Sequence[str]  # the names of the risk rules a transition matches
 
 
 class Verification:
@@ -384,8 +386,9 @@ class Verification:
         self.summary = Summary()
         self._report = report
         # the risk rules matched, by policy digest and the exact JSON of everything
-        # they read (a pure function of it): most transitions repeat a few inputs
-        self.risk_memo: dict[tuple[str, bytes], list[str]] = {}
+        # they read (a pure function of it): most transitions repeat a few inputs.
+        # Tuples: a hit hands out the entry itself, which nobody can change
+        self.risk_memo: dict[tuple[str, bytes], tuple[str, ...]] = {}
         # the threads of the kept checkpoints the source held records of
         self._kept_seen: set[str] = set()
 
@@ -745,7 +748,7 @@ class ThreadVerifier:
             self._state, self._state_fast = _kept_state(row.state, record)
 
     def _check_carried_rules(
-        self, version: int, record: JsonObject, carried: list[str], derived: list[str] | None
+        self, version: int, record: JsonObject, carried: list[str], derived: Matched | None
     ) -> None:
         """A format-2 record's risk_rules must be what its policy's risk rules match on
         the replayed states (when they could be evaluated); a genesis and a revert
@@ -772,16 +775,16 @@ class ThreadVerifier:
 
     def _risk_rules(
         self, version: int, policy: Policy, old: JsonObject, state: JsonObject, record: JsonObject
-    ) -> list[str] | None:
+    ) -> Matched | None:
         if not policy.risk_rules:
-            return []
+            return ()
         node = record["node_id"].rsplit("/", 1)[-1]
         patch = record["patch"]
         values = {"state": state, "old": old, "patch": patch, "node": node}
         memo = self._run.risk_memo
         key = _risk_key(policy.digest, self._trust.risk_inputs[policy.digest], values)
-        if key is not None and key in memo:
-            return list(memo[key])
+        if key is not None and (known := memo.get(key)) is not None:
+            return known  # a tuple: shared, not copied
         try:
             # bound as the transition service binds them (ztate.services.policy.changes.Change.of),
             # but only what the risk rules read: the invariants are not re-checked here
@@ -791,13 +794,14 @@ class ThreadVerifier:
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             self._fail(version, RISK_UNCHECKED, "risk rules that evaluate", f"{type(exc).__name__}")
             return None
-        if key is not None:
-            if len(memo) >= RISK_MEMO_SIZE:
-                memo.clear()
-            memo[key] = list(matched)
-        return matched
+        if key is None:
+            return matched
+        if len(memo) >= RISK_MEMO_SIZE:
+            memo.clear()
+        memo[key] = found = tuple(matched)
+        return found
 
-    def _check_receipt(self, row: LedgerRow, record: JsonObject, matched: list[str] | None) -> None:
+    def _check_receipt(self, row: LedgerRow, record: JsonObject, matched: Matched | None) -> None:
         version, receipt_digest = row.version, record["receipt_digest"]
         if receipt_digest is None:
             if row.receipt is not None:
@@ -860,7 +864,7 @@ class ThreadVerifier:
             return None
 
     def _check_binding(
-        self, record: JsonObject, receipt: JsonObject, matched: list[str] | None
+        self, record: JsonObject, receipt: JsonObject, matched: Matched | None
     ) -> None:
         version = record["version"]
         bound = {

@@ -13,7 +13,7 @@ For a bundle the leader does not parse a line: the thread id and version sit
 at the start of every line the exporter writes, and a line that does not start
 so is parsed by the leader (and reported there if it is no row). Workers are
 forked, so they inherit the trust (keys and policies) without it ever being
-serialised; memory stays constant per worker (one thread's previous record).
+serialised; a worker holds one thread at a time.
 
 For a database nothing passes through the leader: it opens the snapshot, exports
 it (``pg_export_snapshot``), cuts the threads into ``N`` ranges of about as many
@@ -22,6 +22,14 @@ same snapshot, with its heads and checkpoints. The leader only reads what needs
 the whole ledger (headless threads) once the workers are done. Reading and
 verifying thus both scale with the workers, where handing every row over a pipe
 made the leader the bottleneck (``--jobs 2`` was slower than one process).
+
+A run either hears every worker's count or gives no verdict. Each worker answers
+on a pipe of its own, which only it holds open: when it dies (killed, crashed, or
+it stopped on an error such as its connection dropping) the leader reads the end
+of that pipe, at once and without polling, and stops the run with ``VerifyError``
+naming the worker, how it ended and the threads it was given (exit code 2), never
+a summary. A worker never blocks on the leader (a thread of its own sends its
+findings), so the leader, which may block sending work, cannot deadlock with it.
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ import multiprocessing
 import os
 import queue
 import re
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkProcess
 from pathlib import Path
 from typing import Any
@@ -44,6 +54,7 @@ from typing import Any
 import asyncpg
 
 from ztate.contract.checkpoints import SignedCheckpoint
+from ztate.contract.record import shown
 from ztate.services.verify.bundle import (
     CheckpointReader,
     LineProblem,
@@ -51,7 +62,7 @@ from ztate.services.verify.bundle import (
     check_records_file,
     head_of,
     line_finding,
-    open_records,
+    record_lines,
     row_from_line,
     usable_manifest,
 )
@@ -79,7 +90,8 @@ BATCH = 256  # items per message to a worker
 # bundle lines travel as one bytes object per run of consecutive lines of a thread:
 # pickling one large bytes is a copy, pickling a tuple per line is not
 LINES_BYTES = 256 * 1024
-RESULT_POLL_SECONDS = 0.5
+SHOWN_THREADS = 5  # thread ids a failure names before "and N more"
+EXIT_SECONDS = 5.0  # to learn how a worker whose pipe closed ended (it is ending)
 # what the exporter writes first on every line (ids are [A-Za-z0-9._:-], 1-128)
 _LINE_START = re.compile(rb'\{"thread_id":"([A-Za-z0-9._:-]{1,128})","version":(-?[0-9]{1,19}),')
 
@@ -96,9 +108,63 @@ def jobs_wanted(jobs: int) -> int:
     return (os.cpu_count() or 1) if jobs == 0 else jobs
 
 
-def _work(inbox: Connection, results: Any, trust: Trust) -> None:
-    """A worker: verify the thread groups the leader sends, until it sends None."""
-    run = Verification(trust, lambda finding: results.put(("finding", finding)))
+class _Outbox:
+    """A worker's messages to the leader, sent by a thread of the worker's own: the
+    worker never blocks on a leader that is busy sending it work. ``close`` sends
+    what is left; the worker's end of the pipe then closes, as it does when the
+    process dies, which is how the leader knows a worker ended."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send, name="ztate-verify-outbox")
+        self._thread.start()
+
+    def put(self, kind: str, value: Any) -> None:
+        self._queue.put((kind, value))
+
+    def _send(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._conn.send(message)
+            except OSError:  # the leader is gone: nobody to tell
+                return
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._conn.close()
+
+
+Body = Callable[[Connection, _Outbox, Trust], None]
+
+
+def _worker(
+    body: Body, inbox: Connection, out: Connection, trust: Trust, inherited: Sequence[Connection]
+) -> None:
+    """A worker process: ``body``, then its count, or why it stopped (exit code 1)."""
+    for conn in inherited:  # the leader's ends, copied by fork: only the leader holds them
+        conn.close()
+    outbox = _Outbox(out)
+    try:
+        body(inbox, outbox, trust)
+    except EOFError:  # the leader went away: nobody waits for a count
+        outbox.close()
+        raise SystemExit(1) from None
+    except VerifyError as error:
+        outbox.put("failed", str(error))
+        outbox.close()
+        raise SystemExit(1) from None
+    except BaseException as exc:  # a bug: its type only (its text may hold a value)
+        outbox.put("failed", f"{type(exc).__name__} raised")
+        outbox.close()
+        raise SystemExit(1) from None
+    outbox.close()
+
+
+def _work(inbox: Connection, outbox: _Outbox, trust: Trust) -> None:
+    """Verify the thread groups the leader sends, until it sends None."""
+    run = Verification(trust, lambda finding: outbox.put("finding", finding))
     current: ThreadVerifier | None = None
     while (batch := inbox.recv()) is not None:
         for item in batch:
@@ -123,7 +189,7 @@ def _work(inbox: Connection, results: Any, trust: Trust) -> None:
                 assert current is not None
                 current.check_head(item[1])
                 current = None
-    results.put(("done", run.summary))
+    outbox.put("done", run.summary)
 
 
 # a worker's share of a database: (dsn, snapshot, first thread, end thread, thread)
@@ -137,22 +203,36 @@ SELECT min(thread_id) AS first
 """
 
 
-def _work_database(inbox: Connection, results: Any, trust: Trust) -> None:
-    """A worker: verify its share of the database (or nothing, if sent None)."""
-    run = Verification(trust, lambda finding: results.put(("finding", finding)))
+def _work_database(inbox: Connection, outbox: _Outbox, trust: Trust) -> None:
+    """Verify this worker's share of the database (or nothing, if sent None)."""
+    run = Verification(trust, lambda finding: outbox.put("finding", finding))
     share: _Share | None = inbox.recv()
     if share is not None:
-        # forked from a running event loop: this process has none of its own yet
-        asyncio.events._set_running_loop(None)
-        loop = asyncio.new_event_loop()
+        _run_in_a_thread(_verify_share(run, share))
+    outbox.put("kept", sorted(run.kept_seen))
+    outbox.put("done", run.summary)
+
+
+def _run_in_a_thread(work: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run(work)`` on a new thread, re-raising what it raised.
+
+    The worker is forked from the leader's running event loop, and its main thread
+    still counts as running that loop (Python 3.11 does not reset it at fork), so
+    asyncio refuses to run another there; a new thread has no loop. This costs one
+    thread per worker, not per record, and uses no private asyncio API."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
         try:
-            loop.run_until_complete(_verify_share(run, share))
-        except VerifyError as error:
-            results.put(("error", str(error)))
-        finally:
-            loop.close()
-    results.put(("kept", sorted(run.kept_seen)))
-    results.put(("done", run.summary))
+            asyncio.run(work)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name="ztate-verify-share")
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
 
 
 async def _verify_share(run: Verification, share: _Share) -> None:
@@ -161,16 +241,63 @@ async def _verify_share(run: Verification, share: _Share) -> None:
         raise VerifyError("the leader's snapshot id is not one Postgres exports")
     conn = await connect(dsn)
     try:
-        async with conn.transaction(readonly=True, isolation="repeatable_read"):
-            await conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
-            query, args = (
-                (THREAD_ROWS, (thread_id,)) if thread_id is not None else (RANGE_ROWS, (first, end))
-            )
-            await verify_rows(conn, run, query, args)
+        # no transaction block to leave: a read-only transaction needs no commit, and
+        # leaving one on a dropped connection would hide why it dropped; close ends it
+        await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        await conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+        query, args = (
+            (THREAD_ROWS, (thread_id,)) if thread_id is not None else (RANGE_ROWS, (first, end))
+        )
+        await verify_rows(conn, run, query, args)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise VerifyError(f"reading the ledger failed: {type(exc).__name__}: {exc}") from None
     finally:
         await conn.close()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f" ({signal.Signals(number).name})"
+    except ValueError:  # a number with no name (a real-time signal)
+        return ""
+
+
+def _share_text(first: str | None, end: str | None, thread_id: str | None) -> str:
+    """A database worker's share, as a failure names it."""
+    if thread_id is not None:
+        return f"thread {shown(thread_id)}"
+    if first is None and end is None:
+        return "every thread"
+    if first is None:
+        return f"the threads before {shown(end)}"
+    if end is None:
+        return f"the threads from {shown(first)} on"
+    return f"the threads from {shown(first)} to before {shown(end)}"
+
+
+@dataclass
+class _Worker:
+    """The leader's side of one worker: its process, its two pipes, what it was given."""
+
+    process: ForkProcess
+    inbox: Connection  # the leader sends work
+    answers: Connection  # the worker sends findings, its count, or why it stopped
+    threads: list[str] = field(default_factory=list)  # a bundle's thread groups given
+    share: str | None = None  # a database worker's range, as a failure names it
+    summary: Summary | None = None
+    failed: str | None = None  # why it stopped, in its own words
+
+    def given(self) -> str:
+        if self.share is not None:
+            return self.share
+        if not self.threads:
+            return "the threads it was to be given"
+        named = ", ".join(shown(t) for t in self.threads[:SHOWN_THREADS])
+        more = len(self.threads) - SHOWN_THREADS
+        if more > 0:
+            named += f" and {more} more"
+        count = f"{len(self.threads)} thread" + ("s" if len(self.threads) > 1 else "")
+        return f"the {count} given to it ({named})"
 
 
 @dataclass
@@ -180,17 +307,13 @@ class _Workers:
     trust: Trust
     report: Report
     jobs: int
-    target: Callable[[Connection, Any, Trust], None] = _work
-    processes: list[ForkProcess] = field(default_factory=list)
-    inboxes: list[Connection] = field(default_factory=list)
+    body: Body = _work
+    workers: list[_Worker] = field(default_factory=list)
     batches: list[list[Item]] = field(default_factory=list)
-    summaries: list[Summary] = field(default_factory=list)
     kept_seen: set[str] = field(default_factory=set)
-    errors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         context = multiprocessing.get_context("fork")
-        self.results = context.Queue()
         # the objects the leader holds now go to the permanent generation: the
         # workers' collections then never walk (and copy on write) the leader's heap
         gc.freeze()
@@ -202,21 +325,25 @@ class _Workers:
     def _fork(self, context: Any) -> None:
         for _ in range(self.jobs):
             receive, send = context.Pipe(duplex=False)
+            answers, answer = context.Pipe(duplex=False)
+            leaders = [end for w in self.workers for end in (w.inbox, w.answers)]
             process = context.Process(
-                target=self.target,
-                args=(receive, self.results, self.trust),
+                target=_worker,
+                args=(self.body, receive, answer, self.trust, [*leaders, send, answers]),
                 daemon=True,
             )
             process.start()
             receive.close()
-            self.processes.append(process)
-            self.inboxes.append(send)
+            answer.close()
+            self.workers.append(_Worker(process, send, answers))
             self.batches.append([])
         self._next = itertools.cycle(range(self.jobs))
 
-    def assign(self) -> int:
-        """The worker for the next thread group."""
-        return next(self._next)
+    def assign(self, thread_id: str) -> int:
+        """The worker for the next thread group, ``thread_id``'s."""
+        worker = next(self._next)
+        self.workers[worker].threads.append(thread_id)
+        return worker
 
     def send(self, worker: int, item: Item, *, now: bool = False) -> None:
         """Queue ``item`` for ``worker``; send the queue when it is long, or ``now``."""
@@ -226,68 +353,93 @@ class _Workers:
             self._flush(worker)
 
     def _flush(self, worker: int) -> None:
-        try:
-            self.inboxes[worker].send(self.batches[worker])
-        except (BrokenPipeError, OSError):
-            self.stop()
-            raise VerifyError("a verification worker stopped unexpectedly") from None
+        self.post(worker, self.batches[worker])
         self.batches[worker] = []
         self._drain(block=False)
 
-    def _drain(self, *, block: bool) -> bool:
-        """Pass findings on; True when a result arrived."""
+    def post(self, worker: int, message: Any) -> None:
+        """Send ``message`` to ``worker``, or stop the run if it is gone."""
         try:
-            kind, value = self.results.get(block=block, timeout=RESULT_POLL_SECONDS)
-        except queue.Empty:
-            return False
-        self._take(kind, value)
-        while not block:
-            try:
-                kind, value = self.results.get_nowait()
-            except queue.Empty:
-                return True
-            self._take(kind, value)
-        return True
+            self.workers[worker].inbox.send(message)
+        except OSError:  # BrokenPipeError: it died
+            raise self._stopped(worker) from None
 
-    def _take(self, kind: str, value: Any) -> None:
+    def _drain(self, *, block: bool) -> None:
+        """Take what the workers sent: everything waiting, or (``block``) at least one
+        message or one worker's end. A worker that ended without its count stops the run."""
+        waiting = [w.answers for w in self.workers if w.summary is None]
+        for ready in wait(waiting, timeout=None if block else 0):
+            assert isinstance(ready, Connection)
+            worker = next(i for i, w in enumerate(self.workers) if w.answers is ready)
+            try:
+                while True:
+                    kind, value = ready.recv()
+                    self._take(worker, kind, value)
+                    if self.workers[worker].summary is not None or not ready.poll():
+                        break
+            except (EOFError, OSError):  # its end closed: it ended (perhaps mid-message)
+                raise self._stopped(worker) from None
+
+    def _take(self, worker: int, kind: str, value: Any) -> None:
         if kind == "finding":
             self.report(value)
         elif kind == "kept":
             self.kept_seen.update(value)
-        elif kind == "error":
-            self.errors.append(value)
+        elif kind == "failed":
+            self.workers[worker].failed = value
         else:
-            self.summaries.append(value)
+            self.workers[worker].summary = value
+
+    def _stopped(self, worker: int) -> VerifyError:
+        """The run's end when ``worker`` ended without its count: every worker is stopped,
+        and the error names it, how it ended and what it was given."""
+        w = self.workers[worker]
+        try:  # what it said before it ended (a failure's cause)
+            while w.failed is None and w.answers.poll():
+                kind, value = w.answers.recv()
+                self._take(worker, kind, value)
+        except (EOFError, OSError):
+            pass
+        w.process.join(EXIT_SECONDS)
+        code = w.process.exitcode
+        if w.failed is not None:
+            how = f"failed ({w.failed})"
+        elif code is not None and code < 0:
+            how = f"was killed by signal {-code}{_signal_name(-code)}"
+        elif code is not None:
+            how = f"exited with code {code}"
+        else:
+            how = "closed its pipe"
+        self.stop()
+        return VerifyError(
+            f"verification worker {worker + 1} of {self.jobs} {how} before it finished; "
+            f"the ledger is NOT verified. Not (all) checked: {w.given()}."
+        )
 
     def finish(self) -> Summary:
-        """Send what is left, wait for every worker, and add up their counts."""
+        """Send what is left, wait for every worker's count, and add them up."""
         for worker in range(self.jobs):
             if self.batches[worker]:
                 self._flush(worker)
-            if self.target is _work:  # a database worker stops after its one share
-                self.inboxes[worker].send(None)
-        while len(self.summaries) < self.jobs:
-            if not self._drain(block=True) and any(
-                p.exitcode not in (None, 0) for p in self.processes
-            ):
-                self.stop()
-                raise VerifyError("a verification worker stopped unexpectedly")
-        for process in self.processes:
-            process.join()
-        if self.errors:
-            raise VerifyError(self.errors[0])
+            if self.body is _work:  # a database worker stops after its one share
+                self.post(worker, None)
+        while any(w.summary is None for w in self.workers):
+            self._drain(block=True)
+        for w in self.workers:
+            w.process.join()
         total = Summary()
-        for summary in self.summaries:
-            total.threads += summary.threads
-            total.records += summary.records
-            total.failures += summary.failures
+        for w in self.workers:
+            assert w.summary is not None
+            total.threads += w.summary.threads
+            total.records += w.summary.records
+            total.failures += w.summary.failures
         return total
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
+        for w in self.workers:
+            if w.process.is_alive():
+                w.process.kill()
+            w.process.join()
 
 
 def _start_of(line: bytes, number: int, report: Report) -> tuple[str, int] | None:
@@ -368,45 +520,44 @@ def _dispatch(
             workers.send(worker, (_LINES, run_first, b"".join(run)), now=True)
             run, run_bytes = [], 0
 
-    with open_records(directory) as handle:
-        for number, line in enumerate(handle, 1):
-            hasher.update(line)
-            lines += 1
-            start = _start_of(line, number, leader.finding)
-            if start is None:
-                send_run()  # line numbers in a run are consecutive
-                continue
-            owner, version = start
-            threads.add(owner)
-            if thread_id is not None and owner != thread_id:
-                send_run()
-                continue
-            if owner != current:
-                send_run()
-                if current is not None:
-                    workers.send(worker, (_END, head_of(manifest, current)))
-                if owner in seen:
-                    leader.finding(
-                        Finding(
-                            owner,
-                            version,
-                            BUNDLE_ORDER,
-                            "each thread's lines together, in version order",
-                            "the thread's lines resume after another thread's",
-                        )
+    for number, line in enumerate(record_lines(directory), 1):
+        hasher.update(line)
+        lines += 1
+        start = _start_of(line, number, leader.finding)
+        if start is None:
+            send_run()  # line numbers in a run are consecutive
+            continue
+        owner, version = start
+        threads.add(owner)
+        if thread_id is not None and owner != thread_id:
+            send_run()
+            continue
+        if owner != current:
+            send_run()
+            if current is not None:
+                workers.send(worker, (_END, head_of(manifest, current)))
+            if owner in seen:
+                leader.finding(
+                    Finding(
+                        owner,
+                        version,
+                        BUNDLE_ORDER,
+                        "each thread's lines together, in version order",
+                        "the thread's lines resume after another thread's",
                     )
-                seen.add(owner)
-                current, worker = owner, workers.assign()
-                taken: dict[int, SignedCheckpoint] | None = (
-                    checkpoints.take(owner) if checkpoints is not None else None
                 )
-                workers.send(worker, (_START, owner, taken))
-            if not run:
-                run_first = number
-            run.append(line)
-            run_bytes += len(line)
-            if run_bytes >= LINES_BYTES:
-                send_run()
+            seen.add(owner)
+            current, worker = owner, workers.assign(owner)
+            taken: dict[int, SignedCheckpoint] | None = (
+                checkpoints.take(owner) if checkpoints is not None else None
+            )
+            workers.send(worker, (_START, owner, taken))
+        if not run:
+            run_first = number
+        run.append(line)
+        run_bytes += len(line)
+        if run_bytes >= LINES_BYTES:
+            send_run()
     send_run()
     if current is not None:
         workers.send(worker, (_END, head_of(manifest, current)))
@@ -422,7 +573,7 @@ async def verify_database_parallel(
     leader = Verification(trust, report)
     trust = leader.trust = await _stored_policies(dsn, leader)  # before the workers fork
     # forked while no connection is open
-    workers = _Workers(trust, report, jobs, target=_work_database)
+    workers = _Workers(trust, report, jobs, body=_work_database)
     try:
         conn = await connect(dsn)
         try:
@@ -438,7 +589,10 @@ async def verify_database_parallel(
                     if worker < len(starts):
                         end = starts[worker + 1] if worker + 1 < len(starts) else None
                         share = (dsn, snapshot, starts[worker], end, thread_id)
-                    _send_share(workers, worker, share)
+                        workers.workers[worker].share = _share_text(starts[worker], end, thread_id)
+                    else:
+                        workers.workers[worker].share = "no thread"
+                    workers.post(worker, share)
                 # the workers read in the exported snapshot, which lives as long as
                 # this transaction: it ends when they are done
                 counted = workers.finish()
@@ -470,14 +624,6 @@ async def verify_database_parallel(
     summary.records += counted.records
     summary.failures += counted.failures
     return summary
-
-
-def _send_share(workers: _Workers, worker: int, share: _Share | None) -> None:
-    try:
-        workers.inboxes[worker].send(share)
-    except (BrokenPipeError, OSError):
-        workers.stop()
-        raise VerifyError("a verification worker stopped unexpectedly") from None
 
 
 async def _stored_policies(dsn: str, leader: Verification) -> Trust:

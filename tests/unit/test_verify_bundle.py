@@ -282,6 +282,23 @@ def test_an_unknown_key_id_and_a_non_canonical_record_are_found() -> None:
     assert where(findings) == {(1, "canonical"), (2, "parent")} | {(v, "key_id") for v in range(4)}
 
 
+def test_risk_rules_matched_once_are_shared_by_every_record_with_the_same_inputs() -> None:
+    """The memo of matched risk rules hands its entry to every later record reading the
+    same inputs as it is, with no copy per record: so the entry is a tuple, which no
+    caller can change under the next one."""
+    chain = Chain(initial())
+    chain.propose({"pending_transition": {"action": "refund", "order_id": "A-42"}})
+    chain.propose({"pending_transition": {"action": "refund", "order_id": "A-43"}})
+    run = Verification(TRUST, [].append)
+    thread = run.thread(THREAD)
+    for row in chain.rows:
+        thread.add(row)
+
+    assert run.summary.failures == 0
+    # both transitions read the same risk inputs: one entry, matching no rule
+    assert list(run.risk_memo.values()) == [()]
+
+
 def test_bytes_that_are_no_record_are_reported_not_raised() -> None:
     chain = honest_chain()
     for junk in (b"", b"[1]", b"\xff\xfe", b'{"format": 1e400}', b"{" * 5000):

@@ -1,0 +1,399 @@
+"""``ztate verify --jobs N`` when a worker process does not finish: it is killed, it
+raises, its database connection drops, or the bundle file ends while workers run.
+
+The run must never say "verified" of a ledger part of which nobody checked: it stops
+with exit code 2 and one line naming the worker, how it ended and the threads it was
+given, and it never hangs. The workers are real forked processes and die for real:
+by SIGKILL or an exception at a known record (through the approval keys they inherit
+from the leader), or because a test terminates one's Postgres backend while the
+worker waits on a lock the test holds. Bundle runs are guarded by a watchdog that
+fails the test (instead of hanging the suite) if the verifier hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import faulthandler
+import json
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from bench.workload import TRANSITION_COLUMNS
+from tests.harness import fresh_database
+from tests.integration.test_watch_limits import eventually
+from tests.unit.test_verify_bundle import APPROVAL_KEY, KEYRING, POLICIES, THREAD, honest_chain
+from tests.unit.test_verify_bundle import write as write_bundle
+from ztate.contract.canonical import canonical_bytes, sha256_hex
+from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, KIND_TRANSITION, build_record, seal
+from ztate.services.policy.changes import apply_patch
+from ztate.services.store.migrate import migrate
+from ztate.services.verify.bundle import (
+    BUNDLE_COUNT,
+    BUNDLE_HASH,
+    BUNDLE_LINE,
+    CHECKPOINTS,
+    RECORDS,
+    BundleError,
+    verify_bundle,
+)
+from ztate.services.verify.checks import HEAD, Finding, Trust, VerifyError
+from ztate.services.verify.parallel import verify_bundle_parallel
+
+REPO = Path(__file__).resolve().parents[2]
+ZTATE = Path(sys.executable).with_name("ztate")
+POLICY_FILE = REPO / "services" / "defaults" / "policy.yaml"
+WATCHDOG_SECONDS = 60
+
+
+@pytest.fixture
+def watchdog() -> Iterator[None]:
+    """A hang fails the run with every thread's traceback, instead of hanging it."""
+    faulthandler.dump_traceback_later(WATCHDOG_SECONDS, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+class DeadlyKeys(Mapping[str, Ed25519PublicKey]):
+    """The approval keys, except that looking one up in a worker process (which the
+    worker does at the first record with a receipt) kills it or raises."""
+
+    def __init__(self, how: str) -> None:
+        self._keys = {"approval-k1": APPROVAL_KEY.public_key()}
+        self._how, self._leader = how, os.getpid()
+
+    def __getitem__(self, key_id: str) -> Ed25519PublicKey:
+        if os.getpid() != self._leader:
+            if self._how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("a bug in the checks, with a value: secret-ish")
+        return self._keys[key_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+@pytest.mark.parametrize(
+    ("how", "ended"),
+    [("killed", "was killed by signal 9 (SIGKILL)"), ("raises", "failed (RuntimeError raised)")],
+)
+def test_a_worker_that_dies_mid_thread_stops_the_run_naming_its_threads(
+    tmp_path: Path, watchdog: None, how: str, ended: str
+) -> None:
+    # version 2 carries a receipt: the worker verifies versions 0 and 1, then dies
+    folder = write_bundle(tmp_path / "bundle", honest_chain().rows)
+    trust = Trust(KEYRING, DeadlyKeys(how), POLICIES)
+    findings: list[Finding] = []
+
+    with pytest.raises(VerifyError) as stopped:
+        verify_bundle_parallel(folder, trust, findings.append, jobs=2)
+
+    assert str(stopped.value) == (
+        f"verification worker 1 of 2 {ended} before it finished; the ledger is NOT "
+        f"verified. Not (all) checked: the 1 thread given to it ({THREAD})."
+    )
+    assert "secret-ish" not in str(stopped.value)  # an exception's text may hold a value
+    assert findings == []
+
+
+def test_a_bundle_file_that_ends_while_workers_run_is_never_verified(
+    tmp_path: Path, watchdog: None
+) -> None:
+    """records.jsonl is a pipe the test writes: it ends in the middle of line 3, while
+    the workers wait for more. The manifest describes the whole file."""
+    folder = write_bundle(tmp_path / "bundle", honest_chain().rows)
+    whole = (folder / RECORDS).read_bytes()
+    lines = whole.splitlines(keepends=True)
+    cut = len(lines[0]) + len(lines[1]) + len(lines[2]) // 2
+    (folder / RECORDS).unlink()
+    os.mkfifo(folder / RECORDS)
+
+    def write_part() -> None:
+        with (folder / RECORDS).open("wb") as fifo:  # blocks until the verifier opens it
+            fifo.write(whole[:cut])
+
+    writer = threading.Thread(target=write_part)
+    writer.start()
+    findings: list[Finding] = []
+    try:
+        summary = verify_bundle_parallel(folder, trust_of_bundle(), findings.append, jobs=2)
+    finally:
+        writer.join()
+
+    assert summary.exit_code == 1
+    assert summary.records == 2  # versions 0 and 1; line 3 is no row
+    # the workers' findings and the leader's interleave in no fixed order
+    assert sorted((f.check, f.thread_id or "", f.version or 0) for f in findings) == [
+        (BUNDLE_COUNT, "", 0),
+        (BUNDLE_HASH, "", 0),
+        (BUNDLE_LINE, "", 0),  # line 3: the part of it that arrived is no row
+        (HEAD, THREAD, 3),  # the manifest's head is version 3, the last record read is 1
+    ]
+
+
+@pytest.mark.parametrize("jobs", [1, 2], ids=["one-process", "two-workers"])
+@pytest.mark.parametrize("name", [RECORDS, CHECKPOINTS])
+def test_a_bundle_file_whose_read_fails_stops_the_run_naming_it(
+    tmp_path: Path, watchdog: None, jobs: int, name: str
+) -> None:
+    """A read that fails (a disk error, a network share gone) is no end of file: the
+    run stops (exit 2), never verifying what it could not read. The file is a link to
+    /proc/self/mem, whose read at offset 0 fails with EIO in whichever process reads it."""
+    folder = write_bundle(tmp_path / "bundle", honest_chain().rows)
+    (folder / name).unlink()
+    (folder / name).symlink_to("/proc/self/mem")
+    # checkpoints are read whenever their public keys are at hand (none needed here)
+    trust = Trust(KEYRING, {"approval-k1": APPROVAL_KEY.public_key()}, POLICIES, {})
+    findings: list[Finding] = []
+
+    def run() -> None:
+        if jobs == 1:
+            verify_bundle(folder, trust, findings.append)
+        else:
+            verify_bundle_parallel(folder, trust, findings.append, jobs=jobs)
+
+    with pytest.raises(BundleError) as stopped:
+        run()
+
+    assert str(stopped.value) == (
+        f"{folder / name}: reading failed after line 0 (Input/output error): "
+        "the rest of the bundle is not verified"
+    )
+    assert findings == []
+
+
+def trust_of_bundle() -> Trust:
+    return Trust(KEYRING, {"approval-k1": APPROVAL_KEY.public_key()}, POLICIES)
+
+
+# --- a database worker whose connection drops --------------------------------------------
+
+NODE = "spiffe://ztate.test/node/planner"
+OPERATOR = "spiffe://ztate.test/operator/admin"
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+THREAD_COLUMNS = ("thread_id", "version", "head_digest", "state", "policy_name", "policy_digest")
+
+
+def sealed_thread(thread_id: str, versions: int) -> list[tuple[Any, ...]]:
+    """A clean thread's transition rows (COPY tuples), sealed under the test keyring."""
+    policy = POLICIES.policies["pipeline"]
+    rows: list[tuple[Any, ...]] = []
+    state: dict[str, Any] = {}
+    parent = GENESIS_PARENT
+    for version in range(versions):
+        patch: dict[str, Any] = (
+            {"raw_text": "refund", "authority": {"tenant": "acme"}}
+            if version == 0
+            else {"pending_transition": {"action": "refund", "order_id": f"A-{version}"}}
+        )
+        state = apply_patch(state, patch)
+        state_bytes = canonical_bytes(state)
+        committed_at = T0 + timedelta(minutes=version)
+        sealed = seal(
+            build_record(
+                kind=KIND_GENESIS if version == 0 else KIND_TRANSITION,
+                thread_id=thread_id,
+                version=version,
+                parent_digest=parent,
+                node_id=OPERATOR if version == 0 else NODE,
+                patch=patch,
+                state_digest=sha256_hex(state_bytes),
+                policy_digest=policy.digest,
+                receipt_digest=None,
+                key_id="k1",
+                committed_at=committed_at,
+            ),
+            KEYRING,
+        )
+        rows.append(
+            (
+                thread_id,
+                version,
+                sealed.digest,
+                parent,
+                sealed.record["node_id"],
+                "k1",
+                sealed.signature,
+                sealed.record_bytes,
+                state_bytes,
+                committed_at,
+            )
+        )
+        parent = sealed.digest
+    return rows
+
+
+async def a_ledger(server_dsn: str, threads: list[str]) -> str:
+    dsn = await fresh_database(server_dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await migrate(conn, "ztate_transition")
+        policy = POLICIES.policies["pipeline"]
+        for thread_id in threads:
+            rows = sealed_thread(thread_id, 3)
+            last = rows[-1]
+            await conn.copy_records_to_table(
+                "threads",
+                schema_name="ztate",
+                records=[(thread_id, last[1], last[2], last[8], policy.name, policy.digest)],
+                columns=THREAD_COLUMNS,
+            )
+            await conn.copy_records_to_table(
+                "transitions", schema_name="ztate", records=rows, columns=TRANSITION_COLUMNS
+            )
+    finally:
+        await conn.close()
+    return dsn
+
+
+def cli_env(dsn: str, root: Path) -> dict[str, str]:
+    """``ztate verify`` configured as an auditor's script would: key files and the policy."""
+    keyring = root / "hmac-keyring.json"
+    keyring.write_text(
+        json.dumps({"current": "k1", "keys": {"k1": base64.b64encode(bytes(range(32))).decode()}})
+    )
+    approval = root / "approval-public.json"
+    raw = APPROVAL_KEY.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    approval.write_text(json.dumps({"approval-k1": base64.b64encode(raw).decode()}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    env.update(
+        DATABASE_URL=dsn,
+        ZTATE_HOME=str(root / "home"),
+        ZTATE_HMAC_KEYRING_FILE=str(keyring),
+        ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(approval),
+        ZTATE_POLICY_PATH=str(POLICY_FILE),
+    )
+    return env
+
+
+class HeldRun:
+    """``ztate verify --jobs N`` started while the test holds an exclusive lock on
+    ``ztate.transitions``: each worker's first read waits behind it, inside its share,
+    until ``release``. ``watcher`` is a connection of the test's own."""
+
+    def __init__(self, dsn: str, locker: asyncpg.Connection, watcher: asyncpg.Connection) -> None:
+        self.dsn, self.locker, self.watcher = dsn, locker, watcher
+        self._lock = locker.transaction()
+        self.process: asyncio.subprocess.Process | None = None
+
+    @classmethod
+    async def start(cls, dsn: str, env: dict[str, str], jobs: int) -> HeldRun:
+        held = cls(dsn, await asyncpg.connect(dsn), await asyncpg.connect(dsn))
+        await held._lock.start()
+        await held.locker.execute("LOCK TABLE ztate.transitions IN ACCESS EXCLUSIVE MODE")
+        held.process = await asyncio.create_subprocess_exec(
+            str(ZTATE),
+            *("verify", "--jobs", str(jobs), "--json"),
+            env=env,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        return held
+
+    async def sessions(self) -> list[asyncpg.Record]:
+        """The run's sessions: every client backend of the database but the test's two."""
+        return await self.watcher.fetch(
+            "SELECT pid, state, wait_event_type, backend_xmin::text AS xmin "
+            "FROM pg_stat_activity WHERE datname = current_database() "
+            "AND backend_type = 'client backend' AND pid <> ALL($1::int[]) ORDER BY pid",
+            [self.locker.get_server_pid(), self.watcher.get_server_pid()],
+        )
+
+    async def waiting(self, count: int) -> list[int]:
+        """Once ``count`` of the run's sessions wait on the lock: their pids."""
+        pids: list[int] = []
+
+        async def they_wait() -> bool:
+            pids[:] = [r["pid"] for r in await self.sessions() if r["wait_event_type"] == "Lock"]
+            return len(pids) == count
+
+        await eventually(they_wait)
+        return pids
+
+    async def release_and_finish(self) -> tuple[int, bytes, bytes]:
+        await self._lock.rollback()
+        assert self.process is not None
+        out, err = await asyncio.wait_for(self.process.communicate(), 60)
+        assert self.process.returncode is not None
+        return self.process.returncode, out, err
+
+    async def close(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+        await self.locker.close()
+        await self.watcher.close()
+
+
+async def test_a_worker_whose_connection_drops_stops_the_run_naming_its_range(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    dsn = await a_ledger(postgres_server_dsn, ["drop-a", "drop-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=2)
+    try:
+        first, _ = await held.waiting(2)  # both workers inside their share
+        assert await held.watcher.fetchval("SELECT pg_terminate_backend($1)", first)
+        code, out, err = await held.release_and_finish()  # the other worker finishes
+    finally:
+        await held.close()
+
+    assert code == 2
+    assert out == b""  # no finding and, above all, no summary
+    message = err.decode()
+    shares = {"1": "the threads before drop-b", "2": "the threads from drop-b on"}
+    match = re.fullmatch(
+        r"ztate verify: cannot verify: verification worker (1|2) of 2 failed \(reading the "
+        r"ledger failed: (\w+): (.*)\) before it finished; the ledger is NOT verified\. "
+        r"Not \(all\) checked: (.*)\.\n",
+        message,
+    )
+    assert match is not None, message
+    assert match[4] == shares[match[1]]
+    assert match[2] in {"AdminShutdownError", "ConnectionDoesNotExistError"}, message
+
+
+async def test_a_database_run_holds_the_connections_docs_verification_md_names(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    """docs/verification.md: at most N + 1 connections at once, a worker with no range
+    opens none, and every worker reads in the leader's exported snapshot."""
+    dsn = await a_ledger(postgres_server_dsn, ["conn-a", "conn-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=3)  # two ranges, 3 workers
+    try:
+        workers = await held.waiting(2)
+        sessions = await held.sessions()
+        code, out, err = await held.release_and_finish()
+    finally:
+        await held.close()
+
+    # the leader (idle in its transaction) and the two workers with a range: the policy
+    # read's connection is closed, the third worker has none
+    assert len(sessions) == 3, sessions
+    [leader] = [r for r in sessions if r["pid"] not in workers]
+    assert leader["state"] == "idle in transaction"
+    assert len({r["xmin"] for r in sessions}) == 1  # one snapshot: the exported one
+    assert leader["xmin"] is not None
+    assert code == 0, err.decode()
+    assert json.loads(out.splitlines()[-1]) == {
+        "type": "summary",
+        "threads": 2,
+        "records": 6,
+        "failures": 0,
+        "verified": True,
+    }
