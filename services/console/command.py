@@ -124,11 +124,10 @@ def cmd_console(args: argparse.Namespace) -> int:
 async def _serve(backend: Backend, port: int, bundle: Path | None) -> None:
     from aiohttp import web
 
-    from ztate.services.console.app import guard_of, make_app
+    from ztate.services.console.app import ConsoleRunner, guard_of, make_app
 
     app = make_app(backend, port, bundle=bundle)
-    # no access log: the first request's URL carries the token
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = ConsoleRunner(app)  # no access log: the first request's URL carries the token
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
