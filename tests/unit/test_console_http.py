@@ -541,3 +541,32 @@ async def test_a_service_out_of_reach_is_503_on_every_page(pki: Pki) -> None:
                 assert got.status == 503
     finally:
         held.close()
+
+
+@pytest.mark.parametrize(
+    ("port", "said"),
+    [
+        ("65536", "argument --port: must be 0 to 65535"),
+        ("-1", "argument --port: must be 0 to 65535"),
+        ("x", "argument --port: 'x' is not a whole number"),
+        ("", "argument --port: '' is not a whole number"),
+    ],
+)
+def test_the_port_is_a_port(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    port: str,
+    said: str,
+) -> None:
+    """``--port`` is the CLI's bounded_int: a usage error (exit 2) naming the flag, from
+    argparse, before any credential is read or any socket bound."""
+    from ztate.services.cli.main import main
+
+    monkeypatch.setenv("ZTATE_HOME", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        main(["console", "--port", port])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"ztate console: error: {said}"
+    assert "cannot read" not in err
