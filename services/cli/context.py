@@ -43,7 +43,6 @@ TRANSITION, APPROVAL = "transition", "approval"
 DEFAULT_LISTEN = {TRANSITION: "127.0.0.1:7443", APPROVAL: "127.0.0.1:7444"}
 ADDRESS_ENV = {TRANSITION: "ZTATE_ADDRESS", APPROVAL: "ZTATE_APPROVAL_ADDRESS"}
 LISTEN_ENV = {TRANSITION: "ZTATE_LISTEN", APPROVAL: "ZTATE_APPROVAL_LISTEN"}
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a ledger detail with a large state
 ADDRESS_FIELD = {TRANSITION: "address", APPROVAL: "approval-address"}
 FIELDS = ("address", "approval-address", "cert", "key", "ca", "server-name")
 DEFAULT_OPERATOR = "operator-admin"
@@ -235,26 +234,38 @@ def secure_channel(args: argparse.Namespace, service: str = TRANSITION) -> tuple
     """A function opening an mTLS channel for a client command (call it inside the event
     loop that uses the channel), and the connection it opens. Unreadable credentials are
     a usage error (exit 2) naming the file, raised here, before anything is dialled."""
+    connection = resolve(args, service)
+    return connect(
+        connection.address, connection.cert, connection.key, connection.ca, connection.server_name
+    ), connection
+
+
+def connect(
+    address: str, cert: Path, key: Path, ca: Path, server_name: str | None = None
+) -> Callable[[], Any]:
+    """A function opening an mTLS channel to ``address`` as ``cert``: the one channel of
+    every client (the commands here, ``ztate console``), accepting any reply a ztate
+    server may legally send (``tls.client_options``). The files are read now: an
+    unreadable one is a usage error (exit 2) naming it."""
     import grpc
 
-    connection = resolve(args, service)
+    from ztate.services.runtime.tls import client_options
+
     try:  # in the order people give them: the certificate first
-        cert, key = connection.cert.read_bytes(), connection.key.read_bytes()
-        credentials = grpc.ssl_channel_credentials(connection.ca.read_bytes(), key, cert)
+        cert_pem, key_pem = cert.read_bytes(), key.read_bytes()
+        credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key_pem, cert_pem)
     except OSError as exc:
         raise CliError(
             f"cannot read credentials: {exc.filename}: {exc.strerror} "
             "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)",
             USAGE,
         ) from None
-    options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    if connection.server_name:
-        options.append(("grpc.ssl_target_name_override", connection.server_name))
+    options = client_options(server_name)
 
     def open_channel() -> Any:
-        return grpc.aio.secure_channel(connection.address, credentials, options=options)
+        return grpc.aio.secure_channel(address, credentials, options=options)
 
-    return open_channel, connection
+    return open_channel
 
 
 _T = TypeVar("_T")

@@ -76,19 +76,13 @@ def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredential
 MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
 
 
-def _client_options(server_name: str | None) -> list[tuple[str, Any]]:
+def client_options(server_name: str | None) -> list[tuple[str, Any]]:
+    """The options of every ztate client channel: any legal reply accepted, the server
+    name checked as given."""
     options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return options
-
-
-def client_channel(
-    target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
-) -> grpc.aio.Channel:
-    """A channel authenticated as the identity in ``cert`` (for a one-off command)."""
-    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
-    return grpc.aio.secure_channel(target, credentials, options=_client_options(server_name))
 
 
 def _channel_credentials(cert: Path, key: Path, ca: Path) -> grpc.ChannelCredentials:
@@ -111,7 +105,7 @@ class ServiceChannel:
         self, target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
     ) -> None:
         self._target = target
-        self._options = _client_options(server_name)
+        self._options = client_options(server_name)
         self._files = WatchedFiles(
             f"client certificate {cert}",
             (cert, key, ca),
