@@ -245,21 +245,24 @@ def connect(
 ) -> Callable[[], Any]:
     """A function opening an mTLS channel to ``address`` as ``cert``: the one channel of
     every client (the commands here, ``ztate console``), accepting any reply a ztate
-    server may legally send (``tls.client_options``). The files are read now: an
-    unreadable one is a usage error (exit 2) naming it."""
+    server may legally send (``tls.client_options``). The files are read and checked
+    now (``tls.checked_files``): an unreadable or unusable one is a usage error (exit 2)
+    naming it."""
     import grpc
 
-    from ztate.services.runtime.tls import client_options
+    from ztate.contract.errors import KeyFileError
+    from ztate.services.runtime.tls import checked_files, client_options
 
+    hint = "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)"
     try:  # in the order people give them: the certificate first
-        cert_pem, key_pem = cert.read_bytes(), key.read_bytes()
-        credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key_pem, cert_pem)
+        cert_pem, key_pem, ca_pem = checked_files(cert, key, ca)
     except OSError as exc:
         raise CliError(
-            f"cannot read credentials: {exc.filename}: {exc.strerror} "
-            "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)",
-            USAGE,
+            f"cannot read credentials: {exc.filename}: {exc.strerror} {hint}", USAGE
         ) from None
+    except KeyFileError as exc:
+        raise CliError(f"cannot use credentials: {exc} {hint}", USAGE) from None
+    credentials = grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
     options = client_options(server_name)
 
     def open_channel() -> Any:

@@ -120,3 +120,39 @@ def test_the_console_timeline_receives_a_large_detail(big_server: str, pki: Pki)
     )
     [row] = asyncio.run(backend.timeline("t-big"))
     assert (row["digest"], row["changes"]) == (DIGEST, [("k", "1")])
+
+
+def test_a_client_key_with_a_password_is_a_usage_error(
+    pki: Pki, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client reads its files as the services do (``tls.checked_files``): a key
+    encrypted with a password is named, exit 2, before anything is dialled."""
+    from cryptography.hazmat.primitives import serialization
+
+    from ztate.services.cli.main import main
+
+    operator = pki.operator()
+    key = serialization.load_pem_private_key(operator.key.read_bytes(), password=None)
+    locked = tmp_path / "locked.key"
+    locked.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"pw-5ecret-9c1f"),
+        )
+    )
+    monkeypatch.setenv("ZTATE_CONFIG", str(tmp_path / "none.yaml"))
+    code = main(
+        [
+            *("ledger", "list", "--address", "127.0.0.1:1"),
+            *("--client-cert", str(operator.cert), "--client-key", str(locked)),
+            *("--ca-cert", str(operator.ca)),
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err == (
+        f"ztate: cannot use credentials: {locked} is encrypted with a password: ztate reads "
+        "private keys without one (give --client-cert/--client-key/--ca-cert, "
+        "ZTATE_CERT/KEY/CA or a context)\n"
+    )
