@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -45,6 +46,9 @@ ADDRESS_ENV = {TRANSITION: "ZTATE_ADDRESS", APPROVAL: "ZTATE_APPROVAL_ADDRESS"}
 LISTEN_ENV = {TRANSITION: "ZTATE_LISTEN", APPROVAL: "ZTATE_APPROVAL_LISTEN"}
 ADDRESS_FIELD = {TRANSITION: "address", APPROVAL: "approval-address"}
 FIELDS = ("address", "approval-address", "cert", "key", "ca", "server-name")
+CONTEXT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")  # fullmatch
+NAME_RULE = "1-128 characters of letters, digits and . _ : @ / -, the first a letter or digit"
+MAX_SETTING_CHARS = 4096
 DEFAULT_OPERATOR = "operator-admin"
 DEFAULT_REVIEWER = "alice"
 
@@ -80,6 +84,8 @@ class ContextFile:
             return cls(path, None, {})
         except OSError as exc:
             usage(f"cannot read the context file {path}: {exc.strerror}")
+        except UnicodeDecodeError:
+            usage(f"the context file {path} is not UTF-8 text")
         import yaml
 
         try:
@@ -299,6 +305,25 @@ def run_client(
 
 # --- ztate context ----------------------------------------------------------------------
 
+
+def context_name(text: str) -> str:
+    """An argparse type: a context's name (``CONTEXT_NAME``), else exit 2. The name is
+    not echoed: it may be long, or hold what a terminal would act on."""
+    if not CONTEXT_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a context name: {NAME_RULE}")
+    return text
+
+
+def _setting(flag: str, value: str) -> str:
+    """A setting as given to ``context set``: no control characters (they would reach a
+    terminal, or a DNS name), at most MAX_SETTING_CHARS, else a usage error."""
+    if len(value) > MAX_SETTING_CHARS:
+        usage(f"{flag}: more than {MAX_SETTING_CHARS} characters")
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
+        usage(f"{flag}: control characters are not allowed")
+    return value
+
+
 CONTEXT_COLUMNS: list[Column] = [
     ("current", lambda r: "*" if r["current"] else ""),
     ("name", lambda r: r["name"]),
@@ -330,8 +355,6 @@ def cmd_context_use(args: argparse.Namespace) -> int:
 
 
 def cmd_context_set(args: argparse.Namespace) -> int:
-    found = ContextFile.load()
-    fields = found.contexts.setdefault(args.name, {})
     given = {
         "address": args.address,
         "approval-address": args.approval_address,
@@ -340,6 +363,11 @@ def cmd_context_set(args: argparse.Namespace) -> int:
         "ca": args.ca_cert,
         "server-name": args.server_name,
     }
+    for field, value in given.items():  # all checked before the file is read or written
+        if value is not None:
+            _setting(f"--{field}", value)
+    found = ContextFile.load()
+    fields = found.contexts.setdefault(args.name, {})
     for field, value in given.items():
         if value is None:
             continue
@@ -410,7 +438,7 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     add_output_flag(listing)
     listing.set_defaults(func=cmd_context_list)
     use = sub.add_parser("use", help="make a context the current one")
-    use.add_argument("name", help="the context's name")
+    use.add_argument("name", type=context_name, help="the context's name")
     use.set_defaults(func=cmd_context_use)
     show = sub.add_parser(
         "show", help="what client commands would use now, and where each setting came from"
@@ -421,7 +449,7 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     setting = sub.add_parser(
         "set", help="create or change a context (an empty value removes a setting)"
     )
-    setting.add_argument("name", help="the context's name")
+    setting.add_argument("name", type=context_name, help=f"the context's name ({NAME_RULE})")
     setting.add_argument("--address", help="the transition service's HOST:PORT")
     setting.add_argument("--approval-address", help="the approval service's HOST:PORT")
     setting.add_argument("--client-cert", "--cert", help="your certificate file (PEM)")
@@ -431,5 +459,5 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     setting.add_argument("--use", action="store_true", help="also make it the current context")
     setting.set_defaults(func=cmd_context_set)
     delete = sub.add_parser("delete", help="remove a context")
-    delete.add_argument("name", help="the context's name")
+    delete.add_argument("name", type=context_name, help="the context's name")
     delete.set_defaults(func=cmd_context_delete)
