@@ -421,3 +421,39 @@ async def test_serve_with_an_encrypted_tls_key_says_so_in_one_line(
     assert str(locked) in err
     assert SECRET not in err
     assert "PRIVATE KEY" not in err
+
+
+@pytest.mark.parametrize(
+    "keyring",
+    [
+        pytest.param(b"not json " + SECRET.encode(), id="not JSON"),
+        pytest.param(
+            b'{"current": "k1", "keys": {"k1": "' + SECRET.encode() + b'"}}', id="short key"
+        ),
+        pytest.param(b'{"current": "k9", "keys": {}}', id="current missing"),
+    ],
+)
+async def test_serve_with_a_keyring_it_cannot_use_says_so_in_one_line(
+    postgres_server_dsn: str,
+    pki: Pki,
+    policy_dir: Path,
+    tmp_path: Path,
+    keyring: bytes,
+) -> None:
+    """The HMAC keyring is serve's other secret input: unusable, it is one line naming
+    the file, exit 2, no traceback and none of the file's content."""
+    path = tmp_path / "keyring.json"
+    path.write_bytes(keyring)
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=await fresh_database(postgres_server_dsn),
+        pki=pki,
+        policy=policy_dir,
+        keyring=path,
+    )
+    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
+    assert (code, out) == (2, ""), err
+    assert "Traceback" not in err
+    [line] = err.splitlines()
+    assert line.startswith("ztate: cannot start: ")
+    assert SECRET not in err
