@@ -363,6 +363,7 @@ SECRET = "pw-5ecret-9c1f"  # a password in the DSN: never printed
         ("database", 'database "ztate_no_such_db" does not exist (InvalidCatalogNameError)'),
     ],
 )
+@pytest.mark.parametrize("command", ["serve", "approval-serve"])
 async def test_serve_refused_by_the_database_says_so_in_one_line(
     postgres_server_dsn: str,
     pki: Pki,
@@ -371,10 +372,12 @@ async def test_serve_refused_by_the_database_says_so_in_one_line(
     tmp_path: Path,
     what: str,
     said: str,
+    command: str,
 ) -> None:
-    """A real Postgres that refuses the connection (a role it does not know, as a wrong
-    password is refused: both are asyncpg's InvalidAuthorizationSpecificationError; a
-    database that does not exist): one line, exit 2, no traceback, no password."""
+    """A real Postgres that refuses ``serve`` or ``approval-serve`` (a role it does not
+    know, as a wrong password is refused: both are asyncpg's
+    InvalidAuthorizationSpecificationError; a database that does not exist): one line,
+    exit 2, no traceback, no password."""
     parts = urlsplit(postgres_server_dsn)
     host = parts.netloc.rpartition("@")[2]
     user = "ztate_nobody" if what == "role" else (parts.username or "postgres")
@@ -383,7 +386,7 @@ async def test_serve_refused_by_the_database_says_so_in_one_line(
     service = ServedProcess(
         home=tmp_path / "home", dsn=dsn, pki=pki, policy=policy_dir, keyring=keyring_file
     )
-    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
+    code, out, err = await ztate(command, "--wait-for-database", "5", env=service.env)
     assert (code, out) == (2, ""), err
     assert err.splitlines() == [f"ztate: the database refused the connection: {said}"]
     assert SECRET not in err
