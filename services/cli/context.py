@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -43,9 +44,11 @@ TRANSITION, APPROVAL = "transition", "approval"
 DEFAULT_LISTEN = {TRANSITION: "127.0.0.1:7443", APPROVAL: "127.0.0.1:7444"}
 ADDRESS_ENV = {TRANSITION: "ZTATE_ADDRESS", APPROVAL: "ZTATE_APPROVAL_ADDRESS"}
 LISTEN_ENV = {TRANSITION: "ZTATE_LISTEN", APPROVAL: "ZTATE_APPROVAL_LISTEN"}
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a ledger detail with a large state
 ADDRESS_FIELD = {TRANSITION: "address", APPROVAL: "approval-address"}
 FIELDS = ("address", "approval-address", "cert", "key", "ca", "server-name")
+CONTEXT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")  # fullmatch
+NAME_RULE = "1-128 characters of letters, digits and . _ : @ / -, the first a letter or digit"
+MAX_SETTING_CHARS = 4096
 DEFAULT_OPERATOR = "operator-admin"
 DEFAULT_REVIEWER = "alice"
 
@@ -81,6 +84,8 @@ class ContextFile:
             return cls(path, None, {})
         except OSError as exc:
             usage(f"cannot read the context file {path}: {exc.strerror}")
+        except UnicodeDecodeError:
+            usage(f"the context file {path} is not UTF-8 text")
         import yaml
 
         try:
@@ -235,26 +240,41 @@ def secure_channel(args: argparse.Namespace, service: str = TRANSITION) -> tuple
     """A function opening an mTLS channel for a client command (call it inside the event
     loop that uses the channel), and the connection it opens. Unreadable credentials are
     a usage error (exit 2) naming the file, raised here, before anything is dialled."""
+    connection = resolve(args, service)
+    return connect(
+        connection.address, connection.cert, connection.key, connection.ca, connection.server_name
+    ), connection
+
+
+def connect(
+    address: str, cert: Path, key: Path, ca: Path, server_name: str | None = None
+) -> Callable[[], Any]:
+    """A function opening an mTLS channel to ``address`` as ``cert``: the one channel of
+    every client (the commands here, ``ztate console``), accepting any reply a ztate
+    server may legally send (``tls.client_options``). The files are read and checked
+    now (``tls.checked_files``): an unreadable or unusable one is a usage error (exit 2)
+    naming it."""
     import grpc
 
-    connection = resolve(args, service)
+    from ztate.contract.errors import KeyFileError
+    from ztate.services.runtime.tls import checked_files, client_options
+
+    hint = "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)"
     try:  # in the order people give them: the certificate first
-        cert, key = connection.cert.read_bytes(), connection.key.read_bytes()
-        credentials = grpc.ssl_channel_credentials(connection.ca.read_bytes(), key, cert)
+        cert_pem, key_pem, ca_pem = checked_files(cert, key, ca)
     except OSError as exc:
         raise CliError(
-            f"cannot read credentials: {exc.filename}: {exc.strerror} "
-            "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)",
-            USAGE,
+            f"cannot read credentials: {exc.filename}: {exc.strerror} {hint}", USAGE
         ) from None
-    options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    if connection.server_name:
-        options.append(("grpc.ssl_target_name_override", connection.server_name))
+    except KeyFileError as exc:
+        raise CliError(f"cannot use credentials: {exc} {hint}", USAGE) from None
+    credentials = grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
+    options = client_options(server_name)
 
     def open_channel() -> Any:
-        return grpc.aio.secure_channel(connection.address, credentials, options=options)
+        return grpc.aio.secure_channel(address, credentials, options=options)
 
-    return open_channel, connection
+    return open_channel
 
 
 _T = TypeVar("_T")
@@ -284,6 +304,25 @@ def run_client(
 
 
 # --- ztate context ----------------------------------------------------------------------
+
+
+def context_name(text: str) -> str:
+    """An argparse type: a context's name (``CONTEXT_NAME``), else exit 2. The name is
+    not echoed: it may be long, or hold what a terminal would act on."""
+    if not CONTEXT_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not a context name: {NAME_RULE}")
+    return text
+
+
+def _setting(flag: str, value: str) -> str:
+    """A setting as given to ``context set``: no control characters (they would reach a
+    terminal, or a DNS name), at most MAX_SETTING_CHARS, else a usage error."""
+    if len(value) > MAX_SETTING_CHARS:
+        usage(f"{flag}: more than {MAX_SETTING_CHARS} characters")
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
+        usage(f"{flag}: control characters are not allowed")
+    return value
+
 
 CONTEXT_COLUMNS: list[Column] = [
     ("current", lambda r: "*" if r["current"] else ""),
@@ -316,8 +355,6 @@ def cmd_context_use(args: argparse.Namespace) -> int:
 
 
 def cmd_context_set(args: argparse.Namespace) -> int:
-    found = ContextFile.load()
-    fields = found.contexts.setdefault(args.name, {})
     given = {
         "address": args.address,
         "approval-address": args.approval_address,
@@ -326,6 +363,11 @@ def cmd_context_set(args: argparse.Namespace) -> int:
         "ca": args.ca_cert,
         "server-name": args.server_name,
     }
+    for field, value in given.items():  # all checked before the file is read or written
+        if value is not None:
+            _setting(f"--{field}", value)
+    found = ContextFile.load()
+    fields = found.contexts.setdefault(args.name, {})
     for field, value in given.items():
         if value is None:
             continue
@@ -396,7 +438,7 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     add_output_flag(listing)
     listing.set_defaults(func=cmd_context_list)
     use = sub.add_parser("use", help="make a context the current one")
-    use.add_argument("name", help="the context's name")
+    use.add_argument("name", type=context_name, help="the context's name")
     use.set_defaults(func=cmd_context_use)
     show = sub.add_parser(
         "show", help="what client commands would use now, and where each setting came from"
@@ -407,7 +449,7 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     setting = sub.add_parser(
         "set", help="create or change a context (an empty value removes a setting)"
     )
-    setting.add_argument("name", help="the context's name")
+    setting.add_argument("name", type=context_name, help=f"the context's name ({NAME_RULE})")
     setting.add_argument("--address", help="the transition service's HOST:PORT")
     setting.add_argument("--approval-address", help="the approval service's HOST:PORT")
     setting.add_argument("--client-cert", "--cert", help="your certificate file (PEM)")
@@ -417,5 +459,5 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     setting.add_argument("--use", action="store_true", help="also make it the current context")
     setting.set_defaults(func=cmd_context_set)
     delete = sub.add_parser("delete", help="remove a context")
-    delete.add_argument("name", help="the context's name")
+    delete.add_argument("name", type=context_name, help="the context's name")
     delete.set_defaults(func=cmd_context_delete)

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from ztate.services.cli.output import masked
+
 if TYPE_CHECKING:
     from ztate.services.runtime.config import ApprovalSettings, Settings
 
@@ -63,19 +65,7 @@ def _dsn_and_settings() -> tuple[str, Settings, ApprovalSettings]:
 
 def _explain(failure: BaseException, dsn: str | None) -> str:
     """``failure`` in one line, with the DSN and its password (if it has one) masked."""
-    from urllib.parse import urlsplit
-
-    text = str(failure) or "no answer in time"
-    secrets = [dsn] if dsn else []
-    if dsn:
-        try:
-            password = urlsplit(dsn).password
-        except ValueError:
-            password = None
-        secrets += [password] if password else []
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return f"{type(failure).__name__}: {text}"
+    return f"{type(failure).__name__}: {masked(str(failure) or 'no answer in time', dsn)}"
 
 
 MIGRATION_GROUP = "ztate.migrations"

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ztate.services.cli.output import INTERRUPTED, USAGE, CliError
+from ztate.services.cli.output import INTERRUPTED, USAGE, CliError, database_error
 
 if TYPE_CHECKING:
     from ztate.services.runtime.config import Settings
@@ -174,13 +174,21 @@ def _quiet_broken_pipe() -> int:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    """Run the parsed command; a ``CliError`` becomes its line on stderr and exit code."""
+    """Run the parsed command; a ``CliError`` becomes its line on stderr and exit code,
+    and so does an error of the database driver no command caught (``ztate serve``
+    refused by Postgres: ``output.database_error``)."""
     try:
         result: int = args.func(args)
         return result
     except CliError as error:
         print(f"ztate: {error.message}", file=sys.stderr)
         return error.code
+    except Exception as error:
+        failed = database_error(error)
+        if failed is None:
+            raise
+        print(f"ztate: {failed.message}", file=sys.stderr)
+        return failed.code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

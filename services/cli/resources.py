@@ -41,6 +41,22 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+POLICY_NAME_RULE = "1-64 characters of a-z 0-9 . _ -, the first and last a letter or digit"
+
+
+def policy_name(text: str) -> str:
+    """An argparse type: a policy's name as a policy file must give it (the identity
+    name rule, services/runtime/identity.py ``NAME``), else exit 2 before anything is
+    dialled. The text is not echoed: it may be long, or hold what a terminal acts on."""
+    import argparse
+
+    from ztate.services.runtime.identity import NAME
+
+    if not NAME.fullmatch(text):  # fullmatch: the pattern's "$" would take a "\n"
+        raise argparse.ArgumentTypeError(f"not a policy name: {POLICY_NAME_RULE}")
+    return text
+
+
 def bounded_float(low: float, high: float) -> Callable[[str], float]:
     """An argparse type: a finite number from ``low`` to ``high`` (else exit 2)."""
 

@@ -34,6 +34,7 @@ from ztate.services.cli.resources import (
     bounded_float,
     bounded_int,
     parse_time,
+    policy_name,
 )
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
@@ -89,7 +90,9 @@ def cmd_threads_create(args: argparse.Namespace) -> int:
     from ztate.v1 import transition_pb2, transition_pb2_grpc
 
     request = transition_pb2.CreateThreadRequest(
-        thread_id=args.thread, initial_state_json=_initial_state(args.state), policy=args.policy
+        thread_id=args.thread,
+        initial_state_json=_initial_state(args.state),
+        policy=args.policy or "",
     )
 
     async def call(channel: Any) -> dict[str, Any]:
@@ -342,13 +345,15 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     create.add_argument(
         "--state", required=True, help="initial state: JSON, or @FILE (@- for standard input)"
     )
-    create.add_argument("--policy", default="", help="the policy (default: the only one loaded)")
+    create.add_argument(
+        "--policy", type=policy_name, help="the policy (default: the only one loaded)"
+    )
     add_output_flag(create)
     add_connection_flags(create)
     create.set_defaults(func=cmd_threads_create)
 
     listing = threads.add_parser("list", help="list threads in id order")
-    listing.add_argument("--policy", help="only threads of this policy")
+    listing.add_argument("--policy", type=policy_name, help="only threads of this policy")
     listing.add_argument("--limit", type=_limit, default=100, help="at most N (default 100)")
     add_output_flag(listing)
     add_connection_flags(listing)

@@ -13,6 +13,10 @@ Security, in one place (docs/console.md):
   value (autoescape, never ``|safe``) and the pages carry no script of their own.
 - Nothing secret is logged: no access log (URLs carry the token), and errors show
   status, reason and message only.
+- What aiohttp's parser refuses before any handler runs (a request line or a header
+  past 8190 bytes, a malformed header, method or version) is answered by the console
+  too (``ConsoleRunner``): a fixed text with the headers above, nothing of the request
+  echoed or logged, where aiohttp would answer with the start of the line and log it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from urllib.parse import quote
 
 import jinja2
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 
 from ztate.services.console.backend import DIGEST, Backend, CallFailed
 from ztate.services.console.verification import VerifyResult, run_verify
@@ -421,6 +426,73 @@ def make_app(backend: Backend, port: int, *, bundle: Path | None = None) -> web.
     app.router.add_post("/verify", verify_run)
     app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
     return app
+
+
+class _ConsoleProtocol(web.RequestHandler):
+    """aiohttp's HTTP/1.1 connection, with the console's answer to what its parser
+    refuses. aiohttp answers those itself, outside the application and its middlewares
+    (aio-libs/aiohttp#3287, #9882: no hook), with the parser's message, which quotes the
+    start of the hostile line, and logs the line at ERROR."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: too late for another answer
+            raise ConnectionError("the response had started")
+        if isinstance(exc, LineTooLong):
+            response = refused(
+                431,
+                "Request too large",
+                "A request line or header is longer than the console reads.",
+            )
+        elif 400 <= status < 500:
+            response = refused(400, "Bad request", "The console could not read this request.")
+        else:  # the type only, as the middleware: a message could hold a hostile value
+            LOG.error("console request failed: %s", type(exc).__name__)
+            response = refused(500, "Internal error", "The console failed on this request.")
+        response.headers.update(HEADERS)
+        response.force_close()
+        return response
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        """aiohttp's error lines carry the exception, whose text may quote the request:
+        the type only."""
+        exc = kw.get("exc_info")
+        LOG.error(
+            "console connection failed: %s",
+            type(exc).__name__ if isinstance(exc, BaseException) else "unknown error",
+        )
+
+
+class _ConsoleServer(web.Server):
+    """aiohttp's server, making ``_ConsoleProtocol`` connections."""
+
+    def __init__(self, handler: Any, **kwargs: Any) -> None:
+        request_factory = kwargs.pop("request_factory")
+        super().__init__(handler, request_factory=request_factory)
+        self._protocol_args = kwargs
+
+    def __call__(self) -> web.RequestHandler:
+        return _ConsoleProtocol(self, loop=asyncio.get_running_loop(), **self._protocol_args)
+
+
+class ConsoleRunner(web.AppRunner):
+    """The runner of a console: no access log (the first URL carries the token), no
+    signal handling of its own, and every answer the console's, even to a request
+    aiohttp could not parse (``_ConsoleProtocol``)."""
+
+    def __init__(self, app: web.Application) -> None:
+        super().__init__(app, access_log=None, handle_signals=False)
+
+    async def _make_server(self) -> web.Server:
+        made = await super()._make_server()  # the application started and frozen
+        return _ConsoleServer(
+            made.request_handler, request_factory=made.request_factory, access_log=None
+        )
 
 
 def guard_of(app: web.Application) -> Guard:

@@ -7,7 +7,6 @@ that certificate alone (a node's certificate is refused there, whatever the cons
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import re
@@ -19,7 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ztate.services.cli.operator_client import operator_channel
+from ztate.services.cli.context import connect
 from ztate.v1 import approval_pb2, approval_pb2_grpc, ledger_pb2, ledger_pb2_grpc
 from ztate.worker_sdk.errors import from_rpc_error
 
@@ -52,14 +51,11 @@ class Identity:
     server_name: str | None = None
 
     def channel(self) -> grpc.aio.Channel:
-        args = argparse.Namespace(
-            target=self.target,
-            cert=str(self.cert),
-            key=str(self.key),
-            ca=str(self.ca),
-            server_name=self.server_name,
-        )
-        return operator_channel(args, Path())
+        """A channel as every client command opens it (services/cli/context.py)."""
+        channel: grpc.aio.Channel = connect(
+            self.target, self.cert, self.key, self.ca, self.server_name
+        )()
+        return channel
 
 
 class CallFailed(Exception):

@@ -21,6 +21,7 @@ Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparser
 def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``console`` to the ``ztate`` command (imports nothing heavy until it runs)."""
     from ztate.services.cli.context import add_connection_flags
+    from ztate.services.cli.resources import bounded_int
 
     console = subparsers.add_parser(
         "console",
@@ -31,7 +32,12 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
         "current context, then $ZTATE_HOME/certs (operator-admin.*, reviewer-alice.*). "
         "See docs/console.md.",
     )
-    console.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: free)")
+    console.add_argument(
+        "--port",
+        type=bounded_int(0, 65535),
+        default=0,
+        help="port on 127.0.0.1, 0 to 65535 (default 0: a free one)",
+    )
     add_connection_flags(console)
     reviewing = console.add_argument_group(
         "the approval service (flags > environment > context > $ZTATE_HOME)"
@@ -108,9 +114,6 @@ def cmd_console(args: argparse.Namespace) -> int:
     if args.verify_bundle is not None and not args.verify_bundle.exists():
         print(f"ztate console: no bundle at {args.verify_bundle}", file=sys.stderr)
         return 2
-    if not 0 <= args.port <= 65535:
-        print("ztate console: --port must be 0..65535", file=sys.stderr)
-        return 2
     try:
         import asyncio
 
@@ -124,11 +127,10 @@ def cmd_console(args: argparse.Namespace) -> int:
 async def _serve(backend: Backend, port: int, bundle: Path | None) -> None:
     from aiohttp import web
 
-    from ztate.services.console.app import guard_of, make_app
+    from ztate.services.console.app import ConsoleRunner, guard_of, make_app
 
     app = make_app(backend, port, bundle=bundle)
-    # no access log: the first request's URL carries the token
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = ConsoleRunner(app)  # no access log: the first request's URL carries the token
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()

@@ -19,6 +19,7 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from ztate.contract.errors import KeyFileError
 from ztate.services.runtime.reloading import WatchedFiles
 
 
@@ -38,13 +39,37 @@ def key_matches_certificate(cert_pem: bytes, key_pem: bytes) -> bool:
     )
 
 
+def checked_files(cert: Path, key: Path, ca: Path) -> tuple[bytes, bytes, bytes]:
+    """The PEM of ``cert``, ``key`` and the CA bundle ``ca``, each usable: else a
+    ``KeyFileError`` (a ``ValueError``) naming the file and why, never its content. A
+    key encrypted with a password is refused: ztate reads keys without one (protect the
+    file, or the secret that holds it)."""
+    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
+    try:
+        serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:  # cryptography: "password was not given but private key is encrypted"
+        raise KeyFileError(
+            f"{key} is encrypted with a password: ztate reads private keys without one"
+        ) from None
+    except ValueError:
+        raise KeyFileError(f"{key} is not a PEM private key") from None
+    try:
+        x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        raise KeyFileError(f"{cert} is not a PEM certificate") from None
+    try:
+        x509.load_pem_x509_certificates(ca_pem)  # a bundle that does not parse is not taken
+    except ValueError:
+        raise KeyFileError(f"{ca} is not a PEM certificate bundle") from None
+    if not key_matches_certificate(cert_pem, key_pem):
+        raise KeyFileError(f"{key} is not the key of {cert}")
+    return cert_pem, key_pem, ca_pem
+
+
 def _certificate_configuration(
     cert: Path, key: Path, ca: Path
 ) -> grpc.ServerCertificateConfiguration:
-    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
-    if not key_matches_certificate(cert_pem, key_pem):
-        raise ValueError(f"{key} is not the key of {cert}")
-    x509.load_pem_x509_certificates(ca_pem)  # a bundle that does not parse is not taken
+    cert_pem, key_pem, ca_pem = checked_files(cert, key, ca)
     return grpc.ssl_server_certificate_configuration(
         [(key_pem, cert_pem)], root_certificates=ca_pem
     )
@@ -76,26 +101,17 @@ def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredential
 MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
 
 
-def _client_options(server_name: str | None) -> list[tuple[str, Any]]:
+def client_options(server_name: str | None) -> list[tuple[str, Any]]:
+    """The options of every ztate client channel: any legal reply accepted, the server
+    name checked as given."""
     options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return options
 
 
-def client_channel(
-    target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
-) -> grpc.aio.Channel:
-    """A channel authenticated as the identity in ``cert`` (for a one-off command)."""
-    credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
-    return grpc.aio.secure_channel(target, credentials, options=_client_options(server_name))
-
-
 def _channel_credentials(cert: Path, key: Path, ca: Path) -> grpc.ChannelCredentials:
-    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
-    if not key_matches_certificate(cert_pem, key_pem):
-        raise ValueError(f"{key} is not the key of {cert}")
-    x509.load_pem_x509_certificates(ca_pem)
+    cert_pem, key_pem, ca_pem = checked_files(cert, key, ca)
     return grpc.ssl_channel_credentials(ca_pem, key_pem, cert_pem)
 
 
@@ -111,7 +127,7 @@ class ServiceChannel:
         self, target: str, cert: Path, key: Path, ca: Path, *, server_name: str | None = None
     ) -> None:
         self._target = target
-        self._options = _client_options(server_name)
+        self._options = client_options(server_name)
         self._files = WatchedFiles(
             f"client certificate {cert}",
             (cert, key, ca),

@@ -351,3 +351,112 @@ async def test_serve_gives_up_on_a_database_that_never_comes(
     assert "waiting for the database" in err
     assert "secret-password" not in err
     assert "Traceback" not in err
+
+
+SECRET = "pw-5ecret-9c1f"  # a password in the DSN: never printed
+
+
+@pytest.mark.parametrize(
+    ("what", "said"),
+    [
+        ("role", 'role "ztate_nobody" does not exist (InvalidAuthorizationSpecificationError)'),
+        ("database", 'database "ztate_no_such_db" does not exist (InvalidCatalogNameError)'),
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "approval-serve"])
+async def test_serve_refused_by_the_database_says_so_in_one_line(
+    postgres_server_dsn: str,
+    pki: Pki,
+    policy_dir: Path,
+    keyring_file: Path,
+    tmp_path: Path,
+    what: str,
+    said: str,
+    command: str,
+) -> None:
+    """A real Postgres that refuses ``serve`` or ``approval-serve`` (a role it does not
+    know, as a wrong password is refused: both are asyncpg's
+    InvalidAuthorizationSpecificationError; a database that does not exist): one line,
+    exit 2, no traceback, no password."""
+    parts = urlsplit(postgres_server_dsn)
+    host = parts.netloc.rpartition("@")[2]
+    user = "ztate_nobody" if what == "role" else (parts.username or "postgres")
+    database = "/ztate_no_such_db" if what == "database" else parts.path
+    dsn = urlunsplit((parts.scheme, f"{user}:{SECRET}@{host}", database, parts.query, ""))
+    service = ServedProcess(
+        home=tmp_path / "home", dsn=dsn, pki=pki, policy=policy_dir, keyring=keyring_file
+    )
+    code, out, err = await ztate(command, "--wait-for-database", "5", env=service.env)
+    assert (code, out) == (2, ""), err
+    assert err.splitlines() == [f"ztate: the database refused the connection: {said}"]
+    assert SECRET not in err
+
+
+async def test_serve_with_an_encrypted_tls_key_says_so_in_one_line(
+    postgres_server_dsn: str, pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path
+) -> None:
+    """ztate reads private keys without a password (none is asked for): a key encrypted
+    with one is refused in one line naming the file, exit 2, no traceback, no key."""
+    from cryptography.hazmat.primitives import serialization
+
+    plain = (pki.certs / "service-transition.key").read_bytes()
+    key = serialization.load_pem_private_key(plain, password=None)
+    locked = tmp_path / "locked.key"
+    locked.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(SECRET.encode()),
+        )
+    )
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=await fresh_database(postgres_server_dsn),
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring_file,
+        tls_key=str(locked),
+    )
+    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
+    assert (code, out) == (2, ""), err
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert str(locked) in err
+    assert SECRET not in err
+    assert "PRIVATE KEY" not in err
+
+
+@pytest.mark.parametrize(
+    "keyring",
+    [
+        pytest.param(b"not json " + SECRET.encode(), id="not JSON"),
+        pytest.param(
+            b'{"current": "k1", "keys": {"k1": "' + SECRET.encode() + b'"}}', id="short key"
+        ),
+        pytest.param(b'{"current": "k9", "keys": {}}', id="current missing"),
+    ],
+)
+async def test_serve_with_a_keyring_it_cannot_use_says_so_in_one_line(
+    postgres_server_dsn: str,
+    pki: Pki,
+    policy_dir: Path,
+    tmp_path: Path,
+    keyring: bytes,
+) -> None:
+    """The HMAC keyring is serve's other secret input: unusable, it is one line naming
+    the file, exit 2, no traceback and none of the file's content."""
+    path = tmp_path / "keyring.json"
+    path.write_bytes(keyring)
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=await fresh_database(postgres_server_dsn),
+        pki=pki,
+        policy=policy_dir,
+        keyring=path,
+    )
+    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
+    assert (code, out) == (2, ""), err
+    assert "Traceback" not in err
+    [line] = err.splitlines()
+    assert line.startswith("ztate: cannot start: ")
+    assert SECRET not in err

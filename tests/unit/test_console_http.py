@@ -8,7 +8,8 @@ refusal can assert that nothing was called.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest_asyncio
 from aiohttp import ClientSession, CookieJar, web
 
 from tests.harness import Pki
-from ztate.services.console.app import CSP, guard_of, make_app
+from ztate.services.console.app import CSP, ConsoleRunner, guard_of, make_app
 from ztate.services.console.backend import Backend, Identity
 from ztate.services.runtime.identity import Role
 
@@ -74,7 +75,7 @@ class Running:
 @asynccontextmanager
 async def serving(backend: Backend) -> AsyncIterator[Running]:
     app = make_app(backend, 0)
-    runner = web.AppRunner(app, access_log=None)
+    runner = ConsoleRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -305,21 +306,120 @@ async def test_a_hostile_rejections_filter_is_refused_before_any_call(
     assert console.backend.calls == []
 
 
-async def test_an_overlong_request_line_is_refused_without_reflection(console: Running) -> None:
-    """Past aiohttp's request-line bound (8190 bytes) aiohttp answers 400 itself, before
-    the console: nothing is called, and what it echoes of the line (its first hundred
-    bytes, as Python's repr of percent-encoded bytes) is text/plain, no markup."""
-    from urllib.parse import quote
+MARK = b"zq-hostile-7f3a"  # a value no answer and no log may hold
+MALFORMED = [
+    pytest.param(
+        b"GET /rejections?thread=<script>" + MARK + b"t" * 20_000 + b" HTTP/1.1\r\n"
+        b"Host: HOST\r\n\r\n",
+        431,
+        id="request line past 8190 bytes",
+    ),
+    pytest.param(
+        b"GET /reviews HTTP/1.1\r\nHost: HOST\r\nX-Long: " + MARK + b"v" * 20_000 + b"\r\n\r\n",
+        431,
+        id="header past 8190 bytes",
+    ),
+    pytest.param(
+        b"GET /reviews HTTP/1.1\r\nHost: HOST\r\nBad Name" + MARK + b": x\r\n\r\n",
+        400,
+        id="malformed header",
+    ),
+    pytest.param(b"G<T" + MARK + b" / HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, id="bad method"),
+    pytest.param(b"GET /" + MARK + b" HTTP/9" + MARK + b"\r\n\r\n", 400, id="bad version"),
+]
 
-    await console.sign_in()
-    hostile = "<script>" + "t" * 20_000
-    async with console.session.get(f"{console.base}/rejections?thread={quote(hostile)}") as got:
-        body = await got.text()
-        assert (got.status, got.content_type) == (400, "text/plain")
-    assert body.startswith("Got more than 8190 bytes when reading")
-    assert "<" not in body
-    assert len(body) < 300
-    assert console.backend.calls == []
+
+def raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` as bytes over a real socket; the answer's status, headers, body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(request.replace(b"HOST", f"127.0.0.1:{port}".encode()))
+        answer = b""
+        while chunk := conn.recv(65536):  # the console closes after a malformed request
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.fixture(scope="module")
+def console_process(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleProcess]:
+    """``ztate console`` as a person runs it: its own process, its stderr kept."""
+    import os
+    import subprocess
+    import sys
+
+    pki.operator()
+    pki.identity(Role.REVIEWER, "alice")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    env.update(
+        ZTATE_HOME=str(pki.root),
+        ZTATE_CONFIG=str(tmp_path_factory.mktemp("ctx") / "config.yaml"),
+        PYTHONUNBUFFERED="1",
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ztate.services.cli.main", "console", "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    first = process.stdout.readline().decode()  # blocks until the console listens (or exits)
+    found = re.search(r"http://127\.0\.0\.1:(\d+)/", first)
+    if found is None:
+        process.kill()
+        pytest.fail(f"ztate console did not start: {first!r} {process.communicate()[1]!r}")
+    running = ConsoleProcess(process, int(found.group(1)))
+    yield running
+    running.stop()
+
+
+class ConsoleProcess:
+    def __init__(self, process: Any, port: int) -> None:
+        self.process, self.port = process, port
+        self.stderr: bytes | None = None
+
+    def stop(self) -> bytes:
+        """SIGTERM; everything the console wrote on stderr."""
+        if self.stderr is None:
+            self.process.terminate()
+            _, self.stderr = self.process.communicate(timeout=30)
+        return self.stderr
+
+
+@pytest.mark.parametrize(("request_bytes", "status"), MALFORMED)
+def test_a_malformed_request_gets_a_fixed_answer_with_the_headers(
+    console_process: ConsoleProcess, request_bytes: bytes, status: int
+) -> None:
+    """What aiohttp's parser refuses (a request line or a header past its 8190-byte bound,
+    a malformed header, method or version) is answered by the console: a fixed text, the
+    console's headers, nothing of the request echoed, and the connection closed."""
+    got, headers, body = raw_exchange(console_process.port, request_bytes)
+    assert got == status
+    assert headers["content-security-policy"] == CSP
+    assert headers["x-content-type-options"] == "nosniff"
+    assert headers["cache-control"] == "no-store"
+    assert headers["x-frame-options"] == "DENY"
+    assert headers["content-type"].startswith("text/html")
+    assert MARK not in body
+    assert b"<script>" not in body
+    assert len(body) < 2000
+
+
+def test_nothing_of_a_malformed_request_reaches_the_console_log(
+    console_process: ConsoleProcess,
+) -> None:
+    """Run after the answers above (same console): its stderr, where its logs go, holds
+    none of the requests' bytes, and no traceback."""
+    for param in MALFORMED:
+        raw_exchange(console_process.port, param.values[0])  # type: ignore[arg-type]
+    said = console_process.stop()
+    assert console_process.process.returncode == 0
+    assert MARK not in said
+    assert b"Traceback" not in said
+    assert b"Error handling request" not in said
 
 
 async def test_a_valid_rejections_filter_is_asked(console: Running) -> None:
@@ -441,3 +541,32 @@ async def test_a_service_out_of_reach_is_503_on_every_page(pki: Pki) -> None:
                 assert got.status == 503
     finally:
         held.close()
+
+
+@pytest.mark.parametrize(
+    ("port", "said"),
+    [
+        ("65536", "argument --port: must be 0 to 65535"),
+        ("-1", "argument --port: must be 0 to 65535"),
+        ("x", "argument --port: 'x' is not a whole number"),
+        ("", "argument --port: '' is not a whole number"),
+    ],
+)
+def test_the_port_is_a_port(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    port: str,
+    said: str,
+) -> None:
+    """``--port`` is the CLI's bounded_int: a usage error (exit 2) naming the flag, from
+    argparse, before any credential is read or any socket bound."""
+    from ztate.services.cli.main import main
+
+    monkeypatch.setenv("ZTATE_HOME", str(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        main(["console", "--port", port])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"ztate console: error: {said}"
+    assert "cannot read" not in err

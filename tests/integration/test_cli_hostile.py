@@ -1,0 +1,248 @@
+"""Hostile input to ``ztate threads create|list|show`` and ``ztate context use|set|delete``,
+through the real ``ztate`` binary (against the live mTLS service for ``threads``): each
+exits 2 (usage) or its documented code (3: a thread or context that does not exist) with
+a precise one-line message, never a traceback, and writes nothing: no thread created, the
+context file byte for byte as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.harness import Pki, new_thread_id
+from tests.integration.test_cli import ZTATE, clean_env, flags, ztate
+
+THREAD_RULE = "thread_id must be 1-128 characters of [A-Za-z0-9._:-]"
+NAME_RULE = (
+    "not a context name: 1-128 characters of letters, digits and . _ : @ / -, "
+    "the first a letter or digit"
+)
+POLICY_RULE = (
+    "not a policy name: 1-64 characters of a-z 0-9 . _ -, the first and last a letter or digit"
+)
+HOSTILE_IDS = [
+    pytest.param("", id="empty"),
+    pytest.param("t" * 129, id="one past the bound"),
+    pytest.param("t" * 5000, id="long"),
+    pytest.param("a\nb", id="newline"),
+    pytest.param("\x1b[31mred", id="escape"),
+    pytest.param("a\x00b", id="nul"),
+    pytest.param("\u202eevil", id="bidi"),
+    pytest.param("../etc/passwd", id="path"),
+    pytest.param("é", id="non-ascii"),
+]
+
+
+def zsync(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    """``ztate *args`` as ``ztate`` in tests/integration/test_cli.py runs it, from a
+    synchronous test (the context commands dial nothing)."""
+    import subprocess
+
+    done = subprocess.run(
+        [str(ZTATE), *args], env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=60
+    )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+async def thread_count(target: str, pki: Pki, env: dict[str, str]) -> int:
+    code, out, err = await ztate(
+        "threads",
+        "list",
+        "--limit",
+        "100000",
+        "-o",
+        "json",
+        *flags(target, pki.operator()),
+        env=env,
+    )
+    assert code == 0, err
+    return len(json.loads(out))
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return clean_env(ZTATE_CONFIG=str(tmp_path / "config.yaml"), ZTATE_HOME=str(tmp_path))
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_IDS)
+async def test_threads_create_and_show_refuse_what_is_not_a_thread_id(
+    target: str, pki: Pki, env: dict[str, str], hostile: str
+) -> None:
+    if "\x00" in hostile:  # no process takes a NUL in its arguments
+        hostile = hostile.replace("\x00", "\x01")
+    before = await thread_count(target, pki, env)
+    code, out, err = await ztate(
+        "threads", "create", hostile, "--state", "{}", *flags(target, pki.operator()), env=env
+    )
+    assert (code, out) == (2, "")
+    assert one_line(err) == f"ztate: REQUEST_INVALID: {THREAD_RULE}"
+    code, out, err = await ztate(
+        "threads", "show", hostile, *flags(target, pki.operator()), env=env
+    )
+    assert (code, out) == (2, "")
+    assert one_line(err) == f"ztate: REQUEST_INVALID: {THREAD_RULE}"
+    assert await thread_count(target, pki, env) == before
+
+
+async def test_threads_hostile_states_policies_and_unknown_threads(
+    target: str, pki: Pki, env: dict[str, str]
+) -> None:
+    connect = flags(target, pki.operator())
+    before = await thread_count(target, pki, env)
+    fresh = new_thread_id()
+    for state, said in (
+        ("[1]", "--state: the initial state must be a JSON object"),
+        (
+            "{",
+            "--state: not JSON (Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1))",
+        ),
+        (
+            "@/nonexistent/state.json",
+            "--state @/nonexistent/state.json: cannot read (No such file or directory)",
+        ),
+    ):
+        code, out, err = await ztate(
+            "threads", "create", fresh, "--state", state, *connect, env=env
+        )
+        assert (code, out, one_line(err)) == (2, "", f"ztate: {said}"), state
+    for policy in ("p" * 5000, "p" * 65, "a\nb", "\x1b[31m", "Upper", "-dash", "a."):
+        for command in (("create", fresh, "--state", "{}"), ("list",)):
+            code, out, err = await ztate(
+                "threads", *command, f"--policy={policy}", *connect, env=env
+            )
+            assert (code, out) == (2, ""), (policy, command)
+            assert err.splitlines()[-1] == (
+                f"ztate threads {command[0]}: error: argument --policy: {POLICY_RULE}"
+            )
+            assert "Traceback" not in err
+    code, out, err = await ztate(
+        "threads", "create", fresh, "--state", "{}", "--policy", "no-such-policy", *connect, env=env
+    )
+    assert (code, out, one_line(err)) == (
+        3,
+        "",
+        "ztate: POLICY_NOT_FOUND: no policy named 'no-such-policy' is loaded",
+    )
+    for limit in ("0", "-1", "100001", "x"):
+        code, out, err = await ztate("threads", "list", "--limit", limit, *connect, env=env)
+        assert (code, out) == (2, ""), limit
+        assert "Traceback" not in err
+    code, out, err = await ztate("threads", "show", fresh, *connect, env=env)
+    assert (code, out) == (3, "")
+    assert one_line(err) == f"ztate: THREAD_NOT_FOUND: thread {fresh!r} does not exist"
+    assert await thread_count(target, pki, env) == before
+
+
+CONTEXT_FILE = "contexts:\n  dev:\n    address: 127.0.0.1:7443\ncurrent-context: dev\n"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("n" * 129, id="one past the bound"),
+        pytest.param("n" * 5000, id="long"),
+        pytest.param("bad\nname", id="newline"),
+        pytest.param("\x1b[31mred", id="escape"),
+        pytest.param("-dash", id="flag-like"),
+        pytest.param("a b", id="space"),
+        pytest.param("\u202eevil", id="bidi"),
+    ],
+)
+@pytest.mark.parametrize("command", ["use", "set", "delete"])
+def test_context_commands_refuse_what_is_not_a_context_name(
+    env: dict[str, str], command: str, name: str
+) -> None:
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    code, out, err = zsync("context", command, "--", name, env=env)
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == f"ztate context {command}: error: argument name: {NAME_RULE}"
+    assert "Traceback" not in err
+    assert path.read_text() == CONTEXT_FILE
+
+
+def test_context_use_and_delete_of_an_unknown_context(env: dict[str, str]) -> None:
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    code, out, err = zsync("context", "use", "prod", env=env)
+    assert (code, out, one_line(err)) == (
+        2,
+        "",
+        f"ztate: no context 'prod' in {path} (known: dev)",
+    )
+    code, out, err = zsync("context", "delete", "prod", env=env)
+    assert (code, out, one_line(err)) == (3, "", f"ztate: no context 'prod' in {path}")
+    assert path.read_text() == CONTEXT_FILE
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--address", "a\nb:1", "--address: control characters are not allowed"),
+        ("--address", "\x1b[31mx:1", "--address: control characters are not allowed"),
+        ("--server-name", "x\x7f", "--server-name: control characters are not allowed"),
+        ("--client-cert", "c\u009b.crt", "--cert: control characters are not allowed"),
+        ("--address", "a" * 4097, "--address: more than 4096 characters"),
+    ],
+)
+def test_context_set_refuses_hostile_settings(
+    env: dict[str, str], flag: str, value: str, said: str
+) -> None:
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    code, out, err = zsync("context", "set", "dev", flag, value, env=env)
+    assert (code, out, one_line(err)) == (2, "", f"ztate: {said}")
+    assert path.read_text() == CONTEXT_FILE
+    code, out, err = zsync("context", "set", "fresh", flag, value, env=env)
+    assert code == 2
+    assert path.read_text() == CONTEXT_FILE
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"\xff\xfe\x00garbage", "the context file PATH is not UTF-8 text"),
+        (b"a: [unclosed\n", "the context file PATH is not YAML: while parsing a flow sequence"),
+        (b"- 1\n- 2\n", "the context file PATH must be a mapping"),
+        (
+            b"contexts: [1, 2]\n",
+            "PATH: `contexts` must map names to settings; `current-context` a name",
+        ),
+        (
+            b"current-context: 5\n",
+            "PATH: `contexts` must map names to settings; `current-context` a name",
+        ),
+        (b'{"contexts": {"dev": {"address": 5}}}', "PATH: context 'dev': every value is a string"),
+        (b'{"contexts": {"dev": "x"}}', "PATH: context 'dev' must be a mapping"),
+        (
+            b"contexts:\n  dev:\n    token: x\n",
+            "PATH: context 'dev': unknown token "
+            "(known: address, approval-address, cert, key, ca, server-name)",
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [("use", "dev"), ("set", "dev", "--address", "h:1"), ("delete", "dev"), ("list",)],
+    ids=["use", "set", "delete", "list"],
+)
+def test_a_context_file_that_is_not_one_is_refused_and_kept(
+    env: dict[str, str], content: bytes, said: str, command: tuple[str, ...]
+) -> None:
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_bytes(content)
+    code, out, err = zsync("context", *command, env=env)
+    assert (code, out) == (2, "")
+    assert one_line(err) == "ztate: " + said.replace("PATH", str(path))
+    assert path.read_bytes() == content
