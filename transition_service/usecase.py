@@ -15,6 +15,7 @@ from ztate.contract.keyring import Keyring
 from ztate.contract.record import SealedRecord
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime import errors
+from ztate.services.runtime.identity import NAME
 from ztate.services.runtime.telemetry import (
     NO_METRICS,
     Metrics,
@@ -63,7 +64,10 @@ class UseCase:
             return only
         policy = self._policies.get(name)
         if policy is None:
-            raise errors.PolicyNotFound(f"no policy named {name!r} is loaded")
+            # a name the caller chose: repeated only when it is one a policy may have
+            if NAME.fullmatch(name):
+                raise errors.PolicyNotFound(f"no policy named {name!r} is loaded")
+            raise errors.PolicyNotFound("no policy by that name is loaded: it is not a policy name")
         return policy
 
     def _remember(self, head: Head) -> JsonObject:

@@ -345,6 +345,30 @@ async def test_initial_state_with_undeclared_key(target: str, pki: Pki, ledger: 
     assert (await ledger.snapshot(thread)).head_version is None
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["x" * 5000, "pipeline\n\x1b[31mRED", "<script>alert(1)</script>", "Pipeline"],
+    ids=["long", "control", "markup", "not-lower-case"],
+)
+async def test_a_policy_name_that_is_not_one_is_not_repeated(
+    target: str, pki: Pki, ledger: Ledger, name: str
+) -> None:
+    """CreateThread with a policy name no policy may have: POLICY_NOT_FOUND, the name
+    not repeated in the answer (nor so in the rejection it may become), nothing created."""
+    thread = new_thread_id()
+    async with client(target, pki.operator()) as operator:
+        error = await refused(
+            ledger,
+            thread,
+            operator.create_thread(thread, INITIAL, policy=name),
+            ZtateError,
+            "POLICY_NOT_FOUND",
+        )
+    assert error.code == grpc.StatusCode.NOT_FOUND
+    assert str(error.message) == "no policy by that name is loaded: it is not a policy name"
+    assert (await ledger.snapshot(thread)).head_version is None
+
+
 async def test_unknown_transition(target: str, pki: Pki) -> None:
     async with client(target, pki.operator()) as operator:
         with pytest.raises(NotFound) as caught:
