@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ztate.services.cli.context import APPROVAL, add_connection_flags, run_client
 from ztate.services.cli.output import (
     OK,
+    UNREACHABLE,
     USAGE,
     CliError,
     Column,
@@ -78,7 +79,12 @@ def cmd_approval_serve(args: argparse.Namespace) -> int:
     from ztate.services.runtime.config import ApprovalSettings
     from ztate.services.runtime.telemetry import configure_logging
     from ztate.services.store.migrate import MigrationError
-    from ztate.services.store.waiting import DatabaseNotReady, wait_for_database
+    from ztate.services.store.waiting import (
+        DatabaseNotReady,
+        DatabaseRefused,
+        masked,
+        wait_for_database,
+    )
 
     try:
         settings = ApprovalSettings()
@@ -98,10 +104,13 @@ def cmd_approval_serve(args: argparse.Namespace) -> int:
             )
         asyncio.run(serve(settings))
     except DatabaseNotReady as exc:
-        raise CliError(str(exc), 4) from None
+        raise CliError(str(exc), UNREACHABLE) from None
+    except DatabaseRefused as exc:
+        raise CliError(str(exc), USAGE) from None
     except (KeyFileError, MigrationError, OSError, ValueError) as exc:
-        print(f"ztate: cannot start the approval service: {exc}", file=sys.stderr)
-        return USAGE
+        dsn = settings.database_url.get_secret_value() if settings.database_url else None
+        [line, *_] = masked(str(exc), dsn).splitlines() or ["no message"]
+        raise CliError(f"cannot start the approval service: {line}", USAGE) from None
     return OK
 
 

@@ -69,7 +69,12 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
     from ztate.services.policy.model import PolicyError
     from ztate.services.runtime.revocation import RevocationListError
     from ztate.services.store.migrate import MigrationError
-    from ztate.services.store.waiting import DatabaseNotReady, wait_for_database
+    from ztate.services.store.waiting import (
+        DatabaseNotReady,
+        DatabaseRefused,
+        masked,
+        wait_for_database,
+    )
     from ztate.transition_service.app import serve
 
     try:
@@ -84,6 +89,8 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
         asyncio.run(serve(settings, share_port=share_port))
     except DatabaseNotReady as exc:
         raise CliError(f"cannot start: {exc}", UNREACHABLE) from None
+    except DatabaseRefused as exc:
+        raise CliError(str(exc), USAGE) from None
     except (
         PolicyError,
         KeyringError,
@@ -91,9 +98,11 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
         MigrationError,
         RevocationListError,
         FileNotFoundError,
+        ValueError,  # a setting the service cannot use
     ) as exc:
-        print(f"ztate: cannot start: {exc}", file=sys.stderr)
-        return 2
+        dsn = settings.database_url.get_secret_value() if settings.database_url else None
+        [line, *_] = masked(str(exc), dsn).splitlines() or ["no message"]
+        raise CliError(f"cannot start: {line}", USAGE) from None
     return 0
 
 

@@ -18,8 +18,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from ztate.services.cli.output import masked
-
 if TYPE_CHECKING:
     from ztate.services.runtime.config import ApprovalSettings, Settings
 
@@ -65,6 +63,8 @@ def _dsn_and_settings() -> tuple[str, Settings, ApprovalSettings]:
 
 def _explain(failure: BaseException, dsn: str | None) -> str:
     """``failure`` in one line, with the DSN and its password (if it has one) masked."""
+    from ztate.services.store.waiting import masked
+
     return f"{type(failure).__name__}: {masked(str(failure) or 'no answer in time', dsn)}"
 
 

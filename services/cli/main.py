@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ztate.services.cli.output import INTERRUPTED, USAGE, CliError, database_error
+from ztate.services.cli.output import INTERRUPTED, USAGE, CliError
 
 if TYPE_CHECKING:
     from ztate.services.runtime.config import Settings
@@ -174,21 +174,15 @@ def _quiet_broken_pipe() -> int:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    """Run the parsed command; a ``CliError`` becomes its line on stderr and exit code,
-    and so does an error of the database driver no command caught (``ztate serve``
-    refused by Postgres: ``output.database_error``)."""
+    """Run the parsed command; a ``CliError`` becomes its line on stderr and exit code.
+    Each command turns its own foreseeable failures into ``CliError``s (a database that
+    refuses ``ztate serve``: ``store.waiting.DatabaseRefused``, in the serve command)."""
     try:
         result: int = args.func(args)
         return result
     except CliError as error:
         print(f"ztate: {error.message}", file=sys.stderr)
         return error.code
-    except Exception as error:
-        failed = database_error(error)
-        if failed is None:
-            raise
-        print(f"ztate: {failed.message}", file=sys.stderr)
-        return failed.code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,45 +44,6 @@ def usage(message: str) -> NoReturn:
     raise CliError(message, USAGE)
 
 
-def masked(text: str, dsn: str | None) -> str:
-    """``text`` with ``dsn``, and its password if it has one, shown as ``***``."""
-    from urllib.parse import urlsplit
-
-    secrets = [dsn] if dsn else []
-    if dsn:
-        try:
-            password = urlsplit(dsn).password
-        except ValueError:
-            password = None
-        secrets += [password] if password else []
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
-def database_error(error: BaseException) -> CliError | None:
-    """An error of the database driver (asyncpg) that no command turned into a
-    ``CliError``, as one: the server's first line, ``DATABASE_URL`` and its password
-    masked. A connection refused (a wrong password or an unknown role, a database that
-    does not exist, a DSN asyncpg cannot use) is a configuration error (exit 2);
-    anything else of the driver exit 1. None for any other error."""
-    import os
-
-    asyncpg = sys.modules.get("asyncpg")  # not loaded: none of its errors can be raised
-    if asyncpg is None or not isinstance(error, asyncpg.PostgresError | asyncpg.InterfaceError):
-        return None
-    lines = masked(str(error), os.environ.get("DATABASE_URL")).splitlines()
-    text = f"{lines[0] if lines else 'no message'} ({type(error).__name__})"
-    refused = (
-        asyncpg.InvalidAuthorizationSpecificationError,  # 28000, 28P01 a wrong password
-        asyncpg.InvalidCatalogNameError,  # 3D000 no such database
-        asyncpg.ClientConfigurationError,
-    )
-    if isinstance(error, refused):
-        return CliError(f"the database refused the connection: {text}", USAGE)
-    return CliError(f"database error: {text}", FAILED)
-
-
 def rpc_exit_code(code_name: str) -> int:
     """The exit code of a failed gRPC call, by its status code's name."""
     if code_name == "NOT_FOUND":

@@ -5,7 +5,9 @@ it with exponential backoff, says so in one log line per attempt (host and port,
 the DSN or its password), and gives up after a bounded time
 (``ZTATE_DATABASE_WAIT_SECONDS``, default 60; ``--wait-for-database``) with one line
 that says why. Only a database that cannot be reached yet is waited for: a wrong
-password or a missing database fails at once.
+password, an unknown role, a missing database or a DSN the driver cannot use fails at
+once with ``DatabaseRefused`` (the server's first line, the DSN and its password
+masked by ``masked``, the one masking of a DSN in ztate).
 """
 
 from __future__ import annotations
@@ -21,6 +23,35 @@ CONNECT_TIMEOUT_SECONDS = 5.0
 
 class DatabaseNotReady(Exception):
     """The database could not be reached within the wait."""
+
+
+class DatabaseRefused(Exception):
+    """The database (or the driver, for a DSN it cannot use) refused the connection:
+    a configuration error, not waited for. The message holds the server's first line
+    and the error's class, never the DSN or its password."""
+
+
+def masked(text: str, dsn: str | None) -> str:
+    """``text`` with ``dsn``, and its password if it has one, shown as ``***``."""
+    from urllib.parse import urlsplit
+
+    secrets = [dsn] if dsn else []
+    if dsn:
+        try:
+            password = urlsplit(dsn).password
+        except ValueError:
+            password = None
+        secrets += [password] if password else []
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def refused(error: BaseException, dsn: str) -> DatabaseRefused:
+    """``error``, raised by the driver on connecting to ``dsn``, as ``DatabaseRefused``."""
+    lines = masked(str(error), dsn).splitlines()
+    first = lines[0] if lines else "no message"
+    return DatabaseRefused(f"the database refused the connection: {first} ({type(error).__name__})")
 
 
 def wait_default() -> float:
@@ -45,9 +76,9 @@ def where(dsn: str) -> str:
 
 async def wait_for_database(dsn: str, seconds: float) -> int:
     """Return once a connection to ``dsn`` opens (the number of attempts it took);
-    raise ``DatabaseNotReady`` when none did within ``seconds``. Errors other than
-    an unreachable or starting server (authentication, a missing database) propagate
-    at once."""
+    raise ``DatabaseNotReady`` when none did within ``seconds``. A refusal
+    (authentication, an unknown role, a missing database, a DSN the driver cannot use)
+    raises ``DatabaseRefused`` at once."""
     import asyncio
     import logging
 
@@ -83,6 +114,8 @@ async def wait_for_database(dsn: str, seconds: float) -> int:
             await asyncio.sleep(pause)  # backoff before the next attempt, bounded above
             delay = min(delay * 2, MAX_DELAY_SECONDS)
             continue
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+            raise refused(exc, dsn) from None
         await conn.close()
         if attempt > 1:
             log.warning("the database at %s is up after %d attempts", where(dsn), attempt)

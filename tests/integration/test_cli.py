@@ -460,3 +460,22 @@ async def test_serve_with_a_keyring_it_cannot_use_says_so_in_one_line(
     [line] = err.splitlines()
     assert line.startswith("ztate: cannot start: ")
     assert SECRET not in err
+
+
+async def test_serve_with_a_setting_it_cannot_use_says_so_in_one_line(
+    postgres_server_dsn: str, pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path
+) -> None:
+    """A setting that passes the settings' checks but that the service cannot use (an
+    OTLP endpoint that is no URL: a ValueError at start-up) is one line, exit 2, no
+    traceback, no password of the DSN."""
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=await fresh_database(postgres_server_dsn),
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring_file,
+        otlp_endpoint="http://[collector:4317",
+    )
+    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
+    assert (code, out) == (2, ""), err
+    assert err.splitlines() == ["ztate: cannot start: Invalid IPv6 URL"], err
