@@ -36,7 +36,7 @@ import jinja2
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
-from ztate.services.console.backend import DIGEST, Backend, CallFailed
+from ztate.services.console.backend import CREDENTIALS_UNREADABLE, DIGEST, Backend, CallFailed
 from ztate.services.console.verification import VerifyResult, run_verify
 from ztate.services.runtime.thread_ids import THREAD_ID
 
@@ -73,6 +73,7 @@ CALL_STATUS = {
     "ABORTED": 409,
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
+    CREDENTIALS_UNREADABLE: 503,  # the console's own files went away: it cannot call
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

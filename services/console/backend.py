@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ztate.services.cli.context import connect
+from ztate.services.cli.output import CliError
 from ztate.v1 import approval_pb2, approval_pb2_grpc, ledger_pb2, ledger_pb2_grpc
 from ztate.worker_sdk.errors import from_rpc_error
 
@@ -36,6 +38,12 @@ STATUS_NAMES = {
     "rejected": approval_pb2.REVIEW_STATUS_REJECTED,
     "expired": approval_pb2.REVIEW_STATUS_EXPIRED,
 }
+LOG = logging.getLogger("ztate.console")
+# A page whose channel cannot be opened because the console's own certificate, key or
+# CA file went away or became unreadable while it runs: a code of the console's own,
+# given its HTTP status with the gRPC codes' (app.CALL_STATUS), and a fixed text.
+CREDENTIALS_UNREADABLE = "CREDENTIALS_UNREADABLE"
+CREDENTIALS_TEXT = "the console cannot read its credentials"
 STATUS_OF = {value: name for name, value in STATUS_NAMES.items()}
 DECISIONS = {"approve": approval_pb2.DECISION_APPROVE, "reject": approval_pb2.DECISION_REJECT}
 
@@ -166,9 +174,18 @@ def timeline_row(entry: ledger_pb2.LedgerEntry, detail: Any) -> dict[str, Any]:
 
 @asynccontextmanager
 async def _calling(identity: Identity) -> AsyncIterator[grpc.aio.Channel]:
-    """A channel as ``identity`` for one page's calls; a failed call becomes ``CallFailed``."""
+    """A channel as ``identity`` for one page's calls; a failed call becomes ``CallFailed``,
+    and so do credential files that can no longer be read (``CREDENTIALS_UNREADABLE``,
+    logged by the type of what failed only: its text names a path)."""
     try:
-        async with identity.channel() as channel:
+        opened = identity.channel()
+    except CliError as error:
+        LOG.error(
+            "console cannot read its credentials: %s", type(error.__context__ or error).__name__
+        )
+        raise CallFailed(CREDENTIALS_UNREADABLE, CREDENTIALS_UNREADABLE, CREDENTIALS_TEXT) from None
+    try:
+        async with opened as channel:
             yield channel
     except grpc.aio.AioRpcError as error:
         raise _failed(error) from None

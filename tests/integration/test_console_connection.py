@@ -21,6 +21,7 @@ import pytest_asyncio
 from aiohttp import ClientSession, CookieJar
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
+from ztate.services.runtime.identity import Role
 
 ZTATE = str(Path(sys.executable).with_name("ztate"))
 URL = re.compile(r"(http://127\.0\.0\.1:(\d+))/\?token=([A-Za-z0-9_-]{43})")
@@ -133,3 +134,60 @@ async def test_flags_and_environment_come_before_the_context(tmp_path: Path, pki
     code, _, err = await ztate(env, "console", "--context", "nope")
     assert code == 2
     assert "no context 'nope'" in err, err
+
+
+async def test_credentials_gone_while_running_is_503_with_a_fixed_text(
+    tmp_path: Path, target: str, pki: Pki
+) -> None:
+    """The console's key file removed while it runs: its pages answer 503 with a fixed
+    text (not 500), and the log names only the type of the failure, not the path."""
+    operator, reviewer = pki.operator(), pki.identity(Role.REVIEWER, "alice")
+    mine = tmp_path / "creds"
+    mine.mkdir()
+    for source in (operator.cert, operator.key, operator.ca, reviewer.cert, reviewer.key):
+        (mine / source.name).write_bytes(source.read_bytes())
+    key = mine / operator.key.name
+    env = clean_env(tmp_path)
+    process = await asyncio.create_subprocess_exec(
+        ZTATE,
+        "console",
+        "--port",
+        "0",
+        *("--address", target, "--approval-address", "127.0.0.1:1"),
+        *("--client-cert", str(mine / operator.cert.name), "--client-key", str(key)),
+        *("--ca-cert", str(mine / operator.ca.name)),
+        *("--reviewer-cert", str(mine / reviewer.cert.name)),
+        *("--reviewer-key", str(mine / reviewer.key.name)),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        if not line:
+            pytest.fail(f"ztate console stopped: {(await process.stderr.read()).decode()}")
+        found = URL.search(line)
+        assert found, line
+        origin, token = found.group(1), found.group(3)
+        async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
+            async with session.get(f"{origin}/?token={token}", allow_redirects=False) as got:
+                assert got.status == 303
+            async with session.get(f"{origin}/threads") as got:
+                assert got.status == 200, await got.text()
+            key.unlink()  # the key file disappears while the console runs
+            async with session.get(f"{origin}/threads") as got:
+                page = await got.text()
+                assert got.status == 503, page
+            assert "the console cannot read its credentials" in page
+            assert str(key) not in page
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 30)
+    assert process.stderr is not None
+    logged = (await process.stderr.read()).decode()
+    assert "console cannot read its credentials: FileNotFoundError" in logged, logged
+    assert str(key) not in logged
+    assert "Traceback" not in logged
