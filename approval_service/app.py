@@ -33,7 +33,7 @@ from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_pin
 from ztate.services.runtime.identity import Authenticator
 from ztate.services.runtime.reflection import enable_reflection
 from ztate.services.runtime.revocation import Revocations
-from ztate.services.runtime.serving import raise_open_file_limit, server_options
+from ztate.services.runtime.serving import listen_on, raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.embedded import start_embedded_postgres
 from ztate.services.store.migrate import MigrationSet, apply_migrations, verify_migrations
@@ -220,9 +220,7 @@ async def _serve_on(
         ),
         server,
     )
-    port = server.add_secure_port(settings.listen, credentials)
-    if port == 0:
-        raise OSError(f"cannot listen on {settings.listen}")
+    port = listen_on(server, settings.listen, credentials)
     # ZTATE_APPROVAL_METRICS_LISTEN: GET /metrics, /readyz, /livez (docs/operations.md)
     telemetry.serve_metrics(health.serving_now)
     await server.start()

@@ -24,7 +24,7 @@ from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_pin
 from ztate.services.runtime.identity import Authenticator
 from ztate.services.runtime.reflection import enable_reflection
 from ztate.services.runtime.revocation import Revocations
-from ztate.services.runtime.serving import raise_open_file_limit, server_options
+from ztate.services.runtime.serving import listen_on, raise_open_file_limit, server_options
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.embedded import start_embedded_postgres
@@ -329,10 +329,7 @@ async def _start_traced(
         server,
     )
     try:
-        # grpc raises on an address it cannot bind (older versions returned 0)
-        port = server.add_secure_port(settings.listen, credentials)
-        if port == 0:
-            raise OSError(f"cannot listen on {settings.listen}")
+        port = listen_on(server, settings.listen, credentials)
         # ZTATE_METRICS_LISTEN: GET /metrics, /readyz, /livez (docs/operations.md)
         telemetry.serve_metrics(health.serving_now)
     except BaseException:

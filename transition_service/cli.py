@@ -68,6 +68,7 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
     from ztate.contract.errors import KeyFileError, KeyringError
     from ztate.services.policy.model import PolicyError
     from ztate.services.runtime.revocation import RevocationListError
+    from ztate.services.runtime.serving import CannotListen
     from ztate.services.store.migrate import MigrationError
     from ztate.services.store.waiting import (
         DatabaseNotReady,
@@ -98,6 +99,7 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
         MigrationError,
         RevocationListError,
         FileNotFoundError,
+        CannotListen,
         ValueError,  # a setting the service cannot use
     ) as exc:
         dsn = settings.database_url.get_secret_value() if settings.database_url else None
@@ -125,14 +127,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ztate.services.runtime.config import ApprovalSettings
     from ztate.services.runtime.telemetry import configure_logging
     from ztate.services.store.embedded import start_embedded_postgres
+    from ztate.transition_service.workers import port_is_free
 
     if not args.verbose:  # raw gRPC core lines: only with -v (GRPC_VERBOSITY overrides)
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     settings = settings_or_exit()
     configure_logging(settings.log_format)
     set_log_level("info" if args.verbose else args.log_level)
-    layout = ensure_dev_layout(settings)
     approval = ApprovalSettings(home=settings.home, trust_domain=settings.trust_domain)
+    for listen in (settings.listen, approval.listen):  # before anything starts: a
+        if not port_is_free(listen):  # second `ztate run` says so in one line
+            raise CliError(f"cannot start: {listen} is in use", USAGE)
+    layout = ensure_dev_layout(settings)
     database = (
         "DATABASE_URL" if settings.database_url else f"embedded Postgres in {settings.home / 'pg'}"
     )

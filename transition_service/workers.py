@@ -37,11 +37,13 @@ WORKER_FLAG = "--worker-of-group"
 
 
 def port_is_free(listen: str) -> bool:
-    """Whether ``host:port`` can be bound exclusively right now."""
+    """Whether ``host:port`` can be bound exclusively right now, as gRPC binds it
+    (``SO_REUSEADDR``: a port a stopped server left in TIME_WAIT is free)."""
     # validated with the settings; ":port" is every interface, as the service binds it
     host, port = parse_listen(f"0.0.0.0{listen}" if listen.startswith(":") else listen)  # noqa: S104
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:

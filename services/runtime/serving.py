@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import logging
 import resource
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("ztate.serving")
 
@@ -44,3 +48,20 @@ def raise_open_file_limit() -> int:
             log.warning("could not raise the open-file limit above %d: %s", soft, refused)
     log.info("open-file limit %d (each connection holds one)", soft)
     return soft
+
+
+class CannotListen(OSError):
+    """An address a server cannot listen on: in use (another ztate on it?) or not one
+    of this host's."""
+
+
+def listen_on(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials) -> int:
+    """``server.add_secure_port``, failing with ``CannotListen`` (gRPC raises a
+    RuntimeError on an address it cannot bind; older versions returned 0)."""
+    try:
+        port: int = server.add_secure_port(listen, credentials)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise CannotListen(f"cannot listen on {listen} (in use, or no address of this host)")
+    return port

@@ -604,10 +604,12 @@ async def test_a_failed_start_undoes_its_telemetry(
 ) -> None:
     import asyncpg.connection
 
+    from ztate.services.runtime.serving import CannotListen
+
     unbindable = traced_settings(settings, receiver).model_copy(
         update={"listen": f"unix:{tmp_path / 'missing-dir' / 'ztate.sock'}"}
     )
-    with pytest.raises(RuntimeError, match="Failed to bind"):
+    with pytest.raises(CannotListen, match="cannot listen on unix:"):
         await start(unbindable, dsn=database_dsn)
     assert not hasattr(asyncpg.connection.Connection.fetchval, "__wrapped__")
 

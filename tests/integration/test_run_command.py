@@ -161,3 +161,73 @@ async def test_run_sets_up_serves_and_keeps_data(tmp_path: Path) -> None:
         }
     finally:
         assert await stop(process) == 0
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes under ``pid`` now, from /proc (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+async def test_run_stops_cleanly_and_a_second_run_says_so(
+    tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    """From a fresh home: serving; a second ``ztate run`` on the same ports is one line
+    and exit 2, and the first one still serves; SIGINT or SIGTERM stops it with exit 0,
+    nothing on stderr, and neither its approval process nor its Postgres left behind."""
+    home, port, approval_port = tmp_path / "ztate-home", free_port(), free_port()
+    process = await start_run(home, port, approval_port)
+    try:
+        children = descendants(process.pid)
+        assert children, "ztate run started no approval process"
+        postgres = int((home / "pg" / "postmaster.pid").read_text().split()[0])
+        assert alive(postgres)
+
+        env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+        env.update(
+            ZTATE_HOME=str(home),
+            ZTATE_LISTEN=f"127.0.0.1:{port}",
+            ZTATE_APPROVAL_LISTEN=f"127.0.0.1:{approval_port}",
+        )
+        second = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).with_name("ztate")), "run", env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(second.communicate(), 60)
+        assert (second.returncode, out) == (2, b""), err.decode(errors="replace")
+        assert err.decode().splitlines() == [f"ztate: cannot start: 127.0.0.1:{port} is in use"]
+        assert alive(postgres)  # the first run's database is untouched
+        async with connect(home, port, "operator-admin") as operator:
+            await operator.create_thread("still", {"authority": {"tenant": "t"}})
+    finally:
+        process.send_signal(stop_signal)
+        _, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, stderr.decode(errors="replace")
+    assert stderr == b"", stderr.decode(errors="replace")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while left := [pid for pid in (*children, postgres) if alive(pid)]:
+        assert loop.time() < deadline, f"left running after ztate run stopped: {left}"
+        await asyncio.sleep(0.1)  # polling /proc for a condition, with a deadline
