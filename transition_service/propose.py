@@ -139,6 +139,11 @@ class Propose(UseCase):
             ),
             self._keyring,
         )
+        if lease is not None:
+            # the commit carries the fence: whatever it answers (even a failure whose
+            # outcome is unknown: it may have committed and released the lease), the
+            # lease is not fenced again for this proposal
+            lease.fenced = True
         result = await self._store.commit(
             sealed,
             state_bytes,
@@ -153,8 +158,6 @@ class Propose(UseCase):
         )
         if result is Commit.LEASE_LOST:
             raise errors.LeaseLost(LEASE_LOST)
-        if lease is not None:
-            lease.fenced = True  # the commit's fence passed
         if result is Commit.COMMITTED:
             self._heads.put(
                 proposal.thread_id,

@@ -451,7 +451,7 @@ class LeasedProposal:
     thread_id: str
     claim: LeaseClaim
     _holds: Callable[[str, str, int], Awaitable[bool]]
-    fenced: bool = False
+    fenced: bool = False  # the fence passed, or the commit that carries it was sent
 
     async def fence(self) -> None:
         """Refuse with ``LeaseLost`` unless the grant still holds the lease."""
