@@ -136,6 +136,8 @@ def commit_args(
         digest[:32],
         digest[32:],
         [],  # a version that wakes no node, as ztate's 1 KB receipt
+        None,  # under no lease
+        None,
     )
 
 

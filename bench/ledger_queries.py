@@ -446,6 +446,9 @@ async def measure_commit_cost(dsn: str, service_role: str, thread_id: str) -> Co
                     record,
                     None,
                     None,
+                    [],  # wakes no node
+                    None,  # under no lease
+                    None,
                 )
                 durations.append(time.perf_counter() - started)
                 state["version"], digest[0] = version, new

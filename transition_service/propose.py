@@ -43,16 +43,26 @@ from ztate.transition_service.requests import (
     Proposal,
 )
 from ztate.transition_service.usecase import UseCase, as_stored
+from ztate.transition_service.work import LEASE_LOST, LeasedProposal
 
 
 class Propose(UseCase):
     """``ProposeTransition``: commit, park, replay, or refuse (and record the refusal)."""
 
-    async def propose(self, caller: Identity, proposal: Proposal) -> Outcome:
-        """Run every check; commit, park, replay, or refuse (and record the refusal)."""
+    async def propose(
+        self, caller: Identity, proposal: Proposal, lease: LeasedProposal | None = None
+    ) -> Outcome:
+        """Run every check; commit, park, replay, or refuse (and record the refusal).
+        Under a ``lease``: refused with ``LeaseLost`` first of all when its grant no
+        longer holds it, checked before the first statement, or by the commit itself
+        (one round trip for a proposal that commits on a cached head)."""
         try:
-            outcome = await self._propose(caller, proposal)
+            outcome = await self._propose(caller, proposal, lease)
         except errors.ZtateError as refusal:  # StorageUnavailable too: the store's boundary
+            lost = await _fenced(lease, refusal)
+            if lost is not None:  # refused before its lease was fenced, and it is lost
+                await self.refused(caller, proposal, lost)
+                raise lost from None
             await self.refused(caller, proposal, refusal, recorded=refusal.recorded)
             if isinstance(refusal, errors.PolicyMismatch):
                 raise thread_not_found(proposal.thread_id) from None
@@ -79,7 +89,9 @@ class Propose(UseCase):
         if not recorded and not isinstance(refusal, errors.StorageUnavailable):
             await self._store.record_rejection(_rejection(caller, proposal, refusal))
 
-    async def _propose(self, caller: Identity, proposal: Proposal) -> Outcome:
+    async def _propose(
+        self, caller: Identity, proposal: Proposal, lease: LeasedProposal | None
+    ) -> Outcome:
         policy = check_registered(caller, self._policies)
         check_proposal_fields(proposal)
         node = caller.name
@@ -92,7 +104,7 @@ class Propose(UseCase):
         check_credentials(patch, policy)
         check_layers(patch, policy, node)
 
-        base = await self._base(caller, policy, proposal)
+        base = await self._base(caller, policy, proposal, lease)
         if not isinstance(base, CachedHead):
             return base
         state = apply_patch(base.state, patch)
@@ -106,7 +118,7 @@ class Propose(UseCase):
         risky = matched_risk_rules(policy, change)
         if risky:
             return await self._park(
-                caller, proposal, policy, base, patch, state_bytes, risky, digest_of_request
+                caller, proposal, policy, base, patch, state_bytes, risky, digest_of_request, lease
             )
 
         now = datetime.now(UTC)
@@ -127,6 +139,11 @@ class Propose(UseCase):
             ),
             self._keyring,
         )
+        if lease is not None:
+            # the commit carries the fence: whatever it answers (even a failure whose
+            # outcome is unknown: it may have committed and released the lease), the
+            # lease is not fenced again for this proposal
+            lease.fenced = True
         result = await self._store.commit(
             sealed,
             state_bytes,
@@ -136,7 +153,11 @@ class Propose(UseCase):
             request_digest=digest_of_request,
             # whom the version wakes, recorded by the commit itself (docs/work.md)
             woken=policy.woken(frozenset(patch), state, node),
+            # fenced and released by the commit's own transaction (migration 0019)
+            lease=None if lease is None else lease.claim,
         )
+        if result is Commit.LEASE_LOST:
+            raise errors.LeaseLost(LEASE_LOST)
         if result is Commit.COMMITTED:
             self._heads.put(
                 proposal.thread_id,
@@ -145,7 +166,7 @@ class Propose(UseCase):
             return Committed(
                 as_stored(sealed, now, proposal.idempotency_key, digest_of_request), False
             )
-        return await self._explain_lost_race(caller, policy, proposal, result)
+        return await self._explain_lost_race(caller, policy, proposal, result, lease)
 
     async def _park(
         self,
@@ -157,6 +178,7 @@ class Propose(UseCase):
         state_bytes: bytes,
         risky: list[str],
         digest_of_request: str,
+        lease: LeasedProposal | None,
     ) -> Outcome:
         """Keep a risky proposal for a human decision bound to its digest."""
         proposal_bytes = canonical_bytes(
@@ -171,6 +193,8 @@ class Propose(UseCase):
                 risk_rules=risky,
             )
         )
+        if lease is not None:
+            await lease.fence()
         parking = await self._store.park(
             PendingTransition(
                 digest=sha256_hex(proposal_bytes),
@@ -194,7 +218,7 @@ class Propose(UseCase):
         self._parked.set()
         parked, inserted = parking.pending, parking.outcome is Park.PARKED
         if parked is None:  # KEY_TAKEN: the key already names a committed request
-            return await self._replay_or_stale(caller, policy, proposal)
+            return await self._replay_or_stale(caller, policy, proposal, lease)
         same_request_key = (parked.node_id, parked.idempotency_key) == (
             caller.spiffe_id,
             proposal.idempotency_key,
@@ -210,7 +234,7 @@ class Propose(UseCase):
         return Parked(parked, replayed=not inserted)
 
     async def _base(
-        self, caller: Identity, policy: Policy, proposal: Proposal
+        self, caller: Identity, policy: Policy, proposal: Proposal, lease: LeasedProposal | None
     ) -> CachedHead | Outcome:
         """The head to build on: bound to the caller's policy (checked first, so that
         nothing, not even a version, is told about another workflow's thread) and at
@@ -219,7 +243,7 @@ class Propose(UseCase):
         if cached is not None:
             check_bound_policy(caller, policy, cached)
             return cached
-        found = await self._look_up(caller, policy, proposal)
+        found = await self._look_up(caller, policy, proposal, lease)
         head = found.head
         if head is None:
             raise thread_not_found(proposal.thread_id)
@@ -229,9 +253,14 @@ class Propose(UseCase):
             return _replayed_or_stale(proposal, found, head.version)
         return CachedHead(head.version, head.digest, state, head.policy_name)
 
-    async def _look_up(self, caller: Identity, policy: Policy, proposal: Proposal) -> HeadLookup:
+    async def _look_up(
+        self, caller: Identity, policy: Policy, proposal: Proposal, lease: LeasedProposal | None
+    ) -> HeadLookup:
         """The head and what the request's key names, in one round trip; a stale
-        proposal's rejection row written by the same statement."""
+        proposal's rejection row written by the same statement. Under a lease, fenced
+        first (a lost lease is refused before the stale version)."""
+        if lease is not None:
+            await lease.fence()
         template = errors.StaleVersion(_stale_message(proposal.expected_version, "%s"))
         return await self._store.head_for_request(
             proposal.thread_id,
@@ -241,21 +270,41 @@ class Propose(UseCase):
         )
 
     async def _explain_lost_race(
-        self, caller: Identity, policy: Policy, proposal: Proposal, result: Commit
+        self,
+        caller: Identity,
+        policy: Policy,
+        proposal: Proposal,
+        result: Commit,
+        lease: LeasedProposal | None,
     ) -> Outcome:
         if result is Commit.HEAD_MOVED:
             self._metrics.cas_conflicts.add(1)  # a conflict, not an idempotency key taken
-        return await self._replay_or_stale(caller, policy, proposal)
+        return await self._replay_or_stale(caller, policy, proposal, lease)
 
     async def _replay_or_stale(
-        self, caller: Identity, policy: Policy, proposal: Proposal
+        self, caller: Identity, policy: Policy, proposal: Proposal, lease: LeasedProposal | None
     ) -> Outcome:
-        found = await self._look_up(caller, policy, proposal)
+        found = await self._look_up(caller, policy, proposal, lease)
         if found.head is None:
             raise thread_not_found(proposal.thread_id)
         check_bound_policy(caller, policy, found.head)
         self._remember(found.head)
         return _replayed_or_stale(proposal, found, found.head.version)
+
+
+async def _fenced(
+    lease: LeasedProposal | None, refusal: errors.ZtateError
+) -> errors.ZtateError | None:
+    """A lease not fenced yet (the proposal was refused before any statement) is fenced
+    now: the fence's own refusal (``LeaseLost``, or ``StorageUnavailable``) is the one
+    to answer, as when the fence came first of all; None when ``refusal`` stands."""
+    if lease is None or lease.fenced or isinstance(refusal, errors.LeaseLost):
+        return None
+    try:
+        await lease.fence()
+    except errors.ZtateError as failure:
+        return failure
+    return None
 
 
 def _stale_message(expected_version: int, head_version: str) -> str:

@@ -6,7 +6,6 @@ refusals to gRPC statuses.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,9 +26,9 @@ from ztate.transition_service.decisions import (
 from ztate.transition_service.ledger_server import timestamp_message
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.reads import Lookup, RecordWithEvidence, ThreadReads
-from ztate.transition_service.requests import Parked, Proposal, Revert
+from ztate.transition_service.requests import Outcome, Parked, Proposal, Revert
 from ztate.transition_service.watch import Subscription, Watcher
-from ztate.transition_service.work import Work, WorkStream
+from ztate.transition_service.work import Leases, Work, WorkStream
 from ztate.v1 import approval_pb2, transition_pb2, transition_pb2_grpc
 
 log = logging.getLogger("ztate.rpc")
@@ -130,20 +129,12 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         )
 
         async def handle(caller: Identity) -> transition_pb2.ProposeTransitionResponse:
-            epoch = request.lease_epoch
-            if epoch and self._work is not None:
-                try:
-                    await self._work.leases.fence(caller, request.thread_id, epoch)
-                except errors.ZtateError as refusal:
-                    await self._pipeline.refused(caller, proposal, refusal)
-                    raise
-            outcome = await self._pipeline.propose(caller, proposal)
-            if epoch and self._work is not None:
-                # the node is done with the version it built on: the lease goes back
-                with contextlib.suppress(errors.LeaseLost):
-                    await self._work.leases.release(
-                        caller, request.thread_id, epoch, request.expected_version
-                    )
+            if request.lease_epoch and self._work is not None:
+                outcome = await propose_leased(
+                    self._pipeline, self._work.leases, caller, proposal, request.lease_epoch
+                )
+            else:
+                outcome = await self._pipeline.propose(caller, proposal)
             disclose = self._reads.discloses_records(caller)
             if isinstance(outcome, Parked):
                 return transition_pb2.ProposeTransitionResponse(
@@ -332,6 +323,28 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
             return transition_pb2.ReleaseLeaseResponse()
 
         return await guarded(context, self._authenticator, "ReleaseLease", handle)
+
+
+async def propose_leased(
+    pipeline: TransitionPipeline,
+    leases: Leases,
+    caller: Identity,
+    proposal: Proposal,
+    epoch: int,
+) -> Outcome:
+    """A proposal under lease grant ``epoch`` (a SubscribeWork worker's): refused with
+    ``LeaseLost`` (its rejection row recorded) when the grant no longer holds the lease;
+    once answered, the lease goes back, the node done with the version it built on. On
+    the happy path, one round trip: the commit fences and releases the lease itself
+    (migration 0019; docs/work.md, "Proposals under a lease")."""
+    try:
+        lease = leases.claim(caller, proposal.thread_id, epoch)
+    except errors.ZtateError as refusal:
+        await pipeline.refused(caller, proposal, refusal)
+        raise
+    outcome = await pipeline.propose(caller, proposal, lease)
+    await leases.finish(lease, proposal.expected_version)
+    return outcome
 
 
 def evidence_message(found: RecordWithEvidence) -> transition_pb2.GetTransitionResponse:

@@ -28,7 +28,7 @@ import itertools
 import logging
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -40,7 +40,7 @@ from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.runtime.thread_ids import check_thread_id
-from ztate.services.store.interface import TransitionStore
+from ztate.services.store.interface import LeaseClaim, TransitionStore
 from ztate.services.store.work import Lease, Waiting, WorkStore
 from ztate.transition_service.checks import check_registered
 from ztate.transition_service.outcomes import OutcomeListener
@@ -420,11 +420,46 @@ class Leases:
             raise errors.LeaseLost(LEASE_LOST)
         self._dispatcher.released(node, thread_id, epoch, more=more)
 
-    async def fence(self, caller: Identity, thread_id: str, epoch: int) -> None:
-        """Refuse a proposal under a grant that no longer holds the thread."""
+    def claim(self, caller: Identity, thread_id: str, epoch: int) -> LeasedProposal:
+        """A proposal of ``caller`` under grant ``epoch``: fenced before its first
+        statement, or by its commit (docs/work.md, "Proposals under a lease")."""
         node = self._node(caller, thread_id, epoch)
-        if not await self._work.holds(thread_id, node, epoch):
+        return LeasedProposal(thread_id, LeaseClaim(node, epoch), self._work.holds)
+
+    async def finish(self, lease: LeasedProposal, handled_version: int) -> None:
+        """The proposal was answered (committed, parked or replayed): the lease goes
+        back, the node done with ``handled_version``; no round trip when its commit
+        released it already. A grant that lost the lease meanwhile leaves it be."""
+        claim = lease.claim
+        if claim.settled:
+            if claim.more is not None:
+                self._dispatcher.released(claim.node, lease.thread_id, claim.epoch, more=claim.more)
+            return
+        if handled_version < -1:
+            raise errors.RequestInvalid("handled_version must be >= -1")
+        more = await self._work.release(lease.thread_id, claim.node, claim.epoch, handled_version)
+        if more is not None:
+            self._dispatcher.released(claim.node, lease.thread_id, claim.epoch, more=more)
+
+
+@dataclass(eq=False)
+class LeasedProposal:
+    """A proposal made under a lease grant, as the proposal pipeline fences it: once,
+    before the first statement it sends, unless that statement is its commit, which
+    fences (and releases) the lease in its own transaction (migration 0019)."""
+
+    thread_id: str
+    claim: LeaseClaim
+    _holds: Callable[[str, str, int], Awaitable[bool]]
+    fenced: bool = False  # the fence passed, or the commit that carries it was sent
+
+    async def fence(self) -> None:
+        """Refuse with ``LeaseLost`` unless the grant still holds the lease."""
+        if self.fenced:
+            return
+        if not await self._holds(self.thread_id, self.claim.node, self.claim.epoch):
             raise errors.LeaseLost(LEASE_LOST)
+        self.fenced = True
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,10 @@ Inside that statement every row keeps its own outcome, exactly the one-row state
 its own compare-and-swap on its thread's version and digest (and, when it commits, the
 nodes it wakes and its thread's wake mark, migration 0018), its own idempotency key
 (taken by a committed request: ``KEY_TAKEN``; by a parked one: the CAS refuses it), so
-one stale row never fails another. A batch holds at most one commit per thread (a
+one stale row never fails another. A commit made under a lease (a SubscribeWork
+worker's, migration 0019) leaves alone, in the one-row statement, which fences and
+releases the lease in its transaction; it waits for a free slot like any other. A batch
+holds at most one commit per thread (a
 second waits for the next batch, as it would have lost the race anyway or follows the
 first), and locks its threads' heads in thread-id order before updating them, so that
 two batches never deadlock. A commit is answered only when the statement that holds it
@@ -36,7 +39,8 @@ import asyncpg
 
 from ztate.services.store.interface import Commit
 
-# One row's parameters, in COMMIT's order ($1..$14; the last: the nodes it wakes).
+# One row's parameters, in COMMIT's order ($1..$16: then the nodes it wakes, and the node
+# and epoch of the lease it was proposed under, both None for none; migration 0019).
 CommitArgs = tuple[
     str,
     int,
@@ -52,6 +56,8 @@ CommitArgs = tuple[
     str | None,
     str | None,
     list[str],
+    str | None,
+    int | None,
 ]
 
 GROUP_COMMIT = """
@@ -125,10 +131,12 @@ SELECT i.n,
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One row's result: what the commit did, and whether a replica watches its thread."""
+    """One row's result: what the commit did, whether a replica watches its thread, and
+    for a row under a lease that the commit released, whether more work waits."""
 
     commit: Commit
     watched: bool
+    more: bool | None = None
 
 
 @dataclass(slots=True)
@@ -172,15 +180,27 @@ class GroupCommitter:
             task.add_done_callback(self._sent)
 
     def _take(self) -> list[_Waiting]:
-        """Up to ``max_batch`` waiting commits, at most one per thread, oldest first."""
+        """Up to ``max_batch`` waiting commits, at most one per thread, oldest first; a
+        commit under a lease always alone (GROUP_COMMIT neither fences nor releases
+        leases: the one-row statement does)."""
         batch: list[_Waiting] = []
         later: list[_Waiting] = []
         threads: set[str] = set()
+        alone = False
         for waiting in self._queue:
             thread_id = waiting.args[0]
             if waiting.answer.done():  # its caller was cancelled: nothing to send
                 continue
-            if len(batch) < self._max_batch and thread_id not in threads:
+            leased = waiting.args[15] is not None
+            if not batch and leased:
+                alone = True
+                batch.append(waiting)
+            elif (
+                not alone
+                and not leased
+                and len(batch) < self._max_batch
+                and (thread_id not in threads)
+            ):
                 threads.add(thread_id)
                 batch.append(waiting)
             else:

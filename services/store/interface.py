@@ -56,6 +56,21 @@ class Commit(enum.Enum):
     COMMITTED = "committed"
     HEAD_MOVED = "head moved"  # the compare-and-swap lost: a conflict
     KEY_TAKEN = "key taken"  # the idempotency key names a committed request: a replay?
+    LEASE_LOST = "lease lost"  # the proposal's lease grant no longer holds: nothing written
+
+
+@dataclass(slots=True)
+class LeaseClaim:
+    """A commit made under a lease grant (migration 0019): ``node``'s lease on the thread
+    at ``epoch``, fenced and released by the commit itself. Set by a commit that
+    committed: ``settled`` (it tried the release) and ``more`` (it released the lease,
+    and more work waits for the node there; ``None``: the grant had lost the lease by
+    then, and the lease stays its new owner's)."""
+
+    node: str
+    epoch: int
+    settled: bool = False
+    more: bool | None = None
 
 
 class Park(enum.Enum):
@@ -164,16 +179,20 @@ class TransitionStore(Protocol):
         idempotency_key: str,
         request_digest: str,
         woken: Sequence[str] = (),
+        lease: LeaseClaim | None = None,
     ) -> Commit:
         """Compare-and-swap the head from ``expected_version`` (and the record's
         parent digest) to the record's version, append the record, and record the
         work of the ``woken`` nodes (advancing the thread's wake mark to the version
         when it was at ``expected_version``), atomically; the woken nodes are announced
-        after.
+        after. Under a ``lease``: first its fence, and once committed its release
+        (handled up to ``expected_version``; ``lease.released`` set), in the same
+        transaction.
         ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was elsewhere (or the
         thread does not exist, or ``idempotency_key`` names a request of this node
         parked on the thread); nothing was written. ``KEY_TAKEN``: this node already
         committed a request under ``idempotency_key`` on this thread; nothing was
+        written. ``LEASE_LOST``: the lease grant no longer holds; nothing was
         written."""
 
     async def find_by_idempotency_key(

@@ -31,6 +31,7 @@ from ztate.services.store.interface import (
     Creation,
     HeadLookup,
     KeptState,
+    LeaseClaim,
     Park,
     Parking,
     StaleRefusal,
@@ -66,8 +67,12 @@ ON_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname =
 # distributed by its first argument: the call runs on the worker holding the thread, as
 # one local transaction (docs/scale-out.md).
 COMMIT = (
-    "SELECT ztate.commit_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+    "SELECT ztate.commit_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, "
+    "$15, $16)"
 )
+# ztate.commit_transition's answer (migration 0019): NULL head moved, -1 lease lost,
+# else committed with these bits
+WATCHED, RELEASED, MORE_WORK = 1, 2, 4
 
 # A creation: the head, the genesis record, the nodes the genesis wakes and the thread's
 # wake mark (migration 0018: every version is decided by the statement that commits it).
@@ -338,10 +343,12 @@ class PostgresTransitionStore:
         idempotency_key: str,
         request_digest: str,
         woken: Sequence[str] = (),
+        lease: LeaseClaim | None = None,
     ) -> Commit:
         """In one statement: the compare-and-swap, the ledger insert and the nodes the
-        version wakes; with the commits that arrive meanwhile, when every commit slot is
-        busy (``group_commit``). The woken nodes are announced once it committed."""
+        version wakes (under a ``lease``, its fence and release too); with the commits
+        that arrive meanwhile, when every commit slot is busy (``group_commit``; a
+        leased commit alone). The woken nodes are announced once it committed."""
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
         outcome = await self._committer.commit(
@@ -360,9 +367,13 @@ class PostgresTransitionStore:
                 idempotency_key,
                 request_digest,
                 list(woken),
+                None if lease is None else lease.node,
+                None if lease is None else lease.epoch,
             )
         )
         self._metrics.commit_duration.record(time.perf_counter() - started)
+        if lease is not None and outcome.commit is Commit.COMMITTED:
+            lease.settled, lease.more = True, outcome.more
         if outcome.commit is Commit.COMMITTED:
             await self._announce(record["thread_id"] if outcome.watched else None, woken)
         return outcome.commit
@@ -384,13 +395,19 @@ class PostgresTransitionStore:
     async def _commit_alone(self, args: CommitArgs) -> CommitOutcome:
         """The one-row statement (``COMMIT``)."""
         try:
-            watched: bool | None = await self._pool.fetchval(COMMIT, *args)
+            answer: int | None = await self._pool.fetchval(COMMIT, *args)
         except asyncpg.UniqueViolationError:
             # the whole call, head update included, rolled back
             return CommitOutcome(Commit.KEY_TAKEN, watched=False)
-        if watched is None:
+        if answer is None:
             return CommitOutcome(Commit.HEAD_MOVED, watched=False)
-        return CommitOutcome(Commit.COMMITTED, watched=watched)
+        if answer < 0:
+            return CommitOutcome(Commit.LEASE_LOST, watched=False)
+        return CommitOutcome(
+            Commit.COMMITTED,
+            watched=bool(answer & WATCHED),
+            more=bool(answer & MORE_WORK) if answer & RELEASED else None,
+        )
 
     @translated
     async def find_by_idempotency_key(

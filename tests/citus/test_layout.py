@@ -15,6 +15,7 @@ from ztate.services.store.transitions import (
     COMMIT,
     HEAD_FOR_REQUEST,
     PARK,
+    RELEASED,
     PostgresTransitionStore,
 )
 
@@ -117,17 +118,25 @@ async def test_the_commit_is_one_round_trip_to_one_worker(
             "INSERT INTO ztate.wake_marks (thread_id, evaluated_version) VALUES ($1, 0)",
             thread_id,
         )
+        await conn.execute(  # a lease of node 'lessee' on the thread, grant 1
+            "INSERT INTO ztate.node_work (thread_id, node, wake_version, epoch, holder, "
+            "expires_at) VALUES ($1, 'lessee', 0, 1, 'h', now() + interval '1 hour')",
+            thread_id,
+        )
         await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
         per_commit: list[list[str]] = []
         parent = "0" * 64
         for version in range(1, 8):  # past the 5 custom plans of a prepared statement
             remote.clear()
             digest = f"{version:064d}"
-            watched = await conn.fetchval(
+            # the first under a lease it fences and releases (migration 0019)
+            lease = ("lessee", 1) if version == 1 else (None, None)
+            answer = await conn.fetchval(
                 COMMIT, thread_id, version - 1, version, digest, b"{}", parent, "n", "k",
-                "a" * 64, datetime.now(UTC), b"{}", f"i-{version}", "r", ["planner"],
+                "a" * 64, datetime.now(UTC), b"{}", f"i-{version}", "r", ["planner"], *lease,
             )  # fmt: skip
-            assert watched is False  # committed, and no replica watches the thread
+            # committed, and no replica watches the thread; the lease released, no more work
+            assert answer == (RELEASED if version == 1 else 0)
             parent = digest
             per_commit.append(list(remote))
         head = await conn.fetchval(
@@ -135,7 +144,9 @@ async def test_the_commit_is_one_round_trip_to_one_worker(
         )
         await conn.execute("SET citus.log_remote_commands = off")
         work = await conn.fetch(
-            "SELECT node, wake_version FROM ztate.node_work WHERE thread_id = $1", thread_id
+            "SELECT node, wake_version, handled_version, holder FROM ztate.node_work "
+            "WHERE thread_id = $1 ORDER BY node",
+            thread_id,
         )
         mark = await conn.fetchval(
             "SELECT evaluated_version FROM ztate.wake_marks WHERE thread_id = $1", thread_id
@@ -143,8 +154,9 @@ async def test_the_commit_is_one_round_trip_to_one_worker(
     finally:
         await conn.close()
     assert head == 7
-    # the nodes each version woke and the wake mark, written by the same call (0018)
-    assert [(r["node"], r["wake_version"]) for r in work] == [("planner", 7)]
+    # the nodes each version woke and the wake mark, written by the same call (0018); the
+    # lease released by the first, handled up to the version it built on (0019)
+    assert [tuple(r) for r in work] == [("lessee", 0, 0, None), ("planner", 7, -1, None)]
     assert mark == 7
     for sent in per_commit:
         assert len(sent) == 1, sent  # one command: the call itself
@@ -171,7 +183,7 @@ async def test_a_commit_that_loses_its_race_writes_nothing_on_the_cluster(
         )
         lost = await conn.fetchval(
             COMMIT, thread_id, 3, 4, "4" * 64, b"{}", "0" * 64, "n", "k",
-            "a" * 64, datetime.now(UTC), b"{}", "i-lost", "r", ["planner"],
+            "a" * 64, datetime.now(UTC), b"{}", "i-lost", "r", ["planner"], None, None,
         )  # fmt: skip
         head = await conn.fetchval(
             "SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id

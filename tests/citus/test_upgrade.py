@@ -1,6 +1,7 @@
 """``ztate db citus`` on a database it laid out before: again after ``citus_add_node``,
-and after an upgrade across migration 0018, which replaces the commit function (a new
-argument: the nodes a version wakes) that ``ztate db citus`` distributed.
+and after an upgrade across migrations 0018 and 0019, which replace the commit function
+(new arguments: the nodes a version wakes; the lease grant it fences and releases) that
+``ztate db citus`` distributed.
 
 The cluster is laid out as the version before it left it (migrations up to 0017, the
 commit function of 13 arguments distributed by its thread id), then upgraded as
@@ -32,7 +33,8 @@ OLD_COMMIT = (
     "ztate.commit_transition(text, bigint, bigint, text, bytea, text, text, text, text, "
     "timestamptz, bytea, text, text)"
 )
-NEW_COMMIT = OLD_COMMIT.removesuffix(")") + ", text[])"
+COMMIT_0018 = OLD_COMMIT.removesuffix(")") + ", text[])"
+NEW_COMMIT = COMMIT_0018.removesuffix(")") + ", text, bigint)"  # migration 0019
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ DISTRIBUTED_BY = (
 )
 
 
-async def test_the_commit_stays_on_one_worker_across_the_upgrade_to_0018(
+async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_0019(
     citus_cluster: CitusCluster,
 ) -> None:
     dsn = await citus_cluster.database()
@@ -74,14 +76,17 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrade_to_0018(
         await prepare_for_citus(conn)
         await conn.execute(
             layout_sql("citus_distribute").replace(
-                "timestamptz, bytea, text, text, text[])", "timestamptz, bytea, text, text)"
+                "timestamptz, bytea, text, text, text[], text,\n"
+                "                                 bigint)",
+                "timestamptz, bytea, text, text)",
             )
         )
         assert await conn.fetchval(DISTRIBUTED_BY, OLD_COMMIT) == 0
 
         applied = await migrate(conn, SERVICE_ROLE)  # `ztate db migrate`
-        assert applied == ["0018_wakes_in_the_commit"]
+        assert applied == ["0018_wakes_in_the_commit", "0019_leases_in_the_commit"]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
+        assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None
         await apply_citus_layout(conn)  # `ztate db citus`, again
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
 
@@ -99,9 +104,9 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrade_to_0018(
             "ab" * 32,
         )
         await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
-        watched = await conn.fetchval(
+        answer = await conn.fetchval(
             COMMIT, thread_id, 0, 1, "1" * 64, b"{}", "0" * 64, "n", "k",
-            "a" * 64, datetime.now(UTC), b"{}", "i-1", "r", ["planner"],
+            "a" * 64, datetime.now(UTC), b"{}", "i-1", "r", ["planner"], None, None,
         )  # fmt: skip
         await conn.execute("SET citus.log_remote_commands = off")
         work = await conn.fetch(
@@ -109,7 +114,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrade_to_0018(
         )
     finally:
         await conn.close()
-    assert watched is False  # committed
+    assert answer == 0  # committed, unwatched, under no lease
     assert [(r["node"], r["wake_version"]) for r in work] == [("planner", 1)]
     sent = [m for m in remote if "ztate.commit_transition(" in m]
     assert len(sent) == 1, remote  # one command: the call itself

@@ -24,10 +24,12 @@ from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
-from ztate.services.store.interface import Commit
+from ztate.services.store.interface import Commit, LeaseClaim
 from ztate.services.store.transitions import PostgresTransitionStore, keep_session
+from ztate.services.store.work import WorkStore
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.requests import Committed, Proposal
+from ztate.transition_service.work import LeasedProposal
 from ztate.worker_sdk import encode_json
 
 OPERATOR = Identity(TRUST_DOMAIN, Role.OPERATOR, "admin")
@@ -123,6 +125,57 @@ async def test_a_burst_commits_in_one_transaction_and_only_the_stale_proposal_is
     snapshot = await ledger.snapshot(stale)
     assert (snapshot.head_version, snapshot.transitions) == (1, 2)
     assert [r["reason"] for r in await ledger.rejections(stale)] == ["STALE_VERSION"]
+    for thread_id in threads:
+        assert await ledger.verify(thread_id) == 2
+
+
+async def test_a_commit_under_a_lease_leaves_alone_and_releases_its_lease(
+    pools: list[asyncpg.Pool],
+    settings: Settings,
+    keyring: Keyring,
+    ledger: Ledger,
+    database_dsn: str,
+) -> None:
+    """GROUP_COMMIT neither fences nor releases leases: a proposal under a lease that
+    arrives in a burst leaves alone, in the one-row function that does both (migration
+    0019), while the commits under no lease around it still leave together."""
+    ours = pipeline(pools[0], settings, keyring)
+    work = WorkStore(pools[0])
+    threads = [new_thread_id() for _ in range(5)]
+    for thread_id in threads:
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    leased = threads[2]
+    grant = await work.acquire(leased, "input-parser", "test", 30.0)
+    assert grant is not None
+    lease = LeasedProposal(leased, LeaseClaim("input-parser", grant.epoch), work.holds)
+
+    outcomes = await asyncio.gather(
+        *(
+            ours.propose(PARSER, proposal(t, 0, f"burst-{t}"), lease if t == leased else None)
+            for t in threads
+        )
+    )
+
+    assert all(isinstance(o, Committed) and not o.replayed for o in outcomes), outcomes
+    assert (lease.claim.settled, lease.claim.more) == (True, False)
+    # the first alone (the one slot was free), then the three under no lease together,
+    # then the leased one alone
+    together = [t for n, t in enumerate(threads) if n not in (0, 2)]
+    txids = await inserting_transactions(database_dsn, together, 1)
+    assert len(txids) == 3
+    assert len(set(txids)) == 1
+    assert (await inserting_transactions(database_dsn, [leased], 1))[0] not in txids
+    conn = await asyncpg.connect(database_dsn)
+    try:
+        row = await conn.fetchrow(
+            "SELECT epoch, holder, handled_version FROM ztate.node_work "
+            "WHERE thread_id = $1 AND node = 'input-parser'",
+            leased,
+        )
+    finally:
+        await conn.close()
+    assert row is not None
+    assert tuple(row) == (grant.epoch, None, 0)
     for thread_id in threads:
         assert await ledger.verify(thread_id) == 2
 

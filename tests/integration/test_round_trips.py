@@ -11,7 +11,9 @@ approving ApplyDecision at most 3 (it was 11: parked row, nonce, head, candidate
 BEGIN, lock, commit, receipt, announcement, COMMIT, head again), and so every other
 ApplyDecision outcome: a rejection, an approval the policy now refuses, an approval whose
 thread moved on (each was 6 or 7: the lookup, then a transaction of four or five
-statements; migration 0017 makes each one call).
+statements; migration 0017 makes each one call). And a proposal under a lease (a
+SubscribeWork worker's) that commits: 1 round trip (it was 3: the fence, the commit, the
+release; migration 0019 makes them one call).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from ztate.transition_service.heads import HeadCache
 from ztate.transition_service.outcomes import OutcomeListener
 from ztate.transition_service.pipeline import TransitionPipeline
 from ztate.transition_service.requests import Committed, Parked, Proposal
-from ztate.transition_service.work import Waker
+from ztate.transition_service.server import propose_leased
+from ztate.transition_service.work import Leases, Waker, WorkDispatcher
 from ztate.worker_sdk import encode_json
 
 OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"  # a sensitive change: parked
@@ -532,3 +535,149 @@ async def test_a_commit_whose_announcement_fails_is_still_answered_committed(
     assert first.statements == [COMMIT, ANNOUNCE_WORK]  # it tried to announce the planner
     assert [r["version"] for r in await ledger.rows(thread_id)] == [0, 1]
     assert (await work_rows(lane_dsn, thread_id))[0][-1] == ("planner", 1)
+
+
+# --- proposals under a lease (SubscribeWork workers; migration 0019) -------------------------
+
+
+def leases_of(counted: Counted, lane_dsn: str, settings: Settings) -> Leases:
+    """The service's lease handling on the replica's own (counted) pool; its dispatcher
+    is never started (nothing subscribes here)."""
+    policies = PolicySet.load(settings.policy_path)
+    work = WorkStore(counted.pool)
+    dispatcher = WorkDispatcher(
+        PostgresTransitionStore(counted.pool),
+        work,
+        policies,
+        Waker(work, policies),
+        OutcomeListener(lane_dsn, settings.db_role),
+        lease_seconds=30.0,
+        poll_seconds=60.0,
+        max_streams=4,
+        per_identity=4,
+        lifetime=60.0,
+    )
+    return Leases(work, dispatcher)
+
+
+async def parser_lease(lane_dsn: str, thread_id: str) -> asyncpg.Record:
+    conn = await asyncpg.connect(lane_dsn)
+    try:
+        row = await conn.fetchrow(
+            "SELECT epoch, holder, handled_version FROM ztate.node_work "
+            "WHERE thread_id = $1 AND node = 'input-parser'",
+            thread_id,
+        )
+    finally:
+        await conn.close()
+    assert row is not None
+    return row
+
+
+def quiet(thread_id: str, version: int, key: str) -> Proposal:
+    """A proposal whose version wakes nobody (no announcement after its commit)."""
+    return Proposal(thread_id, version, encode_json({"requested_action": act(key, "none")}), key)
+
+
+async def test_a_leased_proposal_that_commits_costs_one_round_trip(
+    replicas: tuple[Counted, Counted], ledger: Ledger, lane_dsn: str, settings: Settings
+) -> None:
+    """The fence and the release happen in the commit's own call: one statement (it was
+    three: HOLDS, the commit, RELEASE), the lease given back exactly as RELEASE did
+    (no holder, handled up to the version the proposal built on)."""
+    first, _ = replicas
+    leases = leases_of(first, lane_dsn, settings)
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    lease = await WorkStore(first.pool).acquire(thread_id, "input-parser", "test", 30.0)
+    assert lease is not None  # the initial raw_text woke the parser at version 0
+
+    first.reset()
+    committed = await propose_leased(
+        first.pipeline, leases, PARSER, quiet(thread_id, 0, "k-1"), lease.epoch
+    )
+
+    assert isinstance(committed, Committed)
+    assert not committed.replayed
+    assert first.statements == [COMMIT]
+    assert [r["version"] for r in await ledger.rows(thread_id)] == [0, 1]
+    released = await parser_lease(lane_dsn, thread_id)
+    assert (released["epoch"], released["holder"], released["handled_version"]) == (
+        lease.epoch,
+        None,
+        0,
+    )
+
+
+async def test_a_leased_proposal_whose_lease_was_lost_commits_nothing(
+    replicas: tuple[Counted, Counted], ledger: Ledger, lane_dsn: str, settings: Settings
+) -> None:
+    """A grant that no longer holds the lease (released, and granted again under a new
+    epoch) is refused with LEASE_LOST by the commit's own fence: nothing committed, its
+    rejection row recorded, the new grant untouched. Even when the head moved meanwhile
+    (the replica's cache still at the old version): the lost lease is the refusal."""
+    first, second = replicas
+    leases = leases_of(first, lane_dsn, settings)
+    work = WorkStore(first.pool)
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    old = await work.acquire(thread_id, "input-parser", "test", 30.0)
+    assert old is not None
+    assert await work.release(thread_id, "input-parser", old.epoch, -1) is True
+    new = await work.acquire(thread_id, "input-parser", "other", 30.0)
+    assert new is not None
+    assert new.epoch == old.epoch + 1
+
+    for expected, key in [(0, "k-lost"), (0, "k-lost-moved")]:
+        first.reset()
+        with pytest.raises(errors.LeaseLost):
+            await propose_leased(
+                first.pipeline, leases, PARSER, quiet(thread_id, expected, key), old.epoch
+            )
+        assert first.statements[0] == COMMIT, first.statements  # the commit fenced it
+        assert len(first.statements) == 2, first.statements  # then the rejection row
+        if key == "k-lost":  # the head moves under the replica's cached version 0
+            moved = await second.pipeline.propose(PARSER, quiet(thread_id, 0, "k-other"))
+            assert isinstance(moved, Committed)
+
+    rejected = await ledger.rejections(thread_id)
+    assert [(r["reason"], r["base_version"]) for r in rejected] == [
+        ("LEASE_LOST", 0),
+        ("LEASE_LOST", 0),
+    ]
+    rows = await ledger.rows(thread_id)
+    assert [(r["version"], r["idempotency_key"]) for r in rows] == [(0, None), (1, "k-other")]
+    held = await parser_lease(lane_dsn, thread_id)
+    assert (held["epoch"], held["holder"], held["handled_version"]) == (new.epoch, "other", -1)
+
+
+async def test_a_stale_leased_proposal_keeps_its_lease(
+    replicas: tuple[Counted, Counted], ledger: Ledger, lane_dsn: str, settings: Settings
+) -> None:
+    """A stale proposal under a lease that holds is refused as before (STALE_VERSION, its
+    rejection row) and the lease stays held; it costs the commit, which fenced it, and
+    the look-up that explains the lost race (it was three: the fence first)."""
+    first, second = replicas
+    leases = leases_of(first, lane_dsn, settings)
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    lease = await WorkStore(first.pool).acquire(thread_id, "input-parser", "test", 30.0)
+    assert lease is not None
+    moved = await second.pipeline.propose(PARSER, quiet(thread_id, 0, "k-other"))
+    assert isinstance(moved, Committed)
+
+    first.reset()
+    with pytest.raises(errors.StaleVersion) as refused:
+        await propose_leased(
+            first.pipeline, leases, PARSER, quiet(thread_id, 0, "k-stale"), lease.epoch
+        )
+
+    assert refused.value.current_version == 1
+    assert first.statements[0] == COMMIT, first.statements
+    assert len(first.statements) <= LOST_RACE_BUDGET, first.statements
+    assert [(r["reason"], r["base_version"]) for r in await ledger.rejections(thread_id)] == [
+        ("STALE_VERSION", 0)
+    ]
+    assert (await ledger.snapshot(thread_id)).head_version == 1
+    held = await parser_lease(lane_dsn, thread_id)
+    assert (held["epoch"], held["holder"], held["handled_version"]) == (lease.epoch, "test", -1)

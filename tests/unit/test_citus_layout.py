@@ -152,8 +152,8 @@ def test_the_commit_names_its_thread_in_every_table_it_touches() -> None:
     thread id first (the argument `ztate db citus` distributes it by), and each table the
     function touches is a distributed one, reached by that thread id (the insert writes
     it itself). tests/citus/test_layout.py checks the remote commands on a real cluster."""
-    assert re.fullmatch(r"SELECT ztate\.commit_transition\(\$1, .*\$14\)", COMMIT)
-    # the newest definition of the function (migration 0018: with the nodes it wakes)
+    assert re.fullmatch(r"SELECT ztate\.commit_transition\(\$1, .*\$16\)", COMMIT)
+    # the newest definition of the function (migration 0019: with the lease it fences)
     create = "CREATE OR REPLACE FUNCTION ztate.commit_transition("
     defining = [m.sql for m in bundled_migrations() if create in m.sql]
     body = defining[-1].split(create, 1)[1].split("$$;", 1)[0]
@@ -164,6 +164,8 @@ def test_the_commit_names_its_thread_in_every_table_it_touches() -> None:
     assert re.search(r"VALUES \(p_thread_id, ", body)
     assert re.search(r"SELECT p_thread_id, n, p_version FROM unnest\(p_woken\)", body)
     assert re.search(r"m\.thread_id = p_thread_id AND m\.evaluated_version >= p_expected", body)
+    # the lease's fence and release: its row on the same thread
+    assert len(re.findall(r"l\.thread_id = p_thread_id AND l\.node = p_lease_node", body)) == 2
     distribute = layout_sql("citus_distribute")
     assert "create_distributed_function(call, '$1'" in distribute
     assert "colocate_with => 'ztate.threads'" in distribute

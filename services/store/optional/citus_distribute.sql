@@ -58,8 +58,8 @@ BEGIN
 END;
 $$;
 
--- The calls of a worker's request (migrations 0016 and 0018), distributed by their thread id and
--- co-located with ztate.threads: Citus delegates each call, made outside a transaction
+-- The calls of a worker's request (migrations 0016, 0018 and 0019), distributed by their
+-- thread id and co-located with ztate.threads: Citus delegates each call, made outside a transaction
 -- block, to the worker holding the thread's shard group, where it runs as one local
 -- transaction (no intermediate results, no two-phase commit).
 DO $$
@@ -68,7 +68,8 @@ DECLARE
 BEGIN
     FOREACH call IN ARRAY ARRAY[
         'ztate.commit_transition(text, bigint, bigint, text, bytea, text, text, text, text,
-                                 timestamptz, bytea, text, text, text[])'::regprocedure,
+                                 timestamptz, bytea, text, text, text[], text,
+                                 bigint)'::regprocedure,
         'ztate.park_transition(text, text, bigint, text, text, bytea, bytea, text[], text,
                                text, timestamptz, text[], integer)'::regprocedure] LOOP
         IF NOT EXISTS (SELECT 1 FROM pg_dist_object
