@@ -70,6 +70,8 @@ export interface View {
 export interface Created {
   /** The genesis transition: version 0, parent digest 64 zeros. */
   transition: Transition;
+  /** True when this repeats its caller's creation of the thread (same state and policy): nothing was written. */
+  replayed: boolean;
 }
 
 /** A committed proposal. */
@@ -334,7 +336,7 @@ export class ZtateClient {
     if (reply.genesis === undefined) {
       throw new EvidenceInvalid("reply.form", "the service sent no genesis");
     }
-    return { transition: reply.genesis };
+    return { transition: reply.genesis, replayed: reply.replayed };
   }
 
   /** The caller's view of the thread's head. */

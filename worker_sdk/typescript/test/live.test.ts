@@ -231,8 +231,10 @@ test("an operator creates a thread; its own repeat answers the genesis; another 
   assert.equal(created.transition.threadId, id);
   assert.equal(created.transition.version, 0n);
   assert.equal(created.transition.parentDigest, "0".repeat(64));
+  assert.equal(created.replayed, false);
   const again = await client.createThread(id, INITIAL, "pipeline");
   assert.equal(again.transition.digest, created.transition.digest, "the retry is answered with the genesis");
+  assert.equal(again.replayed, true, "and says it replays");
   await assert.rejects(client.createThread(id, { ...INITIAL, raw_text: "another" }, "pipeline"), (error: unknown) => {
     assert.ok(error instanceof ZtateError, String(error));
     assert.equal(error.reason, "THREAD_EXISTS");
