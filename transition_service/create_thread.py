@@ -25,6 +25,7 @@ from ztate.transition_service.checks import (
     parse_admitted,
 )
 from ztate.transition_service.heads import CachedHead
+from ztate.transition_service.requests import Committed
 from ztate.transition_service.usecase import UseCase, as_stored
 from ztate.transition_service.work import acting_node
 
@@ -34,7 +35,9 @@ class CreateThread(UseCase):
 
     async def create_thread(
         self, caller: Identity, thread_id: str, policy_name: str, initial_state_json: bytes
-    ) -> StoredTransition:
+    ) -> Committed:
+        """The genesis, ``replayed`` when this caller created the thread before with this
+        initial state and policy (``_created_before``): nothing is written then."""
         check_privileged(caller, "create threads")
         check_thread_id(thread_id)
         policy = self._policy_named(policy_name)
@@ -78,9 +81,9 @@ class CreateThread(UseCase):
             earlier = await self._created_before(caller, thread_id, policy.name, initial)
             if earlier is None:
                 raise errors.ThreadExists(f"thread {thread_id!r} already exists")
-            return earlier
+            return Committed(earlier, replayed=True)
         self._heads.put(thread_id, CachedHead(0, sealed.digest, state, policy.name))
-        return as_stored(sealed, now, None, None)
+        return Committed(as_stored(sealed, now, None, None), replayed=False)
 
     async def _created_before(
         self, caller: Identity, thread_id: str, policy_name: str, initial: JsonObject

@@ -95,11 +95,12 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         self, request: transition_pb2.CreateThreadRequest, context: Context
     ) -> transition_pb2.CreateThreadResponse:
         async def handle(caller: Identity) -> transition_pb2.CreateThreadResponse:
-            genesis = await self._pipeline.create_thread(
+            created = await self._pipeline.create_thread(
                 caller, request.thread_id, request.policy, request.initial_state_json
             )
             return transition_pb2.CreateThreadResponse(
-                genesis=transition_message(genesis, disclose=True)
+                genesis=transition_message(created.transition, disclose=True),
+                replayed=created.replayed,
             )
 
         return await guarded(context, self._authenticator, "CreateThread", handle)

@@ -9,7 +9,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from ztate.worker_sdk.client import Outcome, Transition, View, WorkItem, ZtateClient
 from ztate.worker_sdk.errors import (
@@ -27,6 +27,21 @@ Patch = dict[str, Any]
 # client's one channel, for up to approval_wait; a server takes 256 streams at most)
 MAX_OUTCOME_WAITS = 32
 Handler = Callable[[View], Patch | Awaitable[Patch | None] | None]
+
+
+class ServeOptions(TypedDict, total=False):
+    """The options of a runner that serves all of its node's work (``NodeRunner.for_node``,
+    ``SyncZtateClient.serve``): the ``NodeRunner`` fields of the same names, one list
+    for both APIs."""
+
+    node_name: str
+    attempts: int
+    approval_wait: float
+    on_step: Callable[[Step], None] | None
+    on_parked: Callable[[AwaitingApproval], None] | None
+    concurrency: int
+    shutdown_grace: float
+    max_outcome_waits: int
 
 
 @dataclass
@@ -87,10 +102,10 @@ class NodeRunner:
 
     @classmethod
     def for_node(
-        cls, client: ZtateClient, handler: Handler, *, node_name: str = "node", **options: Any
+        cls, client: ZtateClient, handler: Handler, **options: Unpack[ServeOptions]
     ) -> NodeRunner:
         """A runner that serves all of its node's work (``serve``), not one thread."""
-        return cls(client, "", handler, node_name=node_name, **options)
+        return cls(client, "", handler, **options)
 
     async def serve(self, stop: asyncio.Event | None = None) -> list[Step]:
         """Serve every thread on which the node has work (``SubscribeWork``) until

@@ -399,14 +399,14 @@ class ZtateClient:
         ``policy`` may be empty when the service loads a single policy. Returns the
         genesis transition. Retried like the other calls: the service answers a
         caller that creates the same thread again with the same state and policy
-        with its genesis, so a retry after a lost reply is not ``THREAD_EXISTS``
-        (another state, policy or caller is).
+        with its genesis (``replayed`` True: nothing written), so a retry after a lost
+        reply is not ``THREAD_EXISTS`` (another state, policy or caller is).
         """
         request = transition_pb2.CreateThreadRequest(
             thread_id=thread_id, initial_state_json=encode_json(initial_state), policy=policy
         )
         response = await self._call(lambda stub: stub.CreateThread, request)
-        return Transition.from_message(response.genesis)
+        return Transition.from_message(response.genesis, replayed=response.replayed)
 
     async def get_view(self, thread_id: str) -> View:
         """The head of a thread, projected to the keys this worker may read."""

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from datetime import datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
-from ztate.worker_sdk._runner import NodeRunner, Step
+from ztate.worker_sdk._runner import NodeRunner, ServeOptions, Step
 from ztate.worker_sdk.client import (
     Checkpoint,
     HeadRecord,
@@ -101,16 +101,18 @@ class SyncZtateClient:
         self,
         handler: Callable[[View], dict[str, Any] | None],
         *,
-        node_name: str = "node",
-        concurrency: int = 1,
         stop: threading.Event | None = None,
-        shutdown_grace: float = 10.0,
+        **options: Unpack[ServeOptions],
     ) -> list[Step]:
         """Serve all of this node's work (``NodeRunner.serve``) until ``stop`` is set:
         ``handler`` runs on worker threads, ``concurrency`` at a time, each on the
         node's projection of a thread it holds the lease of; it returns a patch or
-        None. On stop, running handlers get ``shutdown_grace`` seconds and the leases
-        of the others are released."""
+        None. ``options`` are those of ``NodeRunner.for_node`` (``ServeOptions``:
+        ``node_name``, ``concurrency``, ``shutdown_grace``, ``approval_wait``,
+        ``max_outcome_waits``, ``attempts``, ``on_step``, ``on_parked``), with the same
+        defaults; ``on_step`` and ``on_parked`` are called on the client's event-loop
+        thread. On stop, running handlers get ``shutdown_grace`` seconds and the
+        leases of the others are released."""
         stop = stop or threading.Event()
 
         async def serving() -> list[Step]:
@@ -126,13 +128,7 @@ class SyncZtateClient:
             async def in_thread(view: View) -> dict[str, Any] | None:
                 return await asyncio.to_thread(handler, view)
 
-            runner = NodeRunner.for_node(
-                self._client,
-                in_thread,
-                node_name=node_name,
-                concurrency=concurrency,
-                shutdown_grace=shutdown_grace,
-            )
+            runner = NodeRunner.for_node(self._client, in_thread, **options)
             return await runner.serve(stopped)
 
         return self._run(serving())

@@ -157,8 +157,43 @@ def _node_function(builder: StateGraph[Any], name: str) -> Any:
     raise ValueError(f"node {name!r} is not a function: give NodeWorker(function=...)")
 
 
+def _malformed(message: dict[str, Any]) -> str | None:
+    """What is wrong with a message of a worker (a "parked" event or a step's reply), in
+    words that never repeat its content (it may hold state values); None when nothing."""
+
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+    def version(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if message.get("event") == "parked":
+        if not (
+            isinstance(message.get("handle"), str)
+            and version(message.get("base_version"))
+            and isinstance(message.get("digest", ""), str)
+            and strings(message.get("risk_rules", []))
+        ):
+            return "a parked message whose fields are not valid"
+        return None
+    if not isinstance(message.get("status"), str):
+        return "a reply without a status"
+    if message["status"] == "committed" and not version(message.get("version")):
+        return "a committed reply without a valid version"
+    if not strings(message.get("keys", [])):
+        return "a reply whose keys are not a list of strings"
+    if not isinstance(message.get("seen", []), list):
+        return "a reply whose seen is not a list"
+    for name in ("reason", "message"):
+        if not isinstance(message.get(name, ""), str | None):
+            return f"a reply whose {name} is not a string"
+    return None
+
+
 class _Worker:
-    """One worker process and its protocol; one step at a time."""
+    """One worker process and its protocol; one step at a time. A worker that breaks the
+    protocol (or exits) is ended (killed, reaped, its pipes closed); the next step
+    starts a fresh one."""
 
     def __init__(self, node: str, worker: NodeWorker, spec: str) -> None:
         self.node = node
@@ -167,10 +202,12 @@ class _Worker:
         self.process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._steps = 0
+        self._launch: tuple[str, str | None, Path, dict[str, str]] | None = None
 
     async def start(
         self, target: str, server_name: str | None, cwd: Path, extra: dict[str, str]
     ) -> None:
+        self._launch = (target, server_name, cwd, extra)
         env = {name: os.environ[name] for name in INHERITED_ENV if name in os.environ}
         env |= extra
         env |= {
@@ -196,11 +233,29 @@ class _Worker:
         try:
             ready = await asyncio.wait_for(self._read(), START_TIMEOUT_SECONDS)
         except TimeoutError:
+            await self._end()
             raise NodeFailed(
                 self.node, "WORKER_START", f"not ready within {START_TIMEOUT_SECONDS:g} s"
             ) from None
         if ready.get("event") != "ready":
-            raise NodeFailed(self.node, "PROTOCOL", f"unexpected first message {ready!r}")
+            raise await self._broken("the worker's first message is not its ready event")
+
+    async def _end(self) -> None:
+        """Kill the worker process (if it still runs), reap it and close its pipes."""
+        process = self.process
+        if process is None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+    async def _broken(self, what: str) -> NodeFailed:
+        """The worker broke the protocol: it is ended, and ``what`` (never the line's
+        content, which may hold state values) is the PROTOCOL failure to raise."""
+        await self._end()
+        return NodeFailed(self.node, "PROTOCOL", what)
 
     async def _read(self) -> dict[str, Any]:
         assert self.process is not None
@@ -208,9 +263,10 @@ class _Worker:
         try:
             line = await self.process.stdout.readline()
         except ValueError:  # a line over the stream's limit
-            raise NodeFailed(self.node, "PROTOCOL", "the worker sent an oversized line") from None
+            raise await self._broken("the worker sent an oversized line") from None
         if not line:
             code = await self.process.wait()
+            await self._end()
             raise NodeFailed(
                 self.node,
                 "WORKER_EXITED",
@@ -222,15 +278,19 @@ class _Worker:
         except ValueError:
             message = None
         if not isinstance(message, dict):
-            raise NodeFailed(self.node, "PROTOCOL", "the worker sent a line that is not a message")
+            raise await self._broken("the worker sent a line that is not a message")
         return message
 
     async def step(
         self, thread_id: str, approval_wait: float, on_parked: OnParked | None
     ) -> dict[str, Any]:
-        assert self.process is not None
-        assert self.process.stdin is not None
         async with self._lock:
+            if self.process is None or self.process.returncode is not None:
+                # the last one broke the protocol or exited: a fresh worker
+                assert self._launch is not None, "start() the worker first"
+                await self.start(*self._launch)
+            assert self.process is not None
+            assert self.process.stdin is not None
             # a step abandoned by a cancelled run may still answer: its replies carry
             # its own id, and are skipped
             self._steps += 1
@@ -239,6 +299,7 @@ class _Worker:
                 self.process.stdin.write(json.dumps(request).encode() + b"\n")
                 await self.process.stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
+                await self._end()
                 raise NodeFailed(
                     self.node,
                     "WORKER_EXITED",
@@ -248,14 +309,17 @@ class _Worker:
                 message = await self._read()
                 if message.get("id") != self._steps:
                     continue
+                wrong = _malformed(message)
+                if wrong is not None:
+                    raise await self._broken(f"the worker sent {wrong}")
                 if message.get("event") == "parked":
                     if on_parked is not None:
                         parked = Parked(
                             self.node,
                             thread_id,
-                            str(message["handle"]),
-                            int(message["base_version"]),
-                            str(message.get("digest", "")),
+                            message["handle"],
+                            message["base_version"],
+                            message.get("digest", ""),
                             tuple(message.get("risk_rules", ())),
                         )
                         called = on_parked(parked)

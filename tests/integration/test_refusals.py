@@ -314,17 +314,20 @@ async def test_creating_a_thread_again_as_its_creator_answers_its_genesis(
 ) -> None:
     """A CreateThread retried after its reply was lost (the SDK retries it) is answered
     the genesis it created, not THREAD_EXISTS; the same id, state and policy from another
-    operator, or with another policy, is still THREAD_EXISTS. Nothing new is written."""
+    operator, or with another policy, is still THREAD_EXISTS. Nothing new is written.
+    The answer to the repeat says so (``replayed``); a creation does not."""
     before = await ledger.snapshot(thread_id)
     async with client(target, pki.operator()) as operator:
         first = await operator.get_transition(thread_id=thread_id, version=0)
         again = await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        fresh = await operator.create_thread(new_thread_id(), INITIAL, policy="pipeline")
         with pytest.raises(ZtateError) as other_policy:
             await operator.create_thread(thread_id, {"invoice_note": "n"}, policy="billing")
     async with client(target, pki.operator("other-admin")) as other:
         with pytest.raises(ZtateError) as other_operator:
             await other.create_thread(thread_id, INITIAL, policy="pipeline")
     assert (again.version, again.digest, again.record_json) == (0, first.digest, first.record_json)
+    assert (again.replayed, fresh.replayed) == (True, False)
     assert other_operator.value.reason == "THREAD_EXISTS"
     assert other_operator.value.code == grpc.StatusCode.ALREADY_EXISTS
     assert other_policy.value.reason == "THREAD_EXISTS"

@@ -7,6 +7,8 @@ the slot kept a node at concurrency 1 from all other work for ``approval_wait``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ from ztate.testing._approval import deliver_approval
 from ztate.testing._ledger import fresh_database
 from ztate.transition_service.app import start
 from ztate.v1 import transition_pb2
-from ztate.worker_sdk import AwaitingApproval, NodeRunner, Step, View
+from ztate.worker_sdk import AwaitingApproval, NodeRunner, Step, SyncZtateClient, View
+from ztate.worker_sdk._runner import ServeOptions
 
 OTHER_USER = USER.replace("1", "2")
 
@@ -216,6 +219,70 @@ async def test_parked_outcomes_are_waited_for_at_most_max_outcome_waits_at_once(
     ]
     assert steps[0].digest == (proposals[1].digest or None)
     assert (await ledger.snapshot(second)).head_version == 1  # still parked, undecided
+
+
+async def test_the_blocking_serve_takes_every_option_of_the_runner(
+    settings: Settings, postgres_server_dsn: str, pki: Pki, keyring: Keyring
+) -> None:
+    """``SyncZtateClient.serve`` took node_name, concurrency and shutdown_grace only: a
+    blocking worker could not bound its outcome waits, nor see its parked proposals or
+    steps. With ``max_outcome_waits=0`` a parked proposal is recorded "pending" at once
+    (well within ``approval_wait``), ``on_parked`` and ``on_step`` are called."""
+    dsn = await fresh_database(postgres_server_dsn)
+    running = await start(settings.model_copy(update={"listen": "127.0.0.1:0"}), dsn=dsn)
+    ledger = Ledger(dsn, keyring)
+    target = f"localhost:{running.port}"
+    risky = new_thread_id()
+    proposals: list[AwaitingApproval] = []
+    steps: list[Step] = []
+    stepped, stop = threading.Event(), threading.Event()
+
+    def on_step(step: Step) -> None:
+        steps.append(step)
+        stepped.set()
+
+    try:
+        async with client(target, pki.operator()) as operator:
+            await operator.create_thread(risky, INITIAL, policy="pipeline")
+        creds = pki.node("planner")
+        with SyncZtateClient.from_files(
+            target, cert=creds.cert, key=creds.key, ca=creds.ca
+        ) as planner:
+            serving = asyncio.create_task(
+                asyncio.to_thread(
+                    planner.serve,
+                    lambda _view: {"target_user_id": OTHER_USER},  # parked for a reviewer
+                    stop=stop,
+                    node_name="planner",
+                    approval_wait=60.0,
+                    shutdown_grace=1.0,
+                    max_outcome_waits=0,
+                    attempts=1,
+                    on_parked=proposals.append,
+                    on_step=on_step,
+                )
+            )
+            try:
+                async with client(target, pki.node("input-parser")) as parser:
+                    await parser.propose(risky, 0, {"requested_action": act("S-1")})
+                assert await asyncio.to_thread(stepped.wait, 15)
+            finally:
+                stop.set()
+            returned = await asyncio.wait_for(serving, 15)
+    finally:
+        await running.stop(grace=1.0)
+    assert [(s.thread_id, s.view_version, s.status) for s in steps] == [(risky, 1, "pending")]
+    assert returned == steps
+    assert [p.thread_id for p in proposals] == [risky]
+    assert (await ledger.snapshot(risky)).head_version == 1  # parked, undecided
+
+
+def test_the_serve_options_are_every_option_of_a_runner_that_serves() -> None:
+    """One list (ServeOptions) for NodeRunner.for_node and SyncZtateClient.serve: every
+    NodeRunner field but those of a one-thread runner and its own state."""
+    own = {"client", "thread_id", "handler", "from_version", "steps"}
+    fields = {f.name for f in dataclasses.fields(NodeRunner) if f.init} - own
+    assert set(ServeOptions.__annotations__) == fields
 
 
 async def _parked(proposals: list[AwaitingApproval], count: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -181,6 +182,7 @@ async def test_the_typescript_client_passes_its_suite_against_the_service(
         await operator.create_thread(runner_thread, INITIAL, policy="pipeline")
     creds, stranger = pki.node("input-parser"), pki.foreign("input-parser")
     expired, planner = pki.expired("input-parser"), pki.node("planner")
+    admin = pki.operator()
     # a certificate of its own, revoked by serial in the service's revocation list
     revoked = ca.issue(pki.ca_dir, Identity(TRUST_DOMAIN, Role.NODE, "input-parser"), tmp_path)
     assert settings.revocation_list_file is not None
@@ -203,6 +205,9 @@ async def test_the_typescript_client_passes_its_suite_against_the_service(
         "ZTATE_PLANNER_KEY": str(planner.key),
         "ZTATE_THREAD": thread_id,
         "ZTATE_RUNNER_THREAD": runner_thread,
+        "ZTATE_OPERATOR_CERT": str(admin.cert),
+        "ZTATE_OPERATOR_KEY": str(admin.key),
+        "ZTATE_INITIAL": json.dumps(INITIAL),
     }
     # the approval path end to end: a transition service and an approval service of
     # their own that know each other (receipts delivered, heads checkpointed); and a

@@ -92,10 +92,12 @@ class CreateThreadRequest(_message.Message):
     def __init__(self, thread_id: _Optional[str] = ..., initial_state_json: _Optional[bytes] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class CreateThreadResponse(_message.Message):
-    __slots__ = ("genesis",)
+    __slots__ = ("genesis", "replayed")
     GENESIS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     genesis: Transition
-    def __init__(self, genesis: _Optional[_Union[Transition, _Mapping]] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, genesis: _Optional[_Union[Transition, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class GetViewRequest(_message.Message):
     __slots__ = ("thread_id",)

@@ -20,6 +20,7 @@ import {
   type PublicKeys,
 } from "./evidence.js";
 import {
+  CreateThreadRequestSchema,
   GetTransitionRequestSchema,
   Outcome as OutcomeKind,
   TransitionService,
@@ -45,6 +46,13 @@ export interface ClientFiles {
   serverName?: string;
   /** Default deadline of each unary call, in ms (10 s). */
   timeoutMs?: number;
+  /**
+   * How often a call that fails in transport (UNAVAILABLE, DEADLINE_EXCEEDED) is
+   * tried again (3), waiting `backoffMs` (100), then twice that, and so on. A
+   * certificate the handshake refuses is not retried: the same files fail the same way.
+   */
+  retries?: number;
+  backoffMs?: number;
 }
 
 /** The caller's projection of a thread's head. */
@@ -56,6 +64,14 @@ export interface View {
   state: JsonObject;
   /** The head record's digest; "" for a node not marked read_records. */
   headDigest: string;
+}
+
+/** A created thread: its genesis. */
+export interface Created {
+  /** The genesis transition: version 0, parent digest 64 zeros. */
+  transition: Transition;
+  /** True when this repeats its caller's creation of the thread (same state and policy): nothing was written. */
+  replayed: boolean;
 }
 
 /** A committed proposal. */
@@ -164,6 +180,8 @@ const UNTRUSTED = new Set([
 ]);
 /** waitForOutcome asks again after a "pending" answer while more than this is left (the Python SDK's ASK_AGAIN_SECONDS). */
 const ASK_AGAIN_MS = 500;
+/** The codes of a call that failed in transport and is tried again (the Python SDK's RETRYABLE). */
+const RETRYABLE = new Set([Code.Unavailable, Code.DeadlineExceeded]);
 const UNREACHABLE = new Set(["ECONNREFUSED", "ENOTFOUND", "EHOSTUNREACH", "ENETUNREACH", "EAI_AGAIN", "ETIMEDOUT"]);
 
 type TlsFiles = { cert: Buffer; key: Buffer; ca: Buffer };
@@ -235,19 +253,21 @@ export class ZtateClient {
   readonly #target: string;
   readonly #tls: TlsFiles;
   readonly #serverName: string | undefined;
+  readonly #retries: number;
+  readonly #backoffMs: number;
 
   private constructor(
     client: Client<typeof TransitionService>,
-    timeoutMs: number,
-    target: string,
+    files: ClientFiles,
     tls: TlsFiles,
-    serverName: string | undefined,
   ) {
     this.#client = client;
-    this.#timeoutMs = timeoutMs;
-    this.#target = target;
+    this.#timeoutMs = files.timeoutMs ?? 10_000;
+    this.#target = files.target;
     this.#tls = tls;
-    this.#serverName = serverName;
+    this.#serverName = files.serverName;
+    this.#retries = files.retries ?? 3;
+    this.#backoffMs = files.backoffMs ?? 100;
   }
 
   /** A client authenticated by the certificate, key and CA files (PEM). */
@@ -262,13 +282,7 @@ export class ZtateClient {
       // a reply may hold a state up to the server's limit (docs/api.md, "Limits")
       readMaxBytes: 72 * 1024 * 1024 + 64 * 1024,
     });
-    return new ZtateClient(
-      createClient(TransitionService, transport),
-      files.timeoutMs ?? 10_000,
-      files.target,
-      { cert, key, ca },
-      files.serverName,
-    );
+    return new ZtateClient(createClient(TransitionService, transport), files, { cert, key, ca });
   }
 
   /**
@@ -285,12 +299,44 @@ export class ZtateClient {
     return (await diagnose(this.#target, this.#tls, this.#serverName, Code.Unavailable)) ?? decoded;
   }
 
+  /**
+   * One unary call: a transport failure is diagnosed (#failure) and, unless it is a
+   * certificate the handshake refuses, tried again with exponential backoff. Every
+   * call is safe to repeat: a proposal keeps its idempotency key, and the service
+   * answers its creator's repeated createThread with the genesis.
+   */
   async #call<T>(call: () => Promise<T>): Promise<T> {
-    try {
-      return await call();
-    } catch (error) {
-      throw await this.#failure(error);
+    for (let attempt = 0; ; attempt += 1) {
+      try {
+        return await call();
+      } catch (error) {
+        const failure = await this.#failure(error);
+        const transient = RETRYABLE.has(failure.code) && !(failure instanceof HandshakeFailed);
+        if (!transient || attempt >= this.#retries) throw failure;
+      }
+      await new Promise((resolve) => setTimeout(resolve, this.#backoffMs * 2 ** attempt));
     }
+  }
+
+  /**
+   * Creates a thread bound to `policy` with `initialState` (operator and service
+   * identities only; `policy` may be "" when the service loads a single policy).
+   * Retried and diagnosed like every other call: the service answers a caller that
+   * creates the same thread again with the same state and policy with its genesis,
+   * so a retry after a lost reply is not THREAD_EXISTS (another state, policy or
+   * caller is).
+   */
+  async createThread(threadId: string, initialState: { [key: string]: Json }, policy: string = ""): Promise<Created> {
+    const request = create(CreateThreadRequestSchema, {
+      threadId,
+      initialStateJson: encoder.encode(JSON.stringify(initialState)),
+      policy,
+    });
+    const reply = await this.#call(() => this.#client.createThread(request, { timeoutMs: this.#timeoutMs }));
+    if (reply.genesis === undefined) {
+      throw new EvidenceInvalid("reply.form", "the service sent no genesis");
+    }
+    return { transition: reply.genesis, replayed: reply.replayed };
   }
 
   /** The caller's view of the thread's head. */
@@ -378,8 +424,10 @@ export class ZtateClient {
     const request = handle.includes("/") ? { handle } : { digest: handle };
     const deadline = Date.now() + withinMs;
     for (;;) {
-      const timeoutMs = Math.max(deadline - Date.now(), 1);
-      const reply = await this.#call(() => this.#client.waitForOutcome(request, { timeoutMs }));
+      // each try (#call retries) gets what is left of withinMs, not more
+      const reply = await this.#call(() =>
+        this.#client.waitForOutcome(request, { timeoutMs: Math.max(deadline - Date.now(), 1) }),
+      );
       // the server answers "pending" 0.2 s before a call's deadline, or at its cap
       if (reply.outcome === OutcomeKind.PENDING && deadline - Date.now() > ASK_AGAIN_MS) continue;
       const status = (OutcomeKind[reply.outcome] ?? "UNSPECIFIED").toLowerCase();

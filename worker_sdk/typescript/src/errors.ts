@@ -114,7 +114,10 @@ export function decodeError(error: unknown): ZtateError {
         { cause: error },
       );
     }
-    return new ZtateError(connect.rawMessage, connect.code, "", [], 0, 0n, 0n, [], { cause: error });
+    // a connection the service (or a proxy) reset is UNAVAILABLE, as gRPC says it: Connect
+    // says Aborted, which it means for a peer that hung up on a call it was serving
+    const code = connect.code === Code.Aborted && /(^| )ECONNRESET( |$)/.test(text) ? Code.Unavailable : connect.code;
+    return new ZtateError(connect.rawMessage, code, "", [], 0, 0n, 0n, [], { cause: error });
   }
   const reason = info?.reason ?? (detail === undefined ? "" : (ErrorReason[detail.reason] ?? ""));
   const Kind = reason === "STALE_VERSION" ? StaleVersion : reason === "IDENTITY_REVOKED" ? IdentityRevoked : ZtateError;

@@ -13,10 +13,11 @@ import {
   Unreachable,
   ZtateClient,
   ZtateError,
+  type JsonObject,
   type Step,
 } from "../src/index.js";
 import { readFileSync } from "node:fs";
-import { type AddressInfo, createServer } from "node:net";
+import { type AddressInfo, connect, createServer, type Socket } from "node:net";
 import { Code, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { ApprovalService, Decision, ReviewStatus } from "../src/gen/ztate/v1/approval_pb.js";
@@ -207,6 +208,90 @@ test("a proxy whose backend is down is not a refused certificate", { skip: !live
       return true;
     });
   } finally {
+    proxy.close();
+  }
+});
+
+// --- createThread: retried and diagnosed like every other call ---
+
+const INITIAL = JSON.parse(env.ZTATE_INITIAL ?? "{}") as JsonObject;
+
+function operator(target: string = env.ZTATE_TARGET!): ZtateClient {
+  return clientWith({ target, certFile: env.ZTATE_OPERATOR_CERT!, keyFile: env.ZTATE_OPERATOR_KEY! });
+}
+
+function newThreadId(): string {
+  return `t-${randomUUID().replace(/-/g, "").slice(0, 16)}`;
+}
+
+test("an operator creates a thread; its own repeat answers the genesis; another state is THREAD_EXISTS", { skip: !live }, async () => {
+  const client = operator();
+  const id = newThreadId();
+  const created = await client.createThread(id, INITIAL, "pipeline");
+  assert.equal(created.transition.threadId, id);
+  assert.equal(created.transition.version, 0n);
+  assert.equal(created.transition.parentDigest, "0".repeat(64));
+  assert.equal(created.replayed, false);
+  const again = await client.createThread(id, INITIAL, "pipeline");
+  assert.equal(again.transition.digest, created.transition.digest, "the retry is answered with the genesis");
+  assert.equal(again.replayed, true, "and says it replays");
+  await assert.rejects(client.createThread(id, { ...INITIAL, raw_text: "another" }, "pipeline"), (error: unknown) => {
+    assert.ok(error instanceof ZtateError, String(error));
+    assert.equal(error.reason, "THREAD_EXISTS");
+    assert.equal(error.code, Code.AlreadyExists);
+    return true;
+  });
+  assert.equal((await client.getRecord(id)).transition?.digest, created.transition.digest, "nothing written");
+});
+
+test("createThread with a certificate of another CA: the service refused our certificate, nothing created", { skip: !live }, async () => {
+  const id = newThreadId();
+  const stranger = clientWith({ certFile: env.ZTATE_FOREIGN_CERT!, keyFile: env.ZTATE_FOREIGN_KEY! });
+  await assert.rejects(stranger.createThread(id, INITIAL, "pipeline"), (error: unknown) => {
+    assert.ok(error instanceof HandshakeFailed, String(error));
+    assert.equal(error.reason, "CERTIFICATE_REFUSED");
+    assert.equal(error.code, Code.Unavailable);
+    assert.match(error.hint, /^the service refused our certificate \(/);
+    return true;
+  });
+  await assert.rejects(operator().getRecord(id), (error: unknown) => error instanceof ZtateError && error.code === Code.NotFound);
+});
+
+test("createThread on a service that is down is unreachable, after its retries", { skip: !live }, async () => {
+  await assert.rejects(operator(env.ZTATE_DOWN_TARGET!).createThread(newThreadId(), INITIAL, "pipeline"), (error: unknown) => {
+    assert.ok(error instanceof Unreachable, String(error));
+    assert.equal(error.reason, "UNREACHABLE");
+    return true;
+  });
+});
+
+test("createThread whose first connection is refused is tried again and creates the thread once", { skip: !live }, async () => {
+  // a TCP proxy to the service that refuses its first connection: the service restarting
+  const [host, port] = [env.ZTATE_TARGET!.slice(0, env.ZTATE_TARGET!.lastIndexOf(":")), Number(env.ZTATE_TARGET!.split(":").pop())];
+  let connections = 0;
+  const open = new Set<Socket>();
+  const proxy = createServer((socket) => {
+    connections += 1;
+    open.add(socket);
+    if (connections === 1) {
+      socket.resetAndDestroy();
+      return;
+    }
+    const upstream = connect(port, host === "localhost" ? "127.0.0.1" : host);
+    open.add(upstream);
+    socket.pipe(upstream).pipe(socket);
+    socket.on("error", () => upstream.destroy());
+    upstream.on("error", () => socket.destroy());
+  });
+  await new Promise<void>((listening) => proxy.listen(0, "127.0.0.1", listening));
+  try {
+    const id = newThreadId();
+    const created = await operator(`localhost:${(proxy.address() as AddressInfo).port}`).createThread(id, INITIAL, "pipeline");
+    assert.equal(created.transition.version, 0n);
+    assert.ok(connections >= 2, "the first connection was refused, a later one created it");
+    assert.equal((await operator().getRecord(id)).transition?.digest, created.transition.digest);
+  } finally {
+    for (const socket of open) socket.destroy();
     proxy.close();
   }
 });

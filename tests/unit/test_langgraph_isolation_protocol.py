@@ -1,0 +1,122 @@
+"""The parent side of the isolation protocol against a worker process that breaks it
+(tests/unit/langgraph_bad_worker.py, a real child process): a malformed line fails the
+step with NodeFailed("PROTOCOL") naming what was wrong and never the line's content (it
+may hold state values); the worker is killed and reaped (no zombie) and its pipes are
+closed in this process; the next step starts a fresh worker."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypedDict
+
+import pytest
+from langgraph.graph import END, START, StateGraph
+
+from tests.unit import langgraph_bad_worker as double
+from ztate.langgraph import IsolatedGraph, NodeFailed, NodeWorker, isolate, isolation
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class State(TypedDict, total=False):
+    count: int
+
+
+def bump(state: State) -> dict[str, Any]:
+    return {"count": state.get("count", 0) + 1}
+
+
+def graph(env: dict[str, str] | None = None) -> IsolatedGraph:
+    builder: StateGraph[Any] = StateGraph(State)
+    builder.add_node("bump", bump)
+    builder.add_edge(START, "bump")
+    builder.add_edge("bump", END)
+    return isolate(
+        builder,
+        {"bump": NodeWorker("bump", "node.crt", "node.key", "ca.crt")},
+        target="localhost:1",
+        operator=None,  # type: ignore[arg-type]  # no committed step: never used
+        cwd=REPO,
+        env=env or {},
+    )
+
+
+@pytest.fixture(autouse=True)
+def the_double(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(isolation, "WORKER_MODULE", double.__name__)
+
+
+def pipes_of(pid: int) -> set[str]:
+    """The pipes the worker's standard input and output are (``pipe:[inode]``)."""
+    return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (0, 1)}
+
+
+def open_in_this_process() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+    return found
+
+
+def reaped(pid: int) -> bool:
+    """True when ``pid`` is no child of ours any more (not running, not a zombie)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def run(thread_id: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": thread_id}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [
+        ("json", "a line that is not a message"),
+        ("array", "a line that is not a message"),
+        (
+            "parked",
+            "a parked message whose fields are not valid",
+        ),
+        ("version", "a committed reply without a valid version"),
+        ("keys", "a reply whose keys are not a list of strings"),
+    ],
+)
+async def test_a_malformed_line_fails_the_step_ends_the_worker_and_the_next_step_starts_afresh(
+    kind: str, what: str
+) -> None:
+    async with graph() as isolated:
+        first = isolated.pids()["bump"]
+        pipes = pipes_of(first)
+        assert all(p.startswith("pipe:") for p in pipes)
+        with pytest.raises(NodeFailed) as failed:
+            await isolated.graph.ainvoke({"count": 1}, run(f"bad-{kind}-1"))
+        assert (failed.value.node, failed.value.reason) == ("bump", "PROTOCOL")
+        assert str(failed.value) == f"node 'bump' failed: PROTOCOL: the worker sent {what}"
+        assert double.SECRET not in str(failed.value)
+        assert reaped(first), "the worker that broke the protocol is killed and reaped"
+        assert not pipes & open_in_this_process(), "its pipes are closed here"
+        # the next step: a fresh worker, which answers
+        assert await isolated.graph.ainvoke({"count": 1}, run("good-1")) == {"count": 1}
+        assert isolated.pids()["bump"] != first
+        assert [s.status for s in isolated.steps] == ["noop"]
+    assert reaped(isolated.pids()["bump"])
+
+
+async def test_a_first_message_not_ready_is_not_repeated_and_the_worker_is_reaped() -> None:
+    isolated = graph({"ZTATE_DOUBLE_MODE": "bad-ready"})
+    with pytest.raises(NodeFailed) as failed:
+        async with isolated:
+            pass
+    assert (failed.value.node, failed.value.reason) == ("bump", "PROTOCOL")
+    assert str(failed.value) == (
+        "node 'bump' failed: PROTOCOL: the worker's first message is not its ready event"
+    )
+    assert double.SECRET not in str(failed.value)
+    assert reaped(isolated.pids()["bump"])
