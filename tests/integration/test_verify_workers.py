@@ -78,6 +78,8 @@ class DeadlyKeys(Mapping[str, Ed25519PublicKey]):
         if os.getpid() != self._leader:
             if self._how == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self._how == "stuck":  # alive, its pipe open, and never a record more
+                threading.Event().wait()
             raise RuntimeError("a bug in the checks, with a value: secret-ish")
         return self._keys[key_id]
 
@@ -108,6 +110,26 @@ def test_a_worker_that_dies_mid_thread_stops_the_run_naming_its_threads(
         f"verified. Not (all) checked: the 1 thread given to it ({THREAD})."
     )
     assert "secret-ish" not in str(stopped.value)  # an exception's text may hold a value
+    assert findings == []
+
+
+def test_a_worker_stuck_mid_thread_stops_the_run_naming_it_and_what_it_verified(
+    tmp_path: Path, watchdog: None
+) -> None:
+    """Alive, its pipe open, but never a record more after version 1: without a
+    progress deadline the leader waited for its count for ever."""
+    folder = write_bundle(tmp_path / "bundle", honest_chain().rows)
+    trust = Trust(KEYRING, DeadlyKeys("stuck"), POLICIES)
+    findings: list[Finding] = []
+
+    with pytest.raises(VerifyError) as stopped:
+        verify_bundle_parallel(folder, trust, findings.append, jobs=2, worker_timeout=1.0)
+
+    assert str(stopped.value) == (
+        "verification worker 1 of 2 made no progress for 1 s (--worker-timeout) and was "
+        "stopped (records read: 3, threads: 1); the ledger is NOT verified. "
+        f"Not (all) checked: the 1 thread given to it ({THREAD})."
+    )
     assert findings == []
 
 
@@ -292,13 +314,16 @@ class HeldRun:
         self.process: asyncio.subprocess.Process | None = None
 
     @classmethod
-    async def start(cls, dsn: str, env: dict[str, str], jobs: int) -> HeldRun:
+    async def start(
+        cls, dsn: str, env: dict[str, str], jobs: int, worker_timeout: int | None = None
+    ) -> HeldRun:
         held = cls(dsn, await asyncpg.connect(dsn), await asyncpg.connect(dsn))
         await held._lock.start()
         await held.locker.execute("LOCK TABLE ztate.transitions IN ACCESS EXCLUSIVE MODE")
         held.process = await asyncio.create_subprocess_exec(
             str(ZTATE),
             *("verify", "--jobs", str(jobs), "--json"),
+            *(() if worker_timeout is None else ("--worker-timeout", str(worker_timeout))),
             env=env,
             cwd=REPO,
             stdout=asyncio.subprocess.PIPE,
@@ -397,3 +422,57 @@ async def test_a_database_run_holds_the_connections_docs_verification_md_names(
         "failures": 0,
         "verified": True,
     }
+
+
+async def test_a_worker_stuck_on_a_lock_stops_the_run_after_worker_timeout(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    """Both workers wait on the test's lock for ever (as on a dead server connection
+    with no timeout): after --worker-timeout the run stops, exit 2, no verdict."""
+    dsn = await a_ledger(postgres_server_dsn, ["stuck-a", "stuck-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=2, worker_timeout=1)
+    try:
+        await held.waiting(2)  # both workers inside their share, blocked
+        assert held.process is not None
+        # the lock is never released: the run must end by itself
+        out, err = await asyncio.wait_for(held.process.communicate(), 60)
+        code = held.process.returncode
+    finally:
+        await held.close()
+
+    assert code == 2
+    assert out == b""  # no finding and, above all, no summary
+    message = err.decode()
+    shares = {"1": "the threads before stuck-b", "2": "the threads from stuck-b on"}
+    match = re.fullmatch(
+        r"ztate verify: cannot verify: verification worker (1|2) of 2 made no progress for "
+        r"1 s \(--worker-timeout\) and was stopped \(records read: 0, threads: 0\); "
+        r"the ledger is NOT verified\. Not \(all\) checked: (.*)\.\n",
+        message,
+    )
+    assert match is not None, message
+    assert match[2] == shares[match[1]]
+
+
+@pytest.mark.parametrize("given", ["0", "0.5", "86401", "nan", "inf", "-1", "soon"])
+def test_a_worker_timeout_out_of_range_is_a_usage_error(given: str, tmp_path: Path) -> None:
+    import subprocess
+
+    env = cli_env("postgresql://nobody@127.0.0.1:1/none", tmp_path)
+    done = subprocess.run(
+        [str(ZTATE), "verify", "--jobs", "2", "--worker-timeout", given],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert done.returncode == 2
+    assert done.stdout == b""
+    expected = (
+        f"--worker-timeout: {given!r} is not a number"
+        if given == "soon"
+        else "--worker-timeout: must be 1 to 86400"
+    )
+    assert expected in done.stderr.decode(), done.stderr.decode()
