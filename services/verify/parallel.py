@@ -43,6 +43,7 @@ for room in its pipe, is stuck: the leader kills every worker and stops the run 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import hashlib
 import itertools
@@ -51,6 +52,7 @@ import os
 import queue
 import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -170,10 +172,32 @@ class _Outbox:
 Body = Callable[[Connection, _Outbox, Trust], None]
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(leader: int) -> None:
+    """End this worker (SIGKILL, no output) as soon as the leader dies: a database
+    worker reads its range without a word from the leader, and would otherwise read
+    it all (or wait on a lock for ever) for nobody. Linux sends the signal when the
+    thread that forked the worker ends: the leader forks from the thread that then
+    waits for the workers. Elsewhere a worker notices when it next talks to the leader."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != leader:  # it died before the line above: no signal will come
+        os._exit(1)
+
+
 def _worker(
-    body: Body, inbox: Connection, out: Connection, trust: Trust, inherited: Sequence[Connection]
+    body: Body,
+    inbox: Connection,
+    out: Connection,
+    trust: Trust,
+    inherited: Sequence[Connection],
+    leader: int,
 ) -> None:
     """A worker process: ``body``, then its count, or why it stopped (exit code 1)."""
+    _die_with(leader)
     for conn in inherited:  # the leader's ends, copied by fork: only the leader holds them
         conn.close()
     outbox = _Outbox(out)
@@ -385,7 +409,14 @@ class _Workers:
             leaders = [end for w in self.workers for end in (w.inbox, w.answers)]
             process = context.Process(
                 target=_worker,
-                args=(self.body, receive, answer, self.trust, [*leaders, send, answers]),
+                args=(
+                    self.body,
+                    receive,
+                    answer,
+                    self.trust,
+                    [*leaders, send, answers],
+                    os.getpid(),
+                ),
                 daemon=True,
             )
             process.start()

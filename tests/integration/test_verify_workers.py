@@ -476,3 +476,54 @@ def test_a_worker_timeout_out_of_range_is_a_usage_error(given: str, tmp_path: Pa
         else "--worker-timeout: must be 1 to 86400"
     )
     assert expected in done.stderr.decode(), done.stderr.decode()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (it runs no more)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in {"Z", "X"}
+
+
+async def test_workers_end_when_the_leader_is_killed(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    """The leader SIGKILLed while its two workers wait on the test's lock: they end
+    at once instead of reading their whole range for nobody (here: waiting for a lock
+    that is never released)."""
+    dsn = await a_ledger(postgres_server_dsn, ["orphan-a", "orphan-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=2)
+    workers: list[int] = []
+    try:
+        await held.waiting(2)  # both workers inside their share, blocked
+        assert held.process is not None
+        workers = children_of(held.process.pid)
+        assert len(workers) == 2, workers
+        held.process.kill()
+
+        async def workers_ended() -> bool:
+            return all(ended(pid) for pid in workers)
+
+        await eventually(workers_ended)
+    finally:
+        for pid in workers:  # the test's own children's children, should they live on
+            if not ended(pid):
+                os.kill(pid, signal.SIGKILL)
+        await held.close()
