@@ -226,10 +226,13 @@ class _Printer:
 
     @staticmethod
     def _line(doc: dict[str, Any]) -> None:
+        """One JSON line, as orjson's UTF-8 bytes, straight to stdout's byte stream:
+        not decoded to text only for stdout to encode it again. Nothing in JSON mode
+        writes text to stdout, so no text waits in front of it."""
         import orjson
 
-        sys.stdout.write(orjson.dumps(doc).decode() + "\n")
-        sys.stdout.flush()
+        sys.stdout.buffer.write(orjson.dumps(doc, option=orjson.OPT_APPEND_NEWLINE))
+        sys.stdout.buffer.flush()
 
 
 def _settings() -> Settings:
