@@ -7,19 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
-import asyncpg
-
-from bench.workload import TRANSITION_COLUMNS
-from tests.integration.test_verify_workers import (
-    REPO,
-    THREAD_COLUMNS,
-    ZTATE,
-    a_ledger,
-    cli_env,
-    sealed_thread,
-)
-from tests.unit.test_verify_bundle import POLICIES
+from tests.integration.test_verify_workers import REPO, ZTATE, a_ledger, cli_env
 
 EXPECTED = (  # as `ztate verify --json` wrote them when its lines were text, encoded twice
     b'{"type":"finding","thread_id":"out-a","version":1,"check":"state","expected":"a state '
@@ -32,39 +22,19 @@ EXPECTED = (  # as `ztate verify --json` wrote them when its lines were text, en
 )
 
 
-async def tampered_ledger(server_dsn: str) -> str:
-    """Two clean threads, then in the rows as stored: version 1 of out-a with a state
-    that is not its record's (non-ASCII, a line separator), version 2 of out-b with
-    a node id its record does not hold."""
-    dsn = await a_ledger(server_dsn, [])
-    conn = await asyncpg.connect(dsn)
-    policy = POLICIES.policies["pipeline"]
-    try:
-        for thread_id in ("out-a", "out-b"):
-            rows = sealed_thread(thread_id, 3)
-            if thread_id == "out-a":
-                rows[1] = (*rows[1][:8], '{"\u00e9":"\u2028"}'.encode(), *rows[1][9:])
-            else:
-                rows[2] = (*rows[2][:4], "spiffe://ztate.test/node/\u00fcnknown", *rows[2][5:])
-            last = rows[-1]
-            await conn.copy_records_to_table(
-                "threads",
-                schema_name="ztate",
-                records=[(thread_id, last[1], last[2], last[8], policy.name, policy.digest)],
-                columns=THREAD_COLUMNS,
-            )
-            await conn.copy_records_to_table(
-                "transitions", schema_name="ztate", records=rows, columns=TRANSITION_COLUMNS
-            )
-    finally:
-        await conn.close()
-    return dsn
+def tamper(thread_id: str, rows: list[tuple[Any, ...]]) -> None:
+    """Version 1 of out-a stored with a state that is not its record's (non-ASCII, a
+    line separator), version 2 of out-b with a node id its record does not hold."""
+    if thread_id == "out-a":
+        rows[1] = (*rows[1][:8], '{"\u00e9":"\u2028"}'.encode(), *rows[1][9:])
+    else:
+        rows[2] = (*rows[2][:4], "spiffe://ztate.test/node/\u00fcnknown", *rows[2][5:])
 
 
 async def test_json_findings_and_summary_are_these_bytes(
     postgres_server_dsn: str, tmp_path: Path
 ) -> None:
-    dsn = await tampered_ledger(postgres_server_dsn)
+    dsn = await a_ledger(postgres_server_dsn, ["out-a", "out-b"], tamper)
     process = await asyncio.create_subprocess_exec(
         str(ZTATE),
         *("verify", "--json"),

@@ -21,7 +21,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -260,7 +260,13 @@ def sealed_thread(thread_id: str, versions: int) -> list[tuple[Any, ...]]:
     return rows
 
 
-async def a_ledger(server_dsn: str, threads: list[str]) -> str:
+async def a_ledger(
+    server_dsn: str,
+    threads: list[str],
+    tamper: Callable[[str, list[tuple[Any, ...]]], None] | None = None,
+) -> str:
+    """A fresh database with ``threads`` of 3 clean versions each; ``tamper`` may
+    change a thread's rows (in place) before they are stored."""
     dsn = await fresh_database(server_dsn)
     conn = await asyncpg.connect(dsn)
     try:
@@ -268,6 +274,8 @@ async def a_ledger(server_dsn: str, threads: list[str]) -> str:
         policy = POLICIES.policies["pipeline"]
         for thread_id in threads:
             rows = sealed_thread(thread_id, 3)
+            if tamper is not None:
+                tamper(thread_id, rows)
             last = rows[-1]
             await conn.copy_records_to_table(
                 "threads",
