@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ztate.services.cli.resources import bounded_float
+
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
         Ed25519PrivateKey,
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 EXIT_CANNOT_RUN = 2  # services.verify.checks.EXIT_CANNOT_RUN (a test holds them equal)
 MAX_JOBS = 256
+MAX_WORKER_TIMEOUT = 86_400.0  # seconds: a day
 FLUSH_TIMEOUT_MILLIS = 5_000  # per signal, at exit
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
@@ -89,6 +92,14 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
         metavar="N",
         help="verify threads on N worker processes (0: one per core; default 1)",
     )
+    verify.add_argument(
+        "--worker-timeout",
+        type=bounded_float(1.0, MAX_WORKER_TIMEOUT),
+        default=None,
+        metavar="SECONDS",
+        help="with --jobs: stop the run (exit 2, no verdict) when a worker verifies nothing "
+        "for this long: stuck on a lock, a dead connection or a loop (default 300)",
+    )
     verify.add_argument("--json", action="store_true", help="one JSON object per line")
     verify.set_defaults(func=cmd_verify)
 
@@ -127,8 +138,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ztate.services.runtime.telemetry import Telemetry
     from ztate.services.verify.bundle import verify_bundle
     from ztate.services.verify.checks import VerifyError, counted, no_such_thread
-    from ztate.services.verify.parallel import verify_bundle_parallel
+    from ztate.services.verify.parallel import WORKER_TIMEOUT, verify_bundle_parallel
 
+    worker_timeout = WORKER_TIMEOUT if args.worker_timeout is None else args.worker_timeout
     telemetry = Telemetry()
     ticking = _progress(enabled=not args.json and sys.stderr.isatty())
     try:
@@ -140,12 +152,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = counted(printer.finding)  # here, in the leader, whatever --jobs says
         if args.bundle is not None and args.jobs > 1:
             summary = verify_bundle_parallel(
-                args.bundle, trust, report, jobs=args.jobs, thread_id=args.thread
+                args.bundle,
+                trust,
+                report,
+                jobs=args.jobs,
+                thread_id=args.thread,
+                worker_timeout=worker_timeout,
             )
         elif args.bundle is not None:
             summary = verify_bundle(args.bundle, trust, report, thread_id=args.thread)
         else:
-            summary = _verify_database(settings, trust, report, args.thread, args.jobs)
+            summary = _verify_database(
+                settings, trust, report, args.thread, args.jobs, worker_timeout
+            )
         if (
             args.thread is not None
             and summary.threads == 0
@@ -207,10 +226,13 @@ class _Printer:
 
     @staticmethod
     def _line(doc: dict[str, Any]) -> None:
+        """One JSON line, as orjson's UTF-8 bytes, straight to stdout's byte stream:
+        not decoded to text only for stdout to encode it again. Nothing in JSON mode
+        writes text to stdout, so no text waits in front of it."""
         import orjson
 
-        sys.stdout.write(orjson.dumps(doc).decode() + "\n")
-        sys.stdout.flush()
+        sys.stdout.buffer.write(orjson.dumps(doc, option=orjson.OPT_APPEND_NEWLINE))
+        sys.stdout.buffer.flush()
 
 
 def _settings() -> Settings:
@@ -322,7 +344,12 @@ def _approval_keys(path: Path | None, settings: Settings) -> dict[str, Ed25519Pu
 
 
 def _verify_database(
-    settings: Settings, trust: Trust, report: Report, thread_id: str | None, jobs: int
+    settings: Settings,
+    trust: Trust,
+    report: Report,
+    thread_id: str | None,
+    jobs: int,
+    worker_timeout: float,
 ) -> Summary:
     import asyncio
 
@@ -332,7 +359,14 @@ def _verify_database(
     dsn, _embedded = _database(settings)
     if jobs > 1:
         return asyncio.run(
-            verify_database_parallel(dsn, trust, report, jobs=jobs, thread_id=thread_id)
+            verify_database_parallel(
+                dsn,
+                trust,
+                report,
+                jobs=jobs,
+                thread_id=thread_id,
+                worker_timeout=worker_timeout,
+            )
         )
     return asyncio.run(verify_database(dsn, trust, report, thread_id=thread_id))
 

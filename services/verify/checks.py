@@ -486,7 +486,8 @@ class ThreadVerifier:
         # the state digests of the versions seen so far: what a revert may restore
         self._earlier_states: set[str] = set()
         self._last: _Last | None = None
-        self._kept = dict(self._trust.kept_checkpoints.get(thread_id, {}))
+        # only read (merged into a dict of its own below, which pops): no copy
+        self._kept = self._trust.kept_checkpoints.get(thread_id, {})
         self._checkpoints: dict[int, SignedCheckpoint] = dict(self._kept)
 
     def expect_checkpoints(self, checkpoints: dict[int, SignedCheckpoint]) -> None:

@@ -30,11 +30,20 @@ of that pipe, at once and without polling, and stops the run with ``VerifyError`
 naming the worker, how it ended and the threads it was given (exit code 2), never
 a summary. A worker never blocks on the leader (a thread of its own sends its
 findings), so the leader, which may block sending work, cannot deadlock with it.
+
+A worker that is alive but stuck (a loop, a read from a connection whose server is
+gone, a lock it waits on for ever) closes no pipe. So each worker reports progress:
+a thread of its own looks at its counts every ``PROGRESS_SECONDS`` and says so when
+they moved. A worker that reported nothing, and was given nothing, for
+``worker_timeout`` seconds (``--worker-timeout``), while the leader waits for it or
+for room in its pipe, is stuck: the leader kills every worker and stops the run with
+``VerifyError`` naming it, how much it had verified and what it was given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import hashlib
 import itertools
@@ -43,7 +52,9 @@ import os
 import queue
 import re
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -92,6 +103,8 @@ BATCH = 256  # items per message to a worker
 LINES_BYTES = 256 * 1024
 SHOWN_THREADS = 5  # thread ids a failure names before "and N more"
 EXIT_SECONDS = 5.0  # to learn how a worker whose pipe closed ended (it is ending)
+WORKER_TIMEOUT = 300.0  # seconds without progress after which a worker is stuck (default)
+PROGRESS_SECONDS = 0.25  # how often a worker looks whether its counts moved
 # what the exporter writes first on every line (ids are [A-Za-z0-9._:-], 1-128)
 _LINE_START = re.compile(rb'\{"thread_id":"([A-Za-z0-9._:-]{1,128})","version":(-?[0-9]{1,19}),')
 
@@ -119,6 +132,23 @@ class _Outbox:
         self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._send, name="ztate-verify-outbox")
         self._thread.start()
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def watch(self, summary: Summary) -> None:
+        """Report progress whenever ``summary``'s counts moved (looked at every
+        ``PROGRESS_SECONDS``): a worker stuck anywhere reports none."""
+
+        def look() -> None:
+            last = (0, 0, 0)
+            while not self._closing.wait(PROGRESS_SECONDS):
+                now = (summary.threads, summary.records, summary.failures)
+                if now != last:
+                    self.put("progress", now[:2])
+                    last = now
+
+        self._watcher = threading.Thread(target=look, name="ztate-verify-progress", daemon=True)
+        self._watcher.start()
 
     def put(self, kind: str, value: Any) -> None:
         self._queue.put((kind, value))
@@ -131,6 +161,9 @@ class _Outbox:
                 return
 
     def close(self) -> None:
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join()
         self._queue.put(None)
         self._thread.join()
         self._conn.close()
@@ -139,10 +172,32 @@ class _Outbox:
 Body = Callable[[Connection, _Outbox, Trust], None]
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(leader: int) -> None:
+    """End this worker (SIGKILL, no output) as soon as the leader dies: a database
+    worker reads its range without a word from the leader, and would otherwise read
+    it all (or wait on a lock for ever) for nobody. Linux sends the signal when the
+    thread that forked the worker ends: the leader forks from the thread that then
+    waits for the workers. Elsewhere a worker notices when it next talks to the leader."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != leader:  # it died before the line above: no signal will come
+        os._exit(1)
+
+
 def _worker(
-    body: Body, inbox: Connection, out: Connection, trust: Trust, inherited: Sequence[Connection]
+    body: Body,
+    inbox: Connection,
+    out: Connection,
+    trust: Trust,
+    inherited: Sequence[Connection],
+    leader: int,
 ) -> None:
     """A worker process: ``body``, then its count, or why it stopped (exit code 1)."""
+    _die_with(leader)
     for conn in inherited:  # the leader's ends, copied by fork: only the leader holds them
         conn.close()
     outbox = _Outbox(out)
@@ -165,6 +220,7 @@ def _worker(
 def _work(inbox: Connection, outbox: _Outbox, trust: Trust) -> None:
     """Verify the thread groups the leader sends, until it sends None."""
     run = Verification(trust, lambda finding: outbox.put("finding", finding))
+    outbox.watch(run.summary)
     current: ThreadVerifier | None = None
     while (batch := inbox.recv()) is not None:
         for item in batch:
@@ -206,6 +262,7 @@ SELECT min(thread_id) AS first
 def _work_database(inbox: Connection, outbox: _Outbox, trust: Trust) -> None:
     """Verify this worker's share of the database (or nothing, if sent None)."""
     run = Verification(trust, lambda finding: outbox.put("finding", finding))
+    outbox.watch(run.summary)
     share: _Share | None = inbox.recv()
     if share is not None:
         _run_in_a_thread(_verify_share(run, share))
@@ -286,6 +343,8 @@ class _Worker:
     share: str | None = None  # a database worker's range, as a failure names it
     summary: Summary | None = None
     failed: str | None = None  # why it stopped, in its own words
+    heard: float = field(default_factory=time.monotonic)  # its last progress, or work given
+    done: tuple[int, int] = (0, 0)  # threads and records verified, as it last reported
 
     def given(self) -> str:
         if self.share is not None:
@@ -308,9 +367,15 @@ class _Workers:
     report: Report
     jobs: int
     body: Body = _work
+    timeout: float = WORKER_TIMEOUT  # seconds without progress: the worker is stuck
     workers: list[_Worker] = field(default_factory=list)
     batches: list[list[Item]] = field(default_factory=list)
     kept_seen: set[str] = field(default_factory=set)
+    # the worker the leader is sending to, and since when: a send that waits
+    # ``timeout`` for room in a worker's pipe means the worker reads nothing
+    _sending: tuple[int, float] | None = field(default=None, init=False)
+    _stuck: int | None = field(default=None, init=False)  # found stuck in a send
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False)
 
     def __post_init__(self) -> None:
         context = multiprocessing.get_context("fork")
@@ -321,6 +386,21 @@ class _Workers:
             self._fork(context)
         finally:
             gc.unfreeze()
+        threading.Thread(
+            target=self._watch_sends, name="ztate-verify-watchdog", daemon=True
+        ).start()
+
+    def _watch_sends(self) -> None:
+        """Kill the workers when a send to one waited ``timeout`` for room: the send
+        then fails, and ``post`` names the worker as stuck."""
+        while not self._stopping.wait(min(self.timeout / 4, 1.0)):
+            sending = self._sending
+            if sending is not None and time.monotonic() - sending[1] >= self.timeout:
+                self._stuck = sending[0]
+                for w in self.workers:
+                    if w.process.is_alive():
+                        w.process.kill()
+                return
 
     def _fork(self, context: Any) -> None:
         for _ in range(self.jobs):
@@ -329,7 +409,14 @@ class _Workers:
             leaders = [end for w in self.workers for end in (w.inbox, w.answers)]
             process = context.Process(
                 target=_worker,
-                args=(self.body, receive, answer, self.trust, [*leaders, send, answers]),
+                args=(
+                    self.body,
+                    receive,
+                    answer,
+                    self.trust,
+                    [*leaders, send, answers],
+                    os.getpid(),
+                ),
                 daemon=True,
             )
             process.start()
@@ -358,17 +445,33 @@ class _Workers:
         self._drain(block=False)
 
     def post(self, worker: int, message: Any) -> None:
-        """Send ``message`` to ``worker``, or stop the run if it is gone."""
+        """Send ``message`` to ``worker``, or stop the run if it is gone or stuck."""
+        self._sending = (worker, time.monotonic())
         try:
             self.workers[worker].inbox.send(message)
-        except OSError:  # BrokenPipeError: it died
+        except OSError:  # BrokenPipeError: it died, or the watchdog killed it
             raise self._stopped(worker) from None
+        finally:
+            self._sending = None
+        self.workers[worker].heard = time.monotonic()  # it has work: its clock starts
 
     def _drain(self, *, block: bool) -> None:
         """Take what the workers sent: everything waiting, or (``block``) at least one
         message or one worker's end. A worker that ended without its count stops the run."""
         waiting = [w.answers for w in self.workers if w.summary is None]
-        for ready in wait(waiting, timeout=None if block else 0):
+        timeout = 0.0
+        if block:
+            oldest = min(w.heard for w in self.workers if w.summary is None)
+            timeout = max(0.0, oldest + self.timeout - time.monotonic())
+        ready_ones = wait(waiting, timeout=timeout)
+        if block and not ready_ones:
+            stuck = min(
+                (i for i, w in enumerate(self.workers) if w.summary is None),
+                key=lambda i: self.workers[i].heard,
+            )
+            if time.monotonic() - self.workers[stuck].heard >= self.timeout:
+                raise self._stuck_error(stuck)
+        for ready in ready_ones:
             assert isinstance(ready, Connection)
             worker = next(i for i, w in enumerate(self.workers) if w.answers is ready)
             try:
@@ -381,7 +484,10 @@ class _Workers:
                 raise self._stopped(worker) from None
 
     def _take(self, worker: int, kind: str, value: Any) -> None:
-        if kind == "finding":
+        self.workers[worker].heard = time.monotonic()
+        if kind == "progress":
+            self.workers[worker].done = value
+        elif kind == "finding":
             self.report(value)
         elif kind == "kept":
             self.kept_seen.update(value)
@@ -393,6 +499,8 @@ class _Workers:
     def _stopped(self, worker: int) -> VerifyError:
         """The run's end when ``worker`` ended without its count: every worker is stopped,
         and the error names it, how it ended and what it was given."""
+        if self._stuck is not None:  # the watchdog killed the workers: one was stuck
+            return self._stuck_error(self._stuck)
         w = self.workers[worker]
         try:  # what it said before it ended (a failure's cause)
             while w.failed is None and w.answers.poll():
@@ -416,6 +524,20 @@ class _Workers:
             f"the ledger is NOT verified. Not (all) checked: {w.given()}."
         )
 
+    def _stuck_error(self, worker: int) -> VerifyError:
+        """The run's end when ``worker`` made no progress for ``timeout`` seconds:
+        every worker is killed, and the error names it, what it had verified and what
+        it was given."""
+        w = self.workers[worker]
+        self.stop()
+        threads, records = w.done
+        return VerifyError(
+            f"verification worker {worker + 1} of {self.jobs} made no progress for "
+            f"{self.timeout:g} s (--worker-timeout) and was stopped (records read: "
+            f"{records}, threads: {threads}); the ledger is NOT verified. "
+            f"Not (all) checked: {w.given()}."
+        )
+
     def finish(self) -> Summary:
         """Send what is left, wait for every worker's count, and add them up."""
         for worker in range(self.jobs):
@@ -427,6 +549,7 @@ class _Workers:
             self._drain(block=True)
         for w in self.workers:
             w.process.join()
+        self._stopping.set()
         total = Summary()
         for w in self.workers:
             assert w.summary is not None
@@ -436,6 +559,7 @@ class _Workers:
         return total
 
     def stop(self) -> None:
+        self._stopping.set()
         for w in self.workers:
             if w.process.is_alive():
                 w.process.kill()
@@ -457,7 +581,13 @@ def _start_of(line: bytes, number: int, report: Report) -> tuple[str, int] | Non
 
 
 def verify_bundle_parallel(
-    directory: Path, trust: Trust, report: Report, *, jobs: int, thread_id: str | None = None
+    directory: Path,
+    trust: Trust,
+    report: Report,
+    *,
+    jobs: int,
+    thread_id: str | None = None,
+    worker_timeout: float = WORKER_TIMEOUT,
 ) -> Summary:
     """``ztate.services.verify.bundle.verify_bundle`` on ``jobs`` worker processes."""
     leader = Verification(trust, report)  # the leader's own findings and headless threads
@@ -468,7 +598,7 @@ def verify_bundle_parallel(
         if trust.checkpoint_keys is not None and manifest.checkpoints is not None
         else None
     )
-    workers = _Workers(trust, report, jobs)
+    workers = _Workers(trust, report, jobs, timeout=worker_timeout)
     try:
         seen = _dispatch(directory, manifest, leader, workers, checkpoints, thread_id)
         counted = workers.finish()
@@ -566,14 +696,20 @@ def _dispatch(
 
 
 async def verify_database_parallel(
-    dsn: str, trust: Trust, report: Report, *, jobs: int, thread_id: str | None = None
+    dsn: str,
+    trust: Trust,
+    report: Report,
+    *,
+    jobs: int,
+    thread_id: str | None = None,
+    worker_timeout: float = WORKER_TIMEOUT,
 ) -> Summary:
     """``ztate.services.verify.checks.verify_database`` on ``jobs`` worker processes, each
     reading and verifying its own range of threads in the leader's snapshot."""
     leader = Verification(trust, report)
     trust = leader.trust = await _stored_policies(dsn, leader)  # before the workers fork
     # forked while no connection is open
-    workers = _Workers(trust, report, jobs, body=_work_database)
+    workers = _Workers(trust, report, jobs, body=_work_database, timeout=worker_timeout)
     try:
         conn = await connect(dsn)
         try:

@@ -21,7 +21,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,8 @@ class DeadlyKeys(Mapping[str, Ed25519PublicKey]):
         if os.getpid() != self._leader:
             if self._how == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self._how == "stuck":  # alive, its pipe open, and never a record more
+                threading.Event().wait()
             raise RuntimeError("a bug in the checks, with a value: secret-ish")
         return self._keys[key_id]
 
@@ -108,6 +110,26 @@ def test_a_worker_that_dies_mid_thread_stops_the_run_naming_its_threads(
         f"verified. Not (all) checked: the 1 thread given to it ({THREAD})."
     )
     assert "secret-ish" not in str(stopped.value)  # an exception's text may hold a value
+    assert findings == []
+
+
+def test_a_worker_stuck_mid_thread_stops_the_run_naming_it_and_what_it_verified(
+    tmp_path: Path, watchdog: None
+) -> None:
+    """Alive, its pipe open, but never a record more after version 1: without a
+    progress deadline the leader waited for its count for ever."""
+    folder = write_bundle(tmp_path / "bundle", honest_chain().rows)
+    trust = Trust(KEYRING, DeadlyKeys("stuck"), POLICIES)
+    findings: list[Finding] = []
+
+    with pytest.raises(VerifyError) as stopped:
+        verify_bundle_parallel(folder, trust, findings.append, jobs=2, worker_timeout=1.0)
+
+    assert str(stopped.value) == (
+        "verification worker 1 of 2 made no progress for 1 s (--worker-timeout) and was "
+        "stopped (records read: 3, threads: 1); the ledger is NOT verified. "
+        f"Not (all) checked: the 1 thread given to it ({THREAD})."
+    )
     assert findings == []
 
 
@@ -238,7 +260,13 @@ def sealed_thread(thread_id: str, versions: int) -> list[tuple[Any, ...]]:
     return rows
 
 
-async def a_ledger(server_dsn: str, threads: list[str]) -> str:
+async def a_ledger(
+    server_dsn: str,
+    threads: list[str],
+    tamper: Callable[[str, list[tuple[Any, ...]]], None] | None = None,
+) -> str:
+    """A fresh database with ``threads`` of 3 clean versions each; ``tamper`` may
+    change a thread's rows (in place) before they are stored."""
     dsn = await fresh_database(server_dsn)
     conn = await asyncpg.connect(dsn)
     try:
@@ -246,6 +274,8 @@ async def a_ledger(server_dsn: str, threads: list[str]) -> str:
         policy = POLICIES.policies["pipeline"]
         for thread_id in threads:
             rows = sealed_thread(thread_id, 3)
+            if tamper is not None:
+                tamper(thread_id, rows)
             last = rows[-1]
             await conn.copy_records_to_table(
                 "threads",
@@ -292,13 +322,16 @@ class HeldRun:
         self.process: asyncio.subprocess.Process | None = None
 
     @classmethod
-    async def start(cls, dsn: str, env: dict[str, str], jobs: int) -> HeldRun:
+    async def start(
+        cls, dsn: str, env: dict[str, str], jobs: int, worker_timeout: int | None = None
+    ) -> HeldRun:
         held = cls(dsn, await asyncpg.connect(dsn), await asyncpg.connect(dsn))
         await held._lock.start()
         await held.locker.execute("LOCK TABLE ztate.transitions IN ACCESS EXCLUSIVE MODE")
         held.process = await asyncio.create_subprocess_exec(
             str(ZTATE),
             *("verify", "--jobs", str(jobs), "--json"),
+            *(() if worker_timeout is None else ("--worker-timeout", str(worker_timeout))),
             env=env,
             cwd=REPO,
             stdout=asyncio.subprocess.PIPE,
@@ -397,3 +430,108 @@ async def test_a_database_run_holds_the_connections_docs_verification_md_names(
         "failures": 0,
         "verified": True,
     }
+
+
+async def test_a_worker_stuck_on_a_lock_stops_the_run_after_worker_timeout(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    """Both workers wait on the test's lock for ever (as on a dead server connection
+    with no timeout): after --worker-timeout the run stops, exit 2, no verdict."""
+    dsn = await a_ledger(postgres_server_dsn, ["stuck-a", "stuck-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=2, worker_timeout=1)
+    try:
+        await held.waiting(2)  # both workers inside their share, blocked
+        assert held.process is not None
+        # the lock is never released: the run must end by itself
+        out, err = await asyncio.wait_for(held.process.communicate(), 60)
+        code = held.process.returncode
+    finally:
+        await held.close()
+
+    assert code == 2
+    assert out == b""  # no finding and, above all, no summary
+    message = err.decode()
+    shares = {"1": "the threads before stuck-b", "2": "the threads from stuck-b on"}
+    match = re.fullmatch(
+        r"ztate verify: cannot verify: verification worker (1|2) of 2 made no progress for "
+        r"1 s \(--worker-timeout\) and was stopped \(records read: 0, threads: 0\); "
+        r"the ledger is NOT verified\. Not \(all\) checked: (.*)\.\n",
+        message,
+    )
+    assert match is not None, message
+    assert match[2] == shares[match[1]]
+
+
+@pytest.mark.parametrize("given", ["0", "0.5", "86401", "nan", "inf", "-1", "soon"])
+def test_a_worker_timeout_out_of_range_is_a_usage_error(given: str, tmp_path: Path) -> None:
+    import subprocess
+
+    env = cli_env("postgresql://nobody@127.0.0.1:1/none", tmp_path)
+    done = subprocess.run(
+        [str(ZTATE), "verify", "--jobs", "2", "--worker-timeout", given],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert done.returncode == 2
+    assert done.stdout == b""
+    expected = (
+        f"--worker-timeout: {given!r} is not a number"
+        if given == "soon"
+        else "--worker-timeout: must be 1 to 86400"
+    )
+    assert expected in done.stderr.decode(), done.stderr.decode()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (it runs no more)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in {"Z", "X"}
+
+
+async def test_workers_end_when_the_leader_is_killed(
+    postgres_server_dsn: str, tmp_path: Path
+) -> None:
+    """The leader SIGKILLed while its two workers wait on the test's lock: they end
+    at once instead of reading their whole range for nobody (here: waiting for a lock
+    that is never released)."""
+    dsn = await a_ledger(postgres_server_dsn, ["orphan-a", "orphan-b"])
+    held = await HeldRun.start(dsn, cli_env(dsn, tmp_path), jobs=2)
+    workers: list[int] = []
+    try:
+        await held.waiting(2)  # both workers inside their share, blocked
+        assert held.process is not None
+        workers = children_of(held.process.pid)
+        assert len(workers) == 2, workers
+        held.process.kill()
+
+        async def workers_ended() -> bool:
+            return all(ended(pid) for pid in workers)
+
+        await eventually(workers_ended)
+    finally:
+        for pid in workers:  # the test's own children's children, should they live on
+            if not ended(pid):
+                os.kill(pid, signal.SIGKILL)
+        await held.close()
