@@ -75,14 +75,13 @@ def cmd_approval_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ztate.approval_service.app import serve
-    from ztate.contract.errors import KeyFileError
     from ztate.services.runtime.config import ApprovalSettings
     from ztate.services.runtime.telemetry import configure_logging
     from ztate.services.store.migrate import MigrationError
     from ztate.services.store.waiting import (
         DatabaseNotReady,
         DatabaseRefused,
-        masked,
+        first_line,
         wait_for_database,
     )
 
@@ -107,10 +106,11 @@ def cmd_approval_serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc), UNREACHABLE) from None
     except DatabaseRefused as exc:
         raise CliError(str(exc), USAGE) from None
-    except (KeyFileError, MigrationError, OSError, ValueError) as exc:
+    except (MigrationError, OSError, ValueError) as exc:  # KeyFileError is a ValueError
         dsn = settings.database_url.get_secret_value() if settings.database_url else None
-        [line, *_] = masked(str(exc), dsn).splitlines() or ["no message"]
-        raise CliError(f"cannot start the approval service: {line}", USAGE) from None
+        raise CliError(
+            f"cannot start the approval service: {first_line(exc, dsn)}", USAGE
+        ) from None
     return OK
 
 

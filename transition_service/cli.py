@@ -65,15 +65,11 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
 def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False) -> int:
     import asyncio
 
-    from ztate.contract.errors import KeyFileError, KeyringError
-    from ztate.services.policy.model import PolicyError
-    from ztate.services.runtime.revocation import RevocationListError
-    from ztate.services.runtime.serving import CannotListen
     from ztate.services.store.migrate import MigrationError
     from ztate.services.store.waiting import (
         DatabaseNotReady,
         DatabaseRefused,
-        masked,
+        first_line,
         wait_for_database,
     )
     from ztate.transition_service.app import serve
@@ -92,19 +88,11 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
         raise CliError(f"cannot start: {exc}", UNREACHABLE) from None
     except DatabaseRefused as exc:
         raise CliError(str(exc), USAGE) from None
-    except (
-        PolicyError,
-        KeyringError,
-        KeyFileError,
-        MigrationError,
-        RevocationListError,
-        FileNotFoundError,
-        CannotListen,
-        ValueError,  # a setting the service cannot use
-    ) as exc:
+    # a policy, keyring, key file or revocation list it cannot use is a ValueError; a
+    # file it cannot read or an address it cannot listen on (CannotListen) an OSError
+    except (MigrationError, OSError, ValueError) as exc:
         dsn = settings.database_url.get_secret_value() if settings.database_url else None
-        [line, *_] = masked(str(exc), dsn).splitlines() or ["no message"]
-        raise CliError(f"cannot start: {line}", USAGE) from None
+        raise CliError(f"cannot start: {first_line(exc, dsn)}", USAGE) from None
     return 0
 
 

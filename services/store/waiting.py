@@ -47,10 +47,16 @@ def masked(text: str, dsn: str | None) -> str:
     return text
 
 
+def first_line(error: BaseException, dsn: str | None) -> str:
+    """The first line of ``error``'s text with ``dsn``'s secrets masked: what a start-up
+    failure prints (never a traceback, never a password)."""
+    lines = masked(str(error), dsn).splitlines()
+    return lines[0] if lines else "no message"
+
+
 def refused(error: BaseException, dsn: str) -> DatabaseRefused:
     """``error``, raised by the driver on connecting to ``dsn``, as ``DatabaseRefused``."""
-    lines = masked(str(error), dsn).splitlines()
-    first = lines[0] if lines else "no message"
+    first = first_line(error, dsn)
     return DatabaseRefused(f"the database refused the connection: {first} ({type(error).__name__})")
 
 

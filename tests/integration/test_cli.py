@@ -479,3 +479,24 @@ async def test_serve_with_a_setting_it_cannot_use_says_so_in_one_line(
     code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
     assert (code, out) == (2, ""), err
     assert err.splitlines() == ["ztate: cannot start: Invalid IPv6 URL"], err
+
+
+async def test_serve_with_a_key_it_cannot_read_says_so_in_one_line(
+    postgres_server_dsn: str, pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path
+) -> None:
+    """A TLS key path that names a directory (an OSError that is not FileNotFoundError,
+    as an unreadable file is for a non-root user) is one line, exit 2, no traceback."""
+    service = ServedProcess(
+        home=tmp_path / "home",
+        dsn=await fresh_database(postgres_server_dsn),
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring_file,
+    )
+    (tmp_path / "key-dir").mkdir()
+    env = dict(service.env, ZTATE_TLS_KEY=str(tmp_path / "key-dir"))
+    code, out, err = await ztate("serve", "--wait-for-database", "5", env=env)
+    assert (code, out) == (2, ""), err
+    [line] = err.splitlines()
+    assert line.startswith("ztate: cannot start: "), err
+    assert "Is a directory" in line, err
