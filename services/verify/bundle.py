@@ -768,22 +768,18 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
     versions: list[StoredPolicy] = []
     try:
         with path.open("rb") as handle:
-            number = 0
             while line := handle.readline(MAX_POLICY_LINE + 1):  # never more in memory
-                number += 1
                 hasher.update(line)
                 lines += 1
                 if len(line) > MAX_POLICY_LINE:
-                    length = len(line)
                     while not line.endswith(b"\n") and (line := handle.readline(1 << 20)):
                         hasher.update(line)  # the rest of the line: hashed, not kept
-                        length += len(line)
-                    report(Finding(None, None, BUNDLE_LINE, "a policy version", too_long(number)))
+                    report(Finding(None, None, BUNDLE_LINE, "a policy version", too_long(lines)))
                     continue
                 try:
                     versions.append(_policy_from_line(line))
                 except LineProblem as problem:
-                    found = f"{POLICIES} line {number}: {problem}"
+                    found = f"{POLICIES} line {lines}: {problem}"
                     report(Finding(None, None, BUNDLE_LINE, "a policy version", found))
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the policies ({exc.strerror})") from None

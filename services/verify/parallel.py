@@ -157,8 +157,8 @@ class _Outbox:
         while (message := self._queue.get()) is not None:
             try:
                 self._conn.send(message)
-            except OSError:  # the leader is gone: nobody to tell
-                return
+            except OSError:  # the leader is gone: nobody waits for this worker's count,
+                os._exit(1)  # so it stops now (its queue would grow, its range be read)
 
     def close(self) -> None:
         self._closing.set()
