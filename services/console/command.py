@@ -98,6 +98,8 @@ def cmd_console(args: argparse.Namespace) -> int:
     except ImportError:
         print("ztate console needs its extra: pip install 'ztate[console]'", file=sys.stderr)
         return 2
+    from ztate.services.cli.context import connect
+    from ztate.services.cli.output import CliError
     from ztate.services.console.backend import Backend
 
     operator, reviewer = identities(args)
@@ -110,6 +112,12 @@ def cmd_console(args: argparse.Namespace) -> int:
     ]
     if missing:
         print(f"ztate console: cannot read {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:  # present is not usable: checked as every client's are (not PEM, encrypted, not
+        for side in (operator, reviewer):  # the certificate's key), before serving a page
+            connect(side.target, side.cert, side.key, side.ca, side.server_name)
+    except CliError as exc:
+        print(f"ztate console: {exc.message}", file=sys.stderr)
         return 2
     if args.verify_bundle is not None and not args.verify_bundle.exists():
         print(f"ztate console: no bundle at {args.verify_bundle}", file=sys.stderr)

@@ -191,3 +191,48 @@ async def test_credentials_gone_while_running_is_503_with_a_fixed_text(
     assert "console cannot read its credentials: FileNotFoundError" in logged, logged
     assert str(key) not in logged
     assert "Traceback" not in logged
+
+
+async def test_credentials_present_but_unusable_are_refused_before_serving(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A key that is not the certificate's, or a file that is not PEM, is refused at
+    start as every client command refuses it (exit 2, nothing on stdout, nothing served),
+    not discovered page by page as a 503."""
+    env = clean_env(tmp_path)
+    operator, reviewer = pki.operator(), pki.identity(Role.REVIEWER, "alice")
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not a certificate\n")
+    flags = ("--port", "0", "--reviewer-cert", str(reviewer.cert), "--reviewer-key")
+    code, out, err = await ztate(
+        env,
+        "console",
+        *flags,
+        str(reviewer.key),
+        "--client-cert",
+        str(operator.cert),
+        "--client-key",
+        str(reviewer.key),
+        "--ca-cert",
+        str(operator.ca),
+    )
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        f"ztate console: cannot use credentials: {reviewer.key} is not the key of {operator.cert} "
+    ), err
+    code, out, err = await ztate(
+        env,
+        "console",
+        *flags,
+        str(not_pem),
+        "--client-cert",
+        str(operator.cert),
+        "--client-key",
+        str(operator.key),
+        "--ca-cert",
+        str(operator.ca),
+    )
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        f"ztate console: cannot use credentials: {not_pem} is not a PEM private key "
+    ), err
