@@ -26,6 +26,10 @@ none of it (the callers retry with their idempotency keys).
 If the batch statement fails (an idempotency key taken by a concurrent commit between
 its snapshot and its insert, or any error of one row), its rows are committed again one
 by one with the one-row statement, so that the failure stays the failing row's.
+
+The batch statement runs inside ``ztate.commit_batch`` (migration 0020), planned to probe
+every table by index: a connection keeps one generic plan for it, and one made while the
+tables were small would otherwise read whole tables on every batch as the ledger grows.
 """
 
 from __future__ import annotations
@@ -60,73 +64,14 @@ CommitArgs = tuple[
     int | None,
 ]
 
-GROUP_COMMIT = """
-WITH input AS (
-    SELECT *
-      FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::text[], $5::bytea[], $6::text[],
-                  $7::text[], $8::text[], $9::text[], $10::timestamptz[], $11::bytea[],
-                  $12::text[], $13::text[])
-           WITH ORDINALITY AS i(thread_id, expected, version, digest, state, parent, node_id,
-                                key_id, signature, committed_at, record, idempotency_key,
-                                request_digest, n)
-), locked AS (
-    -- every head of the batch, locked in one order whatever the batch: no deadlock
-    SELECT t.thread_id FROM ztate.threads t
-     WHERE t.thread_id IN (SELECT thread_id FROM input)
-     ORDER BY t.thread_id
-       FOR UPDATE
-), taken AS (
-    -- rows whose idempotency key names a committed request already: KEY_TAKEN
-    SELECT i.n FROM input i
-     WHERE i.idempotency_key IS NOT NULL AND EXISTS (
-           SELECT 1 FROM ztate.transitions x
-            WHERE x.thread_id = i.thread_id AND x.node_id = i.node_id
-              AND x.idempotency_key = i.idempotency_key)
-), head AS (
-    UPDATE ztate.threads t
-       SET version = i.version, head_digest = i.digest, state = i.state,
-           updated_at = i.committed_at
-      FROM input i JOIN locked l ON l.thread_id = i.thread_id
-     WHERE t.thread_id = i.thread_id AND t.version = i.expected AND t.head_digest = i.parent
-       AND i.n NOT IN (SELECT n FROM taken)
-       -- an idempotency key names one request, whether committed or parked
-       AND NOT EXISTS (SELECT 1 FROM ztate.pending_transitions p
-                        WHERE p.thread_id = i.thread_id AND p.node_id = i.node_id
-                          AND p.idempotency_key = i.idempotency_key)
- RETURNING t.thread_id
-), appended AS (
-    INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
-                                   signature, record, state, idempotency_key, request_digest,
-                                   committed_at)
-    SELECT i.thread_id, i.version, i.digest, i.parent, i.node_id, i.key_id, i.signature,
-           i.record, i.state, i.idempotency_key, i.request_digest, i.committed_at
-      FROM input i JOIN head h ON h.thread_id = i.thread_id
-    RETURNING thread_id
-), woke AS (
-    -- the nodes each committed row wakes ($14: the row's ordinal, $15: the node), and
-    -- its thread's wake mark, as ztate.commit_transition records them (migration 0018)
-    INSERT INTO ztate.node_work AS w (thread_id, node, wake_version)
-    SELECT i.thread_id, k.node, i.version
-      FROM unnest($14::bigint[], $15::text[]) AS k(n, node)
-      JOIN input i ON i.n = k.n
-      JOIN head h ON h.thread_id = i.thread_id
-    ON CONFLICT (thread_id, node) DO UPDATE
-       SET wake_version = greatest(w.wake_version, excluded.wake_version)
-    RETURNING 1
-), marked AS (
-    UPDATE ztate.wake_marks m SET evaluated_version = greatest(m.evaluated_version, i.version)
-      FROM input i JOIN head h ON h.thread_id = i.thread_id
-     WHERE m.thread_id = i.thread_id AND m.evaluated_version >= i.expected
-    RETURNING 1
+# The batch statement (migration 0020: the statement of migration 0018's group commit,
+# inside a function whose planner settings make every plan probe by index, whatever the
+# statistics when the connection's generic plan was made). $1..$13: the rows' columns,
+# in CommitArgs' order; $14, $15: the wakes, flattened (the row's ordinal, the node).
+GROUP_COMMIT = (
+    "SELECT n, committed, key_taken, watched FROM ztate.commit_batch($1, $2, $3, $4, $5, $6, "
+    "$7, $8, $9, $10, $11, $12, $13, $14, $15)"
 )
-SELECT i.n,
-       EXISTS (SELECT 1 FROM appended a WHERE a.thread_id = i.thread_id) AS committed,
-       i.n IN (SELECT n FROM taken) AS key_taken,
-       EXISTS (SELECT 1 FROM ztate.watched_threads w WHERE w.thread_id = i.thread_id)
-           AS watched
-  FROM input i
- ORDER BY i.n
-"""
 
 
 @dataclass(frozen=True, slots=True)

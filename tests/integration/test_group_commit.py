@@ -16,8 +16,9 @@ from datetime import UTC, datetime
 import asyncpg
 import pytest_asyncio
 
-from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, new_thread_id
+from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, fresh_database, new_thread_id
 from tests.integration.test_store_conformance import NODE, commit, new_thread, sealed
+from tests.integration.test_watch_limits import eventually
 from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.keyring import Keyring
 from ztate.services.policy.model import PolicySet
@@ -25,6 +26,7 @@ from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.interface import Commit, LeaseClaim
+from ztate.services.store.migrate import migrate
 from ztate.services.store.transitions import PostgresTransitionStore, keep_session
 from ztate.services.store.work import WorkStore
 from ztate.transition_service.pipeline import TransitionPipeline
@@ -308,3 +310,114 @@ async def test_a_burst_records_each_rows_wakes_in_its_transaction(
     assert woke[stale] != burst_txids[0]
     # every thread's mark moved to version 1 with the commit that made it
     assert {r["thread_id"]: r["evaluated_version"] for r in marks} == {t: 1 for t in threads}
+
+
+# The tables a commit reads or writes; none may be read whole by a batch commit.
+COMMIT_TABLES = (
+    "threads",
+    "transitions",
+    "pending_transitions",
+    "watched_threads",
+    "wake_marks",
+    "node_work",
+    "transition_keys",
+)
+
+
+async def table_scans(conn: asyncpg.Connection) -> dict[str, tuple[int, int]]:
+    """(sequential scans, rows inserted) per commit table, as the statistics hold them."""
+    await conn.execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
+    rows = await conn.fetch(
+        "SELECT relname, seq_scan, n_tup_ins FROM pg_catalog.pg_stat_user_tables "
+        "WHERE schemaname = 'ztate' AND relname = ANY($1)",
+        list(COMMIT_TABLES),
+    )
+    return {r["relname"]: (r["seq_scan"], r["n_tup_ins"]) for r in rows}
+
+
+async def flushed(conn: asyncpg.Connection, ledger_rows: int) -> dict[str, tuple[int, int]]:
+    """The statistics once every backend has reported the ``ledger_rows`` inserted so
+    far (each backend asked to flush with ``pg_stat_force_next_flush``)."""
+    seen: dict[str, tuple[int, int]] = {}
+
+    async def reported() -> bool:
+        seen.update(await table_scans(conn))
+        return seen.get("transitions", (0, 0))[1] == ledger_rows
+
+    await eventually(reported)
+    return seen
+
+
+async def test_a_burst_reads_no_table_whole_whatever_size_its_plan_was_made_at(
+    postgres_server_dsn: str, settings: Settings, keyring: Keyring
+) -> None:
+    """A burst's statement is prepared once per connection, and Postgres keeps a generic
+    plan for it after five runs: made while the tables held a few rows, a plan that
+    hashes whole tables is cheapest, and it would stay in use as the ledger grows (every
+    batch reading every head and every ledger row). The batch commit is planned to probe
+    each row's head, ledger keys and work by index whatever the statistics say: however
+    many runs came before, a burst on a grown ledger reads no commit table whole."""
+    dsn = await fresh_database(postgres_server_dsn)
+    admin = await asyncpg.connect(dsn)
+    await migrate(admin, settings.db_role)
+    pool = await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=1,  # one connection: one plan cache, the one every burst below uses
+        reset=keep_session,
+        server_settings={"role": settings.db_role},
+    )
+    try:
+        store = PostgresTransitionStore(pool, commit_slots=1)
+        heads = dict([await new_thread(store, keyring) for _ in range(4)])
+        parents = {thread_id: genesis.digest for thread_id, genesis in heads.items()}
+
+        async def burst(version: int) -> None:
+            # one commit slot: the first leaves alone, the other three together
+            done = await asyncio.gather(
+                *(
+                    commit(store, keyring, t, version, parents[t], f"k-{t}-{version}")
+                    for t in parents
+                )
+            )
+            assert [result for result, _ in done] == [Commit.COMMITTED] * 4
+            parents.update({t: record.digest for t, (_, record) in zip(parents, done, strict=True)})
+            await pool.execute("SELECT pg_catalog.pg_stat_force_next_flush()")
+
+        for version in range(1, 9):  # eight batch statements while the tables are tiny
+            await burst(version)
+        # the ledger grows: 5,000 records of 500 other threads
+        await admin.execute(
+            "INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, "
+            "policy_digest) SELECT 'grown-' || g, 9, repeat('a', 64), '\\x7b7d', 'pipeline', "
+            "'p' FROM generate_series(1, 500) g"
+        )
+        await admin.execute(
+            "INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, "
+            "node_id, key_id, signature, record, state, committed_at) "
+            "SELECT 'grown-' || (g % 500 + 1), g / 500, lpad(to_hex(g), 64, '0'), "
+            "lpad(to_hex(g + 100000), 64, '0'), 'n', 'k', repeat('b', 64), "
+            "convert_to('{\"patch\":{\"k\":1}}', 'UTF8'), '\\x7b7d', now() "
+            "FROM generate_series(0, 4999) g"
+        )
+        await admin.execute("SELECT pg_catalog.pg_stat_force_next_flush()")
+        before = await flushed(admin, 4 + 8 * 4 + 5000)
+
+        for version in range(9, 11):
+            await burst(version)
+
+        after = await flushed(admin, 4 + 10 * 4 + 5000)
+        assert {t: scans for t, (scans, _) in after.items()} == {
+            t: scans for t, (scans, _) in before.items()
+        }
+        # the two bursts committed, each as one alone and three in one statement
+        for thread_id in parents:
+            assert (
+                await admin.fetchval(
+                    "SELECT max(version) FROM ztate.transitions WHERE thread_id = $1", thread_id
+                )
+                == 10
+            )
+    finally:
+        await pool.close()
+        await admin.close()
