@@ -3,15 +3,22 @@ least privilege for the service role, idempotent numbered migrations."""
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import asyncpg
 import pytest
 import pytest_asyncio
 
 from tests.harness import Ledger, Pki, act, client, new_thread_id, with_database
+from tests.integration.test_store_conformance import new_thread, sealed
+from ztate.contract.canonical import sha256_hex
+from ztate.contract.keyring import Keyring
 from ztate.services.store import migrate as migrations
+from ztate.services.store.interface import Commit
+from ztate.transition_service.app import RunningService
 from ztate.worker_sdk import StaleVersion
 
 SERVICE_ROLE = "ztate_transition"
@@ -130,3 +137,42 @@ async def test_migrations_apply_once_and_refuse_edits(postgres_server_dsn: str) 
             await migrations.migrate(conn, "ztate_migrate_role")
     finally:
         await conn.close()
+
+
+async def test_a_ledger_row_of_a_few_kilobytes_is_stored_inline_and_uncompressed(
+    service: RunningService, keyring: Keyring, superuser: asyncpg.Connection
+) -> None:
+    """A 3 KB transition (a 1.5 KB opaque value in its patch and in its state) is stored
+    as it is, in the ledger's heap: no compression tried, nothing moved to the TOAST
+    table, so neither the insert nor any reader of the record pays for either
+    (migration 0021)."""
+    thread_id, genesis = await new_thread(service.store, keyring)
+    opaque = secrets.token_urlsafe(1125)  # 1,500 characters, as a receipt is
+    record, state = sealed(keyring, thread_id, 1, genesis.digest, {"raw_text": opaque})
+    assert len(record.record_bytes) + len(state) > 3000  # over the default 2 KB threshold
+    toast = await superuser.fetchval(
+        "SELECT reltoastrelid::regclass::text FROM pg_catalog.pg_class "
+        "WHERE oid = 'ztate.transitions'::regclass"
+    )
+    chunks = f"SELECT count(*) FROM {toast}"  # noqa: S608 - a relation name from the catalog
+    before = await superuser.fetchval(chunks)
+
+    result = await service.store.commit(
+        record,
+        state,
+        expected_version=0,
+        committed_at=datetime.now(UTC),
+        idempotency_key="inline-1",
+        request_digest=sha256_hex(b"inline-1"),
+    )
+
+    assert result is Commit.COMMITTED
+    stored = await superuser.fetchrow(
+        "SELECT record, state, pg_catalog.pg_column_compression(record) AS record_compression, "
+        "pg_catalog.pg_column_compression(state) AS state_compression "
+        "FROM ztate.transitions WHERE thread_id = $1 AND version = 1",
+        thread_id,
+    )
+    assert (stored["record"], stored["state"]) == (record.record_bytes, state)
+    assert (stored["record_compression"], stored["state_compression"]) == (None, None)
+    assert await superuser.fetchval(chunks) == before  # nothing moved out of line
