@@ -97,9 +97,11 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         # 0021's storage parameter reaches the shards, where the rows are
         options = await conn.fetch(
             "SELECT result FROM run_command_on_shards('ztate.transitions', "
-            "$$SELECT array_to_string(reloptions, ',') FROM pg_class WHERE oid = '%s'::regclass$$)"
+            "$$SELECT array_to_string(reloptions, ',') FROM pg_class "
+            "WHERE oid = '%s'::regclass$$)"
         )
-        assert options and {r["result"] for r in options} == {"toast_tuple_target=8160"}
+        assert options
+        assert {r["result"] for r in options} == {"toast_tuple_target=8160"}
         await apply_citus_layout(conn)  # `ztate db citus`, again
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
 
