@@ -85,23 +85,30 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
 
         applied = await migrate(conn, SERVICE_ROLE)  # `ztate db migrate`
         # 0020 adds the batch commit's function, which Citus does not use (one row a
-        # commit); 0021 sets a storage parameter of the (distributed) ledger
+        # commit); 0021 and 0022 set storage parameters of the (distributed) ledger and
+        # heads
         assert applied == [
             "0018_wakes_in_the_commit",
             "0019_leases_in_the_commit",
             "0020_batch_commit_plan",
             "0021_ledger_rows_inline",
+            "0022_room_for_heads",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None
-        # 0021's storage parameter reaches the shards, where the rows are
-        options = await conn.fetch(
-            "SELECT result FROM run_command_on_shards('ztate.transitions', "
-            "$$SELECT array_to_string(reloptions, ',') FROM pg_class "
-            "WHERE oid = '%s'::regclass$$)"
-        )
-        assert options
-        assert {r["result"] for r in options} == {"toast_tuple_target=8160"}
+        # 0021's and 0022's storage parameters reach the shards, where the rows are
+        for table, parameter in (
+            ("ztate.transitions", "toast_tuple_target=8160"),
+            ("ztate.threads", "fillfactor=50"),
+        ):
+            options = await conn.fetch(
+                "SELECT result FROM run_command_on_shards($1, "
+                "$$SELECT array_to_string(reloptions, ',') FROM pg_class "
+                "WHERE oid = '%s'::regclass$$)",
+                table,
+            )
+            assert options
+            assert {r["result"] for r in options} == {parameter}
         await apply_citus_layout(conn)  # `ztate db citus`, again
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
 
