@@ -103,11 +103,22 @@ def cmd_threads_create(args: argparse.Namespace) -> int:
             "thread_id": genesis.thread_id,
             "version": genesis.version,
             "digest": genesis.digest,
+            # the same creation again (same creator, policy and state): nothing written
+            "replayed": response.replayed,
         }
 
     created = run_client(args, call)
-    emit_one(created, args.output, lambda r: f"created {r['thread_id']} (digest {r['digest']})")
+    emit_one(created, args.output, _created_line)
     return OK
+
+
+def _created_line(created: dict[str, Any]) -> str:
+    if created["replayed"]:
+        return (
+            f"{created['thread_id']} already exists with this initial state "
+            f"(digest {created['digest']}): nothing written"
+        )
+    return f"created {created['thread_id']} (digest {created['digest']})"
 
 
 # --- list -------------------------------------------------------------------------------

@@ -151,7 +151,18 @@ async def test_cli_creates_lists_shows_and_tails_threads(target: str, pki: Pki) 
         "--json",
     )
     assert code == 0, err
-    assert json.loads(out)["thread_id"] == thread_id
+    created = json.loads(out)
+    assert (created["thread_id"], created["replayed"]) == (thread_id, False)
+    # the same creation again (a retry whose answer was lost): its genesis, said so
+    code, out, err = await run_ztate(
+        target, pki, "threads", "create", thread_id, "--policy", "pipeline",
+        "--state", json.dumps(INITIAL),
+    )  # fmt: skip
+    assert code == 0, err
+    assert out == (
+        f"{thread_id} already exists with this initial state "
+        f"(digest {created['digest']}): nothing written\n"
+    )
     code, out, err = await run_ztate(
         target, pki, "threads", "list", "--policy", "pipeline", "--limit", "1000", "--json"
     )
