@@ -31,7 +31,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from bench.workload import TRANSITION_COLUMNS
 from tests.harness import fresh_database
 from tests.integration.test_watch_limits import eventually
 from tests.unit.test_verify_bundle import APPROVAL_KEY, KEYRING, POLICIES, THREAD, honest_chain
@@ -208,6 +207,19 @@ def trust_of_bundle() -> Trust:
 NODE = "spiffe://ztate.test/node/planner"
 OPERATOR = "spiffe://ztate.test/operator/admin"
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+# the ledger columns sealed_thread's rows hold, in its order (COPY)
+TRANSITION_COLUMNS = (
+    "thread_id",
+    "version",
+    "digest",
+    "parent_digest",
+    "node_id",
+    "key_id",
+    "signature",
+    "record",
+    "state",
+    "committed_at",
+)
 THREAD_COLUMNS = ("thread_id", "version", "head_digest", "state", "policy_name", "policy_digest")
 
 
