@@ -70,8 +70,8 @@ CommitArgs = tuple[
 # in CommitArgs' order; $14, $15: the wakes, flattened (the row's ordinal, the node).
 GROUP_COMMIT = (
     "SELECT n, committed, key_taken, watched FROM ztate.commit_batch($1, $2, $3, $4, $5, $6, "
-    "$7, $8, $9, $10, $11, $12, $13, $14, $15)"
-)
+    "$7, $8, $9, $10, $11, $12, $13, $14, $15) ORDER BY n"
+)  # in the batch's order: each answer goes to the commit at its position
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,14 +7,16 @@
 -- cheapest plan hashes them whole (sequential scans of the heads, the ledger, the parked
 -- proposals and the watched threads). That plan stayed in use as the ledger grew, so
 -- every batch read every head and every ledger row: in the end-to-end benchmark (fresh
--- database, 32 writers, 10 s) about 160 rows read per commit and a third of Postgres's
--- CPU per commit.
+-- database, 32 writers, 10 s) 200 to 350 rows read per commit and about 40 % of
+-- Postgres's CPU per commit (docs/performance.md, "Issue 19, fifth round").
 --
 -- A batch holds at most 64 rows, each touching one head, one idempotency key, one
 -- thread's work and wake mark: probing each by its index is always the right plan. The
 -- statement now runs inside this function, whose planner settings rule out sequential
 -- scans, hash joins and merge joins (nested loops over the batch's rows, index probes
 -- into every table), so the plan is the same whatever the statistics when it was made.
+-- (They hold for everything that runs during the call, the ledger's triggers and its
+-- foreign-key check included: each probes by key.)
 -- The statement itself is unchanged: each row its own compare-and-swap, idempotency
 -- outcome, wakes and wake mark, exactly as before. One call, one round trip, as before.
 -- Group commit is not used on Citus (each commit leaves alone there), so the function

@@ -13,6 +13,11 @@
 -- stay inline and uncompressed; larger ones are compressed and moved out of line as
 -- before, until they fit that target. Rows written before this migration keep the form
 -- they were written in (a reloption changes no row). The cost: a 2 to 8 KB row whose
--- JSON would have compressed now takes its full size on disk.
+-- JSON would have compressed now takes its full size on disk. 8160 assumes Postgres's
+-- default 8 KB pages (Debian's and the embedded server's).
+--
+-- The ALTER takes a SHARE UPDATE EXCLUSIVE lock for an instant: commits go on, but the
+-- migration (and the start-up of every replica, which migrates first) waits for a
+-- running manual VACUUM, ANALYZE, CREATE INDEX CONCURRENTLY or pg_repack of the table.
 
 ALTER TABLE ztate.transitions SET (toast_tuple_target = 8160);

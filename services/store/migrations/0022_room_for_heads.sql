@@ -13,6 +13,8 @@
 --
 -- The cost: the heads take about twice the pages (one row a thread; the ledger, one row
 -- a version, is unchanged). Pages written before this migration fill as they were;
--- `VACUUM FULL ztate.threads` (or pg_repack) rewrites them with the room.
+-- pg_repack rewrites them with the room while commits go on (`VACUUM FULL ztate.threads`
+-- does too, but holds an ACCESS EXCLUSIVE lock, and every commit waits, while it runs).
+-- The ALTER itself takes a SHARE UPDATE EXCLUSIVE lock for an instant, as 0021's.
 
 ALTER TABLE ztate.threads SET (fillfactor = 50);
