@@ -98,8 +98,14 @@ class ContextFile:
         current = doc.get("current-context")
         if not isinstance(contexts, dict) or not (current is None or isinstance(current, str)):
             usage(f"{path}: `contexts` must map names to settings; `current-context` a name")
+        # a hand-edited file is held to what `context set` writes: names and values are
+        # printed by `context list` and `show`, and a name is not echoed until it passes
+        if current is not None and not CONTEXT_NAME.fullmatch(current):
+            usage(f"{path}: `current-context` is not a context name ({NAME_RULE})")
         checked: dict[str, dict[str, str]] = {}
-        for name, fields in contexts.items():
+        for number, (name, fields) in enumerate(contexts.items(), start=1):
+            if not CONTEXT_NAME.fullmatch(str(name)):
+                usage(f"{path}: the name of context number {number} is not one ({NAME_RULE})")
             if not isinstance(fields, dict):
                 usage(f"{path}: context {name!r} must be a mapping")
             unknown = sorted(set(fields) - set(FIELDS))
@@ -110,6 +116,8 @@ class ContextFile:
                 )
             if not all(isinstance(v, str) for v in fields.values()):
                 usage(f"{path}: context {name!r}: every value is a string")
+            for field, value in fields.items():
+                _setting(f"{path}: context {name!r}: {field}", value)
             checked[str(name)] = dict(fields)
         return cls(path, current, checked)
 

@@ -19,6 +19,7 @@ NAME_RULE = (
     "not a context name: 1-128 characters of letters, digits and . _ : @ / -, "
     "the first a letter or digit"
 )
+NAME_TEXT = NAME_RULE.removeprefix("not a context name: ")
 POLICY_RULE = (
     "not a policy name: 1-64 characters of a-z 0-9 . _ -, the first and last a letter or digit"
 )
@@ -229,6 +230,27 @@ def test_context_set_refuses_hostile_settings(
             b"contexts:\n  dev:\n    token: x\n",
             "PATH: context 'dev': unknown token "
             "(known: address, approval-address, cert, key, ca, server-name)",
+        ),
+        # hand-edited: what `context set` would refuse, refused without being echoed
+        (
+            b'{"contexts": {"dev": {}, "\\u001b[31mred": {"address": "h:1"}}}',
+            f"PATH: the name of context number 2 is not one ({NAME_TEXT})",
+        ),
+        (
+            b'{"contexts": {"a b": {}}}',
+            f"PATH: the name of context number 1 is not one ({NAME_TEXT})",
+        ),
+        (
+            b'{"current-context": "\\u202eevil", "contexts": {}}',
+            f"PATH: `current-context` is not a context name ({NAME_TEXT})",
+        ),
+        (
+            b'{"contexts": {"dev": {"address": "\\u001b]0;pwned\\u0007h:1"}}}',
+            "PATH: context 'dev': address: control characters are not allowed",
+        ),
+        (
+            b'{"contexts": {"dev": {"cert": "' + b"c" * 4097 + b'"}}}',
+            "PATH: context 'dev': cert: more than 4096 characters",
         ),
     ],
 )
