@@ -311,3 +311,24 @@ async def test_replays_and_head_reads_are_one_command_to_the_worker_holding_the_
         assert f":{holder} " in issued[0], remote
     finally:
         await conn.close()
+
+
+async def test_the_shards_keep_the_storage_parameters_of_their_tables(citus_dsn: str) -> None:
+    """Migrations 0021 and 0022 set storage parameters before `ztate db citus` distributes
+    the tables: every shard, where the rows are, carries them."""
+    conn = await asyncpg.connect(citus_dsn)
+    try:
+        for table, parameter in (
+            ("ztate.transitions", "toast_tuple_target=8160"),
+            ("ztate.threads", "fillfactor=50"),
+        ):
+            options = await conn.fetch(
+                "SELECT result FROM run_command_on_shards($1, "
+                "$$SELECT array_to_string(reloptions, ',') FROM pg_class "
+                "WHERE oid = '%s'::regclass$$)",
+                table,
+            )
+            assert options
+            assert {r["result"] for r in options} == {parameter}
+    finally:
+        await conn.close()
