@@ -243,3 +243,23 @@ async def ztate_database(
                 f"{(stdout + stderr).decode(errors='replace')}"
             )
     return dsn
+
+
+# The storage parameters migrations set on distributed tables (0021, 0022): each shard,
+# where the rows are, must carry its table's.
+STORAGE_PARAMETERS = {
+    "ztate.transitions": "toast_tuple_target=8160",
+    "ztate.threads": "fillfactor=50",
+}
+
+
+async def shard_storage_parameters(conn: asyncpg.Connection, table: str) -> set[str]:
+    """The storage parameters of every shard of ``table``, as one text per distinct value."""
+    rows = await conn.fetch(
+        "SELECT result FROM run_command_on_shards($1, "
+        "$$SELECT array_to_string(reloptions, ',') FROM pg_class "
+        "WHERE oid = '%s'::regclass$$)",
+        table,
+    )
+    assert rows, f"{table} has no shards"
+    return {r["result"] for r in rows}

@@ -8,7 +8,7 @@ from typing import cast
 
 import asyncpg
 
-from tests.citus.cluster import CitusCluster
+from tests.citus.cluster import STORAGE_PARAMETERS, CitusCluster, shard_storage_parameters
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.services.store.optional import COORDINATOR_LOCAL, DISTRIBUTED, REFERENCE
 from ztate.services.store.transitions import (
@@ -318,17 +318,7 @@ async def test_the_shards_keep_the_storage_parameters_of_their_tables(citus_dsn:
     the tables: every shard, where the rows are, carries them."""
     conn = await asyncpg.connect(citus_dsn)
     try:
-        for table, parameter in (
-            ("ztate.transitions", "toast_tuple_target=8160"),
-            ("ztate.threads", "fillfactor=50"),
-        ):
-            options = await conn.fetch(
-                "SELECT result FROM run_command_on_shards($1, "
-                "$$SELECT array_to_string(reloptions, ',') FROM pg_class "
-                "WHERE oid = '%s'::regclass$$)",
-                table,
-            )
-            assert options
-            assert {r["result"] for r in options} == {parameter}
+        for table, parameter in STORAGE_PARAMETERS.items():
+            assert await shard_storage_parameters(conn, table) == {parameter}
     finally:
         await conn.close()

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from tests.citus.cluster import CitusCluster
+from tests.citus.cluster import STORAGE_PARAMETERS, CitusCluster, shard_storage_parameters
 from ztate.services.store.migrate import (
     TRANSITION_MIGRATIONS,
     Migration,
@@ -97,18 +97,8 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None
         # 0021's and 0022's storage parameters reach the shards, where the rows are
-        for table, parameter in (
-            ("ztate.transitions", "toast_tuple_target=8160"),
-            ("ztate.threads", "fillfactor=50"),
-        ):
-            options = await conn.fetch(
-                "SELECT result FROM run_command_on_shards($1, "
-                "$$SELECT array_to_string(reloptions, ',') FROM pg_class "
-                "WHERE oid = '%s'::regclass$$)",
-                table,
-            )
-            assert options
-            assert {r["result"] for r in options} == {parameter}
+        for table, parameter in STORAGE_PARAMETERS.items():
+            assert await shard_storage_parameters(conn, table) == {parameter}
         await apply_citus_layout(conn)  # `ztate db citus`, again
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
 
