@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 EXIT_CANNOT_RUN = 2  # services.verify.checks.EXIT_CANNOT_RUN (a test holds them equal)
 MAX_JOBS = 256
 MAX_WORKER_TIMEOUT = 86_400.0  # seconds: a day
+# services.verify.parallel.WORKER_TIMEOUT (a test holds them equal)
+WORKER_TIMEOUT = 300.0
 FLUSH_TIMEOUT_MILLIS = 5_000  # per signal, at exit
 Subparsers = argparse._SubParsersAction  # the type argparse gives add_subparsers()
 
@@ -95,10 +97,10 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
     verify.add_argument(
         "--worker-timeout",
         type=bounded_float(1.0, MAX_WORKER_TIMEOUT),
-        default=None,
+        default=WORKER_TIMEOUT,
         metavar="SECONDS",
         help="with --jobs: stop the run (exit 2, no verdict) when a worker verifies nothing "
-        "for this long: stuck on a lock, a dead connection or a loop (default 300)",
+        f"for this long: stuck on a lock, a dead connection or a loop (default {WORKER_TIMEOUT:g})",
     )
     verify.add_argument("--json", action="store_true", help="one JSON object per line")
     verify.set_defaults(func=cmd_verify)
@@ -138,9 +140,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ztate.services.runtime.telemetry import Telemetry
     from ztate.services.verify.bundle import verify_bundle
     from ztate.services.verify.checks import VerifyError, counted, no_such_thread
-    from ztate.services.verify.parallel import WORKER_TIMEOUT, verify_bundle_parallel
+    from ztate.services.verify.parallel import verify_bundle_parallel
 
-    worker_timeout = WORKER_TIMEOUT if args.worker_timeout is None else args.worker_timeout
+    worker_timeout: float = args.worker_timeout
     telemetry = Telemetry()
     ticking = _progress(enabled=not args.json and sys.stderr.isatty())
     try:

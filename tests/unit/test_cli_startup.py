@@ -17,9 +17,9 @@ from ztate.services.cli import admin
 from ztate.services.cli.main import build_parser
 from ztate.services.cli.output import USAGE, CliError
 from ztate.services.cli.resources import parse_time
-from ztate.services.cli.verify import EXIT_CANNOT_RUN
+from ztate.services.cli.verify import EXIT_CANNOT_RUN, WORKER_TIMEOUT
 from ztate.services.runtime.identity import Role
-from ztate.services.verify import checks
+from ztate.services.verify import checks, parallel
 
 ZTATE = Path(sys.executable).with_name("ztate")
 HELP_CPU_BUDGET_SECONDS = 0.150
@@ -131,6 +131,7 @@ def test_the_unimported_constants_match_their_sources() -> None:
     """The CLI keeps copies so that --help need not import their modules."""
     assert set(admin.ROLES) == {role.value for role in Role}
     assert EXIT_CANNOT_RUN == checks.EXIT_CANNOT_RUN
+    assert WORKER_TIMEOUT == parallel.WORKER_TIMEOUT
 
 
 def test_ca_and_keys_honour_ztate_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
