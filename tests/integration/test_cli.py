@@ -356,6 +356,32 @@ async def test_serve_gives_up_on_a_database_that_never_comes(
 SECRET = "pw-5ecret-9c1f"  # a password in the DSN: never printed
 
 
+async def refused_start(command: str, env: dict[str, str]) -> str:
+    """``ztate <command>`` that must refuse to start: exit 2, nothing on stdout, one line
+    on stderr (never a traceback, never the DSN's password); that line."""
+    code, out, err = await ztate(command, "--wait-for-database", "5", env=env)
+    assert (code, out) == (2, ""), err
+    assert "Traceback" not in err
+    assert SECRET not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+async def service_env(
+    server_dsn: str, pki: Pki, policy_dir: Path, keyring: Path, home: Path, **settings: str
+) -> dict[str, str]:
+    """``ztate serve``'s environment on a fresh database, with ``settings`` changed."""
+    return ServedProcess(
+        home=home,
+        dsn=await fresh_database(server_dsn),
+        pki=pki,
+        policy=policy_dir,
+        keyring=keyring,
+        **settings,
+    ).env
+
+
 @pytest.mark.parametrize(
     ("what", "said"),
     [
@@ -386,10 +412,8 @@ async def test_serve_refused_by_the_database_says_so_in_one_line(
     service = ServedProcess(
         home=tmp_path / "home", dsn=dsn, pki=pki, policy=policy_dir, keyring=keyring_file
     )
-    code, out, err = await ztate(command, "--wait-for-database", "5", env=service.env)
-    assert (code, out) == (2, ""), err
-    assert err.splitlines() == [f"ztate: the database refused the connection: {said}"]
-    assert SECRET not in err
+    line = await refused_start(command, service.env)
+    assert line == f"ztate: the database refused the connection: {said}"
 
 
 async def test_serve_with_an_encrypted_tls_key_says_so_in_one_line(
@@ -409,21 +433,12 @@ async def test_serve_with_an_encrypted_tls_key_says_so_in_one_line(
             serialization.BestAvailableEncryption(SECRET.encode()),
         )
     )
-    service = ServedProcess(
-        home=tmp_path / "home",
-        dsn=await fresh_database(postgres_server_dsn),
-        pki=pki,
-        policy=policy_dir,
-        keyring=keyring_file,
-        tls_key=str(locked),
+    env = await service_env(
+        postgres_server_dsn, pki, policy_dir, keyring_file, tmp_path / "home", tls_key=str(locked)
     )
-    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
-    assert (code, out) == (2, ""), err
-    assert "Traceback" not in err
-    assert len(err.splitlines()) == 1, err
-    assert str(locked) in err
-    assert SECRET not in err
-    assert "PRIVATE KEY" not in err
+    line = await refused_start("serve", env)
+    assert str(locked) in line
+    assert "PRIVATE KEY" not in line
 
 
 @pytest.mark.parametrize(
@@ -447,19 +462,9 @@ async def test_serve_with_a_keyring_it_cannot_use_says_so_in_one_line(
     the file, exit 2, no traceback and none of the file's content."""
     path = tmp_path / "keyring.json"
     path.write_bytes(keyring)
-    service = ServedProcess(
-        home=tmp_path / "home",
-        dsn=await fresh_database(postgres_server_dsn),
-        pki=pki,
-        policy=policy_dir,
-        keyring=path,
-    )
-    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
-    assert (code, out) == (2, ""), err
-    assert "Traceback" not in err
-    [line] = err.splitlines()
+    env = await service_env(postgres_server_dsn, pki, policy_dir, path, tmp_path / "home")
+    line = await refused_start("serve", env)
     assert line.startswith("ztate: cannot start: ")
-    assert SECRET not in err
 
 
 async def test_serve_with_a_setting_it_cannot_use_says_so_in_one_line(
@@ -468,17 +473,15 @@ async def test_serve_with_a_setting_it_cannot_use_says_so_in_one_line(
     """A setting that passes the settings' checks but that the service cannot use (an
     OTLP endpoint that is no URL: a ValueError at start-up) is one line, exit 2, no
     traceback, no password of the DSN."""
-    service = ServedProcess(
-        home=tmp_path / "home",
-        dsn=await fresh_database(postgres_server_dsn),
-        pki=pki,
-        policy=policy_dir,
-        keyring=keyring_file,
+    env = await service_env(
+        postgres_server_dsn,
+        pki,
+        policy_dir,
+        keyring_file,
+        tmp_path / "home",
         otlp_endpoint="http://[collector:4317",
     )
-    code, out, err = await ztate("serve", "--wait-for-database", "5", env=service.env)
-    assert (code, out) == (2, ""), err
-    assert err.splitlines() == ["ztate: cannot start: Invalid IPv6 URL"], err
+    assert await refused_start("serve", env) == "ztate: cannot start: Invalid IPv6 URL"
 
 
 async def test_serve_with_a_key_it_cannot_read_says_so_in_one_line(
@@ -486,17 +489,15 @@ async def test_serve_with_a_key_it_cannot_read_says_so_in_one_line(
 ) -> None:
     """A TLS key path that names a directory (an OSError that is not FileNotFoundError,
     as an unreadable file is for a non-root user) is one line, exit 2, no traceback."""
-    service = ServedProcess(
-        home=tmp_path / "home",
-        dsn=await fresh_database(postgres_server_dsn),
-        pki=pki,
-        policy=policy_dir,
-        keyring=keyring_file,
-    )
     (tmp_path / "key-dir").mkdir()
-    env = dict(service.env, ZTATE_TLS_KEY=str(tmp_path / "key-dir"))
-    code, out, err = await ztate("serve", "--wait-for-database", "5", env=env)
-    assert (code, out) == (2, ""), err
-    [line] = err.splitlines()
-    assert line.startswith("ztate: cannot start: "), err
-    assert "Is a directory" in line, err
+    env = await service_env(
+        postgres_server_dsn,
+        pki,
+        policy_dir,
+        keyring_file,
+        tmp_path / "home",
+        tls_key=str(tmp_path / "key-dir"),
+    )
+    line = await refused_start("serve", env)
+    assert line.startswith("ztate: cannot start: ")
+    assert "Is a directory" in line
