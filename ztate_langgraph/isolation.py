@@ -157,6 +157,13 @@ def _node_function(builder: StateGraph[Any], name: str) -> Any:
     raise ValueError(f"node {name!r} is not a function: give NodeWorker(function=...)")
 
 
+# what a worker's reply may say of its step: noop, or what the runner recorded
+# (worker_sdk's Outcome); anything else is a broken protocol, never repeated
+STATUSES = frozenset(
+    {"noop", "committed", "refused", "failed", "rejected", "expired", "stale", "pending"}
+)
+
+
 def _malformed(message: dict[str, Any]) -> str | None:
     """What is wrong with a message of a worker (a "parked" event or a step's reply), in
     words that never repeat its content (it may hold state values); None when nothing."""
@@ -176,8 +183,8 @@ def _malformed(message: dict[str, Any]) -> str | None:
         ):
             return "a parked message whose fields are not valid"
         return None
-    if not isinstance(message.get("status"), str):
-        return "a reply without a status"
+    if message.get("status") not in STATUSES:
+        return "a reply without a known status"
     if message["status"] == "committed" and not version(message.get("version")):
         return "a committed reply without a valid version"
     if not strings(message.get("keys", [])):

@@ -18,6 +18,7 @@ BAD_LINES = {
     "parked": json.dumps({"event": "parked", "handle": SECRET, "base_version": SECRET}),
     "version": json.dumps({"event": "done", "status": "committed", "version": SECRET}),
     "keys": json.dumps({"event": "done", "status": "refused", "reason": "X", "keys": 7}),
+    "status": json.dumps({"event": "done", "status": SECRET}),
 }
 
 
@@ -37,7 +38,7 @@ def main() -> None:
         if thread_id.startswith("bad-"):
             kind = thread_id.split("-")[1]
             message = BAD_LINES[kind]
-            if kind in ("parked", "version", "keys"):  # well-formed JSON: answer this step
+            if kind in ("parked", "version", "keys", "status"):  # well-formed JSON: answer this step
                 message = json.dumps({**json.loads(message), "id": request["id"]})
             send(message)
         else:

@@ -86,6 +86,7 @@ def run(thread_id: str) -> dict[str, Any]:
         ),
         ("version", "a committed reply without a valid version"),
         ("keys", "a reply whose keys are not a list of strings"),
+        ("status", "a reply without a known status"),
     ],
 )
 async def test_a_malformed_line_fails_the_step_ends_the_worker_and_the_next_step_starts_afresh(
