@@ -38,7 +38,7 @@ def main() -> None:
         if thread_id.startswith("bad-"):
             kind = thread_id.split("-")[1]
             message = BAD_LINES[kind]
-            if kind in ("parked", "version", "keys", "status"):  # well-formed JSON: answer this step
+            if kind in ("parked", "version", "keys", "status"):  # well-formed: answer this step
                 message = json.dumps({**json.loads(message), "id": request["id"]})
             send(message)
         else:
