@@ -99,7 +99,14 @@ async def wait_for_database(dsn: str, seconds: float) -> int:
         attempt += 1
         try:
             conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_SECONDS)
-        except (OSError, TimeoutError, asyncpg.CannotConnectNowError) as exc:
+        # not there yet, starting or stopping (a restart, a failover), or full: waited for
+        except (
+            OSError,
+            TimeoutError,
+            asyncpg.PostgresConnectionError,
+            asyncpg.OperatorInterventionError,
+            asyncpg.TooManyConnectionsError,
+        ) as exc:
             reason = _reason(exc)
             left = deadline - loop.time()
             if left <= 0:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 import yaml
 
@@ -414,6 +415,33 @@ async def test_serve_refused_by_the_database_says_so_in_one_line(
     )
     line = await refused_start(command, service.env)
     assert line == f"ztate: the database refused the connection: {said}"
+
+
+async def test_a_database_that_is_full_is_waited_for_not_refused(
+    postgres_server_dsn: str,
+) -> None:
+    """A server with no connection slot left (here: a role allowed none, the same
+    TooManyConnectionsError as a full server) is a database not ready yet, as one that is
+    starting or failing over: waited for until the budget runs out, then "not reachable"
+    (exit 4), never "refused" (exit 2, a configuration error) at the first attempt."""
+    from ztate.services.store.waiting import DatabaseNotReady, wait_for_database
+
+    admin = await asyncpg.connect(postgres_server_dsn)
+    try:
+        await admin.execute("DROP ROLE IF EXISTS ztate_full")
+        await admin.execute("CREATE ROLE ztate_full LOGIN CONNECTION LIMIT 0")
+    finally:
+        await admin.close()
+    parts = urlsplit(postgres_server_dsn)
+    host = parts.netloc.rpartition("@")[2]
+    dsn = urlunsplit((parts.scheme, f"ztate_full:{SECRET}@{host}", parts.path, parts.query, ""))
+    with pytest.raises(DatabaseNotReady) as waited:
+        await wait_for_database(dsn, 0.5)
+    assert str(waited.value).endswith(
+        "is not reachable (TooManyConnectionsError); gave up after 0.5s "
+        "(ZTATE_DATABASE_WAIT_SECONDS or --wait-for-database)"
+    )
+    assert SECRET not in str(waited.value)
 
 
 async def test_serve_with_an_encrypted_tls_key_says_so_in_one_line(
