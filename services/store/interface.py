@@ -186,8 +186,8 @@ class TransitionStore(Protocol):
         work of the ``woken`` nodes (advancing the thread's wake mark to the version
         when it was at ``expected_version``), atomically; the woken nodes are announced
         after. Under a ``lease``: first its fence, and once committed its release
-        (handled up to ``expected_version``; ``lease.released`` set), in the same
-        transaction.
+        (handled up to ``expected_version``; ``lease.settled`` and ``lease.more``
+        set), in the same transaction.
         ``COMMITTED``: both happened. ``HEAD_MOVED``: the head was elsewhere (or the
         thread does not exist, or ``idempotency_key`` names a request of this node
         parked on the thread); nothing was written. ``KEY_TAKEN``: this node already
