@@ -136,7 +136,10 @@ class ContextFile:
 
     def selected(self, flag: str | None) -> tuple[str | None, dict[str, str]]:
         """The context in force: ``--context``, ``ZTATE_CONTEXT``, ``current-context``."""
-        name = flag or os.environ.get("ZTATE_CONTEXT") or self.current
+        chosen = os.environ.get("ZTATE_CONTEXT")
+        if not flag and chosen and not CONTEXT_NAME.fullmatch(chosen):
+            usage(f"ZTATE_CONTEXT: not a context name: {NAME_RULE}")  # not echoed
+        name = flag or chosen or self.current
         if name is None:
             return None, {}
         if name not in self.contexts:
@@ -240,7 +243,9 @@ def add_connection_flags(parser: argparse.ArgumentParser, service: str = TRANSIT
         help="expected server name, if not the address's host (env ZTATE_SERVER_NAME)",
     )
     group.add_argument(
-        "--context", help="a context of the context file (env ZTATE_CONTEXT; `ztate context`)"
+        "--context",
+        type=context_name,
+        help="a context of the context file (env ZTATE_CONTEXT; `ztate context`)",
     )
 
 
@@ -254,20 +259,28 @@ def secure_channel(args: argparse.Namespace, service: str = TRANSITION) -> tuple
     ), connection
 
 
+CLIENT_HINT = "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)"
+
+
 def connect(
-    address: str, cert: Path, key: Path, ca: Path, server_name: str | None = None
+    address: str,
+    cert: Path,
+    key: Path,
+    ca: Path,
+    server_name: str | None = None,
+    *,
+    hint: str = CLIENT_HINT,
 ) -> Callable[[], Any]:
     """A function opening an mTLS channel to ``address`` as ``cert``: the one channel of
     every client (the commands here, ``ztate console``), accepting any reply a ztate
     server may legally send (``tls.client_options``). The files are read and checked
     now (``tls.checked_files``): an unreadable or unusable one is a usage error (exit 2)
-    naming it."""
+    naming it, and ``hint`` says where such files are given."""
     import grpc
 
     from ztate.contract.errors import KeyFileError
     from ztate.services.runtime.tls import checked_files, client_options
 
-    hint = "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)"
     try:  # in the order people give them: the certificate first
         cert_pem, key_pem, ca_pem = checked_files(cert, key, ca)
     except OSError as exc:
@@ -451,7 +464,9 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     show = sub.add_parser(
         "show", help="what client commands would use now, and where each setting came from"
     )
-    show.add_argument("--context", help="show this context instead of the current one")
+    show.add_argument(
+        "--context", type=context_name, help="show this context instead of the current one"
+    )
     add_output_flag(show)
     show.set_defaults(func=cmd_context_show, reviewer=None)
     setting = sub.add_parser(

@@ -66,6 +66,9 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     console.set_defaults(func=cmd_console)
 
 
+REVIEWER_HINT = "(give --reviewer-cert/--reviewer-key and --ca-cert, or a context)"
+
+
 def identities(args: argparse.Namespace) -> tuple[Identity, Identity]:
     """The operator's and the reviewer's connections, resolved as every client command's
     (services/cli/context.py: flags, environment, context, development layout)."""
@@ -114,8 +117,16 @@ def cmd_console(args: argparse.Namespace) -> int:
         print(f"ztate console: cannot read {', '.join(missing)}", file=sys.stderr)
         return 2
     try:  # present is not usable: checked as every client's are (not PEM, encrypted, not
-        for side in (operator, reviewer):  # the certificate's key), before serving a page
-            connect(side.target, side.cert, side.key, side.ca, side.server_name)
+        # the certificate's key), before serving a page; each side names its own flags
+        connect(operator.target, operator.cert, operator.key, operator.ca, operator.server_name)
+        connect(
+            reviewer.target,
+            reviewer.cert,
+            reviewer.key,
+            reviewer.ca,
+            reviewer.server_name,
+            hint=REVIEWER_HINT,
+        )
     except CliError as exc:
         print(f"ztate console: {exc.message}", file=sys.stderr)
         return 2

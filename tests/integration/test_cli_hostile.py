@@ -173,6 +173,29 @@ def test_context_commands_refuse_what_is_not_a_context_name(
     assert path.read_text() == CONTEXT_FILE
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("n" * 5000, id="long"),
+        pytest.param("\x1b]0;pwned\x07", id="escape"),
+        pytest.param("a b", id="space"),
+    ],
+)
+def test_a_chosen_context_that_is_not_a_name_is_refused_unechoed(
+    env: dict[str, str], name: str
+) -> None:
+    """``--context`` and ``ZTATE_CONTEXT`` choose a context by name as ``context use``
+    does: what is not a name is refused (exit 2, one line) and never printed back."""
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    code, out, err = zsync("context", "show", "--context", name, env=env)
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == f"ztate context show: error: argument --context: {NAME_RULE}"
+    code, out, err = zsync("context", "show", env=dict(env, ZTATE_CONTEXT=name))
+    assert (code, out, one_line(err)) == (2, "", f"ztate: ZTATE_CONTEXT: {NAME_RULE}")
+    assert path.read_text() == CONTEXT_FILE
+
+
 def test_context_use_and_delete_of_an_unknown_context(env: dict[str, str]) -> None:
     path = Path(env["ZTATE_CONFIG"])
     path.write_text(CONTEXT_FILE)

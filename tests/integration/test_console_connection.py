@@ -21,6 +21,8 @@ import pytest_asyncio
 from aiohttp import ClientSession, CookieJar
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
+from ztate.services.cli.context import CLIENT_HINT
+from ztate.services.console.command import REVIEWER_HINT
 from ztate.services.runtime.identity import Role
 
 ZTATE = str(Path(sys.executable).with_name("ztate"))
@@ -217,9 +219,10 @@ async def test_credentials_present_but_unusable_are_refused_before_serving(
         str(operator.ca),
     )
     assert (code, out) == (2, "")
-    assert err.startswith(
-        f"ztate console: cannot use credentials: {reviewer.key} is not the key of {operator.cert} "
-    ), err
+    assert err == (
+        f"ztate console: cannot use credentials: {reviewer.key} is not the key of "
+        f"{operator.cert} {CLIENT_HINT}\n"
+    )
     code, out, err = await ztate(
         env,
         "console",
@@ -233,6 +236,8 @@ async def test_credentials_present_but_unusable_are_refused_before_serving(
         str(operator.ca),
     )
     assert (code, out) == (2, "")
-    assert err.startswith(
+    # the reviewer's key: the reviewer's flags are named, not the operator's
+    assert err == (
         f"ztate console: cannot use credentials: {not_pem} is not a PEM private key "
-    ), err
+        f"{REVIEWER_HINT}\n"
+    )
