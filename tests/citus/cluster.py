@@ -263,3 +263,12 @@ async def shard_storage_parameters(conn: asyncpg.Connection, table: str) -> set[
     )
     assert rows, f"{table} has no shards"
     return {r["result"] for r in rows}
+
+
+# The language of ztate.patch_keys on each worker (migration 0023 makes it PL/pgSQL).
+PATCH_KEYS_LANGUAGE_ON_WORKERS = (
+    "SELECT success, result FROM run_command_on_workers($$"
+    "SELECT l.lanname FROM pg_catalog.pg_proc p "
+    "JOIN pg_catalog.pg_language l ON l.oid = p.prolang "
+    "WHERE p.oid = 'ztate.patch_keys(bytea)'::regprocedure$$) ORDER BY nodeport"
+)

@@ -8,7 +8,12 @@ from typing import cast
 
 import asyncpg
 
-from tests.citus.cluster import STORAGE_PARAMETERS, CitusCluster, shard_storage_parameters
+from tests.citus.cluster import (
+    PATCH_KEYS_LANGUAGE_ON_WORKERS,
+    STORAGE_PARAMETERS,
+    CitusCluster,
+    shard_storage_parameters,
+)
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.services.store.optional import COORDINATOR_LOCAL, DISTRIBUTED, REFERENCE
 from ztate.services.store.transitions import (
@@ -322,3 +327,48 @@ async def test_the_shards_keep_the_storage_parameters_of_their_tables(citus_dsn:
             assert await shard_storage_parameters(conn, table) == {parameter}
     finally:
         await conn.close()
+
+
+async def test_the_changed_keys_of_a_record_are_planned_once_a_connection(citus_dsn: str) -> None:
+    """The key-index trigger computes each ledger row's changed keys with ztate.patch_keys,
+    a new query at every row. Postgres before 18 plans the body of an SQL-language
+    function it cannot inline at every such call (33 µs of the 80 it cost a row, on this
+    cluster's Postgres 15); a PL/pgSQL function keeps its plan for the connection
+    (migration 0023). Postgres reports each planning it does (log_planner_stats), with
+    the function it happened in: of sixteen calls, those after the first six (the plans
+    Postgres makes before it settles on a kept one) report none in patch_keys. Every node
+    has the same function: the workers, where the shards' triggers run, as well."""
+    record = b'{"patch":{"zeta":1,"alpha":{"nested":true},"mid":[1,2]},"version":1}'
+    conn = await asyncpg.connect(citus_dsn)
+    planned: list[str] = []
+
+    def count_planning(_conn: object, message: asyncpg.PostgresLogMessage) -> None:
+        if message.message == "PLANNER STATISTICS" and "patch_keys" in (message.context or ""):
+            planned.append(message.context or "")
+
+    try:
+        await conn.execute("SET log_planner_stats = on; SET client_min_messages = log")
+        conn.add_log_listener(count_planning)
+        for _ in range(6):
+            assert await conn.fetchval("SELECT ztate.patch_keys($1)", record) == [
+                "alpha",
+                "mid",
+                "zeta",
+            ]
+        await conn.fetchval("SELECT 1")  # the listener's messages have all arrived
+        assert planned, "Postgres reported no planning of patch_keys: the probe does not work"
+        planned.clear()
+        for _ in range(10):
+            assert await conn.fetchval("SELECT ztate.patch_keys($1)", record) == [
+                "alpha",
+                "mid",
+                "zeta",
+            ]
+        await conn.fetchval("SELECT 1")
+        conn.remove_log_listener(count_planning)
+        await conn.execute("SET client_min_messages = notice; RESET log_planner_stats")
+        assert planned == []
+        languages = await conn.fetch(PATCH_KEYS_LANGUAGE_ON_WORKERS)
+    finally:
+        await conn.close()
+    assert languages == [(True, "plpgsql")] * 2

@@ -17,7 +17,12 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from tests.citus.cluster import STORAGE_PARAMETERS, CitusCluster, shard_storage_parameters
+from tests.citus.cluster import (
+    PATCH_KEYS_LANGUAGE_ON_WORKERS,
+    STORAGE_PARAMETERS,
+    CitusCluster,
+    shard_storage_parameters,
+)
 from ztate.services.store.migrate import (
     TRANSITION_MIGRATIONS,
     Migration,
@@ -86,19 +91,22 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         applied = await migrate(conn, SERVICE_ROLE)  # `ztate db migrate`
         # 0020 adds the batch commit's function, which Citus does not use (one row a
         # commit); 0021 and 0022 set storage parameters of the (distributed) ledger and
-        # heads
+        # heads; 0023 replaces the key-index trigger's function, on every node
         assert applied == [
             "0018_wakes_in_the_commit",
             "0019_leases_in_the_commit",
             "0020_batch_commit_plan",
             "0021_ledger_rows_inline",
             "0022_room_for_heads",
+            "0023_patch_keys_planned_once",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None
         # 0021's and 0022's storage parameters reach the shards, where the rows are
         for table, parameter in STORAGE_PARAMETERS.items():
             assert await shard_storage_parameters(conn, table) == {parameter}
+        # 0023's function reaches the workers, where the shards' key-index triggers run
+        assert await conn.fetch(PATCH_KEYS_LANGUAGE_ON_WORKERS) == [(True, "plpgsql")] * 2
         await apply_citus_layout(conn)  # `ztate db citus`, again
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
 
