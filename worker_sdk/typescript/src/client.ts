@@ -6,6 +6,7 @@ import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { decodeError, HandshakeFailed, Unreachable, type ZtateError } from "./errors.js";
+import { checkInteger, MAX_BACKOFF_MS, MAX_RETRIES, MAX_TIMEOUT_MS, MAX_TIMER_MS } from "./options.js";
 import {
   canonicalize,
   checkCheckpointBinds,
@@ -44,12 +45,14 @@ export interface ClientFiles {
   caFile: string;
   /** The name the service's certificate must hold, when not the target's host. */
   serverName?: string;
-  /** Default deadline of each unary call, in ms (10 s). */
+  /** Default deadline of each unary call, in ms (10 s): an integer from 1 to 99 999 999. */
   timeoutMs?: number;
   /**
    * How often a call that fails in transport (UNAVAILABLE, DEADLINE_EXCEEDED) is
-   * tried again (3), waiting `backoffMs` (100), then twice that, and so on. A
-   * certificate the handshake refuses is not retried: the same files fail the same way.
+   * tried again (3; an integer from 0 to 20), waiting `backoffMs` (100; an integer
+   * from 0 to 60 000), then twice that, and so on. A certificate the handshake refuses
+   * is not retried: the same files fail the same way. `fromFiles` throws a TypeError
+   * or RangeError naming an option out of its range.
    */
   retries?: number;
   backoffMs?: number;
@@ -260,18 +263,29 @@ export class ZtateClient {
     client: Client<typeof TransitionService>,
     files: ClientFiles,
     tls: TlsFiles,
+    numbers: { timeoutMs: number; retries: number; backoffMs: number },
   ) {
     this.#client = client;
-    this.#timeoutMs = files.timeoutMs ?? 10_000;
+    this.#timeoutMs = numbers.timeoutMs;
     this.#target = files.target;
     this.#tls = tls;
     this.#serverName = files.serverName;
-    this.#retries = files.retries ?? 3;
-    this.#backoffMs = files.backoffMs ?? 100;
+    this.#retries = numbers.retries;
+    this.#backoffMs = numbers.backoffMs;
   }
 
-  /** A client authenticated by the certificate, key and CA files (PEM). */
+  /**
+   * A client authenticated by the certificate, key and CA files (PEM). Throws a
+   * TypeError or RangeError, naming the option, for a `timeoutMs`, `retries` or
+   * `backoffMs` that is not an integer of its range (NaN, an infinity, negative,
+   * fractional), before reading any file.
+   */
   static fromFiles(files: ClientFiles): ZtateClient {
+    const numbers = {
+      timeoutMs: checkInteger("timeoutMs", files.timeoutMs ?? 10_000, 1, MAX_TIMEOUT_MS),
+      retries: checkInteger("retries", files.retries ?? 3, 0, MAX_RETRIES),
+      backoffMs: checkInteger("backoffMs", files.backoffMs ?? 100, 0, MAX_BACKOFF_MS),
+    };
     const cert = readFileSync(files.certFile);
     const key = readFileSync(files.keyFile);
     const ca = readFileSync(files.caFile);
@@ -282,7 +296,7 @@ export class ZtateClient {
       // a reply may hold a state up to the server's limit (docs/api.md, "Limits")
       readMaxBytes: 72 * 1024 * 1024 + 64 * 1024,
     });
-    return new ZtateClient(createClient(TransitionService, transport), files, { cert, key, ca });
+    return new ZtateClient(createClient(TransitionService, transport), files, { cert, key, ca }, numbers);
   }
 
   /**
@@ -314,7 +328,7 @@ export class ZtateClient {
         const transient = RETRYABLE.has(failure.code) && !(failure instanceof HandshakeFailed);
         if (!transient || attempt >= this.#retries) throw failure;
       }
-      await new Promise((resolve) => setTimeout(resolve, this.#backoffMs * 2 ** attempt));
+      await new Promise((resolve) => setTimeout(resolve, Math.min(this.#backoffMs * 2 ** attempt, MAX_TIMER_MS)));
     }
   }
 
