@@ -6,7 +6,7 @@ import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { decodeError, HandshakeFailed, Unreachable, type ZtateError } from "./errors.js";
-import { checkInteger, MAX_BACKOFF_MS, MAX_RETRIES, MAX_TIMEOUT_MS, MAX_TIMER_MS } from "./options.js";
+import { checkDuration, checkInteger, MAX_BACKOFF_MS, MAX_RETRIES, MAX_TIMEOUT_MS, MAX_TIMER_MS } from "./options.js";
 import {
   canonicalize,
   checkCheckpointBinds,
@@ -28,6 +28,7 @@ import {
   type GetTransitionResponse,
   type SignedCheckpoint,
   type Transition,
+  type WaitForOutcomeResponse,
 } from "./gen/ztate/v1/transition_pb.js";
 
 const decoder = new TextDecoder("utf-8", { fatal: true });
@@ -432,18 +433,27 @@ export class ZtateClient {
    * Parked.handle (or, for operators and read_records nodes, the transition digest).
    * The server answers as soon as the outcome is known; "pending" means the time ran
    * out first. The server holds one call at most 60 s: a longer `withinMs` asks again
-   * until it has passed.
+   * until it has passed. As the Python SDK's wait_for_outcome: each call gets what is
+   * left of `withinMs` as its deadline, and a call that fails is thrown at once
+   * (diagnosed like any other), not retried, so that no answer comes after `withinMs`.
+   * A `withinMs` that is not a finite number, 0 or more, is a TypeError or RangeError.
    */
   async waitForOutcome(handle: string, withinMs: number = 60_000): Promise<Outcome> {
+    checkDuration("withinMs", withinMs);
     const request = handle.includes("/") ? { handle } : { digest: handle };
-    const deadline = Date.now() + withinMs;
+    // a monotonic clock, as the Python SDK's loop.time(): a clock step changes nothing
+    const deadline = performance.now() + withinMs;
     for (;;) {
-      // each try (#call retries) gets what is left of withinMs, not more
-      const reply = await this.#call(() =>
-        this.#client.waitForOutcome(request, { timeoutMs: Math.max(deadline - Date.now(), 1) }),
-      );
+      let reply: WaitForOutcomeResponse;
+      try {
+        // what is left of withinMs, in whole ms (the gRPC deadline header's unit), never more
+        const left = Math.min(Math.max(Math.floor(deadline - performance.now()), 1), MAX_TIMEOUT_MS);
+        reply = await this.#client.waitForOutcome(request, { timeoutMs: left });
+      } catch (error) {
+        throw await this.#failure(error);
+      }
       // the server answers "pending" 0.2 s before a call's deadline, or at its cap
-      if (reply.outcome === OutcomeKind.PENDING && deadline - Date.now() > ASK_AGAIN_MS) continue;
+      if (reply.outcome === OutcomeKind.PENDING && deadline - performance.now() > ASK_AGAIN_MS) continue;
       const status = (OutcomeKind[reply.outcome] ?? "UNSPECIFIED").toLowerCase();
       return {
         status,
