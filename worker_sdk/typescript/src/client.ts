@@ -6,6 +6,7 @@ import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { decodeError, HandshakeFailed, Unreachable, type ZtateError } from "./errors.js";
+import { checkDuration, checkInteger, MAX_BACKOFF_MS, MAX_RETRIES, MAX_TIMEOUT_MS, MAX_TIMER_MS } from "./options.js";
 import {
   canonicalize,
   checkCheckpointBinds,
@@ -27,6 +28,7 @@ import {
   type GetTransitionResponse,
   type SignedCheckpoint,
   type Transition,
+  type WaitForOutcomeResponse,
 } from "./gen/ztate/v1/transition_pb.js";
 
 const decoder = new TextDecoder("utf-8", { fatal: true });
@@ -44,12 +46,14 @@ export interface ClientFiles {
   caFile: string;
   /** The name the service's certificate must hold, when not the target's host. */
   serverName?: string;
-  /** Default deadline of each unary call, in ms (10 s). */
+  /** Default deadline of each unary call, in ms (10 s): an integer from 1 to 99 999 999. */
   timeoutMs?: number;
   /**
    * How often a call that fails in transport (UNAVAILABLE, DEADLINE_EXCEEDED) is
-   * tried again (3), waiting `backoffMs` (100), then twice that, and so on. A
-   * certificate the handshake refuses is not retried: the same files fail the same way.
+   * tried again (3; an integer from 0 to 20), waiting `backoffMs` (100; an integer
+   * from 0 to 60 000), then twice that, and so on. A certificate the handshake refuses
+   * is not retried: the same files fail the same way. `fromFiles` throws a TypeError
+   * or RangeError naming an option out of its range.
    */
   retries?: number;
   backoffMs?: number;
@@ -260,18 +264,29 @@ export class ZtateClient {
     client: Client<typeof TransitionService>,
     files: ClientFiles,
     tls: TlsFiles,
+    numbers: { timeoutMs: number; retries: number; backoffMs: number },
   ) {
     this.#client = client;
-    this.#timeoutMs = files.timeoutMs ?? 10_000;
+    this.#timeoutMs = numbers.timeoutMs;
     this.#target = files.target;
     this.#tls = tls;
     this.#serverName = files.serverName;
-    this.#retries = files.retries ?? 3;
-    this.#backoffMs = files.backoffMs ?? 100;
+    this.#retries = numbers.retries;
+    this.#backoffMs = numbers.backoffMs;
   }
 
-  /** A client authenticated by the certificate, key and CA files (PEM). */
+  /**
+   * A client authenticated by the certificate, key and CA files (PEM). Throws a
+   * TypeError or RangeError, naming the option, for a `timeoutMs`, `retries` or
+   * `backoffMs` that is not an integer of its range (NaN, an infinity, negative,
+   * fractional), before reading any file.
+   */
   static fromFiles(files: ClientFiles): ZtateClient {
+    const numbers = {
+      timeoutMs: checkInteger("timeoutMs", files.timeoutMs ?? 10_000, 1, MAX_TIMEOUT_MS),
+      retries: checkInteger("retries", files.retries ?? 3, 0, MAX_RETRIES),
+      backoffMs: checkInteger("backoffMs", files.backoffMs ?? 100, 0, MAX_BACKOFF_MS),
+    };
     const cert = readFileSync(files.certFile);
     const key = readFileSync(files.keyFile);
     const ca = readFileSync(files.caFile);
@@ -282,7 +297,7 @@ export class ZtateClient {
       // a reply may hold a state up to the server's limit (docs/api.md, "Limits")
       readMaxBytes: 72 * 1024 * 1024 + 64 * 1024,
     });
-    return new ZtateClient(createClient(TransitionService, transport), files, { cert, key, ca });
+    return new ZtateClient(createClient(TransitionService, transport), files, { cert, key, ca }, numbers);
   }
 
   /**
@@ -314,7 +329,7 @@ export class ZtateClient {
         const transient = RETRYABLE.has(failure.code) && !(failure instanceof HandshakeFailed);
         if (!transient || attempt >= this.#retries) throw failure;
       }
-      await new Promise((resolve) => setTimeout(resolve, this.#backoffMs * 2 ** attempt));
+      await new Promise((resolve) => setTimeout(resolve, Math.min(this.#backoffMs * 2 ** attempt, MAX_TIMER_MS)));
     }
   }
 
@@ -418,18 +433,27 @@ export class ZtateClient {
    * Parked.handle (or, for operators and read_records nodes, the transition digest).
    * The server answers as soon as the outcome is known; "pending" means the time ran
    * out first. The server holds one call at most 60 s: a longer `withinMs` asks again
-   * until it has passed.
+   * until it has passed. As the Python SDK's wait_for_outcome: each call gets what is
+   * left of `withinMs` as its deadline, and a call that fails is thrown at once
+   * (diagnosed like any other), not retried, so that no answer comes after `withinMs`.
+   * A `withinMs` that is not a finite number, 0 or more, is a TypeError or RangeError.
    */
   async waitForOutcome(handle: string, withinMs: number = 60_000): Promise<Outcome> {
+    checkDuration("withinMs", withinMs);
     const request = handle.includes("/") ? { handle } : { digest: handle };
-    const deadline = Date.now() + withinMs;
+    // a monotonic clock, as the Python SDK's loop.time(): a clock step changes nothing
+    const deadline = performance.now() + withinMs;
     for (;;) {
-      // each try (#call retries) gets what is left of withinMs, not more
-      const reply = await this.#call(() =>
-        this.#client.waitForOutcome(request, { timeoutMs: Math.max(deadline - Date.now(), 1) }),
-      );
+      let reply: WaitForOutcomeResponse;
+      try {
+        // what is left of withinMs, in whole ms (the gRPC deadline header's unit), never more
+        const left = Math.min(Math.max(Math.floor(deadline - performance.now()), 1), MAX_TIMEOUT_MS);
+        reply = await this.#client.waitForOutcome(request, { timeoutMs: left });
+      } catch (error) {
+        throw await this.#failure(error);
+      }
       // the server answers "pending" 0.2 s before a call's deadline, or at its cap
-      if (reply.outcome === OutcomeKind.PENDING && deadline - Date.now() > ASK_AGAIN_MS) continue;
+      if (reply.outcome === OutcomeKind.PENDING && deadline - performance.now() > ASK_AGAIN_MS) continue;
       const status = (OutcomeKind[reply.outcome] ?? "UNSPECIFIED").toLowerCase();
       return {
         status,

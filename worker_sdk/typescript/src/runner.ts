@@ -7,6 +7,7 @@ import { setTimeout as delay } from "node:timers/promises";
 import { Code } from "@connectrpc/connect";
 import type { Committed, Parked, View, ZtateClient } from "./client.js";
 import { StaleVersion, ZtateError } from "./errors.js";
+import { checkDuration, checkInteger } from "./options.js";
 import type { Json } from "./evidence.js";
 import type { Transition } from "./gen/ztate/v1/transition_pb.js";
 
@@ -14,6 +15,8 @@ import type { Transition } from "./gen/ztate/v1/transition_pb.js";
 const NORMAL_END_MS = 1_000;
 /** Streams that end at once with nothing, in a row, before `run` gives up (the Python SDK's `reconnects`). */
 const REWATCHES = 10;
+/** The most times a proposal beaten by another writer is re-run (`attempts`). */
+const MAX_RUNNER_ATTEMPTS = 1_000;
 
 /** What a handler returns: the patch to propose, or null/undefined to do nothing. */
 export type Patch = { [key: string]: Json };
@@ -39,11 +42,11 @@ export interface RunnerOptions {
   nodeName?: string;
   /** Versions newer than this are handled (-1: from genesis). */
   fromVersion?: bigint | number;
-  /** Proposals beaten by another writer are re-run on a fresh view this often (5). */
+  /** Proposals beaten by another writer are re-run on a fresh view this often (5; an integer from 1 to 1 000). */
   attempts?: number;
-  /** How long a parked proposal's outcome is waited for, in ms (60 s). */
+  /** How long a parked proposal's outcome is waited for, in ms (60 s; finite, 0 or more). */
   approvalWaitMs?: number;
-  /** `run` returns after this many proposals. */
+  /** `run` returns after this many proposals (an integer, 1 or more). */
   stopAfter?: number;
   /** Stops `run` (it then returns the steps so far). */
   signal?: AbortSignal;
@@ -75,6 +78,10 @@ export class NodeRunner {
     readonly handler: Handler,
     options: RunnerOptions = {},
   ) {
+    // a NaN or an infinity here would re-run a proposal for ever, or never propose
+    checkInteger("attempts", options.attempts ?? 5, 1, MAX_RUNNER_ATTEMPTS);
+    checkDuration("approvalWaitMs", options.approvalWaitMs ?? 60_000);
+    if (options.stopAfter !== undefined) checkInteger("stopAfter", options.stopAfter, 1, Number.MAX_SAFE_INTEGER);
     this.#options = options;
     this.#seen = BigInt(options.fromVersion ?? -1);
   }

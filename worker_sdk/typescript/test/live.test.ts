@@ -265,9 +265,12 @@ test("createThread on a service that is down is unreachable, after its retries",
   });
 });
 
-test("createThread whose first connection is refused is tried again and creates the thread once", { skip: !live }, async () => {
-  // a TCP proxy to the service that refuses its first connection: the service restarting
-  const [host, port] = [env.ZTATE_TARGET!.slice(0, env.ZTATE_TARGET!.lastIndexOf(":")), Number(env.ZTATE_TARGET!.split(":").pop())];
+/**
+ * A TCP proxy to the service at `target` that resets its first connection (the
+ * service restarting) and passes the others through; `close` ends it.
+ */
+async function resettingProxy(target: string): Promise<{ target: string; connections: () => number; close: () => void }> {
+  const [host, port] = [target.slice(0, target.lastIndexOf(":")), Number(target.split(":").pop())];
   let connections = 0;
   const open = new Set<Socket>();
   const proxy = createServer((socket) => {
@@ -284,14 +287,25 @@ test("createThread whose first connection is refused is tried again and creates 
     upstream.on("error", () => socket.destroy());
   });
   await new Promise<void>((listening) => proxy.listen(0, "127.0.0.1", listening));
+  return {
+    target: `localhost:${(proxy.address() as AddressInfo).port}`,
+    connections: () => connections,
+    close: () => {
+      for (const socket of open) socket.destroy();
+      proxy.close();
+    },
+  };
+}
+
+test("createThread whose first connection is refused is tried again and creates the thread once", { skip: !live }, async () => {
+  const proxy = await resettingProxy(env.ZTATE_TARGET!);
   try {
     const id = newThreadId();
-    const created = await operator(`localhost:${(proxy.address() as AddressInfo).port}`).createThread(id, INITIAL, "pipeline");
+    const created = await operator(proxy.target).createThread(id, INITIAL, "pipeline");
     assert.equal(created.transition.version, 0n);
-    assert.ok(connections >= 2, "the first connection was refused, a later one created it");
+    assert.ok(proxy.connections() >= 2, "the first connection was refused, a later one created it");
     assert.equal((await operator().getRecord(id)).transition?.digest, created.transition.digest);
   } finally {
-    for (const socket of open) socket.destroy();
     proxy.close();
   }
 });
@@ -437,7 +451,81 @@ test("waitForOutcome asks again past the server's hold of one call", { skip: !li
   const waited = Date.now() - began;
   assert.equal(outcome.status, "pending");
   assert.ok(waited >= 2_500, `answered after ${waited} ms: one call's hold, not the 3 s asked for`);
+  assert.ok(waited <= 3_500, `answered after ${waited} ms: past the 3 s asked for`);
   assert.equal((await planner.getView(thread)).version, head, "nothing committed");
+});
+
+/** A planner of the short-lived service with a proposal of its own parked there. */
+async function parkedOnShortService(): Promise<{ planner: ZtateClient; handle: string; head: bigint }> {
+  const planner = clientWith({ target: env.ZTATE_SHORT_TARGET!, certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  const head = (await planner.getView(env.ZTATE_SHORT_THREAD!)).version;
+  const parked = await planner.propose(env.ZTATE_SHORT_THREAD!, head, { target_user_id: "323e4567-e89b-42d3-a456-426614174000" });
+  assert.ok(parked.kind === "parked", "acting for another user is parked for a reviewer");
+  return { planner, handle: parked.handle, head };
+}
+
+test("waitForOutcome refuses a withinMs that is not a finite number, 0 or more, before any call", { skip: !live }, async () => {
+  const handle = `${env.ZTATE_SHORT_THREAD!}/k-1`;
+  const down = clientWith({ target: env.ZTATE_DOWN_TARGET!, certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+  for (const withinMs of [Number.NaN, Number.POSITIVE_INFINITY, -1]) {
+    // on a service that is down: refused as an argument, not found unreachable
+    await assert.rejects(down.waitForOutcome(handle, withinMs), (error: unknown) => {
+      assert.ok(error instanceof RangeError, String(error));
+      assert.equal(error.message, "withinMs must be a finite number of milliseconds, 0 or more");
+      return true;
+    });
+  }
+  await assert.rejects(down.waitForOutcome(handle, "5" as unknown as number), (error: unknown) => error instanceof TypeError);
+});
+
+test("waitForOutcome on a service that does not answer ends at its deadline, not retried past it", { skip: !live }, async () => {
+  // accepts connections and says nothing: a service hung, or a network that drops replies
+  const open = new Set<Socket>();
+  const silent = createServer((socket) => open.add(socket));
+  await new Promise<void>((listening) => silent.listen(0, "127.0.0.1", listening));
+  try {
+    const planner = clientWith({
+      target: `localhost:${(silent.address() as AddressInfo).port}`,
+      certFile: env.ZTATE_PLANNER_CERT!,
+      keyFile: env.ZTATE_PLANNER_KEY!,
+    });
+    const began = performance.now();
+    await assert.rejects(planner.waitForOutcome(`${env.ZTATE_SHORT_THREAD!}/k-1`, 1_000), (error: unknown) => {
+      assert.ok(error instanceof ZtateError, String(error));
+      assert.equal(error.code, Code.DeadlineExceeded, "thrown as the Python SDK's wait_for_outcome throws it");
+      return true;
+    });
+    const waited = performance.now() - began;
+    assert.ok(waited >= 950, `ended after ${waited} ms, before the 1 s asked for`);
+    // a retry overran by 0.7 s (backoff 0.1 + 0.2 + 0.4 s); a busy machine's timers by less
+    assert.ok(waited <= 1_500, `ended after ${waited} ms: past the 1 s asked for (retried)`);
+  } finally {
+    for (const socket of open) socket.destroy();
+    silent.close();
+  }
+});
+
+test("waitForOutcome whose connection is refused throws at once, as the Python SDK: not retried, still parked", { skip: !live }, async () => {
+  const { planner, handle, head } = await parkedOnShortService();
+  // the diagnosis of the reset (and a retry, were there one) pass through to the
+  // service, which would hold the call
+  const proxy = await resettingProxy(env.ZTATE_SHORT_TARGET!);
+  try {
+    const proxied = clientWith({ target: proxy.target, certFile: env.ZTATE_PLANNER_CERT!, keyFile: env.ZTATE_PLANNER_KEY! });
+    const began = performance.now();
+    await assert.rejects(proxied.waitForOutcome(handle, 3_000), (error: unknown) => {
+      assert.ok(error instanceof ZtateError, String(error));
+      assert.ok(!(error instanceof HandshakeFailed) && !(error instanceof Unreachable), String(error));
+      assert.equal(error.code, Code.Unavailable);
+      return true;
+    });
+    const waited = performance.now() - began;
+    assert.ok(waited < 2_000, `thrown after ${waited} ms: retried into the service's hold of 3 s`);
+  } finally {
+    proxy.close();
+  }
+  assert.equal((await planner.waitForOutcome(handle, 600)).status, "pending", "still parked");
+  assert.equal((await planner.getView(env.ZTATE_SHORT_THREAD!)).version, head, "nothing committed");
 });
 
 // --- the check before acting, end to end: approved through the approval service ---
