@@ -11,7 +11,8 @@ thread, propose patches, and check with public keys that a head was approved.
 * ``verify_head_before_acting``: a privileged worker's check, immediately before
   it acts, of the head's approval receipt and checkpoint (``VerifiedHead``, or
   ``HeadNotVerified``).
-* One exception type per refusal (``StaleVersion``, ``PermissionDenied``, ...).
+* One exception type per refusal (``StaleVersion``, ``PermissionDenied``, ...), and
+  ``ProtocolError`` for an answer the protocol does not allow.
 """
 
 from ztate.contract.keyring import load_public_keys
@@ -42,6 +43,7 @@ from ztate.worker_sdk.errors import (
     NotFound,
     PatchTooLarge,
     PermissionDenied,
+    ProtocolError,
     RecordWithheld,
     ResourceExhausted,
     StaleVersion,
@@ -73,6 +75,7 @@ __all__ = [
     "Outcome",
     "PatchTooLarge",
     "PermissionDenied",
+    "ProtocolError",
     "Receipt",
     "RecordWithheld",
     "ResourceExhausted",
