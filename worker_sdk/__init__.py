@@ -7,15 +7,17 @@ thread, propose patches, and check with public keys that a head was approved.
 * ``ZtateClient`` (asyncio) and ``SyncZtateClient`` (blocking): the calls.
 * ``NodeRunner`` / ``run_node``: a node as a function from its view to a patch,
   driven by the thread's changes; ``NodeRunner.for_node(...).serve()`` serves all of
-  the node's work (``SubscribeWork``, under leases), ``concurrency`` at a time.
+  the node's work (``SubscribeWork``, under leases), ``concurrency`` at a time (its
+  options, and ``SyncZtateClient.serve``'s: ``ServeOptions``).
 * ``verify_head_before_acting``: a privileged worker's check, immediately before
   it acts, of the head's approval receipt and checkpoint (``VerifiedHead``, or
   ``HeadNotVerified``).
-* One exception type per refusal (``StaleVersion``, ``PermissionDenied``, ...).
+* One exception type per refusal (``StaleVersion``, ``PermissionDenied``, ...), and
+  ``ProtocolError`` for an answer the protocol does not allow.
 """
 
 from ztate.contract.keyring import load_public_keys
-from ztate.worker_sdk._runner import Handler, NodeRunner, Step, run_node
+from ztate.worker_sdk._runner import Handler, NodeRunner, ServeOptions, Step, run_node
 from ztate.worker_sdk._verify import HeadNotVerified, VerifiedHead, verify_head_before_acting
 from ztate.worker_sdk.client import (
     Checkpoint,
@@ -42,6 +44,7 @@ from ztate.worker_sdk.errors import (
     NotFound,
     PatchTooLarge,
     PermissionDenied,
+    ProtocolError,
     RecordWithheld,
     ResourceExhausted,
     StaleVersion,
@@ -73,9 +76,11 @@ __all__ = [
     "Outcome",
     "PatchTooLarge",
     "PermissionDenied",
+    "ProtocolError",
     "Receipt",
     "RecordWithheld",
     "ResourceExhausted",
+    "ServeOptions",
     "StaleVersion",
     "StateTooLarge",
     "Step",

@@ -25,6 +25,7 @@ from ztate.worker_sdk.errors import (
     DETAILS_KEY,
     AwaitingApproval,
     HandshakeFailed,
+    ProtocolError,
     RecordWithheld,
     StaleVersion,
     Unavailable,
@@ -397,15 +398,18 @@ class ZtateClient:
         """Create a thread bound to ``policy`` (operator and service identities only).
 
         ``policy`` may be empty when the service loads a single policy. Returns the
-        genesis transition. Retried like the other calls: the service answers a
-        caller that creates the same thread again with the same state and policy
-        with its genesis (``replayed`` True: nothing written), so a retry after a lost
-        reply is not ``THREAD_EXISTS`` (another state, policy or caller is).
+        genesis transition (``ProtocolError`` when the service's answer has none).
+        Retried like the other calls: the service answers a caller that creates the
+        same thread again with the same state and policy with its genesis
+        (``replayed`` True: nothing written), so a retry after a lost reply is not
+        ``THREAD_EXISTS`` (another state, policy or caller is).
         """
         request = transition_pb2.CreateThreadRequest(
             thread_id=thread_id, initial_state_json=encode_json(initial_state), policy=policy
         )
         response = await self._call(lambda stub: stub.CreateThread, request)
+        if not response.HasField("genesis"):
+            raise ProtocolError("the service answered CreateThread without the genesis")
         return Transition.from_message(response.genesis, replayed=response.replayed)
 
     async def get_view(self, thread_id: str) -> View:

@@ -199,6 +199,16 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
     )
 
 
+class ProtocolError(ZtateError):
+    """The service answered, but not as the protocol says: a reply without a field it
+    must carry (CreateThread's genesis). A service of another version, or not a ztate
+    service; not retried. ``reason`` is ``BAD_REPLY`` (set by this client, not the
+    server) and ``code`` INTERNAL, as gRPC names a reply its client cannot use."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INTERNAL, "BAD_REPLY", message)
+
+
 class RecordWithheld(LookupError):
     """The service answered without the ledger record: this node's policy does not mark
     it ``read_records``, and a record (or any digest) commits to state it may not read."""

@@ -28,11 +28,13 @@ the thread's initial state, created by ``operator`` under ``policy``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import inspect
 import json
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +52,9 @@ WORKER_MODULE = "ztate.langgraph.worker"
 # what a worker process inherits of this one's environment (never credentials)
 INHERITED_ENV = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "TZ", "SYSTEMROOT")
 START_TIMEOUT_SECONDS = 60.0  # from spawning a worker to its "ready"
+# a worker's time to exit of itself once its input is closed, before it is killed
+EXIT_GRACE_SECONDS = 5.0
+MAX_LINE_BYTES = 16 * 1024 * 1024  # of a worker's message (a committed patch's keys, ...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,34 +240,61 @@ class _Worker:
             stdout=asyncio.subprocess.PIPE,
             cwd=cwd,
             env=env,
-            limit=16 * 1024 * 1024,
+            limit=MAX_LINE_BYTES,
         )
         try:
             ready = await asyncio.wait_for(self._read(), START_TIMEOUT_SECONDS)
         except TimeoutError:
-            await self._end()
+            await self.end()
             raise NodeFailed(
                 self.node, "WORKER_START", f"not ready within {START_TIMEOUT_SECONDS:g} s"
             ) from None
         if ready.get("event") != "ready":
             raise await self._broken("the worker's first message is not its ready event")
 
-    async def _end(self) -> None:
-        """Kill the worker process (if it still runs), reap it and close its pipes."""
+    async def end(self, grace: float = 0.0) -> int | None:
+        """End the worker process: close its input, give it ``grace`` seconds to exit of
+        itself, then kill it; it is reaped (no zombie) and its pipes are closed. Returns
+        its exit status (negative: the signal that ended it), or None when we killed it."""
         process = self.process
         if process is None:
-            return
+            return None
         if process.stdin is not None:
             process.stdin.close()
-        if process.returncode is None:
+        if process.returncode is None and grace > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), grace)
+        killed = process.returncode is None
+        if killed:
             process.kill()
-        await process.wait()
+        code = await process.wait()
+        # a worker that exited just before the kill keeps its own status
+        return None if killed and code == -signal.SIGKILL else code
 
     async def _broken(self, what: str) -> NodeFailed:
         """The worker broke the protocol: it is ended, and ``what`` (never the line's
         content, which may hold state values) is the PROTOCOL failure to raise."""
-        await self._end()
+        await self.end()
         return NodeFailed(self.node, "PROTOCOL", what)
+
+    async def _gone(self, closed: str) -> NodeFailed:
+        """The worker closed its ``closed`` pipe ("input" or "output"): it is given
+        ``EXIT_GRACE_SECONDS`` to exit, and the failure says how it ended: its own exit
+        status (WORKER_EXITED), or killed for not exiting (PROTOCOL)."""
+        code = await self.end(EXIT_GRACE_SECONDS)
+        if code is None:
+            return NodeFailed(
+                self.node,
+                "PROTOCOL",
+                f"the worker closed its {closed} and did not exit within "
+                f"{EXIT_GRACE_SECONDS:g} s: it was killed",
+            )
+        ended = f"exited with code {code}" if code >= 0 else f"was ended by signal {-code}"
+        return NodeFailed(
+            self.node,
+            "WORKER_EXITED",
+            f"the worker process of {self.worker.identity!r} {ended} (its standard error says why)",
+        )
 
     async def _read(self) -> dict[str, Any]:
         assert self.process is not None
@@ -272,14 +304,7 @@ class _Worker:
         except ValueError:  # a line over the stream's limit
             raise await self._broken("the worker sent an oversized line") from None
         if not line:
-            code = await self.process.wait()
-            await self._end()
-            raise NodeFailed(
-                self.node,
-                "WORKER_EXITED",
-                f"the worker process of {self.worker.identity!r} exited with code {code} "
-                "(its standard error says why)",
-            )
+            raise await self._gone("output")
         try:
             message = json.loads(line)
         except ValueError:
@@ -306,12 +331,7 @@ class _Worker:
                 self.process.stdin.write(json.dumps(request).encode() + b"\n")
                 await self.process.stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
-                await self._end()
-                raise NodeFailed(
-                    self.node,
-                    "WORKER_EXITED",
-                    f"the worker process exited ({self.process.returncode})",
-                ) from None
+                raise await self._gone("input") from None
             while True:
                 message = await self._read()
                 if message.get("id") != self._steps:
@@ -334,18 +354,6 @@ class _Worker:
                             await called
                     continue
                 return message
-
-    async def stop(self, grace: float = 5.0) -> None:
-        process = self.process
-        if process is None or process.returncode is not None:
-            return
-        if process.stdin is not None:
-            process.stdin.close()
-        try:
-            await asyncio.wait_for(process.wait(), grace)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
 
 
 @dataclass
@@ -471,7 +479,9 @@ class IsolatedGraph:
 
     async def aclose(self) -> None:
         """Stop every worker process (their input closes; killed after a grace period)."""
-        await asyncio.gather(*(worker.stop() for worker in self._processes.values()))
+        await asyncio.gather(
+            *(worker.end(EXIT_GRACE_SECONDS) for worker in self._processes.values())
+        )
 
     @property
     def graph(self) -> Any:

@@ -23,14 +23,21 @@ from tests.harness import (
     new_thread_id,
 )
 from tests.integration.test_watch_limits import eventually
+from ztate import worker_sdk
 from ztate.contract.keyring import Keyring, generate_signing_key
 from ztate.services.runtime.config import Settings
 from ztate.testing._approval import deliver_approval
 from ztate.testing._ledger import fresh_database
 from ztate.transition_service.app import start
 from ztate.v1 import transition_pb2
-from ztate.worker_sdk import AwaitingApproval, NodeRunner, Step, SyncZtateClient, View
-from ztate.worker_sdk._runner import ServeOptions
+from ztate.worker_sdk import (
+    AwaitingApproval,
+    NodeRunner,
+    ServeOptions,
+    Step,
+    SyncZtateClient,
+    View,
+)
 
 OTHER_USER = USER.replace("1", "2")
 
@@ -278,8 +285,10 @@ async def test_the_blocking_serve_takes_every_option_of_the_runner(
 
 
 def test_the_serve_options_are_every_option_of_a_runner_that_serves() -> None:
-    """One list (ServeOptions) for NodeRunner.for_node and SyncZtateClient.serve: every
-    NodeRunner field but those of a one-thread runner and its own state."""
+    """One list (ServeOptions, public: docs/work.md names it) for NodeRunner.for_node and
+    SyncZtateClient.serve: every NodeRunner field but those of a one-thread runner and
+    its own state."""
+    assert "ServeOptions" in worker_sdk.__all__
     own = {"client", "thread_id", "handler", "from_version", "steps"}
     fields = {f.name for f in dataclasses.fields(NodeRunner) if f.init} - own
     assert set(ServeOptions.__annotations__) == fields

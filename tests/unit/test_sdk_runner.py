@@ -24,6 +24,7 @@ from ztate.worker_sdk import (
     HeadNotVerified,
     NodeRunner,
     NotFound,
+    ProtocolError,
     Unavailable,
     View,
     ZtateClient,
@@ -61,6 +62,14 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         self.outcome = transition_pb2.WaitForOutcomeResponse()
         self.view_failures = 0
         self.view_calls = 0
+        self.created = transition_pb2.CreateThreadResponse()
+        self.create_calls = 0
+
+    async def CreateThread(
+        self, request: transition_pb2.CreateThreadRequest, context: Any
+    ) -> transition_pb2.CreateThreadResponse:
+        self.create_calls += 1
+        return self.created
 
     async def WatchThread(
         self, request: transition_pb2.WatchThreadRequest, context: Any
@@ -236,6 +245,22 @@ async def test_reads_are_retried_through_transport_failures_then_give_up(
     with pytest.raises(Unavailable):
         await worker.get_view(THREAD)
     assert servicer.view_calls == 4  # the first call and its three retries
+
+
+async def test_a_thread_created_without_its_genesis_is_a_protocol_error(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.created = transition_pb2.CreateThreadResponse(replayed=True)  # no genesis
+    with pytest.raises(ProtocolError) as failed:
+        await worker.create_thread(THREAD, {"n": 1})
+    assert (failed.value.code, failed.value.reason) == (grpc.StatusCode.INTERNAL, "BAD_REPLY")
+    assert str(failed.value) == "BAD_REPLY: the service answered CreateThread without the genesis"
+    assert servicer.create_calls == 1  # not retried
+    # with its genesis, the answer is the transition
+    servicer.created = transition_pb2.CreateThreadResponse(genesis=committed(0), replayed=True)
+    created = await worker.create_thread(THREAD, {"n": 1})
+    assert (created.thread_id, created.version, created.replayed) == (THREAD, 0, True)
 
 
 # --- the runner ---------------------------------------------------------------------------
