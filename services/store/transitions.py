@@ -74,6 +74,20 @@ COMMIT = (
 # else committed with these bits
 WATCHED, RELEASED, MORE_WORK = 1, 2, 4
 
+
+def commit_outcome(answer: int | None) -> CommitOutcome:
+    """What ``COMMIT`` answered, decoded: the one reading of its bits."""
+    if answer is None:
+        return CommitOutcome(Commit.HEAD_MOVED, watched=False)
+    if answer < 0:
+        return CommitOutcome(Commit.LEASE_LOST, watched=False)
+    return CommitOutcome(
+        Commit.COMMITTED,
+        watched=bool(answer & WATCHED),
+        more=bool(answer & MORE_WORK) if answer & RELEASED else None,
+    )
+
+
 # A creation: the head, the genesis record, the nodes the genesis wakes and the thread's
 # wake mark (migration 0018: every version is decided by the statement that commits it).
 CREATE_THREAD = """
@@ -399,15 +413,7 @@ class PostgresTransitionStore:
         except asyncpg.UniqueViolationError:
             # the whole call, head update included, rolled back
             return CommitOutcome(Commit.KEY_TAKEN, watched=False)
-        if answer is None:
-            return CommitOutcome(Commit.HEAD_MOVED, watched=False)
-        if answer < 0:
-            return CommitOutcome(Commit.LEASE_LOST, watched=False)
-        return CommitOutcome(
-            Commit.COMMITTED,
-            watched=bool(answer & WATCHED),
-            more=bool(answer & MORE_WORK) if answer & RELEASED else None,
-        )
+        return commit_outcome(answer)
 
     @translated
     async def find_by_idempotency_key(
