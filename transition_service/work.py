@@ -449,13 +449,14 @@ class Leases:
 @dataclass(eq=False)
 class LeasedProposal:
     """A proposal made under a lease grant, as the proposal pipeline fences it: once,
-    before the first statement it sends, unless that statement is its commit, which
-    fences (and releases) the lease in its own transaction (migration 0019)."""
+    before the first statement it sends, unless that statement is its commit or its
+    park, which fences the lease in its own transaction (migrations 0019, 0023; a
+    commit releases it too)."""
 
     thread_id: str
     claim: LeaseClaim
     _holds: Callable[[str, str, int], Awaitable[bool]]
-    fenced: bool = False  # the fence passed, or the commit that carries it was sent
+    fenced: bool = False  # the fence passed, or the commit or park carrying it was sent
 
     async def fence(self) -> None:
         """Refuse with ``LeaseLost`` unless the grant still holds the lease."""

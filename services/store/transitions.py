@@ -152,8 +152,11 @@ def _part(row: asyncpg.Record, alias: str, columns: str) -> dict[str, Any] | Non
     return {name: row[f"{alias}_{name}"] for name in names}
 
 
-# Parking a proposal (migration 0016): true when parked now. Distributed like COMMIT.
-PARK = "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+# Parking a proposal (migrations 0016, 0023): true when parked now, NULL when the lease
+# it was proposed under ($14, $15) is lost (nothing parked). Distributed like COMMIT.
+PARK = (
+    "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+)
 
 
 async def session_backend(conn: asyncpg.Connection) -> Backend:
@@ -566,8 +569,10 @@ class PostgresTransitionStore:
             )
 
     @translated
-    async def park(self, pending: PendingTransition, state_bytes: bytes) -> Parking:
-        parked: bool = await self._pool.fetchval(
+    async def park(
+        self, pending: PendingTransition, state_bytes: bytes, lease: LeaseClaim | None = None
+    ) -> Parking:
+        parked: bool | None = await self._pool.fetchval(
             PARK,
             pending.thread_id,
             pending.digest,
@@ -582,7 +587,11 @@ class PostgresTransitionStore:
             pending.parked_at,
             pending.sensitive_keys,
             pending.required_approvals,
+            None if lease is None else lease.node,
+            None if lease is None else lease.epoch,
         )
+        if parked is None:
+            return Parking(Park.LEASE_LOST, None)
         if parked:
             return Parking(Park.PARKED, replace(pending, status="pending"))
         existing = await self.find_pending(
