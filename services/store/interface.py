@@ -93,6 +93,14 @@ class Parking:
 
 
 @dataclass(frozen=True, slots=True)
+class Genesis:
+    """A thread's genesis record and the policy the thread is bound to."""
+
+    record: StoredTransition
+    policy_name: str
+
+
+@dataclass(frozen=True, slots=True)
 class KeptState:
     """A record's state body as retention left it: ``None`` once pruned."""
 
@@ -210,6 +218,10 @@ class TransitionStore(Protocol):
 
     async def head_transition(self, thread_id: str) -> StoredTransition | None:
         """The record at the thread's head version."""
+
+    async def genesis(self, thread_id: str) -> Genesis | None:
+        """The thread's record at version 0 and the name of the policy its head is bound
+        to, read together (one round trip); None when there is no such thread."""
 
     async def evidence(self, digest: str) -> Evidence:
         """The approval receipt the record ``digest`` was committed under and the risk

@@ -29,6 +29,7 @@ from ztate.services.store.group_commit import Outcome as CommitOutcome
 from ztate.services.store.interface import (
     Commit,
     Creation,
+    Genesis,
     HeadLookup,
     KeptState,
     LeaseClaim,
@@ -458,6 +459,20 @@ class PostgresTransitionStore:
             thread_id,
         )
         return StoredTransition.from_row(row) if row else None
+
+    @translated
+    async def genesis(self, thread_id: str) -> Genesis | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))}, "  # noqa: S608
+            "h.policy_name FROM ztate.threads h JOIN ztate.transitions t "
+            "ON t.thread_id = h.thread_id AND t.version = 0 WHERE h.thread_id = $1",
+            thread_id,
+        )
+        if row is None:
+            return None
+        fields = dict(row.items())
+        policy_name = fields.pop("policy_name")
+        return Genesis(StoredTransition(**fields), policy_name)
 
     @translated
     async def evidence(self, digest: str) -> Evidence:

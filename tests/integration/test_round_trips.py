@@ -816,3 +816,35 @@ async def test_a_leased_proposal_that_parks_costs_two_round_trips(
     assert first.statements == [PARK, RELEASE], first.statements
     assert await planner_work(lane_dsn, thread_id) == (lease.epoch, None, 1, 1)
     assert [r["version"] for r in await ledger.rows(thread_id)] == [0, 1]
+
+
+async def test_a_repeated_creation_costs_two_round_trips(
+    replicas: tuple[Counted, Counted], ledger: Ledger
+) -> None:
+    """CreateThread again, by its creator with its genesis (a retry whose reply was lost):
+    the creation that finds the id taken, then one read of the genesis with the thread's
+    policy (it was two: the genesis, then the head). The same with another initial state
+    is THREAD_EXISTS, at the same cost. Nothing is written either way."""
+    first, _ = replicas
+    thread_id = new_thread_id()
+    created = await first.pipeline.create_thread(
+        OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL)
+    )
+    before = await ledger.snapshot(thread_id)
+
+    first.reset()
+    again = await first.pipeline.create_thread(
+        OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL)
+    )
+    assert again.replayed
+    assert again.transition.digest == created.transition.digest
+    assert first.statements[0] == CREATE_THREAD
+    assert len(first.statements) == 2, first.statements
+
+    first.reset()
+    with pytest.raises(errors.ThreadExists):
+        await first.pipeline.create_thread(
+            OPERATOR, thread_id, "pipeline", canonical_bytes({**INITIAL, "raw_text": "other"})
+        )
+    assert len(first.statements) == 2, first.statements
+    assert await ledger.snapshot(thread_id) == before

@@ -36,6 +36,7 @@ from ztate.services.runtime.errors import StorageUnavailable
 from ztate.services.store.interface import (
     Commit,
     Creation,
+    Genesis,
     HeadLookup,
     KeptState,
     LeaseClaim,
@@ -145,7 +146,19 @@ async def test_absent_threads_are_none(store: TransitionStore) -> None:
     assert await store.read_head("never-created") is None
     assert await store.head_version("never-created") is None
     assert await store.head_transition("never-created") is None
+    assert await store.genesis("never-created") is None
     assert await store.state_at("never-created", 0) is None
+
+
+async def test_genesis_is_the_first_record_with_the_threads_policy_however_far_the_head(
+    store: TransitionStore, keyring: Keyring
+) -> None:
+    thread_id, genesis = await new_thread(store, keyring)
+    await commit(store, keyring, thread_id, 1, genesis.digest, "k-g")
+    first = await store.transition_at(thread_id, 0)
+    assert first is not None
+    assert (first.version, first.digest) == (0, genesis.digest)
+    assert await store.genesis(thread_id) == Genesis(first, "pipeline")
 
 
 async def test_commit_moves_the_head_and_appends_the_record(
