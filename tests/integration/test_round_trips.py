@@ -13,7 +13,9 @@ ApplyDecision outcome: a rejection, an approval the policy now refuses, an appro
 thread moved on (each was 6 or 7: the lookup, then a transaction of four or five
 statements; migration 0017 makes each one call). And a proposal under a lease (a
 SubscribeWork worker's) that commits: 1 round trip (it was 3: the fence, the commit, the
-release; migration 0019 makes them one call).
+release; migration 0019 makes them one call), and one that is parked: 2 on a cached head
+(it was 3: the fence, the park, the release; migration 0023 fences in the park). A
+CreateThread repeated by its creator: 2 (it was 3: the creation, the genesis, the head).
 """
 
 from __future__ import annotations
