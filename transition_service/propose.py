@@ -194,7 +194,7 @@ class Propose(UseCase):
             )
         )
         if lease is not None:
-            # the park carries the fence (migration 0023): whatever it answers, the lease
+            # the park carries the fence (migration 0024): whatever it answers, the lease
             # is not fenced again for this proposal
             lease.fenced = True
         parking = await self._store.park(

@@ -450,7 +450,7 @@ class Leases:
 class LeasedProposal:
     """A proposal made under a lease grant, as the proposal pipeline fences it: once,
     before the first statement it sends, unless that statement is its commit or its
-    park, which fences the lease in its own transaction (migrations 0019, 0023; a
+    park, which fences the lease in its own transaction (migrations 0019, 0024; a
     commit releases it too)."""
 
     thread_id: str

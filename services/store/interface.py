@@ -61,7 +61,7 @@ class Commit(enum.Enum):
 
 @dataclass(slots=True)
 class LeaseClaim:
-    """A commit or a park made under a lease grant (migrations 0019, 0023): ``node``'s
+    """A commit or a park made under a lease grant (migrations 0019, 0024): ``node``'s
     lease on the thread at ``epoch``, fenced by the call itself, and released by a
     commit. Set by a commit that
     committed: ``settled`` (it tried the release) and ``more`` (it released the lease,

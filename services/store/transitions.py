@@ -153,7 +153,7 @@ def _part(row: asyncpg.Record, alias: str, columns: str) -> dict[str, Any] | Non
     return {name: row[f"{alias}_{name}"] for name in names}
 
 
-# Parking a proposal (migrations 0016, 0023): true when parked now, NULL when the lease
+# Parking a proposal (migrations 0016, 0024): true when parked now, NULL when the lease
 # it was proposed under ($14, $15) is lost (nothing parked). Distributed like COMMIT.
 PARK = (
     "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"

@@ -35,8 +35,8 @@ OLD_COMMIT = (
 )
 COMMIT_0018 = OLD_COMMIT.removesuffix(")") + ", text[])"
 NEW_COMMIT = COMMIT_0018.removesuffix(")") + ", text, bigint)"  # migration 0019
-# the end of the park's layout line since migration 0023 (its lease grant), and the park
-PARK_LAYOUT_0023 = (
+# the end of the park's layout line since migration 0024 (its lease grant), and the park
+PARK_LAYOUT_0024 = (
     "text, timestamptz, text[], integer, text,\n                               bigint)"
 )
 NEW_PARK = (
@@ -89,7 +89,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
                 "                                 bigint)",
                 "timestamptz, bytea, text, text)",
             )
-            .replace(PARK_LAYOUT_0023, "text, timestamptz, text[], integer)")
+            .replace(PARK_LAYOUT_0024, "text, timestamptz, text[], integer)")
         )
         assert await conn.fetchval(DISTRIBUTED_BY, OLD_COMMIT) == 0
 
@@ -103,7 +103,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             "0020_batch_commit_plan",
             "0021_ledger_rows_inline",
             "0022_room_for_heads",
-            "0023_lease_fence_in_the_park",
+            "0024_lease_fence_in_the_park",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None

@@ -14,7 +14,7 @@ thread moved on (each was 6 or 7: the lookup, then a transaction of four or five
 statements; migration 0017 makes each one call). And a proposal under a lease (a
 SubscribeWork worker's) that commits: 1 round trip (it was 3: the fence, the commit, the
 release; migration 0019 makes them one call), and one that is parked: 2 on a cached head
-(it was 3: the fence, the park, the release; migration 0023 fences in the park). A
+(it was 3: the fence, the park, the release; migration 0024 fences in the park). A
 CreateThread repeated by its creator: 2 (it was 3: the creation, the genesis, the head).
 """
 
@@ -736,7 +736,7 @@ async def test_a_risky_proposal_whose_lease_is_lost_as_it_parks_parks_nothing(
     cached: bool,
 ) -> None:
     """The park of a proposal under a lease fences the lease in its own call (migration
-    0023), as a commit does: a grant that lost the lease after every earlier look at it
+    0024), as a commit does: a grant that lost the lease after every earlier look at it
     parks nothing and is refused LEASE_LOST, its rejection row recorded, the new grant
     untouched. Before, the pipeline fenced with a statement of its own and then parked:
     a lease lost in between left a proposal parked for approval under a lost lease.
@@ -796,7 +796,7 @@ async def test_a_leased_proposal_that_parks_costs_two_round_trips(
     replicas: tuple[Counted, Counted], ledger: Ledger, lane_dsn: str, settings: Settings
 ) -> None:
     """A risky proposal under a lease that holds, on the cached head: the park, which
-    fences the lease (migration 0023), and the release (it was three: the fence first).
+    fences the lease (migration 0024), and the release (it was three: the fence first).
     Parked, the lease given back, the planner done with the version it built on."""
     first, _ = replicas
     leases = leases_of(first, lane_dsn, settings)

@@ -58,7 +58,7 @@ BEGIN
 END;
 $$;
 
--- The calls of a worker's request (migrations 0016, 0018, 0019 and 0023), distributed by
+-- The calls of a worker's request (migrations 0016, 0018, 0019 and 0024), distributed by
 -- their thread id and co-located with ztate.threads: Citus delegates each call, made
 -- outside a transaction block, to the worker holding the thread's shard group, where it
 -- runs as one local transaction (no intermediate results, no two-phase commit).
