@@ -29,7 +29,7 @@ from ztate.services.policy.changes import apply_patch
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.group_commit import CommitArgs, GroupCommitter, Outcome
 from ztate.services.store.interface import Commit
-from ztate.services.store.transitions import COMMIT, COMMIT_SLOTS, MAX_BATCH
+from ztate.services.store.transitions import COMMIT, COMMIT_SLOTS, MAX_BATCH, commit_outcome
 
 INSERT_HEAD = """
 INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, policy_digest)
@@ -106,11 +106,10 @@ class HeadWriter:
         args = commit_args(self._payload, self._thread_id, self._version, datetime.now(UTC))
         if self._committer is not None:
             outcome = await self._committer.commit(cast(CommitArgs, args))
-            committed = True if outcome.commit is Commit.COMMITTED else None
         else:
-            committed = await self._pool.fetchval(COMMIT, *args)
-        if committed is None:
-            raise RuntimeError(f"floor: compare-and-swap lost on {self._thread_id}, a bench bug")
+            outcome = commit_outcome(await self._pool.fetchval(COMMIT, *args))
+        if outcome.commit is not Commit.COMMITTED:
+            raise RuntimeError(f"floor: {outcome.commit.name} on {self._thread_id}, a bench bug")
         self._version += 1
 
 
@@ -177,9 +176,7 @@ async def measure_floor(
         if grouped:
 
             async def alone(args: CommitArgs) -> Outcome:
-                watched = await pool.fetchval(COMMIT, *args)
-                commit = Commit.HEAD_MOVED if watched is None else Commit.COMMITTED
-                return Outcome(commit, bool(watched))
+                return commit_outcome(await pool.fetchval(COMMIT, *args))
 
             committer = GroupCommitter(pool, alone, max_in_flight=COMMIT_SLOTS, max_batch=MAX_BATCH)
         writers = [

@@ -92,11 +92,10 @@ class CreateThread(UseCase):
         and policy: a retry whose first reply was lost gets the answer it missed, not
         THREAD_EXISTS for its own creation (the SDK retries CreateThread). Anyone else,
         or another state or policy: None."""
-        genesis = await self._store.transition_at(thread_id, 0)
-        head = await self._store.read_head(thread_id)
-        if genesis is None or head is None or genesis.node_id != caller.spiffe_id:
+        found = await self._store.genesis(thread_id)  # one round trip
+        if found is None or found.record.node_id != caller.spiffe_id:
             return None
-        patch = orjson.loads(genesis.record)["patch"]
-        if head.policy_name != policy_name or canonical_bytes(patch) != canonical_bytes(initial):
+        patch = orjson.loads(found.record.record)["patch"]
+        if found.policy_name != policy_name or canonical_bytes(patch) != canonical_bytes(initial):
             return None
-        return genesis
+        return found.record

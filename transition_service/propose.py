@@ -54,8 +54,8 @@ class Propose(UseCase):
     ) -> Outcome:
         """Run every check; commit, park, replay, or refuse (and record the refusal).
         Under a ``lease``: refused with ``LeaseLost`` first of all when its grant no
-        longer holds it, checked before the first statement, or by the commit itself
-        (one round trip for a proposal that commits on a cached head)."""
+        longer holds it, checked before the first statement, or by the commit or the
+        park itself (one round trip for a proposal that commits on a cached head)."""
         try:
             outcome = await self._propose(caller, proposal, lease)
         except errors.ZtateError as refusal:  # StorageUnavailable too: the store's boundary
@@ -194,7 +194,9 @@ class Propose(UseCase):
             )
         )
         if lease is not None:
-            await lease.fence()
+            # the park carries the fence (migration 0024): whatever it answers, the lease
+            # is not fenced again for this proposal
+            lease.fenced = True
         parking = await self._store.park(
             PendingTransition(
                 digest=sha256_hex(proposal_bytes),
@@ -214,7 +216,10 @@ class Propose(UseCase):
                 ),
             ),
             state_bytes,
+            lease=None if lease is None else lease.claim,
         )
+        if parking.outcome is Park.LEASE_LOST:
+            raise errors.LeaseLost(LEASE_LOST)
         self._parked.set()
         parked, inserted = parking.pending, parking.outcome is Park.PARKED
         if parked is None:  # KEY_TAKEN: the key already names a committed request

@@ -415,10 +415,8 @@ class Leases:
         node = self._node(caller, thread_id, epoch)
         if handled_version < -1:
             raise errors.RequestInvalid("handled_version must be >= -1")
-        more = await self._work.release(thread_id, node, epoch, handled_version)
-        if more is None:
+        if not await self._give_back(thread_id, node, epoch, handled_version):
             raise errors.LeaseLost(LEASE_LOST)
-        self._dispatcher.released(node, thread_id, epoch, more=more)
 
     def claim(self, caller: Identity, thread_id: str, epoch: int) -> LeasedProposal:
         """A proposal of ``caller`` under grant ``epoch``: fenced before its first
@@ -428,30 +426,37 @@ class Leases:
 
     async def finish(self, lease: LeasedProposal, handled_version: int) -> None:
         """The proposal was answered (committed, parked or replayed): the lease goes
-        back, the node done with ``handled_version``; no round trip when its commit
-        released it already. A grant that lost the lease meanwhile leaves it be."""
+        back, the node done with ``handled_version`` (the proposal's expected version,
+        which the pipeline checked is >= 0); no round trip when its commit released it
+        already. A grant that lost the lease meanwhile leaves it be."""
         claim = lease.claim
         if claim.settled:
             if claim.more is not None:
                 self._dispatcher.released(claim.node, lease.thread_id, claim.epoch, more=claim.more)
             return
-        if handled_version < -1:
-            raise errors.RequestInvalid("handled_version must be >= -1")
-        more = await self._work.release(lease.thread_id, claim.node, claim.epoch, handled_version)
-        if more is not None:
-            self._dispatcher.released(claim.node, lease.thread_id, claim.epoch, more=more)
+        await self._give_back(lease.thread_id, claim.node, claim.epoch, handled_version)
+
+    async def _give_back(self, thread_id: str, node: str, epoch: int, handled_version: int) -> bool:
+        """Release grant ``epoch``'s lease and free its stream's slot; False when that
+        grant no longer held the lease (nothing changed)."""
+        more = await self._work.release(thread_id, node, epoch, handled_version)
+        if more is None:
+            return False
+        self._dispatcher.released(node, thread_id, epoch, more=more)
+        return True
 
 
 @dataclass(eq=False)
 class LeasedProposal:
     """A proposal made under a lease grant, as the proposal pipeline fences it: once,
-    before the first statement it sends, unless that statement is its commit, which
-    fences (and releases) the lease in its own transaction (migration 0019)."""
+    before the first statement it sends, unless that statement is its commit or its
+    park, which fences the lease in its own transaction (migrations 0019, 0024; a
+    commit releases it too)."""
 
     thread_id: str
     claim: LeaseClaim
     _holds: Callable[[str, str, int], Awaitable[bool]]
-    fenced: bool = False  # the fence passed, or the commit that carries it was sent
+    fenced: bool = False  # the fence passed, or the commit or park carrying it was sent
 
     async def fence(self) -> None:
         """Refuse with ``LeaseLost`` unless the grant still holds the lease."""

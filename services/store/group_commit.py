@@ -90,6 +90,11 @@ class _Waiting:
     answer: asyncio.Future[Outcome]
 
 
+def _leased(waiting: _Waiting) -> bool:
+    """Whether the commit was proposed under a lease (its lease epoch, $16, is set)."""
+    return waiting.args[15] is not None
+
+
 class GroupCommitter:
     """Queues commits and sends them alone or together (see the module's doc)."""
 
@@ -131,20 +136,15 @@ class GroupCommitter:
         batch: list[_Waiting] = []
         later: list[_Waiting] = []
         threads: set[str] = set()
-        alone = False
         for waiting in self._queue:
             thread_id = waiting.args[0]
             if waiting.answer.done():  # its caller was cancelled: nothing to send
                 continue
-            leased = waiting.args[15] is not None
-            if not batch and leased:
-                alone = True
-                batch.append(waiting)
-            elif (
-                not alone
-                and not leased
+            if not batch or (
+                not _leased(batch[0])  # a leased first commit leaves alone
+                and not _leased(waiting)
                 and len(batch) < self._max_batch
-                and (thread_id not in threads)
+                and thread_id not in threads
             ):
                 threads.add(thread_id)
                 batch.append(waiting)

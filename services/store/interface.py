@@ -61,8 +61,9 @@ class Commit(enum.Enum):
 
 @dataclass(slots=True)
 class LeaseClaim:
-    """A commit made under a lease grant (migration 0019): ``node``'s lease on the thread
-    at ``epoch``, fenced and released by the commit itself. Set by a commit that
+    """A commit or a park made under a lease grant (migrations 0019, 0024): ``node``'s
+    lease on the thread at ``epoch``, fenced by the call itself, and released by a
+    commit. Set by a commit that
     committed: ``settled`` (it tried the release) and ``more`` (it released the lease,
     and more work waits for the node there; ``None``: the grant had lost the lease by
     then, and the lease stays its new owner's)."""
@@ -79,15 +80,24 @@ class Park(enum.Enum):
     PARKED = "parked"  # this call parked the proposal
     ALREADY_PARKED = "already parked"  # this request or this exact proposal was parked before
     KEY_TAKEN = "key taken"  # the idempotency key names a committed request: nothing parked
+    LEASE_LOST = "lease lost"  # the lease grant it was proposed under is lost: nothing parked
 
 
 @dataclass(frozen=True, slots=True)
 class Parking:
     """The result of ``TransitionStore.park``: what happened, and the parked row
-    (this call's or the earlier one's; None only for ``KEY_TAKEN``)."""
+    (this call's or the earlier one's; None only for ``KEY_TAKEN`` and ``LEASE_LOST``)."""
 
     outcome: Park
     pending: PendingTransition | None
+
+
+@dataclass(frozen=True, slots=True)
+class Genesis:
+    """A thread's genesis record and the policy the thread is bound to."""
+
+    record: StoredTransition
+    policy_name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +219,10 @@ class TransitionStore(Protocol):
     async def head_transition(self, thread_id: str) -> StoredTransition | None:
         """The record at the thread's head version."""
 
+    async def genesis(self, thread_id: str) -> Genesis | None:
+        """The thread's record at version 0 and the name of the policy its head is bound
+        to, read together (one round trip); None when there is no such thread."""
+
     async def evidence(self, digest: str) -> Evidence:
         """The approval receipt the record ``digest`` was committed under and the risk
         rules its proposal matched (empty when it needed none, or no such record)."""
@@ -247,11 +261,16 @@ class TransitionStore(Protocol):
         """Append signed checkpoints; one of a version already signed is ignored
         (replicas may sign the same head)."""
 
-    async def park(self, pending: PendingTransition, state_bytes: bytes) -> Parking:
+    async def park(
+        self, pending: PendingTransition, state_bytes: bytes, lease: LeaseClaim | None = None
+    ) -> Parking:
         """Park a proposal with the state it would make: ``PARKED``;
         ``ALREADY_PARKED`` with the earlier row if this request (node and idempotency
         key) or this exact proposal (digest) is parked already; ``KEY_TAKEN`` (nothing
-        parked) if the idempotency key names a committed request."""
+        parked) if the idempotency key names a committed request. Under a ``lease``,
+        fenced first, in the same transaction: ``LEASE_LOST`` (nothing parked, whatever
+        else is true) unless that grant still holds the lease, which stays held until
+        the parked row is committed; the lease is not released."""
 
     async def find_pending(
         self, thread_id: str, node_id: str, idempotency_key: str

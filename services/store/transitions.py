@@ -29,6 +29,7 @@ from ztate.services.store.group_commit import Outcome as CommitOutcome
 from ztate.services.store.interface import (
     Commit,
     Creation,
+    Genesis,
     HeadLookup,
     KeptState,
     LeaseClaim,
@@ -73,6 +74,20 @@ COMMIT = (
 # ztate.commit_transition's answer (migration 0019): NULL head moved, -1 lease lost,
 # else committed with these bits
 WATCHED, RELEASED, MORE_WORK = 1, 2, 4
+
+
+def commit_outcome(answer: int | None) -> CommitOutcome:
+    """What ``COMMIT`` answered, decoded: the one reading of its bits."""
+    if answer is None:
+        return CommitOutcome(Commit.HEAD_MOVED, watched=False)
+    if answer < 0:
+        return CommitOutcome(Commit.LEASE_LOST, watched=False)
+    return CommitOutcome(
+        Commit.COMMITTED,
+        watched=bool(answer & WATCHED),
+        more=bool(answer & MORE_WORK) if answer & RELEASED else None,
+    )
+
 
 # A creation: the head, the genesis record, the nodes the genesis wakes and the thread's
 # wake mark (migration 0018: every version is decided by the statement that commits it).
@@ -138,8 +153,11 @@ def _part(row: asyncpg.Record, alias: str, columns: str) -> dict[str, Any] | Non
     return {name: row[f"{alias}_{name}"] for name in names}
 
 
-# Parking a proposal (migration 0016): true when parked now. Distributed like COMMIT.
-PARK = "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+# Parking a proposal (migrations 0016, 0024): true when parked now, NULL when the lease
+# it was proposed under ($14, $15) is lost (nothing parked). Distributed like COMMIT.
+PARK = (
+    "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)"
+)
 
 
 async def session_backend(conn: asyncpg.Connection) -> Backend:
@@ -399,15 +417,7 @@ class PostgresTransitionStore:
         except asyncpg.UniqueViolationError:
             # the whole call, head update included, rolled back
             return CommitOutcome(Commit.KEY_TAKEN, watched=False)
-        if answer is None:
-            return CommitOutcome(Commit.HEAD_MOVED, watched=False)
-        if answer < 0:
-            return CommitOutcome(Commit.LEASE_LOST, watched=False)
-        return CommitOutcome(
-            Commit.COMMITTED,
-            watched=bool(answer & WATCHED),
-            more=bool(answer & MORE_WORK) if answer & RELEASED else None,
-        )
+        return commit_outcome(answer)
 
     @translated
     async def find_by_idempotency_key(
@@ -449,6 +459,20 @@ class PostgresTransitionStore:
             thread_id,
         )
         return StoredTransition.from_row(row) if row else None
+
+    @translated
+    async def genesis(self, thread_id: str) -> Genesis | None:
+        row = await self._pool.fetchrow(
+            f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))}, "  # noqa: S608
+            "h.policy_name FROM ztate.threads h JOIN ztate.transitions t "
+            "ON t.thread_id = h.thread_id AND t.version = 0 WHERE h.thread_id = $1",
+            thread_id,
+        )
+        if row is None:
+            return None
+        fields = dict(row.items())
+        policy_name = fields.pop("policy_name")
+        return Genesis(StoredTransition(**fields), policy_name)
 
     @translated
     async def evidence(self, digest: str) -> Evidence:
@@ -560,8 +584,10 @@ class PostgresTransitionStore:
             )
 
     @translated
-    async def park(self, pending: PendingTransition, state_bytes: bytes) -> Parking:
-        parked: bool = await self._pool.fetchval(
+    async def park(
+        self, pending: PendingTransition, state_bytes: bytes, lease: LeaseClaim | None = None
+    ) -> Parking:
+        parked: bool | None = await self._pool.fetchval(
             PARK,
             pending.thread_id,
             pending.digest,
@@ -576,7 +602,11 @@ class PostgresTransitionStore:
             pending.parked_at,
             pending.sensitive_keys,
             pending.required_approvals,
+            None if lease is None else lease.node,
+            None if lease is None else lease.epoch,
         )
+        if parked is None:
+            return Parking(Park.LEASE_LOST, None)
         if parked:
             return Parking(Park.PARKED, replace(pending, status="pending"))
         existing = await self.find_pending(

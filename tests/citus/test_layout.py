@@ -240,7 +240,7 @@ async def test_parking_is_one_command_to_the_worker_holding_the_thread(citus_dsn
     thread_id = "t-routing-park"
     holder, parked, sent = await remote_commands(
         citus_dsn, thread_id, PARK, thread_id, "d" * 64, 0, "0" * 64, "n", b"{}", b"{}",
-        ["rule"], "i-park", "r", datetime.now(UTC), ["k"], 1,
+        ["rule"], "i-park", "r", datetime.now(UTC), ["k"], 1, None, None,
     )  # fmt: skip
     assert parked is True
     assert len(sent) == 1, sent

@@ -40,6 +40,14 @@ OLD_COMMIT = (
 )
 COMMIT_0018 = OLD_COMMIT.removesuffix(")") + ", text[])"
 NEW_COMMIT = COMMIT_0018.removesuffix(")") + ", text, bigint)"  # migration 0019
+# the end of the park's layout line since migration 0024 (its lease grant), and the park
+PARK_LAYOUT_0024 = (
+    "text, timestamptz, text[], integer, text,\n                               bigint)"
+)
+NEW_PARK = (
+    "ztate.park_transition(text, text, bigint, text, text, bytea, bytea, text[], text, text, "
+    "timestamptz, text[], integer, text, bigint)"
+)
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,13 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         # the layout as that release's `ztate db citus` applied it: its commit function
         await prepare_for_citus(conn)
         await conn.execute(
-            layout_sql("citus_distribute").replace(
+            layout_sql("citus_distribute")
+            .replace(
                 "timestamptz, bytea, text, text, text[], text,\n"
                 "                                 bigint)",
                 "timestamptz, bytea, text, text)",
             )
+            .replace(PARK_LAYOUT_0024, "text, timestamptz, text[], integer)")
         )
         assert await conn.fetchval(DISTRIBUTED_BY, OLD_COMMIT) == 0
 
@@ -99,6 +109,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             "0021_ledger_rows_inline",
             "0022_room_for_heads",
             "0023_patch_keys_planned_once",
+            "0024_lease_fence_in_the_park",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None
@@ -109,6 +120,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         assert await conn.fetch(PATCH_KEYS_LANGUAGE_ON_WORKERS) == [(True, "plpgsql")] * 2
         await apply_citus_layout(conn)  # `ztate db citus`, again
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
+        assert await conn.fetchval(DISTRIBUTED_BY, NEW_PARK) == 0
 
         thread_id = "t-upgraded"
         holder = await conn.fetchval(

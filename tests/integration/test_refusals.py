@@ -10,15 +10,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator
 
+import asyncpg
 import grpc
 import pytest
 import pytest_asyncio
 
 from tests.conftest import POLICY, TEST_MAX_PATCH_BYTES
-from tests.harness import INITIAL, Ledger, Pki, act, client, new_thread_id
+from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, Pki, act, client, new_thread_id
 from ztate.services.policy.model import Policy
+from ztate.services.store.work import WorkStore
 from ztate.worker_sdk import (
+    AwaitingApproval,
     InvalidRequest,
+    LeaseLost,
     NotFound,
     PatchTooLarge,
     PermissionDenied,
@@ -377,3 +381,185 @@ async def test_unknown_transition(target: str, pki: Pki) -> None:
         with pytest.raises(NotFound) as caught:
             await operator.get_transition(digest="0" * 64)
     assert caught.value.reason == "TRANSITION_NOT_FOUND"
+
+
+async def test_creating_a_thread_again_with_another_initial_state_is_thread_exists(
+    target: str, pki: Pki, thread_id: str, ledger: Ledger
+) -> None:
+    """The creator, with the same policy, asking again for a thread it created with
+    another initial state (one value changed, one key fewer, one key more) is refused
+    THREAD_EXISTS: a retry is only one with the same genesis. The same state with its
+    keys in another order is the same genesis (canonical JSON): the replay. Nothing new
+    is written, and the genesis keeps its initial state."""
+    before = await ledger.snapshot(thread_id)
+    others = [
+        {**INITIAL, "raw_text": "please refund order A-43"},
+        {key: value for key, value in INITIAL.items() if key != "authority"},
+        {**INITIAL, "requested_action": act("more")},
+    ]
+    async with client(target, pki.operator()) as operator:
+        genesis = await operator.get_transition(thread_id=thread_id, version=0)
+        refusals = []
+        for state in others:
+            with pytest.raises(ZtateError) as caught:
+                await operator.create_thread(thread_id, state, policy="pipeline")
+            refusals.append((caught.value.reason, caught.value.code))
+        reordered = dict(reversed(list(INITIAL.items())))
+        again = await operator.create_thread(thread_id, reordered, policy="pipeline")
+    assert refusals == [("THREAD_EXISTS", grpc.StatusCode.ALREADY_EXISTS)] * len(others)
+    assert (again.replayed, again.version, again.digest) == (True, 0, genesis.digest)
+    assert await ledger.snapshot(thread_id) == before
+    assert (await ledger.record(thread_id, 0))["patch"] == INITIAL
+
+
+OTHER_USER = "9b2f5d0e-1c3a-4e6b-8d7f-0a1b2c3d4e5f"  # the planner's change to it is parked
+
+
+async def lease_row(dsn: str, thread_id: str, node: str) -> tuple[int, str | None, int]:
+    """The lease of ``node`` on ``thread_id``: (epoch, holder, handled_version)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow(
+            "SELECT epoch, holder, handled_version FROM ztate.node_work "
+            "WHERE thread_id = $1 AND node = $2",
+            thread_id,
+            node,
+        )
+    finally:
+        await conn.close()
+    assert row is not None, f"{node} has no work on the thread"
+    return row["epoch"], row["holder"], row["handled_version"]
+
+
+async def parked_rows(dsn: str, thread_id: str) -> list[tuple[str, int, str]]:
+    """The thread's parked proposals: (node id, base version, status)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT node_id, base_version, status FROM ztate.pending_transitions "
+            "WHERE thread_id = $1 ORDER BY parked_at",
+            thread_id,
+        )
+    finally:
+        await conn.close()
+    return [(r["node_id"], r["base_version"], r["status"]) for r in rows]
+
+
+async def lost_and_held(dsn: str, thread_id: str, node: str) -> tuple[int, int]:
+    """Two grants of ``node``'s lease on the thread: one that lost it (released, then
+    granted again) and the one that holds it now; their epochs."""
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        work = WorkStore(pool)
+        lost = await work.acquire(thread_id, node, "test-lost", 60.0)
+        assert lost is not None
+        assert await work.release(thread_id, node, lost.epoch, -1) is not None
+        held = await work.acquire(thread_id, node, "test-held", 60.0)
+        assert held is not None
+    finally:
+        await pool.close()
+    return lost.epoch, held.epoch
+
+
+def planner_refusals(rows: list[asyncpg.Record]) -> list[tuple[str, int]]:
+    return [(r["reason"], r["base_version"]) for r in rows if r["node_id"].endswith("/planner")]
+
+
+async def test_a_risky_proposal_under_a_lost_lease_parks_nothing(
+    target: str, pki: Pki, thread_id: str, ledger: Ledger, database_dsn: str
+) -> None:
+    """A change the policy parks for approval, proposed under a lease grant that lost the
+    lease: LEASE_LOST (FAILED_PRECONDITION), on the head the service has cached as on a
+    stale version; nothing parked, nothing committed, the refusals recorded, the grant
+    holding the lease now untouched. The same change under that grant is parked (the
+    change is a risky one) and gives the lease back."""
+    async with client(target, pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 0, {"requested_action": act("wake")})  # wakes the planner
+    lost, held = await lost_and_held(database_dsn, thread_id, "planner")
+    before = await ledger.snapshot(thread_id)
+    risky = {"target_user_id": OTHER_USER}
+    async with client(target, pki.node("planner")) as planner:
+        for version, key in [(1, "k-on-the-head"), (0, "k-stale")]:
+            with pytest.raises(LeaseLost) as caught:
+                await planner.propose(
+                    thread_id, version, risky, idempotency_key=key, lease_epoch=lost
+                )
+            assert (caught.value.reason, caught.value.code) == (
+                "LEASE_LOST",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        assert await ledger.snapshot(thread_id) == before
+        assert await parked_rows(database_dsn, thread_id) == []
+        assert planner_refusals(await ledger.rejections(thread_id)) == [
+            ("LEASE_LOST", 1),
+            ("LEASE_LOST", 0),
+        ]
+        assert await lease_row(database_dsn, thread_id, "planner") == (held, "test-held", -1)
+
+        with pytest.raises(AwaitingApproval):
+            await planner.propose(thread_id, 1, risky, idempotency_key="k-held", lease_epoch=held)
+    planner_id = f"spiffe://{TRUST_DOMAIN}/node/planner"
+    assert await parked_rows(database_dsn, thread_id) == [(planner_id, 1, "pending")]
+    assert await lease_row(database_dsn, thread_id, "planner") == (held, None, 1)
+    assert await ledger.snapshot(thread_id) == before
+
+
+@pytest.mark.parametrize("epoch", [-1, -(2**63)], ids=["minus-one", "int64-min"])
+async def test_a_negative_lease_epoch_is_invalid_and_writes_nothing(
+    target: str, pki: Pki, thread_id: str, ledger: Ledger, database_dsn: str, epoch: int
+) -> None:
+    """A proposal naming a lease epoch below 0 (0 is none; grants start at 1) is refused
+    INVALID_ARGUMENT (REQUEST_INVALID), before anything is looked up: a change that would
+    commit commits nothing, a change that would be parked parks nothing, and the leases
+    are untouched; each refusal is recorded."""
+    async with client(target, pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 0, {"requested_action": act("wake")})  # wakes the planner
+    before = await ledger.snapshot(thread_id)
+    leases = [await lease_row(database_dsn, thread_id, n) for n in ("input-parser", "planner")]
+    calls = [
+        ("input-parser", {"requested_action": act("next")}),
+        ("planner", {"target_user_id": OTHER_USER}),
+    ]
+    for node, patch in calls:
+        async with client(target, pki.node(node)) as worker:
+            with pytest.raises(InvalidRequest) as caught:
+                await worker.propose(thread_id, 1, patch, lease_epoch=epoch)
+        assert (caught.value.reason, caught.value.code, caught.value.message) == (
+            "REQUEST_INVALID",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lease_epoch must be > 0",
+        )
+    assert await ledger.snapshot(thread_id) == before
+    assert await parked_rows(database_dsn, thread_id) == []
+    assert [await lease_row(database_dsn, thread_id, n) for n in ("input-parser", "planner")] == (
+        leases
+    )
+    refusals = [
+        (r["node_id"].rsplit("/", 1)[1], r["reason"]) for r in await ledger.rejections(thread_id)
+    ]
+    assert refusals == [("input-parser", "REQUEST_INVALID"), ("planner", "REQUEST_INVALID")]
+
+
+async def test_a_lease_epoch_no_grant_reached_is_lease_lost_and_writes_nothing(
+    target: str, pki: Pki, thread_id: str, ledger: Ledger, database_dsn: str
+) -> None:
+    """The largest epoch a request can carry (int64's maximum) names no grant: LEASE_LOST,
+    nothing committed or parked, not an error of the database's."""
+    async with client(target, pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 0, {"requested_action": act("wake")})  # wakes the planner
+    before = await ledger.snapshot(thread_id)
+    calls = [
+        ("input-parser", {"requested_action": act("next")}),
+        ("planner", {"target_user_id": OTHER_USER}),
+    ]
+    for node, patch in calls:
+        async with client(target, pki.node(node)) as worker:
+            with pytest.raises(LeaseLost) as caught:
+                await worker.propose(thread_id, 1, patch, lease_epoch=2**63 - 1)
+        assert caught.value.reason == "LEASE_LOST"
+    assert await ledger.snapshot(thread_id) == before
+    assert await parked_rows(database_dsn, thread_id) == []
+    refusals = [
+        (r["node_id"].rsplit("/", 1)[1], r["reason"]) for r in await ledger.rejections(thread_id)
+    ]
+    assert refusals == [("input-parser", "LEASE_LOST"), ("planner", "LEASE_LOST")]

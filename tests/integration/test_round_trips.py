@@ -13,7 +13,9 @@ ApplyDecision outcome: a rejection, an approval the policy now refuses, an appro
 thread moved on (each was 6 or 7: the lookup, then a transaction of four or five
 statements; migration 0017 makes each one call). And a proposal under a lease (a
 SubscribeWork worker's) that commits: 1 round trip (it was 3: the fence, the commit, the
-release; migration 0019 makes them one call).
+release; migration 0019 makes them one call), and one that is parked: 2 on a cached head
+(it was 3: the fence, the park, the release; migration 0024 fences in the park). A
+CreateThread repeated by its creator: 2 (it was 3: the creation, the genesis, the head).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import orjson
@@ -39,14 +42,16 @@ from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.approvals import ApprovalStore, DecisionLookup
+from ztate.services.store.interface import Parking
 from ztate.services.store.migrate import migrate
 from ztate.services.store.transitions import (
     COMMIT,
     CREATE_THREAD,
+    PARK,
     PostgresTransitionStore,
     keep_session,
 )
-from ztate.services.store.work import ANNOUNCE_WORK, WorkStore
+from ztate.services.store.work import ANNOUNCE_WORK, RELEASE, WorkStore
 from ztate.transition_service.decisions import APPROVAL_SERVICE_NAME, DecisionPipeline
 from ztate.transition_service.decisions import Outcome as DecidedOutcome
 from ztate.transition_service.heads import HeadCache
@@ -681,3 +686,167 @@ async def test_a_stale_leased_proposal_keeps_its_lease(
     assert (await ledger.snapshot(thread_id)).head_version == 1
     held = await parser_lease(lane_dsn, thread_id)
     assert (held["epoch"], held["holder"], held["handled_version"]) == (lease.epoch, "test", -1)
+
+
+class LeaseLostBeforeParking(PostgresTransitionStore):
+    """The store, with the lease of the proposal being parked lost just before its park
+    is sent (released by its grant, granted again): the race no fence sent before the
+    park can see."""
+
+    def __init__(self, pool: asyncpg.Pool, meanwhile: Callable[[], Awaitable[object]]) -> None:
+        super().__init__(pool)
+        self._meanwhile = meanwhile
+
+    async def park(self, *args: Any, **kwargs: Any) -> Parking:
+        await self._meanwhile()
+        return await super().park(*args, **kwargs)
+
+
+async def planner_work(lane_dsn: str, thread_id: str) -> tuple[int, str | None, int, int]:
+    """The planner's lease on the thread (epoch, holder, handled version) and how many
+    proposals are parked on it."""
+    conn = await asyncpg.connect(lane_dsn)
+    try:
+        row = await conn.fetchrow(
+            "SELECT epoch, holder, handled_version FROM ztate.node_work "
+            "WHERE thread_id = $1 AND node = 'planner'",
+            thread_id,
+        )
+        parked = await conn.fetchval(
+            "SELECT count(*) FROM ztate.pending_transitions WHERE thread_id = $1", thread_id
+        )
+    finally:
+        await conn.close()
+    assert row is not None
+    return row["epoch"], row["holder"], row["handled_version"], parked
+
+
+def risky(thread_id: str, version: int, key: str) -> Proposal:
+    """The planner's change of target_user_id: parked for approval."""
+    return Proposal(thread_id, version, encode_json({"target_user_id": OTHER_USER}), key)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached-head", "looked-up-head"])
+async def test_a_risky_proposal_whose_lease_is_lost_as_it_parks_parks_nothing(
+    replicas: tuple[Counted, Counted],
+    ledger: Ledger,
+    lane_dsn: str,
+    settings: Settings,
+    keyring: Keyring,
+    cached: bool,
+) -> None:
+    """The park of a proposal under a lease fences the lease in its own call (migration
+    0024), as a commit does: a grant that lost the lease after every earlier look at it
+    parks nothing and is refused LEASE_LOST, its rejection row recorded, the new grant
+    untouched. Before, the pipeline fenced with a statement of its own and then parked:
+    a lease lost in between left a proposal parked for approval under a lost lease.
+    On the head the replica has cached, that park is the proposal's only statement
+    (there was the fence before it)."""
+    first, _ = replicas
+    other = await asyncpg.create_pool(lane_dsn, min_size=1, max_size=1)  # not counted
+    try:
+        work = WorkStore(other)
+        thread_id = new_thread_id()
+        lost: list[int] = []
+
+        async def lose() -> None:
+            (epoch,) = lost
+            assert await work.release(thread_id, "planner", epoch, -1) is not None
+            assert await work.acquire(thread_id, "planner", "other", 30.0) is not None
+
+        pipeline = TransitionPipeline(
+            store=LeaseLostBeforeParking(first.pool, lose),
+            policies=PolicySet.load(settings.policy_path),
+            keyring=keyring,
+            max_patch_bytes=settings.max_patch_bytes,
+            max_depth=settings.max_depth,
+            head_cache_size=16,
+        )
+        # the parser's commit wakes the planner at version 1; through this pipeline, its
+        # head cache then holds version 1, otherwise it looks the head up
+        author = pipeline if cached else first.pipeline
+        await author.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+        assert isinstance(await author.propose(PARSER, proposal(thread_id, 0, "k-1")), Committed)
+        lease = await work.acquire(thread_id, "planner", "test", 30.0)
+        assert lease is not None
+        lost.append(lease.epoch)
+
+        first.reset()
+        with pytest.raises(errors.LeaseLost):
+            await propose_leased(
+                pipeline,
+                leases_of(first, lane_dsn, settings),
+                PLANNER,
+                risky(thread_id, 1, "k-r"),
+                lease.epoch,
+            )
+    finally:
+        await other.close()
+
+    assert await planner_work(lane_dsn, thread_id) == (lease.epoch + 1, "other", -1, 0)
+    rejected = await ledger.rejections(thread_id)
+    assert [(r["reason"], r["base_version"]) for r in rejected] == [("LEASE_LOST", 1)]
+    assert [r["version"] for r in await ledger.rows(thread_id)] == [0, 1]
+    if cached:
+        assert first.statements[0] == PARK, first.statements  # no fence of its own first
+        assert len(first.statements) == 2, first.statements  # then the rejection row
+
+
+async def test_a_leased_proposal_that_parks_costs_two_round_trips(
+    replicas: tuple[Counted, Counted], ledger: Ledger, lane_dsn: str, settings: Settings
+) -> None:
+    """A risky proposal under a lease that holds, on the cached head: the park, which
+    fences the lease (migration 0024), and the release (it was three: the fence first).
+    Parked, the lease given back, the planner done with the version it built on."""
+    first, _ = replicas
+    leases = leases_of(first, lane_dsn, settings)
+    thread_id = new_thread_id()
+    await first.pipeline.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    assert isinstance(
+        await first.pipeline.propose(PARSER, proposal(thread_id, 0, "k-1")), Committed
+    )
+    lease = await WorkStore(first.pool).acquire(thread_id, "planner", "test", 30.0)
+    assert lease is not None
+
+    first.reset()
+    parked = await propose_leased(
+        first.pipeline, leases, PLANNER, risky(thread_id, 1, "k-r"), lease.epoch
+    )
+
+    assert isinstance(parked, Parked)
+    assert not parked.replayed
+    assert first.statements == [PARK, RELEASE], first.statements
+    assert await planner_work(lane_dsn, thread_id) == (lease.epoch, None, 1, 1)
+    assert [r["version"] for r in await ledger.rows(thread_id)] == [0, 1]
+
+
+async def test_a_repeated_creation_costs_two_round_trips(
+    replicas: tuple[Counted, Counted], ledger: Ledger
+) -> None:
+    """CreateThread again, by its creator with its genesis (a retry whose reply was lost):
+    the creation that finds the id taken, then one read of the genesis with the thread's
+    policy (it was two: the genesis, then the head). The same with another initial state
+    is THREAD_EXISTS, at the same cost. Nothing is written either way."""
+    first, _ = replicas
+    thread_id = new_thread_id()
+    created = await first.pipeline.create_thread(
+        OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL)
+    )
+    before = await ledger.snapshot(thread_id)
+
+    first.reset()
+    again = await first.pipeline.create_thread(
+        OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL)
+    )
+    assert again.replayed
+    assert again.transition.digest == created.transition.digest
+    assert first.statements[0] == CREATE_THREAD
+    assert len(first.statements) == 2, first.statements
+
+    first.reset()
+    with pytest.raises(errors.ThreadExists):
+        await first.pipeline.create_thread(
+            OPERATOR, thread_id, "pipeline", canonical_bytes({**INITIAL, "raw_text": "other"})
+        )
+    assert len(first.statements) == 2, first.statements
+    assert await ledger.snapshot(thread_id) == before

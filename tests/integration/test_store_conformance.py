@@ -36,8 +36,10 @@ from ztate.services.runtime.errors import StorageUnavailable
 from ztate.services.store.interface import (
     Commit,
     Creation,
+    Genesis,
     HeadLookup,
     KeptState,
+    LeaseClaim,
     Park,
     Parking,
     StaleRefusal,
@@ -46,6 +48,7 @@ from ztate.services.store.interface import (
 )
 from ztate.services.store.rows import PendingTransition, Rejection
 from ztate.services.store.transitions import PostgresTransitionStore
+from ztate.services.store.work import WorkStore
 from ztate.transition_service.app import start
 
 NODE = "spiffe://ztate.test/node/input-parser"
@@ -143,7 +146,19 @@ async def test_absent_threads_are_none(store: TransitionStore) -> None:
     assert await store.read_head("never-created") is None
     assert await store.head_version("never-created") is None
     assert await store.head_transition("never-created") is None
+    assert await store.genesis("never-created") is None
     assert await store.state_at("never-created", 0) is None
+
+
+async def test_genesis_is_the_first_record_with_the_threads_policy_however_far_the_head(
+    store: TransitionStore, keyring: Keyring
+) -> None:
+    thread_id, genesis = await new_thread(store, keyring)
+    await commit(store, keyring, thread_id, 1, genesis.digest, "k-g")
+    first = await store.transition_at(thread_id, 0)
+    assert first is not None
+    assert (first.version, first.digest) == (0, genesis.digest)
+    assert await store.genesis(thread_id) == Genesis(first, "pipeline")
 
 
 async def test_commit_moves_the_head_and_appends_the_record(
@@ -236,6 +251,43 @@ async def test_park_refuses_a_key_that_names_a_committed_request(
     parking = await store.park(pending(thread_id, genesis.digest, "used", "b2" * 32), b"{}")
     assert parking == Parking(Park.KEY_TAKEN, None)
     assert await store.pending_by_digest("b2" * 32) is None
+
+
+async def test_park_under_a_lost_lease_parks_nothing_whatever_else_is_true(
+    store: TransitionStore, keyring: Keyring
+) -> None:
+    """Under a lease: parked while the grant holds it, which the park leaves held;
+    ``LEASE_LOST`` once another grant took it, before a proposal parked already or a
+    key that names a committed request, nothing parked."""
+    assert isinstance(store, PostgresTransitionStore)
+    work = WorkStore(store.pool)
+    thread_id = new_thread_id()
+    genesis, state = sealed(keyring, thread_id, 0, GENESIS_PARENT, {"raw_text": "v0"})
+    await store.create_thread(
+        genesis, state, policy_name="pipeline", committed_at=datetime.now(UTC), woken=["n"]
+    )
+    lost = await work.acquire(thread_id, "n", "first", 30.0)
+    assert lost is not None
+    held = pending(thread_id, genesis.digest, "l-1", "c1" * 32)
+    parking = await store.park(held, b"{}", LeaseClaim("n", lost.epoch))
+    assert parking.outcome is Park.PARKED
+    parked = parking.pending
+    assert await work.holds(thread_id, "n", lost.epoch)  # the park fences, not releases
+
+    assert await work.release(thread_id, "n", lost.epoch, -1) is not None
+    assert await work.acquire(thread_id, "n", "second", 30.0) is not None
+    await commit(store, keyring, thread_id, 1, genesis.digest, "used")
+    for refused in (
+        pending(thread_id, genesis.digest, "l-2", "c2" * 32),  # would be parked
+        held,  # parked already
+        pending(thread_id, genesis.digest, "used", "c3" * 32),  # its key committed
+    ):
+        parking = await store.park(refused, b"{}", LeaseClaim("n", lost.epoch))
+        assert parking == Parking(Park.LEASE_LOST, None)
+    assert await store.pending_by_digest("c2" * 32) is None
+    assert await store.pending_by_digest("c3" * 32) is None
+    assert await store.find_pending(thread_id, NODE, "l-2") is None
+    assert await store.pending_by_digest("c1" * 32) == parked  # as it was
 
 
 async def test_every_rejection_is_recorded_whatever_it_holds(

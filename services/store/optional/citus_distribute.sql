@@ -58,10 +58,10 @@ BEGIN
 END;
 $$;
 
--- The calls of a worker's request (migrations 0016, 0018 and 0019), distributed by their
--- thread id and co-located with ztate.threads: Citus delegates each call, made outside a transaction
--- block, to the worker holding the thread's shard group, where it runs as one local
--- transaction (no intermediate results, no two-phase commit).
+-- The calls of a worker's request (migrations 0016, 0018, 0019 and 0024), distributed by
+-- their thread id and co-located with ztate.threads: Citus delegates each call, made
+-- outside a transaction block, to the worker holding the thread's shard group, where it
+-- runs as one local transaction (no intermediate results, no two-phase commit).
 DO $$
 DECLARE
     call regprocedure;
@@ -71,7 +71,8 @@ BEGIN
                                  timestamptz, bytea, text, text, text[], text,
                                  bigint)'::regprocedure,
         'ztate.park_transition(text, text, bigint, text, text, bytea, bytea, text[], text,
-                               text, timestamptz, text[], integer)'::regprocedure] LOOP
+                               text, timestamptz, text[], integer, text,
+                               bigint)'::regprocedure] LOOP
         IF NOT EXISTS (SELECT 1 FROM pg_dist_object
                         WHERE classid = 'pg_proc'::regclass AND objid = call
                           AND distribution_argument_index IS NOT NULL) THEN
