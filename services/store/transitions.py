@@ -117,6 +117,12 @@ TRANSITION_COLUMNS = (
     "thread_id, version, digest, parent_digest, node_id, key_id, signature, record, "
     "committed_at, idempotency_key, request_digest"
 )
+# a thread's record at a version held in the head row (or a constant), as t.<column>
+_JOINED_TRANSITION = (
+    f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))}{{extra}} "  # noqa: S608 - column names and fixed text
+    "FROM ztate.threads h JOIN ztate.transitions t "
+    "ON t.thread_id = h.thread_id AND t.version = {version} WHERE h.thread_id = $1"
+)
 
 
 PENDING_COLUMNS = (
@@ -453,20 +459,14 @@ class PostgresTransitionStore:
     @translated
     async def head_transition(self, thread_id: str) -> StoredTransition | None:
         row = await self._pool.fetchrow(
-            f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))} "  # noqa: S608
-            "FROM ztate.threads h JOIN ztate.transitions t "
-            "ON t.thread_id = h.thread_id AND t.version = h.version WHERE h.thread_id = $1",
-            thread_id,
+            _JOINED_TRANSITION.format(extra="", version="h.version"), thread_id
         )
         return StoredTransition.from_row(row) if row else None
 
     @translated
     async def genesis(self, thread_id: str) -> Genesis | None:
         row = await self._pool.fetchrow(
-            f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))}, "  # noqa: S608
-            "h.policy_name FROM ztate.threads h JOIN ztate.transitions t "
-            "ON t.thread_id = h.thread_id AND t.version = 0 WHERE h.thread_id = $1",
-            thread_id,
+            _JOINED_TRANSITION.format(extra=", h.policy_name", version="0"), thread_id
         )
         if row is None:
             return None
