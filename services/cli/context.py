@@ -172,9 +172,13 @@ def _local_address(service: str) -> tuple[str, str]:
     return f"{host}:{port}", variable
 
 
-def resolve(args: argparse.Namespace, service: str = TRANSITION) -> Connection:
+def resolve(
+    args: argparse.Namespace, service: str = TRANSITION, flag_names: dict[str, str] | None = None
+) -> Connection:
     """The connection of a client command, from its flags, the environment, the
-    context and the development layout, in that order."""
+    context and the development layout, in that order. ``flag_names`` names the flags
+    of a command whose flags are not the usual ones (``args`` attribute: flag), for
+    its errors."""
     context_name, context = ContextFile.load().selected(getattr(args, "context", None))
     sources: dict[str, str] = {}
 
@@ -182,7 +186,8 @@ def resolve(args: argparse.Namespace, service: str = TRANSITION) -> Connection:
     # (``_setting``): each may be printed (``context show``, an error naming a file)
     def flag(name: str) -> str | None:
         value = getattr(args, name, None)
-        return _setting(f"--{name.replace('_', '-')}", str(value)) if value else None
+        shown = (flag_names or {}).get(name) or f"--{name.replace('_', '-')}"
+        return _setting(shown, str(value)) if value else None
 
     def pick(field: str, name: str, env: str) -> str | None:
         value = flag(name)

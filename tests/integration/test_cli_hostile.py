@@ -337,6 +337,19 @@ def test_context_show_refuses_a_hostile_environment_unechoed(
         (("ledger", "list"), "--ca-cert", "ca\n.crt", "control characters are not allowed"),
         (("ledger", "list"), "--server-name", "x\x7f", "control characters are not allowed"),
         (("approvals", "list"), "--reviewer", "\x1b[31mbob", "control characters are not allowed"),
+        (
+            ("console", "--port", "0"),
+            "--reviewer-cert",
+            "r\n.crt",
+            "control characters are not allowed",
+        ),
+        (("console", "--port", "0"), "--reviewer-key", "k" * 5000, "more than 4096 characters"),
+        (
+            ("console", "--port", "0"),
+            "--approval-address",
+            "\x1b[8mh:1",
+            "control characters are not allowed",
+        ),
     ],
 )
 def test_client_commands_refuse_hostile_connection_flags_unechoed(
@@ -344,7 +357,8 @@ def test_client_commands_refuse_hostile_connection_flags_unechoed(
 ) -> None:
     """The connection flags of every client command are held to the same rule before
     anything is read or dialled (an address or file is printed in errors): exit 2, one
-    line naming the flag (``--target`` is ``--address``), the value never printed."""
+    line naming the flag as given (``--target`` is ``--address``; the console's reviewer
+    flags are its own), the value never printed."""
     code, out, err = zsync(*command, f"{flag}={value}", env=env)
     named = "--address" if flag == "--target" else flag
     assert (code, out, err) == (2, "", f"ztate: {named}: {said}\n")
