@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -255,11 +256,14 @@ async def _serve_on(
     )
 
 
-async def serve(settings: ApprovalSettings) -> None:
-    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+async def serve(settings: ApprovalSettings, *, started: Callable[[], None] | None = None) -> None:
+    """Run until SIGINT or SIGTERM, then shut down gracefully; ``started()`` is called
+    once the service serves (what fails before is a failure to start)."""
     telemetry = Telemetry.from_settings(settings)
     telemetry.install_globals()
     running = await start(settings, telemetry=telemetry)
+    if started is not None:
+        started()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

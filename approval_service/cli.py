@@ -24,9 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ztate.services.cli.context import APPROVAL, add_connection_flags, run_client
 from ztate.services.cli.output import (
     OK,
-    UNREACHABLE,
     USAGE,
-    CliError,
     Column,
     add_output_flag,
     emit_list,
@@ -70,20 +68,12 @@ def status_name(value: int) -> str:
 
 def cmd_approval_serve(args: argparse.Namespace) -> int:
     """Run the approval service from configuration (``ZTATE_APPROVAL_*``) until signalled."""
-    import asyncio
-
     from pydantic import ValidationError
 
     from ztate.approval_service.app import serve
+    from ztate.services.cli.startup import run_service
     from ztate.services.runtime.config import ApprovalSettings
     from ztate.services.runtime.telemetry import configure_logging
-    from ztate.services.store.migrate import MigrationError
-    from ztate.services.store.waiting import (
-        DatabaseNotReady,
-        DatabaseRefused,
-        first_line,
-        wait_for_database,
-    )
 
     try:
         settings = ApprovalSettings()
@@ -96,22 +86,13 @@ def cmd_approval_serve(args: argparse.Namespace) -> int:
         return USAGE
     configure_logging(settings.log_format)
     set_log_level(args.log_level)
-    try:
-        if settings.database_url is not None:
-            asyncio.run(
-                wait_for_database(settings.database_url.get_secret_value(), args.wait_for_database)
-            )
-        asyncio.run(serve(settings))
-    except DatabaseNotReady as exc:
-        raise CliError(str(exc), UNREACHABLE) from None
-    except DatabaseRefused as exc:
-        raise CliError(str(exc), USAGE) from None
-    except (MigrationError, OSError, ValueError) as exc:  # KeyFileError is a ValueError
-        dsn = settings.database_url.get_secret_value() if settings.database_url else None
-        raise CliError(
-            f"cannot start the approval service: {first_line(exc, dsn)}", USAGE
-        ) from None
-    return OK
+    dsn = settings.database_url.get_secret_value() if settings.database_url else None
+    return run_service(
+        lambda started: serve(settings, started=started),
+        dsn=dsn,
+        wait_seconds=args.wait_for_database,
+        prefix="cannot start the approval service",
+    )
 
 
 # --- the reviewer's client --------------------------------------------------------------

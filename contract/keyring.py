@@ -22,6 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -210,6 +211,8 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
         raise KeyFileError(f"{path}: cannot read the signing key ({exc.strerror})") from None
     except (ValueError, TypeError):
         raise KeyFileError(f"{path}: not an unencrypted PEM private key") from None
+    except UnsupportedAlgorithm:  # a key of a curve or type cryptography lacks: not Ed25519
+        raise KeyFileError(f"{path}: the signing key must be Ed25519") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{path}: the signing key must be Ed25519")
     return key

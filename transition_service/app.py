@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -372,8 +373,11 @@ async def _start_traced(
     )
 
 
-async def serve(settings: Settings, *, share_port: bool = False) -> None:
-    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+async def serve(
+    settings: Settings, *, share_port: bool = False, started: Callable[[], None] | None = None
+) -> None:
+    """Run until SIGINT or SIGTERM, then shut down gracefully; ``started()`` is called
+    once the service serves (what fails before is a failure to start)."""
     telemetry = Telemetry.from_settings(settings)
     telemetry.install_globals()
     stop = asyncio.Event()
@@ -381,6 +385,8 @@ async def serve(settings: Settings, *, share_port: bool = False) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):  # before "listening" is logged: a
         loop.add_signal_handler(signum, stop.set)  # SIGTERM right after it is graceful too
     running = await start(settings, telemetry=telemetry, share_port=share_port)
+    if started is not None:
+        started()
     await stop.wait()
     log.info("shutting down: finishing in-flight calls")
     await running.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ztate.services.cli.main import Subparsers, settings_or_exit
-from ztate.services.cli.output import UNREACHABLE, USAGE, CliError, set_log_level
+from ztate.services.cli.output import USAGE, CliError, set_log_level
 
 # More workers than cores only contend (one process uses one core), and each holds its
 # own pools of database connections: past this, a typo (--workers 1000) would exhaust
@@ -63,15 +63,7 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
 
 
 def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False) -> int:
-    import asyncio
-
-    from ztate.services.store.migrate import MigrationError
-    from ztate.services.store.waiting import (
-        DatabaseNotReady,
-        DatabaseRefused,
-        first_line,
-        wait_for_database,
-    )
+    from ztate.services.cli.startup import run_service
     from ztate.transition_service.app import serve
 
     try:
@@ -80,20 +72,13 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
         uvloop.install()
     except ImportError:
         pass
-    try:
-        if settings.database_url is not None:
-            asyncio.run(wait_for_database(settings.database_url.get_secret_value(), wait_seconds))
-        asyncio.run(serve(settings, share_port=share_port))
-    except DatabaseNotReady as exc:
-        raise CliError(f"cannot start: {exc}", UNREACHABLE) from None
-    except DatabaseRefused as exc:
-        raise CliError(str(exc), USAGE) from None
-    # a policy, keyring, key file or revocation list it cannot use is a ValueError; a
-    # file it cannot read or an address it cannot listen on (CannotListen) an OSError
-    except (MigrationError, OSError, ValueError) as exc:
-        dsn = settings.database_url.get_secret_value() if settings.database_url else None
-        raise CliError(f"cannot start: {first_line(exc, dsn)}", USAGE) from None
-    return 0
+    dsn = settings.database_url.get_secret_value() if settings.database_url else None
+    return run_service(
+        lambda started: serve(settings, share_port=share_port, started=started),
+        dsn=dsn,
+        wait_seconds=wait_seconds,
+        prefix="cannot start",
+    )
 
 
 def _start_approval_process(settings: Settings, dsn: str, verbose: bool) -> subprocess.Popen[bytes]:

@@ -62,9 +62,9 @@ def home() -> Path:
 def config_path() -> Path:
     explicit = os.environ.get("ZTATE_CONFIG")
     if explicit:
-        return Path(explicit)
+        return Path(_setting("ZTATE_CONFIG", explicit))
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "ztate" / "config.yaml"
+    return Path(_setting("XDG_CONFIG_HOME", base)) / "ztate" / "config.yaml"
 
 
 class ContextFile:
@@ -165,26 +165,38 @@ def _local_address(service: str) -> tuple[str, str]:
     listen = os.environ.get(variable)
     if not listen:
         return DEFAULT_LISTEN[service], "default"
+    _setting(variable, listen)
     host, _, port = listen.rpartition(":")
     if host in {"", "0.0.0.0", "::", "[::]"}:  # noqa: S104 (a listen address, read)
         host = "localhost"
     return f"{host}:{port}", variable
 
 
-def resolve(args: argparse.Namespace, service: str = TRANSITION) -> Connection:
+def resolve(
+    args: argparse.Namespace, service: str = TRANSITION, flag_names: dict[str, str] | None = None
+) -> Connection:
     """The connection of a client command, from its flags, the environment, the
-    context and the development layout, in that order."""
+    context and the development layout, in that order. ``flag_names`` names the flags
+    of a command whose flags are not the usual ones (``args`` attribute: flag), for
+    its errors."""
     context_name, context = ContextFile.load().selected(getattr(args, "context", None))
     sources: dict[str, str] = {}
 
-    def pick(field: str, flag: str | None, env: str) -> str | None:
-        value = getattr(args, flag, None) if flag else None
+    # what flags and the environment give is held to what the context file may hold
+    # (``_setting``): each may be printed (``context show``, an error naming a file)
+    def flag(name: str) -> str | None:
+        value = getattr(args, name, None)
+        shown = (flag_names or {}).get(name) or f"--{name.replace('_', '-')}"
+        return _setting(shown, str(value)) if value else None
+
+    def pick(field: str, name: str, env: str) -> str | None:
+        value = flag(name)
         if value:
             sources[field] = "flag"
-            return str(value)
+            return value
         if os.environ.get(env):
             sources[field] = env
-            return os.environ[env]
+            return _setting(env, os.environ[env])
         if context.get(field):
             sources[field] = f"context {context_name}"
             return context[field]
@@ -194,11 +206,10 @@ def resolve(args: argparse.Namespace, service: str = TRANSITION) -> Connection:
     if address is None:
         address, sources[ADDRESS_FIELD[service]] = _local_address(service)
     reviewer = getattr(args, "reviewer", None)
-    certs = home() / "certs"
+    certs = Path(_setting("ZTATE_HOME", str(home()))) / "certs"
     if reviewer:  # --reviewer NAME: the development layout's reviewer, over env and context
-        stem, files_from = f"reviewer-{reviewer}", "--reviewer"
-        cert = getattr(args, "client_cert", None)
-        key = getattr(args, "client_key", None)
+        stem, files_from = f"reviewer-{_setting('--reviewer', reviewer)}", "--reviewer"
+        cert, key = flag("client_cert"), flag("client_key")
         sources.update(cert="flag" if cert else files_from, key="flag" if key else files_from)
     else:
         stem = DEFAULT_OPERATOR if service == TRANSITION else f"reviewer-{DEFAULT_REVIEWER}"
@@ -336,8 +347,9 @@ def context_name(text: str) -> str:
 
 
 def _setting(flag: str, value: str) -> str:
-    """A setting as given to ``context set``: no control characters (they would reach a
-    terminal, or a DNS name), at most MAX_SETTING_CHARS, else a usage error."""
+    """A setting as given to ``context set``, a flag or the environment: no control
+    characters (they would reach a terminal, or a DNS name), at most MAX_SETTING_CHARS,
+    else a usage error naming ``flag``, never the value."""
     if len(value) > MAX_SETTING_CHARS:
         usage(f"{flag}: more than {MAX_SETTING_CHARS} characters")
     if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):

@@ -90,32 +90,48 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
     verify.add_argument(
         "--jobs",
         type=_jobs,
-        default=1,
         metavar="N",
         help="verify threads on N worker processes (0: one per core; default 1)",
     )
     verify.add_argument(
         "--worker-timeout",
         type=bounded_float(1.0, MAX_WORKER_TIMEOUT),
-        default=WORKER_TIMEOUT,
         metavar="SECONDS",
-        help="with --jobs: stop the run (exit 2, no verdict) when a worker verifies nothing "
-        f"for this long: stuck on a lock, a dead connection or a loop (default {WORKER_TIMEOUT:g})",
+        help="with --jobs N (not 1): stop the run (exit 2, no verdict) when a worker verifies "
+        "nothing for this long: stuck on a lock, a dead connection or a loop "
+        f"(default {WORKER_TIMEOUT:g})",
     )
     verify.add_argument("--json", action="store_true", help="one JSON object per line")
     verify.set_defaults(func=cmd_verify)
 
 
 def _jobs(text: str) -> int:
-    from ztate.services.verify.parallel import jobs_wanted
-
+    """``--jobs`` as given (0: one per core, counted when the command runs)."""
     try:
         jobs = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if not 0 <= jobs <= MAX_JOBS:
         raise argparse.ArgumentTypeError(f"must be 0 (one per core) to {MAX_JOBS}")
-    return jobs_wanted(jobs)
+    return jobs
+
+
+def _workers(args: argparse.Namespace) -> tuple[int, float]:
+    """The worker processes ``--jobs`` asks for, and their ``--worker-timeout``. The
+    timeout bounds a worker process's silence: without workers (no ``--jobs``, or
+    ``--jobs 1``) there is none to bound, and a timeout given then is a usage error
+    rather than a setting silently without effect. (``--jobs 0`` asks for workers,
+    even on a machine where one per core is one.)"""
+    from ztate.services.cli.output import usage
+    from ztate.services.verify.parallel import jobs_wanted
+
+    if args.worker_timeout is not None and args.jobs in (None, 1):
+        usage(
+            "--worker-timeout bounds the worker processes of --jobs N: give --jobs (2 or "
+            "more, or 0: one per core) or leave --worker-timeout out"
+        )
+    jobs = jobs_wanted(1 if args.jobs is None else args.jobs)
+    return jobs, WORKER_TIMEOUT if args.worker_timeout is None else args.worker_timeout
 
 
 def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
@@ -142,7 +158,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ztate.services.verify.checks import VerifyError, counted, no_such_thread
     from ztate.services.verify.parallel import verify_bundle_parallel
 
-    worker_timeout: float = args.worker_timeout
+    jobs, worker_timeout = _workers(args)
     telemetry = Telemetry()
     ticking = _progress(enabled=not args.json and sys.stderr.isatty())
     try:
@@ -152,21 +168,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         trust = _trust(args, settings)
         printer = _Printer(json_lines=args.json)
         report = counted(printer.finding)  # here, in the leader, whatever --jobs says
-        if args.bundle is not None and args.jobs > 1:
+        if args.bundle is not None and jobs > 1:
             summary = verify_bundle_parallel(
                 args.bundle,
                 trust,
                 report,
-                jobs=args.jobs,
+                jobs=jobs,
                 thread_id=args.thread,
                 worker_timeout=worker_timeout,
             )
         elif args.bundle is not None:
             summary = verify_bundle(args.bundle, trust, report, thread_id=args.thread)
         else:
-            summary = _verify_database(
-                settings, trust, report, args.thread, args.jobs, worker_timeout
-            )
+            summary = _verify_database(settings, trust, report, args.thread, jobs, worker_timeout)
         if (
             args.thread is not None
             and summary.threads == 0

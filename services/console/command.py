@@ -87,6 +87,11 @@ def identities(args: argparse.Namespace) -> tuple[Identity, Identity]:
             reviewer=args.reviewer,
         ),
         APPROVAL,
+        {
+            "address": "--approval-address",
+            "client_cert": "--reviewer-cert",
+            "client_key": "--reviewer-key",
+        },
     )
     return (
         Identity(operator.address, operator.cert, operator.key, operator.ca, operator.server_name),

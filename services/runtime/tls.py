@@ -17,10 +17,18 @@ from typing import Any
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 
 from ztate.contract.errors import KeyFileError
 from ztate.services.runtime.reloading import WatchedFiles
+
+_SPKI_DER = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _same_public_key(key: PrivateKeyTypes, public: PublicKeyTypes) -> bool:
+    return key.public_key().public_bytes(*_SPKI_DER) == public.public_bytes(*_SPKI_DER)
 
 
 def key_matches_certificate(cert_pem: bytes, key_pem: bytes) -> bool:
@@ -29,39 +37,39 @@ def key_matches_certificate(cert_pem: bytes, key_pem: bytes) -> bool:
     While a certificate and its key are replaced one file after the other, a reader can
     see the new certificate with the old key: such a pair is not taken.
     """
-    cert = x509.load_pem_x509_certificate(cert_pem)
     key = serialization.load_pem_private_key(key_pem, password=None)
-    public = serialization.PublicFormat.SubjectPublicKeyInfo
-    encoding = serialization.Encoding.DER
-    return bool(
-        key.public_key().public_bytes(encoding, public)
-        == cert.public_key().public_bytes(encoding, public)
-    )
+    return _same_public_key(key, x509.load_pem_x509_certificate(cert_pem).public_key())
 
 
 def checked_files(cert: Path, key: Path, ca: Path) -> tuple[bytes, bytes, bytes]:
     """The PEM of ``cert``, ``key`` and the CA bundle ``ca``, each usable: else a
     ``KeyFileError`` (a ``ValueError``) naming the file and why, never its content. A
     key encrypted with a password is refused: ztate reads keys without one (protect the
-    file, or the secret that holds it)."""
+    file, or the secret that holds it). Each file is parsed once."""
     cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
     try:
-        serialization.load_pem_private_key(key_pem, password=None)
+        private = serialization.load_pem_private_key(key_pem, password=None)
     except TypeError:  # cryptography: "password was not given but private key is encrypted"
         raise KeyFileError(
             f"{key} is encrypted with a password: ztate reads private keys without one"
         ) from None
+    except UnsupportedAlgorithm:  # not a ValueError: a curve or type cryptography lacks
+        raise KeyFileError(f"{key} is a private key of an unsupported algorithm or curve") from None
     except ValueError:
         raise KeyFileError(f"{key} is not a PEM private key") from None
     try:
-        x509.load_pem_x509_certificate(cert_pem)
+        public = x509.load_pem_x509_certificate(cert_pem).public_key()
+    except UnsupportedAlgorithm:
+        raise KeyFileError(
+            f"{cert} is a certificate for a key of an unsupported algorithm or curve"
+        ) from None
     except ValueError:
         raise KeyFileError(f"{cert} is not a PEM certificate") from None
     try:
         x509.load_pem_x509_certificates(ca_pem)  # a bundle that does not parse is not taken
     except ValueError:
         raise KeyFileError(f"{ca} is not a PEM certificate bundle") from None
-    if not key_matches_certificate(cert_pem, key_pem):
+    if not _same_public_key(private, public):
         raise KeyFileError(f"{key} is not the key of {cert}")
     return cert_pem, key_pem, ca_pem
 

@@ -328,9 +328,15 @@ async def test_serve_waits_for_a_database_that_comes_up_late(
             database.close()
 
 
+@pytest.mark.parametrize(
+    ("command", "prefix"),
+    [("serve", "cannot start"), ("approval-serve", "cannot start the approval service")],
+)
 async def test_serve_gives_up_on_a_database_that_never_comes(
-    pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path
+    pki: Pki, policy_dir: Path, keyring_file: Path, tmp_path: Path, command: str, prefix: str
 ) -> None:
+    """Both services say it as they say every failure to start but a refusal (one
+    implementation: services/cli/startup.py): exit 4, one line, no password."""
     port = free_port()
     service = ServedProcess(
         home=tmp_path / "home",
@@ -340,12 +346,12 @@ async def test_serve_gives_up_on_a_database_that_never_comes(
         keyring=keyring_file,
     )
     code, out, err = await ztate(
-        "serve", "--wait-for-database", "1", env=dict(service.env, ZTATE_LOG_FORMAT="text")
+        command, "--wait-for-database", "1", env=dict(service.env, ZTATE_LOG_FORMAT="text")
     )
     assert code == 4, err
     assert out == ""
     assert err.splitlines()[-1] == (
-        f"ztate: cannot start: the database at 127.0.0.1:{port} is not reachable "
+        f"ztate: {prefix}: the database at 127.0.0.1:{port} is not reachable "
         "(connection refused); gave up after 1s (ZTATE_DATABASE_WAIT_SECONDS or "
         "--wait-for-database)"
     )
@@ -529,3 +535,140 @@ async def test_serve_with_a_key_it_cannot_read_says_so_in_one_line(
     line = await refused_start("serve", env)
     assert line.startswith("ztate: cannot start: ")
     assert "Is a directory" in line
+
+
+def new_signing_key(home: Path) -> Path:
+    """A new Ed25519 signing key in ``home`` (PEM, unencrypted), as approval-serve reads."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "signing-key.pem"
+    path.write_bytes(
+        Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return path
+
+
+async def approval_env(
+    server_dsn: str, pki: Pki, home: Path, **settings: str
+) -> tuple[dict[str, str], str]:
+    """``ztate approval-serve``'s environment on a fresh database (its own TLS files and
+    a new Ed25519 signing key), with ``settings`` (``ZTATE_APPROVAL_<NAME>``) changed;
+    and the database's DSN."""
+    from ztate.services.runtime.identity import Role
+    from ztate.testing import TRUST_DOMAIN
+
+    signing_key = new_signing_key(home)
+    service = pki.identity(Role.SERVICE, "approval")
+    dsn = await fresh_database(server_dsn)
+    env = clean_env(
+        DATABASE_URL=dsn,
+        ZTATE_HOME=str(home),
+        ZTATE_TRUST_DOMAIN=TRUST_DOMAIN,
+        ZTATE_APPROVAL_LISTEN=f"127.0.0.1:{free_port()}",
+        ZTATE_APPROVAL_TLS_CERT=str(service.cert),
+        ZTATE_APPROVAL_TLS_KEY=str(service.key),
+        ZTATE_APPROVAL_TLS_CA=str(service.ca),
+        ZTATE_APPROVAL_SIGNING_KEY_FILE=str(signing_key),
+    )
+    env.update({f"ZTATE_APPROVAL_{k.upper()}": v for k, v in settings.items()})
+    return env, dsn
+
+
+async def tables_in(dsn: str) -> list[str]:
+    """The tables of the database, outside Postgres's own schemas."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT table_schema || '.' || table_name AS name FROM information_schema.tables "
+            "WHERE table_schema NOT IN ('pg_catalog', 'information_schema')"
+        )
+    finally:
+        await conn.close()
+    return [row["name"] for row in rows]
+
+
+def encrypted_copy(key: Path, to: Path) -> Path:
+    """``key`` written to ``to`` as PKCS #8 encrypted with the password ``SECRET``."""
+    from cryptography.hazmat.primitives import serialization
+
+    loaded = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    to.write_bytes(
+        loaded.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(SECRET.encode()),
+        )
+    )
+    return to
+
+
+@pytest.mark.parametrize("setting", ["tls_key", "signing_key_file"])
+async def test_approval_serve_with_an_encrypted_key_says_so_in_one_line(
+    postgres_server_dsn: str, pki: Pki, tmp_path: Path, setting: str
+) -> None:
+    """approval-serve reads its TLS key and its signing key without a password: either
+    encrypted with one is refused in one line naming the file (and nothing of the key,
+    nor its password), exit 2, no traceback, before anything is written to the database."""
+    env, dsn = await approval_env(postgres_server_dsn, pki, tmp_path / "home")
+    variable = f"ZTATE_APPROVAL_{setting.upper()}"
+    locked = encrypted_copy(Path(env[variable]), tmp_path / "locked.pem")
+    env[variable] = str(locked)
+    line = await refused_start("approval-serve", env)
+    said = (
+        f"{locked} is encrypted with a password: ztate reads private keys without one"
+        if setting == "tls_key"
+        else f"{locked}: not an unencrypted PEM private key"
+    )
+    assert line == f"ztate: cannot start the approval service: {said}"
+    assert await tables_in(dsn) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        pytest.param(
+            b"not a key " + SECRET.encode(), "not an unencrypted PEM private key", id="not PEM"
+        ),
+        pytest.param(
+            b"-----BEGIN PRIVATE KEY-----\n" + SECRET.encode() + b"\n-----END PRIVATE KEY-----\n",
+            "not an unencrypted PEM private key",
+            id="PEM of no key",
+        ),
+        pytest.param(b"P-256", "the signing key must be Ed25519", id="P-256"),
+        pytest.param(b"secp112r1", "the signing key must be Ed25519", id="unsupported curve"),
+    ],
+)
+async def test_approval_serve_with_a_signing_key_it_cannot_use_says_so_in_one_line(
+    postgres_server_dsn: str, pki: Pki, tmp_path: Path, content: bytes, said: str
+) -> None:
+    """The signing key is approval-serve's key file (it holds no HMAC keyring): one it
+    cannot use (no key, a key of another type, a key of a curve cryptography does not
+    support) is one line naming the file, exit 2, no traceback, none of the file's
+    content, and nothing written to the database."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from tests.unsupported_curve import secp112r1_key_pair
+
+    if content == b"P-256":
+        content = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    elif content == b"secp112r1":
+        content, _ = secp112r1_key_pair()
+    env, dsn = await approval_env(postgres_server_dsn, pki, tmp_path / "home")
+    bad = tmp_path / "signing-key.pem"
+    bad.write_bytes(content)
+    env["ZTATE_APPROVAL_SIGNING_KEY_FILE"] = str(bad)
+    line = await refused_start("approval-serve", env)
+    assert line == f"ztate: cannot start the approval service: {bad}: {said}"
+    assert "PRIVATE KEY" not in line
+    assert await tables_in(dsn) == []

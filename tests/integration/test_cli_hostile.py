@@ -291,3 +291,103 @@ def test_a_context_file_that_is_not_one_is_refused_and_kept(
     assert (code, out) == (2, "")
     assert one_line(err) == "ztate: " + said.replace("PATH", str(path))
     assert path.read_bytes() == content
+
+
+ESCAPE = ("\x1b]0;pwned\x07h:1", "control characters are not allowed")
+NEWLINE = ("h:1\nztate: all is well", "control characters are not allowed")
+LONG = ("h" * 5000, "more than 4096 characters")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("ZTATE_ADDRESS", *ESCAPE),
+        ("ZTATE_APPROVAL_ADDRESS", *NEWLINE),
+        ("ZTATE_LISTEN", *LONG),
+        ("ZTATE_APPROVAL_LISTEN", *ESCAPE),
+        ("ZTATE_CERT", *NEWLINE),
+        ("ZTATE_KEY", *LONG),
+        ("ZTATE_CA", *ESCAPE),
+        ("ZTATE_SERVER_NAME", *NEWLINE),
+        ("ZTATE_HOME", *LONG),
+        ("ZTATE_CONFIG", *ESCAPE),
+        ("XDG_CONFIG_HOME", *NEWLINE),
+    ],
+)
+def test_context_show_refuses_a_hostile_environment_unechoed(
+    env: dict[str, str], variable: str, value: str, said: str
+) -> None:
+    """``context show`` prints what the environment gives: each value is held to what the
+    context file may hold (no control characters, at most 4096 characters), else exit 2
+    in one line naming the variable, the value never printed. (No context file: the
+    listening addresses are read when nothing else gives an address.)"""
+    if variable == "XDG_CONFIG_HOME":  # read only without ZTATE_CONFIG
+        del env["ZTATE_CONFIG"]
+    code, out, err = zsync("context", "show", env=dict(env, **{variable: value}))
+    assert (code, out, err) == (2, "", f"ztate: {variable}: {said}\n")
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "said"),
+    [
+        (("ledger", "list"), "--address", "\x1b[2Jh:1", "control characters are not allowed"),
+        (("ledger", "list"), "--target", "h:1\nforged", "control characters are not allowed"),
+        (("ledger", "list"), "--client-cert", "c" * 5000, "more than 4096 characters"),
+        (("ledger", "list"), "--client-key", "k\u009b.key", "control characters are not allowed"),
+        (("ledger", "list"), "--ca-cert", "ca\n.crt", "control characters are not allowed"),
+        (("ledger", "list"), "--server-name", "x\x7f", "control characters are not allowed"),
+        (("approvals", "list"), "--reviewer", "\x1b[31mbob", "control characters are not allowed"),
+        (
+            ("console", "--port", "0"),
+            "--reviewer-cert",
+            "r\n.crt",
+            "control characters are not allowed",
+        ),
+        (("console", "--port", "0"), "--reviewer-key", "k" * 5000, "more than 4096 characters"),
+        (
+            ("console", "--port", "0"),
+            "--approval-address",
+            "\x1b[8mh:1",
+            "control characters are not allowed",
+        ),
+    ],
+)
+def test_client_commands_refuse_hostile_connection_flags_unechoed(
+    env: dict[str, str], command: tuple[str, ...], flag: str, value: str, said: str
+) -> None:
+    """The connection flags of every client command are held to the same rule before
+    anything is read or dialled (an address or file is printed in errors): exit 2, one
+    line naming the flag as given (``--target`` is ``--address``; the console's reviewer
+    flags are its own), the value never printed."""
+    code, out, err = zsync(*command, f"{flag}={value}", env=env)
+    named = "--address" if flag == "--target" else flag
+    assert (code, out, err) == (2, "", f"ztate: {named}: {said}\n")
+
+
+def test_context_show_prints_settings_from_the_environment_as_given(
+    env: dict[str, str],
+) -> None:
+    """What passes the rule is shown as given, whole line by line, with its source."""
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    given = dict(
+        env,
+        ZTATE_ADDRESS="h:1",
+        ZTATE_CERT="c" * 4096,
+        ZTATE_SERVER_NAME="ztate.example",
+        ZTATE_APPROVAL_LISTEN="0.0.0.0:9444",
+    )
+    code, out, err = zsync("context", "show", env=given)
+    assert (code, err) == (0, "")
+    home = env["ZTATE_HOME"]
+    lines = out.splitlines()
+    assert lines[0] == f"context      dev  ({path})"
+    assert lines[1:7] == [
+        "transition",
+        "  address      h:1   [ZTATE_ADDRESS]",
+        f"  cert         {'c' * 4096}   [ZTATE_CERT]",
+        f"  key          {home}/certs/operator-admin.key   [$ZTATE_HOME/certs ({home}/certs)]",
+        f"  ca           {home}/certs/ca.crt   [$ZTATE_HOME/certs ({home}/certs)]",
+        "  server_name  ztate.example   [ZTATE_SERVER_NAME]",
+    ]
+    assert lines[7:9] == ["approval", "  address      localhost:9444   [ZTATE_APPROVAL_LISTEN]"]

@@ -498,6 +498,60 @@ def test_a_worker_timeout_out_of_range_is_a_usage_error(given: str, tmp_path: Pa
     assert expected in done.stderr.decode(), done.stderr.decode()
 
 
+WORKER_TIMEOUT_ALONE = (
+    "ztate: --worker-timeout bounds the worker processes of --jobs N: give --jobs (2 or "
+    "more, or 0: one per core) or leave --worker-timeout out\n"
+)
+
+
+@pytest.mark.parametrize(
+    "jobs", [pytest.param((), id="no --jobs"), pytest.param(("--jobs", "1"), id="--jobs 1")]
+)
+def test_a_worker_timeout_without_workers_is_a_usage_error(
+    jobs: tuple[str, ...], tmp_path: Path
+) -> None:
+    """``--worker-timeout`` bounds the silence of ``--jobs`` worker processes: with one
+    process there is none, and the flag is refused (exit 2, one line) before anything
+    is read, rather than accepted and ignored."""
+    import subprocess
+
+    env = cli_env("postgresql://nobody@127.0.0.1:1/none", tmp_path)
+    env["ZTATE_HMAC_KEYRING_FILE"] = str(tmp_path / "absent.json")  # never read
+    done = subprocess.run(
+        [str(ZTATE), "verify", *jobs, "--worker-timeout", "60"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr.decode()) == (2, b"", WORKER_TIMEOUT_ALONE)
+
+
+def test_a_worker_timeout_with_jobs_0_is_taken(tmp_path: Path) -> None:
+    """``--jobs 0`` (one per core) asks for workers wherever it runs: the timeout is
+    taken, and the run goes on to read its files (here, a keyring that is not there)."""
+    import subprocess
+
+    env = cli_env("postgresql://nobody@127.0.0.1:1/none", tmp_path)
+    absent = tmp_path / "absent.json"
+    env["ZTATE_HMAC_KEYRING_FILE"] = str(absent)
+    done = subprocess.run(
+        [str(ZTATE), "verify", "--jobs", "0", "--worker-timeout", "60"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr.decode()) == (
+        2,
+        b"",
+        f"ztate verify: cannot verify: {absent}: cannot read the keyring "
+        "(No such file or directory)\n",
+    )
+
+
 def children_of(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
     found: list[int] = []

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from tests.harness import Pki
+from tests.unsupported_curve import certificate_for, secp112r1_key_pair
 from ztate.services.runtime.identity import Role
 from ztate.services.runtime.tls import MAX_REPLY_BYTES
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc
@@ -156,3 +157,44 @@ def test_a_client_key_with_a_password_is_a_usage_error(
         "private keys without one (give --client-cert/--client-key/--ca-cert, "
         "ZTATE_CERT/KEY/CA or a context)\n"
     )
+
+
+def test_a_key_pair_on_an_unsupported_curve_is_a_usage_error(
+    pki: Pki, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A private key, or a certificate's key, of an algorithm or curve cryptography does
+    not support (its UnsupportedAlgorithm is no ValueError) is refused as any unusable
+    key file is: named, exit 2, one line, no traceback, none of the file's content."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    from ztate.services.cli.main import main
+
+    key_pem, spki = secp112r1_key_pair()
+    with pytest.raises(UnsupportedAlgorithm):  # the premise: a key cryptography refuses
+        serialization.load_pem_private_key(key_pem, password=None)
+    operator = pki.operator()
+    key = tmp_path / "secp112r1.key"
+    key.write_bytes(key_pem)
+    cert = tmp_path / "secp112r1.crt"
+    cert.write_bytes(certificate_for(spki, pki))
+    monkeypatch.setenv("ZTATE_CONFIG", str(tmp_path / "none.yaml"))
+    hint = "(give --client-cert/--client-key/--ca-cert, ZTATE_CERT/KEY/CA or a context)"
+    for given_cert, given_key, said in (
+        (cert, key, f"{key} is a private key of an unsupported algorithm or curve"),
+        (
+            cert,
+            operator.key,
+            f"{cert} is a certificate for a key of an unsupported algorithm or curve",
+        ),
+    ):
+        code = main(
+            [
+                *("ledger", "list", "--address", "127.0.0.1:1"),
+                *("--client-cert", str(given_cert), "--client-key", str(given_key)),
+                *("--ca-cert", str(operator.ca)),
+            ]
+        )
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, "")
+        assert err == f"ztate: cannot use credentials: {said} {hint}\n"
