@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk._credentials import CertificateFiles, Pems
@@ -46,7 +47,25 @@ MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
 # wait_for_outcome asks again after a "pending" answer while more than this is left
 ASK_AGAIN_SECONDS = 0.5
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# the outcomes WaitForOutcome may answer (UNSPECIFIED is the enum's zero, never sent)
+_OUTCOMES = frozenset(transition_pb2.Outcome.values()) - {transition_pb2.OUTCOME_UNSPECIFIED}
 Reply = TypeVar("Reply")
+
+
+def _require(message: Message, *fields: str) -> None:
+    """Raise ``ProtocolError`` (BAD_REPLY) unless each of ``fields`` (a sub-message or a
+    oneof) is set in ``message``, a reply of the service or a part of one. proto3 cannot
+    mark them required, and an unset one reads as an empty message (a Transition of
+    empty fields, a time of 1970), which a worker would take for the service's answer."""
+    missing = [name for name in fields if not message.HasField(name)]
+    if missing:
+        kind = message.DESCRIPTOR.name
+        answered = (
+            f"answered {kind.removesuffix('Response')}"
+            if kind.endswith("Response")
+            else f"sent a {kind}"
+        )
+        raise ProtocolError(f"the service {answered} without the {', '.join(missing)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +100,8 @@ class Transition:
 
     @classmethod
     def from_message(cls, msg: transition_pb2.Transition, *, replayed: bool = False) -> Transition:
-        """From the wire message."""
+        """From the wire message (``ProtocolError`` without its commit time)."""
+        _require(msg, "committed_at")
         return cls(
             thread_id=msg.thread_id,
             version=msg.version,
@@ -408,8 +428,7 @@ class ZtateClient:
             thread_id=thread_id, initial_state_json=encode_json(initial_state), policy=policy
         )
         response = await self._call(lambda stub: stub.CreateThread, request)
-        if not response.HasField("genesis"):
-            raise ProtocolError("the service answered CreateThread without the genesis")
+        _require(response, "genesis")
         return Transition.from_message(response.genesis, replayed=response.replayed)
 
     async def get_view(self, thread_id: str) -> View:
@@ -449,6 +468,7 @@ class ZtateClient:
             lease_epoch=lease_epoch,
         )
         response = await self._call(lambda stub: stub.ProposeTransition, request)
+        _require(response, "outcome")
         if response.WhichOneof("outcome") == "pending":
             pending = response.pending
             raise AwaitingApproval(
@@ -473,6 +493,7 @@ class ZtateClient:
         else:
             raise ValueError("give digest, or thread_id and version")
         response = await self._call(lambda stub: stub.GetTransition, request)
+        _require(response, "transition")
         return Transition.from_message(response.transition)
 
     async def get_record(
@@ -494,6 +515,7 @@ class ZtateClient:
                 thread_version=transition_pb2.ThreadVersion(thread_id=thread_id, version=version)
             )
         response = await self._call(lambda stub: stub.GetTransition, request)
+        _require(response, "transition")
         receipt = (
             Receipt(
                 response.receipt.receipt_json, response.receipt.signature, response.receipt.key_id
@@ -572,6 +594,7 @@ class ZtateClient:
             )
         ) as messages:
             async for message in messages:
+                _require(message, "lease_expires_at")
                 yield WorkItem(
                     thread_id=message.thread_id,
                     version=message.version,
@@ -639,6 +662,7 @@ class ZtateClient:
             lambda stub: stub.RenewLease,
             transition_pb2.RenewLeaseRequest(thread_id=thread_id, lease_epoch=lease_epoch),
         )
+        _require(response, "lease_expires_at")
         expires: datetime = response.lease_expires_at.ToDatetime()
         return expires
 
@@ -681,7 +705,14 @@ class ZtateClient:
             # the server answers "pending" 0.2 s before a call's deadline, or at its cap
             if deadline - loop.time() <= ASK_AGAIN_SECONDS:
                 break
+        if response.outcome not in _OUTCOMES:
+            # UNSPECIFIED is never sent; an outcome this client does not know, no status
+            raise ProtocolError(
+                f"the service answered WaitForOutcome with outcome {response.outcome}"
+            )
         status = transition_pb2.Outcome.Name(response.outcome).removeprefix("OUTCOME_").lower()
+        if response.outcome == transition_pb2.OUTCOME_COMMITTED:
+            _require(response, "transition")
         transition = (
             Transition.from_message(response.transition)
             if response.HasField("transition")

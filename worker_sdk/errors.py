@@ -201,8 +201,10 @@ def from_rpc_error(error: grpc.aio.AioRpcError) -> ZtateError:
 
 class ProtocolError(ZtateError):
     """The service answered, but not as the protocol says: a reply without a field it
-    must carry (CreateThread's genesis). A service of another version, or not a ztate
-    service; not retried. ``reason`` is ``BAD_REPLY`` (set by this client, not the
+    must carry (CreateThread's genesis, GetTransition's transition, a transition's commit
+    time, a lease's expiry, ProposeTransition's outcome, WaitForOutcome's outcome and its
+    transition once committed). A service of another version, or not a ztate service;
+    not retried. ``reason`` is ``BAD_REPLY`` (set by this client, not the
     server) and ``code`` INTERNAL, as gRPC names a reply its client cannot use."""
 
     def __init__(self, message: str) -> None:

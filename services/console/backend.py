@@ -13,14 +13,15 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from ztate.services.cli.context import connect
+from ztate.services.cli.context import CLIENT_HINT, connect
 from ztate.services.cli.output import CliError
+from ztate.services.runtime.reloading import Stamp, stamp
 from ztate.v1 import approval_pb2, approval_pb2_grpc, ledger_pb2, ledger_pb2_grpc
 from ztate.worker_sdk.errors import from_rpc_error
 
@@ -48,21 +49,42 @@ STATUS_OF = {value: name for name, value in STATUS_NAMES.items()}
 DECISIONS = {"approve": approval_pb2.DECISION_APPROVE, "reject": approval_pb2.DECISION_REJECT}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Identity:
-    """One certificate the console presents, and where to."""
+    """One certificate the console presents, and where to.
+
+    Its files are read and checked once (as every client command's: ``connect`` in
+    services/cli/context.py), and again only when they change on disk (``stamp``: inode,
+    size, modification time), so that a renewed certificate is used from the next page
+    on. Files that went away, or changed into files that cannot be read or used, are
+    ``CliError`` at every page until they are back: never the old credentials for files
+    that are no longer there."""
 
     target: str
     cert: Path
     key: Path
     ca: Path
     server_name: str | None = None
+    # the channel opener ``connect`` made and the files' stamp it was made at
+    _opener: tuple[Stamp, Callable[[], Any]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def load(self, hint: str = CLIENT_HINT) -> Callable[[], Any]:
+        """The channel opener, the files read and checked first if they changed since
+        (``CliError`` naming a file that cannot be read or used, and ``hint``)."""
+        now = stamp((self.cert, self.key, self.ca))  # before reading: a change after it is seen
+        if self._opener is None or self._opener[0] != now:
+            self._opener = None  # nothing of files that are no longer there
+            self._opener = (
+                now,
+                connect(self.target, self.cert, self.key, self.ca, self.server_name, hint=hint),
+            )
+        return self._opener[1]
 
     def channel(self) -> grpc.aio.Channel:
         """A channel as every client command opens it (services/cli/context.py)."""
-        channel: grpc.aio.Channel = connect(
-            self.target, self.cert, self.key, self.ca, self.server_name
-        )()
+        channel: grpc.aio.Channel = self.load()()
         return channel
 
 

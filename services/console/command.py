@@ -106,7 +106,6 @@ def cmd_console(args: argparse.Namespace) -> int:
     except ImportError:
         print("ztate console needs its extra: pip install 'ztate[console]'", file=sys.stderr)
         return 2
-    from ztate.services.cli.context import connect
     from ztate.services.cli.output import CliError
     from ztate.services.console.backend import Backend
 
@@ -122,16 +121,10 @@ def cmd_console(args: argparse.Namespace) -> int:
         print(f"ztate console: cannot read {', '.join(missing)}", file=sys.stderr)
         return 2
     try:  # present is not usable: checked as every client's are (not PEM, encrypted, not
-        # the certificate's key), before serving a page; each side names its own flags
-        connect(operator.target, operator.cert, operator.key, operator.ca, operator.server_name)
-        connect(
-            reviewer.target,
-            reviewer.cert,
-            reviewer.key,
-            reviewer.ca,
-            reviewer.server_name,
-            hint=REVIEWER_HINT,
-        )
+        # the certificate's key), before serving a page, and kept for the pages' calls;
+        # each side names its own flags
+        operator.load()
+        reviewer.load(hint=REVIEWER_HINT)
     except CliError as exc:
         print(f"ztate console: {exc.message}", file=sys.stderr)
         return 2

@@ -129,6 +129,34 @@ class BundleError(VerifyError):
     """The bundle cannot be read or written at all (exit code 2)."""
 
 
+class Tally:
+    """The lines of one bundle file as written or read: how many, and their SHA-256,
+    which is what the manifest's packing list says of the file. The one count of bundle
+    lines: the writer fills the manifest from it, and the readers number their findings
+    with it and compare it with the manifest."""
+
+    __slots__ = ("_hasher", "lines")
+
+    def __init__(self) -> None:
+        self._hasher = hashlib.sha256()
+        self.lines = 0
+
+    def line(self, line: bytes) -> int:
+        """Count and hash a line (or its first part, for a line read in parts); its
+        number in the file."""
+        self._hasher.update(line)
+        self.lines += 1
+        return self.lines
+
+    def rest(self, part: bytes) -> None:
+        """Hash more of the line last counted."""
+        self._hasher.update(part)
+
+    @property
+    def sha256(self) -> str:
+        return self._hasher.hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
     created_at: str
@@ -251,11 +279,10 @@ class BundleWriter:
             ) from None
         except OSError as exc:
             raise BundleError(f"{out_dir}: cannot write a bundle ({exc.strerror})") from None
-        self._hasher, self._checkpoint_hasher = hashlib.sha256(), hashlib.sha256()
-        self._records = self._threads = self._checkpoints = 0
+        self._records, self._checkpoints, self._policies = Tally(), Tally(), Tally()
+        self._threads = 0
         self._last_thread: str | None = None
         self._policy_digests: set[str] = set()
-        self._policy_hasher, self._policies = hashlib.sha256(), 0
 
     def __enter__(self) -> BundleWriter:
         return self
@@ -277,8 +304,7 @@ class BundleWriter:
             self._policies_out.write(line)
         except OSError as exc:
             raise BundleError(f"{self._policies_path}: cannot write ({exc.strerror})") from None
-        self._policy_hasher.update(line)
-        self._policies += 1
+        self._policies.line(line)
 
     def add(self, row: LedgerRow) -> None:
         line = orjson.dumps(_line(row)) + b"\n"
@@ -286,8 +312,7 @@ class BundleWriter:
             self._out.write(line)
         except OSError as exc:
             raise BundleError(f"{self._records_path}: cannot write ({exc.strerror})") from None
-        self._hasher.update(line)
-        self._records += 1
+        self._records.line(line)
         if row.thread_id != self._last_thread:
             self._threads, self._last_thread = self._threads + 1, row.thread_id
         digest = _policy_digest(row.record)
@@ -300,8 +325,7 @@ class BundleWriter:
             self._checkpoints_out.write(line)
         except OSError as exc:
             raise BundleError(f"{self._checkpoints_path}: cannot write ({exc.strerror})") from None
-        self._checkpoint_hasher.update(line)
-        self._checkpoints += 1
+        self._checkpoints.line(line)
 
     def finish(
         self,
@@ -321,14 +345,14 @@ class BundleWriter:
             created_at=format_time(created_at := created_at or datetime.now(UTC)),
             thread_id=thread_id,
             threads=self._threads,
-            records=self._records,
-            records_sha256=self._hasher.hexdigest(),
+            records=self._records.lines,
+            records_sha256=self._records.sha256,
             policy_digests=tuple(sorted(self._policy_digests)),
             heads=heads,
-            checkpoints=self._checkpoints,
-            checkpoints_sha256=self._checkpoint_hasher.hexdigest(),
-            policies=self._policies,
-            policies_sha256=self._policy_hasher.hexdigest(),
+            checkpoints=self._checkpoints.lines,
+            checkpoints_sha256=self._checkpoints.sha256,
+            policies=self._policies.lines,
+            policies_sha256=self._policies.sha256,
         )
         data = orjson.dumps(manifest.as_json(), option=orjson.OPT_INDENT_2)
         try:
@@ -487,24 +511,24 @@ def open_records(directory: Path) -> BinaryIO:
         raise BundleError(f"{path}: cannot read the records ({exc.strerror})") from None
 
 
-def record_lines(directory: Path) -> Iterator[bytes]:
-    """The lines of ``records.jsonl``; ``BundleError`` if reading fails part way (a disk
-    error, a network share gone): what was not read is not verified, and a run must say
-    so rather than end as if the file ended there."""
+def record_lines(directory: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
+    """The lines of ``records.jsonl``, numbered, each taken into ``tally``;
+    ``BundleError`` if reading fails part way (a disk error, a network share gone): what
+    was not read is not verified, and a run must say so rather than end as if the file
+    ended there."""
     with open_records(directory) as handle:
-        yield from lines_or_error(handle, directory / RECORDS)
+        yield from tallied_lines(handle, directory / RECORDS, tally)
 
 
-def lines_or_error(handle: BinaryIO, path: Path, read: int = 0) -> Iterator[bytes]:
-    """The lines of ``handle`` (after ``read`` lines already read): a read that fails
-    is ``BundleError`` naming the file and the last line read."""
+def tallied_lines(handle: BinaryIO, path: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
+    """The lines of ``handle``, each taken into ``tally``, with its number: a read that
+    fails is ``BundleError`` naming the file and the last line read."""
     try:
         for line in handle:
-            yield line
-            read += 1
+            yield tally.line(line), line
     except OSError as exc:
         raise BundleError(
-            f"{path}: reading failed after line {read} ({exc.strerror}): "
+            f"{path}: reading failed after line {tally.lines} ({exc.strerror}): "
             "the rest of the bundle is not verified"
         ) from None
 
@@ -513,10 +537,9 @@ def line_finding(number: int, problem: LineProblem) -> Finding:
     return Finding(None, None, BUNDLE_LINE, "a ledger row", f"line {number}: {problem}")
 
 
-def check_records_file(
-    manifest: Manifest, sha256: str, lines: int, threads: int, report: Report
-) -> None:
+def check_records_file(manifest: Manifest, read: Tally, threads: int, report: Report) -> None:
     """Compare what was read of ``records.jsonl`` with the manifest's packing list."""
+    sha256, lines = read.sha256, read.lines
     if sha256 != manifest.records_sha256:
         report(
             Finding(
@@ -547,11 +570,9 @@ def read_rows(
     Lines that are not rows are reported and skipped; after the last line the
     file's hash, line count and thread count are compared with the manifest.
     """
-    hasher, lines = hashlib.sha256(), 0
+    read = Tally()
     threads: set[str] = set()
-    for number, line in enumerate(record_lines(directory), 1):
-        hasher.update(line)
-        lines += 1
+    for number, line in record_lines(directory, read):
         try:
             row = row_from_line(line)
         except LineProblem as problem:
@@ -560,7 +581,7 @@ def read_rows(
         threads.add(row.thread_id)
         if thread_id is None or row.thread_id == thread_id:
             yield row
-    check_records_file(manifest, hasher.hexdigest(), lines, len(threads), report)
+    check_records_file(manifest, read, len(threads), report)
 
 
 def row_from_line(line: bytes) -> LedgerRow:
@@ -630,26 +651,25 @@ class CheckpointReader:
     ) -> None:
         self._path = directory / CHECKPOINTS
         self._manifest, self._report, self._only = manifest, report, thread_id
-        self._hasher, self._lines = hashlib.sha256(), 0
+        self._read = Tally()
         try:
             self._handle = self._path.open("rb")
         except OSError as exc:
             raise BundleError(
                 f"{self._path}: cannot read the checkpoints ({exc.strerror})"
             ) from None
+        self._numbered = tallied_lines(self._handle, self._path, self._read)  # step by step
         self._last_thread: str | None = None
         self._next: tuple[str, int, SignedCheckpoint] | None = None
         self._advance()
 
     def _advance(self) -> None:
         self._next = None
-        for line in lines_or_error(self._handle, self._path, self._lines):
-            self._hasher.update(line)
-            self._lines += 1
+        for number, line in self._numbered:
             try:
                 entry = _checkpoint_from_line(line)
             except LineProblem as problem:
-                found = f"line {self._lines}: {problem}"
+                found = f"line {number}: {problem}"
                 self._report(Finding(None, None, BUNDLE_CHECKPOINT, "a checkpoint", found))
                 continue
             if self._last_thread is not None and entry[0] < self._last_thread:
@@ -659,7 +679,7 @@ class CheckpointReader:
                         entry[1],
                         BUNDLE_ORDER,
                         "checkpoints in thread id order",
-                        f"line {self._lines} comes after thread {shown(self._last_thread)}",
+                        f"line {number} comes after thread {shown(self._last_thread)}",
                     )
                 )
             self._last_thread, self._next = entry[0], entry
@@ -694,13 +714,13 @@ class CheckpointReader:
             self._orphan(self._next[0], self._next[1])
             self._advance()
         self._handle.close()
-        found = self._hasher.hexdigest()
+        found = self._read.sha256
         if found != self._manifest.checkpoints_sha256:
             expected = f"{CHECKPOINTS} with SHA-256 {self._manifest.checkpoints_sha256}"
             self._report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
-        if self._lines != self._manifest.checkpoints:
+        if self._read.lines != self._manifest.checkpoints:
             expected = f"{self._manifest.checkpoints} checkpoint lines (the manifest's)"
-            self._report(Finding(None, None, BUNDLE_COUNT, expected, f"{self._lines} lines"))
+            self._report(Finding(None, None, BUNDLE_COUNT, expected, f"{self._read.lines} lines"))
 
 
 def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
@@ -764,32 +784,31 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
     hold a policy the verifier would read is hashed and counted, never held whole, and
     reported as the line it is (it has no digest the verifier read)."""
     path = directory / POLICIES
-    hasher, lines = hashlib.sha256(), 0
+    read = Tally()
     versions: list[StoredPolicy] = []
     try:
         with path.open("rb") as handle:
             while line := handle.readline(MAX_POLICY_LINE + 1):  # never more in memory
-                hasher.update(line)
-                lines += 1
+                number = read.line(line)
                 if len(line) > MAX_POLICY_LINE:
                     while not line.endswith(b"\n") and (line := handle.readline(1 << 20)):
-                        hasher.update(line)  # the rest of the line: hashed, not kept
-                    report(Finding(None, None, BUNDLE_LINE, "a policy version", too_long(lines)))
+                        read.rest(line)  # the rest of the line: hashed, not kept
+                    report(Finding(None, None, BUNDLE_LINE, "a policy version", too_long(number)))
                     continue
                 try:
                     versions.append(_policy_from_line(line))
                 except LineProblem as problem:
-                    found = f"{POLICIES} line {lines}: {problem}"
+                    found = f"{POLICIES} line {number}: {problem}"
                     report(Finding(None, None, BUNDLE_LINE, "a policy version", found))
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the policies ({exc.strerror})") from None
-    found = hasher.hexdigest()
+    found = read.sha256
     if found != manifest.policies_sha256:
         expected = f"{POLICIES} with SHA-256 {manifest.policies_sha256} (the manifest's)"
         report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
-    if lines != manifest.policies:
+    if read.lines != manifest.policies:
         expected = f"{manifest.policies} policy lines (the manifest's)"
-        report(Finding(None, None, BUNDLE_COUNT, expected, f"{lines} lines"))
+        report(Finding(None, None, BUNDLE_COUNT, expected, f"{read.lines} lines"))
     return versions
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
-import hashlib
 import itertools
 import multiprocessing
 import os
@@ -70,6 +69,7 @@ from ztate.services.verify.bundle import (
     CheckpointReader,
     LineProblem,
     Manifest,
+    Tally,
     check_records_file,
     head_of,
     line_finding,
@@ -636,7 +636,7 @@ def _dispatch(
     thread_id: str | None,
 ) -> set[str]:
     """Read ``records.jsonl`` once and hand out its thread groups; the threads seen."""
-    hasher, lines = hashlib.sha256(), 0
+    read = Tally()
     threads: set[str] = set()
     seen: set[str] = set()
     current: str | None = None
@@ -650,9 +650,7 @@ def _dispatch(
             workers.send(worker, (_LINES, run_first, b"".join(run)), now=True)
             run, run_bytes = [], 0
 
-    for number, line in enumerate(record_lines(directory), 1):
-        hasher.update(line)
-        lines += 1
+    for number, line in record_lines(directory, read):
         start = _start_of(line, number, leader.finding)
         if start is None:
             send_run()  # line numbers in a run are consecutive
@@ -691,7 +689,7 @@ def _dispatch(
     send_run()
     if current is not None:
         workers.send(worker, (_END, head_of(manifest, current)))
-    check_records_file(manifest, hasher.hexdigest(), lines, len(threads), leader.finding)
+    check_records_file(manifest, read, len(threads), leader.finding)
     return seen
 
 

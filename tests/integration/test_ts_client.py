@@ -207,6 +207,9 @@ async def test_the_typescript_client_passes_its_suite_against_the_service(
         "ZTATE_RUNNER_THREAD": runner_thread,
         "ZTATE_OPERATOR_CERT": str(admin.cert),
         "ZTATE_OPERATOR_KEY": str(admin.key),
+        # a scripted service's (test/replies.test.ts): replies the protocol does not allow
+        "ZTATE_SERVICE_CERT": str(pki.certs / "service-transition.crt"),
+        "ZTATE_SERVICE_KEY": str(pki.certs / "service-transition.key"),
         "ZTATE_INITIAL": json.dumps(INITIAL),
     }
     # the approval path end to end: a transition service and an approval service of

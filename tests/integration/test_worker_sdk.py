@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
+from google.protobuf import timestamp_pb2
 
 from tests.harness import INITIAL, Pki, act, client, new_thread_id
 from ztate.services.runtime import tls
@@ -75,8 +76,12 @@ class FlakyTransitions(transition_pb2_grpc.TransitionServiceServicer):
         self.keys.append(request.idempotency_key)
         if len(self.keys) <= self.failures:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the database is restarting")
+        at = timestamp_pb2.Timestamp()
+        at.GetCurrentTime()
         return transition_pb2.ProposeTransitionResponse(
-            transition=transition_pb2.Transition(thread_id=request.thread_id, version=1)
+            transition=transition_pb2.Transition(
+                thread_id=request.thread_id, version=1, committed_at=at
+            )
         )
 
 

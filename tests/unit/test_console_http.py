@@ -570,3 +570,78 @@ def test_the_port_is_a_port(
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"ztate console: error: {said}"
     assert "cannot read" not in err
+
+
+async def test_credentials_are_read_once_and_again_only_when_they_change(
+    pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The console reads and parses its certificate, key and CA when it needs them
+    first, and keeps them for every page after; renewed files (``ztate ca renew``) are
+    read at the next page; a key file gone is 503 CREDENTIALS_UNREADABLE at every page,
+    never the old key, until it is back. The real backend against an address where
+    nothing listens: every other page is 503 UNAVAILABLE."""
+    import shutil
+    import socket
+
+    from ztate.services.cli import ca
+    from ztate.services.runtime import tls
+
+    reads: list[Path] = []
+    checked = tls.checked_files
+
+    def counted(cert: Path, key: Path, ca_file: Path) -> tuple[bytes, bytes, bytes]:
+        reads.append(cert)
+        return checked(cert, key, ca_file)
+
+    monkeypatch.setattr(tls, "checked_files", counted)
+    operator = pki.operator()
+    for source in (operator.cert, operator.key):
+        shutil.copy(source, tmp_path / source.name)
+    cert, key = tmp_path / operator.cert.name, tmp_path / operator.key.name
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    address = f"127.0.0.1:{held.getsockname()[1]}"
+    mine = Identity(address, cert, key, operator.ca)
+
+    async def shown(path: str) -> tuple[int, str]:
+        async with console.session.get(f"{console.base}{path}") as got:
+            body = await got.text()
+        return got.status, "UNAVAILABLE" if "UNAVAILABLE" in body else "CREDENTIALS_UNREADABLE"
+
+    try:
+        async with serving(Backend(mine, mine)) as console:
+            await console.sign_in()
+            pages = ("/threads", "/threads/t-1", "/rejections", "/reviews", "/threads")
+            for path in pages:
+                assert await shown(path) == (503, "UNAVAILABLE"), path
+            assert reads == [cert]  # once, for every page's channels
+            ca.renew(pki.ca_dir, cert)  # a new key pair, both files replaced
+            assert await shown("/threads") == (503, "UNAVAILABLE")
+            assert reads == [cert, cert]
+            key.unlink()
+            for path in ("/threads", "/reviews"):
+                assert await shown(path) == (503, "CREDENTIALS_UNREADABLE"), path
+            ca.renew(pki.ca_dir, cert)  # back
+            assert await shown("/threads") == (503, "UNAVAILABLE")
+            assert await shown("/reviews") == (503, "UNAVAILABLE")
+            assert len(reads) == 5  # the two pages without a key tried once each
+    finally:
+        held.close()
+
+
+async def test_the_runner_builds_one_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ConsoleRunner serves with the one server aiohttp builds for the application, with
+    the arguments aiohttp gave it, not a second one rebuilt beside it."""
+    from aiohttp import web_server
+
+    built: list[web_server.Server] = []
+    made = web_server.Server.__init__
+
+    def counted(self: web_server.Server, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(web_server.Server, "__init__", counted)
+    async with serving(Recording()) as console:
+        await console.sign_in()  # served by it
+        assert len(built) == 1

@@ -40,11 +40,15 @@ async def refuse(context: Any, error: errors.ZtateError) -> None:
     await context.abort(status.code, status.details, status.trailing_metadata)
 
 
-def committed(version: int, digest: str = "f" * 64) -> transition_pb2.Transition:
+def stamp() -> timestamp_pb2.Timestamp:
     at = timestamp_pb2.Timestamp()
     at.FromDatetime(T0)
+    return at
+
+
+def committed(version: int, digest: str = "f" * 64) -> transition_pb2.Transition:
     return transition_pb2.Transition(
-        thread_id=THREAD, version=version, digest=digest, committed_at=at
+        thread_id=THREAD, version=version, digest=digest, committed_at=stamp()
     )
 
 
@@ -64,6 +68,9 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         self.view_calls = 0
         self.created = transition_pb2.CreateThreadResponse()
         self.create_calls = 0
+        self.renewed = transition_pb2.RenewLeaseResponse()
+        self.work: list[transition_pb2.SubscribeWorkResponse] = []
+        self.asked: list[str] = []  # the calls answered from the fields above
 
     async def CreateThread(
         self, request: transition_pb2.CreateThreadRequest, context: Any
@@ -109,14 +116,30 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
     async def WaitForOutcome(
         self, request: transition_pb2.WaitForOutcomeRequest, context: Any
     ) -> transition_pb2.WaitForOutcomeResponse:
+        self.asked.append("WaitForOutcome")
         return self.outcome
 
     async def GetTransition(
         self, request: transition_pb2.GetTransitionRequest, context: Any
     ) -> transition_pb2.GetTransitionResponse:
-        assert request.head_of_thread == THREAD
+        assert THREAD in (request.head_of_thread, request.thread_version.thread_id)
         assert self.record is not None
+        self.asked.append("GetTransition")
         return self.record
+
+    async def RenewLease(
+        self, request: transition_pb2.RenewLeaseRequest, context: Any
+    ) -> transition_pb2.RenewLeaseResponse:
+        self.asked.append("RenewLease")
+        return self.renewed
+
+    async def SubscribeWork(
+        self, request: transition_pb2.SubscribeWorkRequest, context: Any
+    ) -> AsyncIterator[transition_pb2.SubscribeWorkResponse]:
+        self.asked.append("SubscribeWork")
+        for item in self.work:
+            yield item
+        await forever()
 
     async def GetCheckpoint(
         self, request: transition_pb2.GetCheckpointRequest, context: Any
@@ -263,6 +286,148 @@ async def test_a_thread_created_without_its_genesis_is_a_protocol_error(
     assert (created.thread_id, created.version, created.replayed) == (THREAD, 0, True)
 
 
+def lease(**fields: Any) -> transition_pb2.SubscribeWorkResponse:
+    return transition_pb2.SubscribeWorkResponse(
+        thread_id=THREAD, version=3, state_json=b'{"n":1}', lease_epoch=7, **fields
+    )
+
+
+# Each call that turns a reply into a result: how the server answers it without a
+# sub-message or oneof the protocol requires (False) or with it (True), the call, the
+# ProtocolError's message, and what the whole answer's result holds.
+Case = tuple[
+    Callable[[Scripted, bool], None], Callable[[ZtateClient], Any], str, Callable[[Any], Any]
+]
+INCOMPLETE: dict[str, Case] = {
+    "get_transition": (
+        lambda s, whole: setattr(
+            s,
+            "record",
+            transition_pb2.GetTransitionResponse(transition=committed(4))
+            if whole
+            else transition_pb2.GetTransitionResponse(),
+        ),
+        lambda w: w.get_transition(thread_id=THREAD, version=4),
+        "the service answered GetTransition without the transition",
+        lambda r: (r.version, r.committed_at.year),
+    ),
+    "get_record": (
+        lambda s, whole: setattr(
+            s,
+            "record",
+            transition_pb2.GetTransitionResponse(transition=committed(4), risk_rules=RULES)
+            if whole
+            else transition_pb2.GetTransitionResponse(risk_rules=RULES),
+        ),
+        lambda w: w.get_record(THREAD),
+        "the service answered GetTransition without the transition",
+        lambda r: (r.transition.version, r.risk_rules),
+    ),
+    "a record without its commit time": (
+        lambda s, whole: setattr(
+            s,
+            "record",
+            transition_pb2.GetTransitionResponse(
+                transition=committed(4)
+                if whole
+                else transition_pb2.Transition(thread_id=THREAD, version=4, digest="f" * 64)
+            ),
+        ),
+        lambda w: w.get_record(THREAD, version=4),
+        "the service sent a Transition without the committed_at",
+        lambda r: (r.transition.version, r.transition.committed_at.year),
+    ),
+    "propose": (
+        lambda s, whole: setattr(
+            s,
+            "propose",
+            lambda call, request: (
+                transition_pb2.ProposeTransitionResponse(transition=committed(4), replayed=True)
+                if whole
+                else transition_pb2.ProposeTransitionResponse(replayed=True)
+            ),
+        ),
+        lambda w: w.propose(THREAD, 3, {"n": 2}),
+        "the service answered ProposeTransition without the outcome",
+        lambda r: (r.version, r.replayed),
+    ),
+    "wait_for_outcome, committed": (
+        lambda s, whole: setattr(
+            s,
+            "outcome",
+            transition_pb2.WaitForOutcomeResponse(
+                outcome=transition_pb2.OUTCOME_COMMITTED,
+                transition=committed(4) if whole else None,
+            ),
+        ),
+        lambda w: w.wait_for_outcome(f"{THREAD}/key", within=5),
+        "the service answered WaitForOutcome without the transition",
+        lambda r: (r.status, r.transition.version),
+    ),
+    "wait_for_outcome, no outcome": (
+        lambda s, whole: setattr(
+            s,
+            "outcome",
+            transition_pb2.WaitForOutcomeResponse(
+                outcome=transition_pb2.OUTCOME_REJECTED if whole else None
+            ),
+        ),
+        lambda w: w.wait_for_outcome(f"{THREAD}/key", within=5),
+        "the service answered WaitForOutcome with outcome 0",
+        lambda r: (r.status, r.transition),
+    ),
+    "renew_lease": (
+        lambda s, whole: setattr(
+            s,
+            "renewed",
+            transition_pb2.RenewLeaseResponse(lease_expires_at=stamp() if whole else None),
+        ),
+        lambda w: w.renew_lease(THREAD, 7),
+        "the service answered RenewLease without the lease_expires_at",
+        lambda r: r.year,
+    ),
+    "subscribe_work": (
+        lambda s, whole: setattr(
+            s, "work", [lease(lease_expires_at=stamp()) if whole else lease()]
+        ),
+        lambda w: anext(w.subscribe_work(reconnects=0)),
+        "the service answered SubscribeWork without the lease_expires_at",
+        lambda r: (r.version, r.lease_epoch, r.lease_expires_at.year),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", INCOMPLETE)
+async def test_a_reply_without_what_the_protocol_requires_is_a_protocol_error(
+    scripted: tuple[Scripted, ZtateClient], case: str
+) -> None:
+    """Not a result of empty fields (a Transition of version 0 committed in 1970, a
+    proposal taken for committed): ProtocolError, raised at once, not retried."""
+    servicer, worker = scripted
+    answer, call, message, holds = INCOMPLETE[case]
+    answer(servicer, False)
+    with pytest.raises(ProtocolError) as failed:
+        await call(worker)
+    assert (failed.value.code, failed.value.reason) == (grpc.StatusCode.INTERNAL, "BAD_REPLY")
+    assert str(failed.value) == f"BAD_REPLY: {message}"
+    assert len(servicer.asked) + len(servicer.proposals) == 1  # not retried
+    # the reply the protocol allows is the result
+    answer(servicer, True)
+    assert holds(await call(worker)) == WHOLE[case]
+
+
+WHOLE = {
+    "get_transition": (4, 2026),
+    "get_record": (4, tuple(RULES)),
+    "a record without its commit time": (4, 2026),
+    "propose": (4, True),
+    "wait_for_outcome, committed": ("committed", 4),
+    "wait_for_outcome, no outcome": ("rejected", None),
+    "renew_lease": 2026,
+    "subscribe_work": (3, 7, 2026),
+}
+
+
 # --- the runner ---------------------------------------------------------------------------
 
 
@@ -363,7 +528,11 @@ def head_with_receipt(receipt: bool = True) -> tuple[transition_pb2.GetTransitio
     record_json = canonical_bytes(record)
     response = transition_pb2.GetTransitionResponse(
         transition=transition_pb2.Transition(
-            thread_id=THREAD, version=4, digest=sha256_hex(record_json), record_json=record_json
+            thread_id=THREAD,
+            version=4,
+            digest=sha256_hex(record_json),
+            record_json=record_json,
+            committed_at=stamp(),
         ),
         risk_rules=RULES if receipt else [],
     )

@@ -246,6 +246,31 @@ function diagnose(target: string, tlsFiles: TlsFiles, serverName: string | undef
   });
 }
 
+/**
+ * `value`, a field the protocol says a reply of `call` carries (a sub-message, a oneof);
+ * EvidenceInvalid "reply.form" when the reply lacks it. protobuf-es leaves an unset
+ * sub-message undefined, which a worker would pass on as the service's answer. The
+ * Python SDK raises ProtocolError (BAD_REPLY) for the same replies.
+ */
+function required<T>(value: T | undefined, call: string, field: string): T {
+  if (value === undefined) {
+    throw new EvidenceInvalid("reply.form", `the service answered ${call} without the ${field}`);
+  }
+  return value;
+}
+
+/** A committed transition of a reply of `call`: present, with its commit time. */
+function committedTransition(transition: Transition | undefined, call: string, field: string = "transition"): Transition {
+  const found = required(transition, call, field);
+  required(found.committedAt, call, `${field}'s committed_at`);
+  return found;
+}
+
+/** The outcomes WaitForOutcome may answer: OUTCOME_UNSPECIFIED (0) is never sent. */
+const OUTCOMES: ReadonlySet<OutcomeKind> = new Set(
+  Object.values(OutcomeKind).filter((value): value is OutcomeKind => typeof value === "number" && value !== OutcomeKind.UNSPECIFIED),
+);
+
 function parseState(bytes: Uint8Array): JsonObject {
   return JSON.parse(decoder.decode(bytes)) as JsonObject;
 }
@@ -348,10 +373,7 @@ export class ZtateClient {
       policy,
     });
     const reply = await this.#call(() => this.#client.createThread(request, { timeoutMs: this.#timeoutMs }));
-    if (reply.genesis === undefined) {
-      throw new EvidenceInvalid("reply.form", "the service sent no genesis");
-    }
-    return { transition: reply.genesis, replayed: reply.replayed };
+    return { transition: committedTransition(reply.genesis, "CreateThread", "genesis"), replayed: reply.replayed };
   }
 
   /** The caller's view of the thread's head. */
@@ -389,7 +411,7 @@ export class ZtateClient {
     );
     switch (reply.outcome.case) {
       case "transition":
-        return { kind: "committed", transition: reply.outcome.value, replayed: reply.replayed };
+        return { kind: "committed", transition: committedTransition(reply.outcome.value, "ProposeTransition"), replayed: reply.replayed };
       case "pending":
         return {
           kind: "parked",
@@ -398,7 +420,7 @@ export class ZtateClient {
           baseVersion: reply.outcome.value.baseVersion,
         };
       default:
-        throw new EvidenceInvalid("reply.form", "the service sent neither a transition nor a pending one");
+        throw new EvidenceInvalid("reply.form", "the service answered ProposeTransition without the outcome");
     }
   }
 
@@ -454,24 +476,36 @@ export class ZtateClient {
       }
       // the server answers "pending" 0.2 s before a call's deadline, or at its cap
       if (reply.outcome === OutcomeKind.PENDING && deadline - performance.now() > ASK_AGAIN_MS) continue;
-      const status = (OutcomeKind[reply.outcome] ?? "UNSPECIFIED").toLowerCase();
+      if (!OUTCOMES.has(reply.outcome)) {
+        // UNSPECIFIED is never sent; an outcome this client does not know has no status
+        throw new EvidenceInvalid("reply.form", `the service answered WaitForOutcome with outcome ${reply.outcome}`);
+      }
+      const status = (OutcomeKind[reply.outcome] as string).toLowerCase();
+      const transition =
+        reply.outcome === OutcomeKind.COMMITTED || reply.transition !== undefined
+          ? committedTransition(reply.transition, "WaitForOutcome")
+          : undefined;
       return {
         status,
-        ...(reply.transition === undefined ? {} : { transition: reply.transition }),
+        ...(transition === undefined ? {} : { transition }),
         ...(reply.reason === "" ? {} : { reason: reply.reason }),
       };
     }
   }
 
-  /** One ledger record with its receipt and risk rules (read_records nodes and operators). */
-  async getRecord(threadId: string, version?: bigint | number): Promise<GetTransitionResponse> {
+  /**
+   * One ledger record with its receipt and risk rules (read_records nodes and operators);
+   * EvidenceInvalid "reply.form" for a reply without the record or its commit time.
+   */
+  async getRecord(threadId: string, version?: bigint | number): Promise<GetTransitionResponse & { transition: Transition }> {
     const lookup =
       version === undefined
         ? { case: "headOfThread" as const, value: threadId }
         : { case: "threadVersion" as const, value: { threadId, version: BigInt(version) } };
-    return this.#call(() =>
+    const reply = await this.#call(() =>
       this.#client.getTransition(create(GetTransitionRequestSchema, { lookup }), { timeoutMs: this.#timeoutMs }),
     );
+    return Object.assign(reply, { transition: committedTransition(reply.transition, "GetTransition") });
   }
 
   /** The newest signed checkpoint of a thread, or undefined before the first. */
@@ -499,7 +533,7 @@ export class ZtateClient {
   }): Promise<VerifiedHead> {
     const found = await this.getRecord(options.threadId);
     const transition = found.transition;
-    if (transition === undefined || transition.version !== BigInt(options.version)) {
+    if (transition.version !== BigInt(options.version)) {
       throw new EvidenceInvalid("head.moved", "the head is no longer the version read");
     }
     if (transition.digest !== options.headDigest) {
