@@ -470,11 +470,15 @@ class _ConsoleProtocol(web.RequestHandler):
 
 
 class _ConsoleServer(web.Server):
-    """aiohttp's server, making ``_ConsoleProtocol`` connections with the arguments
-    aiohttp gave it (those of plain ``web.Server.__call__``)."""
+    """aiohttp's server, making ``_ConsoleProtocol`` connections."""
+
+    def __init__(self, handler: Any, **kwargs: Any) -> None:
+        request_factory = kwargs.pop("request_factory")
+        super().__init__(handler, request_factory=request_factory)
+        self._protocol_args = kwargs
 
     def __call__(self) -> web.RequestHandler:
-        return _ConsoleProtocol(self, loop=self._loop, **self._kwargs)
+        return _ConsoleProtocol(self, loop=asyncio.get_running_loop(), **self._protocol_args)
 
 
 class ConsoleRunner(web.AppRunner):
@@ -486,11 +490,10 @@ class ConsoleRunner(web.AppRunner):
         super().__init__(app, access_log=None, handle_signals=False)
 
     async def _make_server(self) -> web.Server:
-        server = await super()._make_server()  # the application started and frozen
-        # aiohttp builds its Server inside Application._make_handler, with no hook for the
-        # class: the one it built, with every argument it gave it, makes console connections
-        server.__class__ = _ConsoleServer
-        return server
+        made = await super()._make_server()  # the application started and frozen
+        return _ConsoleServer(
+            made.request_handler, request_factory=made.request_factory, access_log=None
+        )
 
 
 def guard_of(app: web.Application) -> Guard:

@@ -627,21 +627,3 @@ async def test_credentials_are_read_once_and_again_only_when_they_change(
             assert len(reads) == 5  # the two pages without a key tried once each
     finally:
         held.close()
-
-
-async def test_the_runner_builds_one_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ConsoleRunner serves with the one server aiohttp builds for the application, with
-    the arguments aiohttp gave it, not a second one rebuilt beside it."""
-    from aiohttp import web_server
-
-    built: list[web_server.Server] = []
-    made = web_server.Server.__init__
-
-    def counted(self: web_server.Server, *args: Any, **kwargs: Any) -> None:
-        built.append(self)
-        made(self, *args, **kwargs)
-
-    monkeypatch.setattr(web_server.Server, "__init__", counted)
-    async with serving(Recording()) as console:
-        await console.sign_in()  # served by it
-        assert len(built) == 1
