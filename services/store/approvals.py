@@ -27,6 +27,7 @@ from ztate.services.store.boundary import translated
 from ztate.services.store.rows import Head, PendingTransition, Rejection
 from ztate.services.store.transitions import (
     PENDING_COLUMNS,
+    record_at,
     storable_rejection,
 )
 
@@ -117,6 +118,10 @@ RETURNING digest
 # commit, they run on the coordinator and send each statement where it belongs.
 CLOSE_REJECTED = "SELECT ztate.close_rejected($1, $2, $3, $4, $5, $6, $7, $8)"
 CLOSE_REFUSED = "SELECT ztate.close_refused($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+
+# The record a parked proposal builds on, by the primary key whatever the statistics
+# (record_at says why it is not written "version = $2").
+BASE_OF = record_at("record, state")
 
 NONCE_TAKEN = "SELECT EXISTS (SELECT 1 FROM ztate.receipts WHERE nonce = $1)"
 
@@ -324,11 +329,7 @@ class ApprovalStore:
     async def base_of(self, pending: PendingTransition) -> tuple[bytes, bytes | None]:
         """The ledger record and state body (None once pruned) a parked proposal builds
         on: the approval service derives the review from them (docs/approvals.md)."""
-        row = await self._pool.fetchrow(
-            "SELECT record, state FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
-            pending.thread_id,
-            pending.base_version,
-        )
+        row = await self._pool.fetchrow(BASE_OF, pending.thread_id, pending.base_version)
         if row is None:
             raise LookupError(f"no record at {pending.thread_id}@{pending.base_version}")
         return bytes(row["record"]), None if row["state"] is None else bytes(row["state"])

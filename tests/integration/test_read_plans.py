@@ -1,0 +1,250 @@
+"""The store's reads of one row keep their index probes whatever the statistics their
+plan was made with (``record_at`` in ``ztate.services.store.transitions``).
+
+Each read is a prepared statement of a pooled connection, and after five runs Postgres
+keeps a generic plan for it, made with the statistics of that moment, until an ANALYZE
+of its tables. On a fresh database (tables never analysed: autovacuum is off here, so
+none replaces a plan behind the test's back) the reads below were planned to read all of
+a thread's versions, all committed parked proposals, or all of a node's rejections, to
+find one row; those plans stayed as the tables grew. Here each read runs eight times
+while the tables hold a few rows, the tables grow to thousands of rows of one thread and
+node, and each read runs again on the same connection: Postgres's own counters
+(``pg_stat_user_tables``, ``pg_stat_user_indexes``) must show index probes, one entry a
+read, and no sequential scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import pytest_asyncio
+
+from tests.harness import fresh_database
+from tests.integration.test_store_conformance import NODE, commit, new_thread, pending
+from tests.integration.test_watch_limits import eventually
+from ztate.contract.keyring import Keyring
+from ztate.services.runtime.config import Settings
+from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.migrate import migrate
+from ztate.services.store.rows import Evidence, Rejection
+from ztate.services.store.transitions import PostgresTransitionStore, keep_session
+
+TABLES = ("threads", "transitions", "pending_transitions", "rejections")
+GROWN_TO = 2003  # the thread's head version once grown: 2,000 versions more
+TINY_RUNS = 8  # more than the five after which Postgres keeps a generic plan
+RUNS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Reads:
+    """What one table's counters say was read: scans of any kind, sequential scans,
+    and rows (sequential) plus entries (of all its indexes) read."""
+
+    scans: int
+    seq_scans: int
+    rows: int
+
+
+async def reads(admin: asyncpg.Connection, table: str) -> Reads:
+    await admin.execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
+    row = await admin.fetchrow(
+        "SELECT t.seq_scan + coalesce(t.idx_scan, 0) AS scans, t.seq_scan, "
+        "       t.seq_tup_read + (SELECT coalesce(sum(i.idx_tup_read), 0) "
+        "                           FROM pg_catalog.pg_stat_user_indexes i "
+        "                          WHERE i.relid = t.relid) AS rows "
+        "  FROM pg_catalog.pg_stat_user_tables t "
+        " WHERE t.schemaname = 'ztate' AND t.relname = $1",
+        table,
+    )
+    assert row is not None
+    return Reads(row["scans"], row["seq_scan"], int(row["rows"]))
+
+
+@dataclass
+class Grown:
+    admin: asyncpg.Connection
+    pool: asyncpg.Pool
+    store: PostgresTransitionStore
+    approvals: ApprovalStore
+    thread_id: str
+
+
+@pytest_asyncio.fixture
+async def grown(
+    postgres_server_dsn: str, settings: Settings, keyring: Keyring
+) -> AsyncIterator[tuple[Grown, Callable[[], Awaitable[None]]]]:
+    """A fresh database, one pooled connection, one thread of a few versions; and the
+    function that grows its tables (2,000 versions, committed parked proposals and
+    rejections of that thread and node)."""
+    dsn = await fresh_database(postgres_server_dsn)
+    admin = await asyncpg.connect(dsn)
+    await migrate(admin, settings.db_role)
+    for table in TABLES:  # no ANALYZE may replace a plan behind the test's back
+        await admin.execute(f"ALTER TABLE ztate.{table} SET (autovacuum_enabled = false)")
+    pool = await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=1,  # one connection: one plan cache, the one every read below uses
+        reset=keep_session,
+        server_settings={"role": settings.db_role},
+    )
+    store = PostgresTransitionStore(pool)
+    thread_id, genesis = await new_thread(store, keyring)
+    parent = genesis.digest
+    for version in range(1, 4):
+        _, record = await commit(store, keyring, thread_id, version, parent, f"k-{version}")
+        parent = record.digest
+    for method in ("ApplyDecision", "ProposeTransition"):
+        await store.record_rejection(rejection(thread_id, method, 2, "NOT_THE_ONE"))
+
+    async def grow() -> None:
+        # versions 4 to 2003 of the thread, the head moved there, the last committed
+        # under a receipt; every one's parked proposal committed, the head's parked
+        # first (the status index lists it last); the node's rejections
+        await admin.execute(
+            "INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, "
+            "node_id, key_id, signature, record, state, committed_at, idempotency_key, "
+            "request_digest, receipt) "
+            "SELECT $1, g, lpad(to_hex(g), 64, '0'), lpad(to_hex(g + 100000), 64, '0'), $2, "
+            "'k', repeat('b', 64), convert_to('{\"patch\":{\"k\":1}}', 'UTF8'), '\\x7b7d', "
+            "now(), 'k-' || g, 'r', CASE WHEN g = $3 THEN '\\x72'::bytea END "
+            "FROM generate_series(4, $3::bigint) g",
+            thread_id,
+            NODE,
+            GROWN_TO,
+        )
+        await admin.execute(
+            "UPDATE ztate.threads SET version = $2, "
+            "head_digest = lpad(to_hex($2::bigint), 64, '0') WHERE thread_id = $1",
+            thread_id,
+            GROWN_TO,
+        )
+        await admin.execute(
+            "INSERT INTO ztate.pending_transitions (digest, thread_id, base_version, "
+            "parent_digest, node_id, proposal, state, risk_rules, idempotency_key, "
+            "request_digest, status, parked_at) "
+            "SELECT lpad(to_hex(g + 200000), 64, '0'), $1, g - 1, repeat('c', 64), $2, "
+            "'\\x7b7d', '\\x7b7d', ARRAY['rule-' || g], 'k-' || g, 'r', 'committed', "
+            "now() - make_interval(secs => g) "
+            "FROM generate_series(4, $3::bigint) g",
+            thread_id,
+            NODE,
+            GROWN_TO,
+        )
+        await admin.execute(
+            "INSERT INTO ztate.rejections (method, node_id, thread_id, base_version, reason, "
+            "message) SELECT CASE WHEN g % 2 = 0 THEN 'ApplyDecision' "
+            "ELSE 'ProposeTransition' END, $2, $1, g, 'OTHER', 'm' "
+            "FROM generate_series(1, 2000) g",
+            thread_id,
+            NODE,
+        )
+
+    yield Grown(admin, pool, store, ApprovalStore(pool), thread_id), grow
+    await pool.close()
+    await admin.close()
+
+
+def rejection(thread_id: str, method: str, base_version: int, reason: str) -> Rejection:
+    return Rejection(
+        method=method,
+        node_id=NODE,
+        thread_id=thread_id,
+        base_version=base_version,
+        reason=reason,
+        keys=[],
+        patch_digest=None,
+        patch_bytes=None,
+        message="refused",
+    )
+
+
+async def counted(
+    db: Grown, tables: tuple[str, ...], read: Callable[[], Awaitable[Any]]
+) -> dict[str, Reads]:
+    """What ``RUNS`` runs of ``read`` read of each of ``tables``, once the pooled
+    connection has reported its counters (every run scans each table at least once)."""
+    # a backend reports what it counted when it goes idle after a forced flush: the
+    # pooled connection's earlier reads, and the test's own statements, are in before
+    for conn in (db.pool, db.admin):
+        await conn.execute("SELECT pg_catalog.pg_stat_force_next_flush()")
+    before = {table: await reads(db.admin, table) for table in tables}
+    for _ in range(RUNS):
+        await read()
+    await db.pool.execute("SELECT pg_catalog.pg_stat_force_next_flush()")
+    after: dict[str, Reads] = {}
+
+    async def reported() -> bool:
+        for table in tables:
+            after[table] = await reads(db.admin, table)
+        return all(after[t].scans >= before[t].scans + RUNS for t in tables)
+
+    await eventually(reported)
+    return {
+        t: Reads(
+            after[t].scans - before[t].scans,
+            after[t].seq_scans - before[t].seq_scans,
+            after[t].rows - before[t].rows,
+        )
+        for t in tables
+    }
+
+
+async def test_reads_of_one_row_probe_by_index_whatever_size_their_plan_was_made_at(
+    grown: tuple[Grown, Callable[[], Awaitable[None]]],
+) -> None:
+    db, grow = grown
+    thread_id = db.thread_id
+    parked = dataclasses.replace(pending(thread_id, "0" * 64, "k-p", "d" * 64), base_version=2)
+    reads_of = {  # each read, with the tables it reads
+        "transition_at": (("transitions",), lambda: db.store.transition_at(thread_id, 1)),
+        "state_at": (("transitions",), lambda: db.store.state_at(thread_id, 1)),
+        "base_of": (("transitions",), lambda: db.approvals.base_of(parked)),
+        "head_transition": (
+            ("threads", "transitions"),
+            lambda: db.store.head_transition(thread_id),
+        ),
+        "refusal_at_commit": (("rejections",), lambda: db.store.refusal_at_commit(parked)),
+    }
+    for _, read in reads_of.values():  # the plans are made while the tables are tiny
+        for _ in range(TINY_RUNS):
+            await read()
+    head = await db.store.head_transition(thread_id)
+    assert head is not None
+    for _ in range(TINY_RUNS):
+        await db.store.evidence(head.digest)
+
+    await grow()
+    await db.store.record_rejection(rejection(thread_id, "ApplyDecision", 2, "THE_ONE"))
+
+    found = {name: await counted(db, tables, read) for name, (tables, read) in reads_of.items()}
+    head = await db.store.head_transition(thread_id)
+    assert head is not None
+    found["evidence"] = await counted(
+        db, ("transitions", "pending_transitions"), lambda: db.store.evidence(head.digest)
+    )
+    # (sequential scans, rows and index entries read) a table, for RUNS runs of each
+    assert {
+        name: {table: (r.seq_scans, r.rows) for table, r in f.items()} for name, f in found.items()
+    } == {name: {table: (0, RUNS) for table in f} for name, f in found.items()}
+    # and the answers are the rows asked for
+    at_one = await db.store.transition_at(thread_id, 1)
+    assert at_one is not None
+    assert (at_one.thread_id, at_one.version) == (thread_id, 1)
+    assert head.version == GROWN_TO
+    assert await db.store.transition_at(thread_id, GROWN_TO) == head
+    assert await db.store.transition_at(thread_id, GROWN_TO + 1) is None
+    assert await db.store.state_at(thread_id, GROWN_TO + 1) is None
+    record, _ = await db.approvals.base_of(dataclasses.replace(parked, base_version=1))
+    assert record == at_one.record
+    assert await db.store.evidence(head.digest) == Evidence(b"r", None, None, [f"rule-{GROWN_TO}"])
+    # a record committed under no receipt names no rules, though a committed parked
+    # proposal has its key
+    unreceipted = await db.store.transition_at(thread_id, 4)
+    assert unreceipted is not None
+    assert await db.store.evidence(unreceipted.digest) == Evidence(None, None, None, [])
+    assert await db.store.refusal_at_commit(parked) == "THE_ONE"
