@@ -86,14 +86,18 @@ SELECT outcome, status FROM ztate.commit_approved($1, $2, $3, $4, $5, $6, $7, $8
 
 # What a decision needs before it commits, in one query by the receipt's thread (a
 # router query on Citus): the parked row with its candidate state, the thread's head,
-# and whether the receipt's nonce authorised something before.
+# and whether the receipt's nonce authorised something before. The parked row is found
+# by its digest written as record_at writes a version (a join on "p.digest = $2" was
+# planned, on tables never analysed, as the thread's parked rows read and filtered).
 DECISION_LOOKUP = f"""
 SELECT {", ".join(f"p.{c} AS p_{c}" for c in PENDING_COLUMNS.split(", "))},
        p.state AS p_state, h.version AS h_version, h.head_digest AS h_digest,
        h.state AS h_state, h.policy_name AS h_policy_name, h.policy_digest AS h_policy_digest,
        EXISTS (SELECT 1 FROM ztate.receipts r WHERE r.nonce = $3) AS nonce_used
   FROM (SELECT 1) AS one
-  LEFT JOIN ztate.pending_transitions p ON p.thread_id = $1 AND p.digest = $2
+  LEFT JOIN LATERAL (SELECT {PENDING_COLUMNS}, state FROM ztate.pending_transitions
+                      WHERE thread_id = $1 AND digest BETWEEN $2 AND $2
+                      ORDER BY digest LIMIT 1) p ON true
   LEFT JOIN ztate.threads h ON h.thread_id = $1
 """  # noqa: S608 - constant column list
 

@@ -167,6 +167,15 @@ SELECT t.receipt, t.receipt_signature, t.receipt_key_id,
  WHERE t.digest = $1
 """
 
+# A parked proposal by its unique (thread, node, idempotency key), written as record_at
+# is: "idempotency_key = $3" was planned as the thread's parked proposals read by
+# pending_by_thread and filtered.
+FIND_PENDING = f"""
+SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions
+ WHERE thread_id = $1 AND node_id = $2 AND idempotency_key BETWEEN $3 AND $3
+ ORDER BY idempotency_key LIMIT 1
+"""  # noqa: S608 - constant column list
+
 # Why an approved transition was refused at commit: the newest such rejection, by the
 # index migration 0024 adds for exactly this (it walks it backwards, LIMIT 1). Without
 # it every plan read all the rejections of the node or of the thread.
@@ -632,13 +641,7 @@ class PostgresTransitionStore:
     async def find_pending(
         self, thread_id: str, node_id: str, idempotency_key: str
     ) -> PendingTransition | None:
-        row = await self._pool.fetchrow(
-            f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
-            "WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3",
-            thread_id,
-            node_id,
-            idempotency_key,
-        )
+        row = await self._pool.fetchrow(FIND_PENDING, thread_id, node_id, idempotency_key)
         return PendingTransition.from_row(row) if row else None
 
     @translated

@@ -5,12 +5,12 @@ Each read is a prepared statement of a pooled connection, and after five runs Po
 keeps a generic plan for it, made with the statistics of that moment, until an ANALYZE
 of its tables. On a fresh database (tables never analysed: autovacuum is off here, so
 none replaces a plan behind the test's back) the reads below were planned to read all of
-a thread's versions, all committed parked proposals, or all of a node's rejections, to
-find one row; those plans stayed as the tables grew. Here each read runs eight times
-while the tables hold a few rows, the tables grow to thousands of rows of one thread and
-node, and each read runs again on the same connection: Postgres's own counters
-(``pg_stat_user_tables``, ``pg_stat_user_indexes``) must show index probes, one entry a
-read, and no sequential scan.
+a thread's versions or parked proposals, all committed parked proposals, or all of a
+node's rejections, to find one row; those plans stayed as the tables grew. Here each
+read runs eight times while the tables hold a few rows, the tables grow to thousands of
+rows of one thread and node, and each read runs again on the same connection:
+Postgres's own counters (``pg_stat_user_tables``, ``pg_stat_user_indexes``) must show
+index probes, one entry a read, and no sequential scan.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ TABLES = ("threads", "transitions", "pending_transitions", "rejections")
 GROWN_TO = 2003  # the thread's head version once grown: 2,000 versions more
 TINY_RUNS = 8  # more than the five after which Postgres keeps a generic plan
 RUNS = 3
+PARKED_AT_1000 = f"{1000 + 200000:064x}"  # the digest of the parked proposal of version 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +210,14 @@ async def test_reads_of_one_row_probe_by_index_whatever_size_their_plan_was_made
             lambda: db.store.head_transition(thread_id),
         ),
         "refusal_at_commit": (("rejections",), lambda: db.store.refusal_at_commit(parked)),
+        "find_pending": (
+            ("pending_transitions",),
+            lambda: db.store.find_pending(thread_id, NODE, "k-1000"),
+        ),
+        "decision_lookup": (
+            ("pending_transitions", "threads"),
+            lambda: db.approvals.decision_lookup(thread_id, PARKED_AT_1000, "nonce"),
+        ),
     }
     for _, read in reads_of.values():  # the plans are made while the tables are tiny
         for _ in range(TINY_RUNS):
@@ -248,3 +257,14 @@ async def test_reads_of_one_row_probe_by_index_whatever_size_their_plan_was_made
     assert unreceipted is not None
     assert await db.store.evidence(unreceipted.digest) == Evidence(None, None, None, [])
     assert await db.store.refusal_at_commit(parked) == "THE_ONE"
+    found_pending = await db.store.find_pending(thread_id, NODE, "k-1000")
+    assert found_pending is not None
+    assert (found_pending.digest, found_pending.risk_rules) == (PARKED_AT_1000, ["rule-1000"])
+    assert await db.store.find_pending(thread_id, NODE, "k-absent") is None
+    looked = await db.approvals.decision_lookup(thread_id, PARKED_AT_1000, "nonce")
+    assert looked.pending is not None
+    assert (looked.pending.digest, looked.pending.idempotency_key) == (PARKED_AT_1000, "k-1000")
+    assert looked.head is not None
+    assert (looked.head.version, looked.nonce_used) == (GROWN_TO, False)
+    elsewhere = await db.approvals.decision_lookup("other-thread", PARKED_AT_1000, "nonce")
+    assert (elsewhere.pending, elsewhere.head) == (None, None)
