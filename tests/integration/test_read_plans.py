@@ -26,6 +26,8 @@ import pytest_asyncio
 from tests.harness import fresh_database
 from tests.integration.test_store_conformance import NODE, commit, new_thread, pending
 from tests.integration.test_watch_limits import eventually
+from ztate.approval_service.app import migrate_approvals
+from ztate.approval_service.store import ReviewStore
 from ztate.contract.keyring import Keyring
 from ztate.services.runtime.config import Settings
 from ztate.services.store.approvals import ApprovalStore
@@ -51,6 +53,8 @@ class Reads:
 
 
 async def reads(admin: asyncpg.Connection, table: str) -> Reads:
+    """``table`` is ``relname`` in the schema ztate, or ``schema.relname``."""
+    schema, _, name = table.rpartition(".")
     await admin.execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
     row = await admin.fetchrow(
         "SELECT t.seq_scan + coalesce(t.idx_scan, 0) AS scans, t.seq_scan, "
@@ -58,11 +62,18 @@ async def reads(admin: asyncpg.Connection, table: str) -> Reads:
         "                           FROM pg_catalog.pg_stat_user_indexes i "
         "                          WHERE i.relid = t.relid) AS rows "
         "  FROM pg_catalog.pg_stat_user_tables t "
-        " WHERE t.schemaname = 'ztate' AND t.relname = $1",
-        table,
+        " WHERE t.schemaname = $1 AND t.relname = $2",
+        schema or "ztate",
+        name,
     )
     assert row is not None
     return Reads(row["scans"], row["seq_scan"], int(row["rows"]))
+
+
+@dataclass
+class Outbox:
+    admin: asyncpg.Connection
+    pool: asyncpg.Pool
 
 
 @dataclass
@@ -165,7 +176,7 @@ def rejection(thread_id: str, method: str, base_version: int, reason: str) -> Re
 
 
 async def counted(
-    db: Grown, tables: tuple[str, ...], read: Callable[[], Awaitable[Any]]
+    db: Grown | Outbox, tables: tuple[str, ...], read: Callable[[], Awaitable[Any]]
 ) -> dict[str, Reads]:
     """What ``RUNS`` runs of ``read`` read of each of ``tables``, once the pooled
     connection has reported its counters (every run scans each table at least once)."""
@@ -268,3 +279,62 @@ async def test_reads_of_one_row_probe_by_index_whatever_size_their_plan_was_made
     assert (looked.head.version, looked.nonce_used) == (GROWN_TO, False)
     elsewhere = await db.approvals.decision_lookup("other-thread", PARKED_AT_1000, "nonce")
     assert (elsewhere.pending, elsewhere.head) == (None, None)
+
+
+APPROVER = "ztate_approver"
+SIGN_RECEIPTS = (
+    "INSERT INTO ztate_approval.reviews (digest, thread_id, base_version, node_id, "
+    "risk_rules, required_approvals, proposal, redacted_diff, status, expires_at) "
+    "SELECT lpad(to_hex(g), 64, '0'), 't', 0, 'n', '{r}', 1, '\\x00', '\\x00', 'approved', "
+    "now() FROM generate_series($1::bigint, $2) g; "
+    "INSERT INTO ztate_approval.receipts (digest, receipt, signature, key_id, nonce, "
+    "signed_at, delivered_at) "
+    "SELECT lpad(to_hex(g), 64, '0'), '\\x00', 's', 'k', 'nonce-' || g, "
+    "now() - make_interval(secs => g), CASE WHEN $3 THEN now() END "
+    "FROM generate_series($1::bigint, $2) g"
+)
+
+
+async def sign_receipts(admin: asyncpg.Connection, first: int, last: int, delivered: bool) -> None:
+    async with admin.transaction():
+        for statement in SIGN_RECEIPTS.split("; "):
+            arguments = (first, last, delivered) if "$3" in statement else (first, last)
+            await admin.execute(statement, *arguments)
+
+
+async def test_the_approval_outbox_reads_only_the_receipts_it_delivers(
+    postgres_server_dsn: str,
+) -> None:
+    """The approval service's delivery loop polls for undelivered receipts (oldest first)
+    and every receipt ever signed is kept: with no index for it, each poll read and
+    sorted them all, whatever the statistics (approval migration 0003 adds one)."""
+    dsn = await fresh_database(postgres_server_dsn)
+    await migrate_approvals(dsn, APPROVER)
+    admin = await asyncpg.connect(dsn)
+    for table in ("reviews", "receipts"):
+        await admin.execute(f"ALTER TABLE ztate_approval.{table} SET (autovacuum_enabled = false)")
+    reviews = await ReviewStore.open(dsn, role=APPROVER, pool_size=1)
+    try:
+        await sign_receipts(admin, 1, 3, delivered=True)
+        await sign_receipts(admin, 4, 4, delivered=False)
+        for _ in range(TINY_RUNS):  # the plan is made while the outbox holds a few
+            assert [e.digest for e in await reviews.undelivered(100)] == [f"{4:064x}"]
+        await sign_receipts(admin, 5, 2004, delivered=True)
+        await sign_receipts(admin, 2005, 2005, delivered=False)
+
+        found = await counted(
+            Outbox(admin, reviews.pool),
+            ("ztate_approval.receipts",),
+            lambda: reviews.undelivered(100),
+        )
+
+        # each poll reads the two entries it returns, and no receipt sequentially
+        assert found == {"ztate_approval.receipts": Reads(RUNS, 0, 2 * RUNS)}
+        # the oldest first
+        assert [e.digest for e in await reviews.undelivered(100)] == [
+            f"{2005:064x}",
+            f"{4:064x}",
+        ]
+    finally:
+        await reviews.close()
+        await admin.close()
