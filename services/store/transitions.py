@@ -177,7 +177,7 @@ SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions
 """  # noqa: S608 - constant column list
 
 # Why an approved transition was refused at commit: the newest such rejection, by the
-# index migration 0024 adds for exactly this (it walks it backwards, LIMIT 1). Without
+# index migration 0025 adds for exactly this (it walks it backwards, LIMIT 1). Without
 # it every plan read all the rejections of the node or of the thread.
 REFUSAL_AT_COMMIT = """
 SELECT reason FROM ztate.rejections
