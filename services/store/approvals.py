@@ -27,6 +27,7 @@ from ztate.services.store.boundary import translated
 from ztate.services.store.rows import Head, PendingTransition, Rejection
 from ztate.services.store.transitions import (
     PENDING_COLUMNS,
+    record_at,
     storable_rejection,
 )
 
@@ -85,14 +86,18 @@ SELECT outcome, status FROM ztate.commit_approved($1, $2, $3, $4, $5, $6, $7, $8
 
 # What a decision needs before it commits, in one query by the receipt's thread (a
 # router query on Citus): the parked row with its candidate state, the thread's head,
-# and whether the receipt's nonce authorised something before.
+# and whether the receipt's nonce authorised something before. The parked row is found
+# by its digest written as record_at writes a version (a join on "p.digest = $2" was
+# planned, on tables never analysed, as the thread's parked rows read and filtered).
 DECISION_LOOKUP = f"""
 SELECT {", ".join(f"p.{c} AS p_{c}" for c in PENDING_COLUMNS.split(", "))},
        p.state AS p_state, h.version AS h_version, h.head_digest AS h_digest,
        h.state AS h_state, h.policy_name AS h_policy_name, h.policy_digest AS h_policy_digest,
        EXISTS (SELECT 1 FROM ztate.receipts r WHERE r.nonce = $3) AS nonce_used
   FROM (SELECT 1) AS one
-  LEFT JOIN ztate.pending_transitions p ON p.thread_id = $1 AND p.digest = $2
+  LEFT JOIN LATERAL (SELECT {PENDING_COLUMNS}, state FROM ztate.pending_transitions
+                      WHERE thread_id = $1 AND digest BETWEEN $2 AND $2
+                      ORDER BY digest LIMIT 1) p ON true
   LEFT JOIN ztate.threads h ON h.thread_id = $1
 """  # noqa: S608 - constant column list
 
@@ -117,6 +122,10 @@ RETURNING digest
 # commit, they run on the coordinator and send each statement where it belongs.
 CLOSE_REJECTED = "SELECT ztate.close_rejected($1, $2, $3, $4, $5, $6, $7, $8)"
 CLOSE_REFUSED = "SELECT ztate.close_refused($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+
+# The record a parked proposal builds on, by the primary key whatever the statistics
+# (record_at says why it is not written "version = $2").
+BASE_OF = record_at("record, state")
 
 NONCE_TAKEN = "SELECT EXISTS (SELECT 1 FROM ztate.receipts WHERE nonce = $1)"
 
@@ -324,11 +333,7 @@ class ApprovalStore:
     async def base_of(self, pending: PendingTransition) -> tuple[bytes, bytes | None]:
         """The ledger record and state body (None once pruned) a parked proposal builds
         on: the approval service derives the review from them (docs/approvals.md)."""
-        row = await self._pool.fetchrow(
-            "SELECT record, state FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
-            pending.thread_id,
-            pending.base_version,
-        )
+        row = await self._pool.fetchrow(BASE_OF, pending.thread_id, pending.base_version)
         if row is None:
             raise LookupError(f"no record at {pending.thread_id}@{pending.base_version}")
         return bytes(row["record"]), None if row["state"] is None else bytes(row["state"])

@@ -117,13 +117,6 @@ TRANSITION_COLUMNS = (
     "thread_id, version, digest, parent_digest, node_id, key_id, signature, record, "
     "committed_at, idempotency_key, request_digest"
 )
-# a thread's record at a version held in the head row (or a constant), as t.<column>
-_JOINED_TRANSITION = (
-    f"SELECT {', '.join('t.' + c for c in TRANSITION_COLUMNS.split(', '))}{{extra}} "  # noqa: S608 - column names and fixed text
-    "FROM ztate.threads h JOIN ztate.transitions t "
-    "ON t.thread_id = h.thread_id AND t.version = {version} WHERE h.thread_id = $1"
-)
-
 
 PENDING_COLUMNS = (
     "digest, thread_id, base_version, parent_digest, node_id, proposal, risk_rules, "
@@ -132,6 +125,89 @@ PENDING_COLUMNS = (
 
 
 HEAD_COLUMNS = "thread_id, version, digest, state_bytes, policy_name, policy_digest"
+
+
+# Reads whose plan is kept. Postgres keeps a generic plan for a prepared statement after
+# five runs (asyncpg prepares each once per pooled connection), made with the statistics
+# of that moment and kept until an ANALYZE of its tables. On tables never analysed
+# (a fresh database, or autovacuum not yet come) the planner takes a table for ten pages
+# and a thread for a row or two, so it costs "thread_id = $1 AND version = $2" through
+# the thread-time index (every version of the thread read to find one) the same as
+# through the primary key, and chose the former; the thread's versions then grew under a
+# plan that reads them all. Each lookup of one row by its unique key is therefore written
+# as a range of one value (the same row: the collations are deterministic), in that key's
+# order, LIMIT 1: an order only the key's index gives, so any other index adds a sort and
+# the probe is the cheapest index plan whatever the statistics say of the thread
+# (tests/integration/test_read_plans.py). (Tables analysed while they held a page or two
+# get a sequential scan instead, for these as for every statement of the store, until
+# their next ANALYZE: no wording of a statement changes that.)
+def record_at(columns: str) -> str:
+    """The statement reading ``columns`` of the record ($1 thread, $2 version)."""
+    return (
+        f"SELECT {columns} FROM ztate.transitions "  # noqa: S608 - constant columns
+        "WHERE thread_id = $1 AND version BETWEEN $2 AND $2 ORDER BY version LIMIT 1"
+    )
+
+
+TRANSITION_AT = record_at(TRANSITION_COLUMNS)
+STATE_AT = record_at("state")
+
+
+# A record of the thread with its head row: the head, then the record at ``version`` (an
+# expression of the head row, or a constant) by the primary key, written as record_at is.
+# A join on "t.version = h.version" was planned as the thread's versions read by the
+# key's prefix, filtered by the head's version.
+def record_with_head(version: str, head_columns: str = "") -> str:
+    """The statement reading the record at ``version`` of thread $1 (and
+    ``head_columns`` of its head row, each with a leading comma)."""
+    return f"""
+SELECT {", ".join("t." + c for c in TRANSITION_COLUMNS.split(", "))}{head_columns}
+  FROM ztate.threads h
+ CROSS JOIN LATERAL (SELECT {TRANSITION_COLUMNS} FROM ztate.transitions x
+                      WHERE x.thread_id = $1 AND x.version BETWEEN {version} AND {version}
+                      ORDER BY x.version LIMIT 1) t
+ WHERE h.thread_id = $1
+"""  # noqa: S608 - constant column lists and versions
+
+
+HEAD_TRANSITION = record_with_head("h.version")
+# the genesis and the policy the thread was created under (CreateThread's replay check)
+GENESIS = record_with_head("0", ", h.policy_name")
+
+# A record's receipt and the risk rules of the parked proposal it committed: the record
+# by its digest, the proposal by its unique (thread, node, idempotency key), written as
+# record_at is. An equality join was planned as every committed parked proposal read by
+# the status index and filtered.
+EVIDENCE = """
+SELECT t.receipt, t.receipt_signature, t.receipt_key_id,
+       coalesce(p.risk_rules, '{}') AS risk_rules
+  FROM ztate.transitions t
+  LEFT JOIN LATERAL (SELECT x.risk_rules FROM ztate.pending_transitions x
+                      WHERE t.receipt IS NOT NULL AND x.thread_id = t.thread_id
+                        AND x.node_id = t.node_id
+                        AND x.idempotency_key BETWEEN t.idempotency_key AND t.idempotency_key
+                        AND x.status = 'committed'
+                      ORDER BY x.idempotency_key LIMIT 1) p ON true
+ WHERE t.digest = $1
+"""
+
+# A parked proposal by its unique (thread, node, idempotency key), written as record_at
+# is: "idempotency_key = $3" was planned as the thread's parked proposals read by
+# pending_by_thread and filtered.
+FIND_PENDING = f"""
+SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions
+ WHERE thread_id = $1 AND node_id = $2 AND idempotency_key BETWEEN $3 AND $3
+ ORDER BY idempotency_key LIMIT 1
+"""  # noqa: S608 - constant column list
+
+# Why an approved transition was refused at commit: the newest such rejection, by the
+# index migration 0025 adds for exactly this (it walks it backwards, LIMIT 1). Without
+# it every plan read all the rejections of the node or of the thread.
+REFUSAL_AT_COMMIT = """
+SELECT reason FROM ztate.rejections
+ WHERE method = 'ApplyDecision' AND thread_id = $1 AND node_id = $2 AND base_version = $3
+ ORDER BY id DESC LIMIT 1
+"""
 
 
 def _fields(alias: str, columns: str, renamed: dict[str, str] | None = None) -> str:
@@ -448,26 +524,17 @@ class PostgresTransitionStore:
 
     @translated
     async def transition_at(self, thread_id: str, version: int) -> StoredTransition | None:
-        row = await self._pool.fetchrow(
-            f"SELECT {TRANSITION_COLUMNS} FROM ztate.transitions "  # noqa: S608
-            "WHERE thread_id = $1 AND version = $2",
-            thread_id,
-            version,
-        )
+        row = await self._pool.fetchrow(TRANSITION_AT, thread_id, version)
         return StoredTransition.from_row(row) if row else None
 
     @translated
     async def head_transition(self, thread_id: str) -> StoredTransition | None:
-        row = await self._pool.fetchrow(
-            _JOINED_TRANSITION.format(extra="", version="h.version"), thread_id
-        )
+        row = await self._pool.fetchrow(HEAD_TRANSITION, thread_id)
         return StoredTransition.from_row(row) if row else None
 
     @translated
     async def genesis(self, thread_id: str) -> Genesis | None:
-        row = await self._pool.fetchrow(
-            _JOINED_TRANSITION.format(extra=", h.policy_name", version="0"), thread_id
-        )
+        row = await self._pool.fetchrow(GENESIS, thread_id)
         if row is None:
             return None
         fields = dict(row.items())
@@ -477,15 +544,7 @@ class PostgresTransitionStore:
     @translated
     async def evidence(self, digest: str) -> Evidence:
         """The receipt a record was committed under and the rules its proposal matched."""
-        row = await self._pool.fetchrow(
-            "SELECT t.receipt, t.receipt_signature, t.receipt_key_id, "
-            "coalesce(p.risk_rules, '{}') AS risk_rules "
-            "FROM ztate.transitions t LEFT JOIN ztate.pending_transitions p "
-            "ON t.receipt IS NOT NULL AND p.thread_id = t.thread_id AND p.node_id = t.node_id "
-            "AND p.idempotency_key = t.idempotency_key AND p.status = 'committed' "
-            "WHERE t.digest = $1",
-            digest,
-        )
+        row = await self._pool.fetchrow(EVIDENCE, digest)
         if row is None:
             return Evidence(None, None, None, [])
         return Evidence(
@@ -550,11 +609,7 @@ class PostgresTransitionStore:
 
     @translated
     async def state_at(self, thread_id: str, version: int) -> KeptState | None:
-        row = await self._pool.fetchrow(
-            "SELECT state FROM ztate.transitions WHERE thread_id = $1 AND version = $2",
-            thread_id,
-            version,
-        )
+        row = await self._pool.fetchrow(STATE_AT, thread_id, version)
         return None if row is None else KeptState(row["state"])
 
     @translated
@@ -620,13 +675,7 @@ class PostgresTransitionStore:
     async def find_pending(
         self, thread_id: str, node_id: str, idempotency_key: str
     ) -> PendingTransition | None:
-        row = await self._pool.fetchrow(
-            f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
-            "WHERE thread_id = $1 AND node_id = $2 AND idempotency_key = $3",
-            thread_id,
-            node_id,
-            idempotency_key,
-        )
+        row = await self._pool.fetchrow(FIND_PENDING, thread_id, node_id, idempotency_key)
         return PendingTransition.from_row(row) if row else None
 
     @translated
@@ -641,8 +690,7 @@ class PostgresTransitionStore:
     async def refusal_at_commit(self, pending: PendingTransition) -> str | None:
         """The reason an approved transition was refused when it came to commit."""
         reason: str | None = await self._pool.fetchval(
-            "SELECT reason FROM ztate.rejections WHERE method = 'ApplyDecision' "
-            "AND thread_id = $1 AND node_id = $2 AND base_version = $3 ORDER BY id DESC LIMIT 1",
+            REFUSAL_AT_COMMIT,
             pending.thread_id,
             pending.node_id,
             pending.base_version,

@@ -101,7 +101,9 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         applied = await migrate(conn, SERVICE_ROLE)  # `ztate db migrate`
         # 0020 adds the batch commit's function, which Citus does not use (one row a
         # commit); 0021 and 0022 set storage parameters of the (distributed) ledger and
-        # heads; 0023 replaces the key-index trigger's function, on every node; 0024 the park
+        # heads; 0023 replaces the key-index trigger's function, on every node; 0024
+        # the park; 0025 indexes the refusals at commit (the rejections stay on the
+        # coordinator)
         assert applied == [
             "0018_wakes_in_the_commit",
             "0019_leases_in_the_commit",
@@ -110,6 +112,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             "0022_room_for_heads",
             "0023_patch_keys_planned_once",
             "0024_lease_fence_in_the_park",
+            "0025_refusals_at_commit",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None

@@ -1,0 +1,20 @@
+-- The reason an approved transition was refused at commit, found by an index.
+--
+-- A waiter on a parked proposal that the policy refused when its approval came to
+-- commit is told why (PostgresTransitionStore.refusal_at_commit): the newest rejection
+-- of method 'ApplyDecision' of that thread, node and base version. No index led there:
+-- every plan read all the rejections of the node (rejections_by_node) or of the thread
+-- (rejections_by_thread) and sorted them, and the rejections are what hostile nodes
+-- fill, one row a refused proposal, kept for good. This index holds only the refusals
+-- at commit (rare: an approved proposal the policy in force no longer allows), in the
+-- statement's order, so the statement reads one entry of it, walking it backwards; the
+-- rejections of proposals do not enter it and cost nothing more.
+--
+-- Building it reads the rejections once and blocks their inserts while it runs (a
+-- refused proposal waits); on a very large table create it first with
+-- CREATE INDEX CONCURRENTLY under this name, and this migration finds it there.
+-- On Citus the rejections stay on the coordinator, as does this index.
+
+CREATE INDEX IF NOT EXISTS rejections_at_commit
+    ON ztate.rejections (thread_id, node_id, base_version, id)
+    WHERE method = 'ApplyDecision';
