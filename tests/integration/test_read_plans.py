@@ -262,6 +262,7 @@ async def test_reads_of_one_row_probe_by_index_whatever_size_their_plan_was_made
     genesis = await db.store.genesis(thread_id)
     assert genesis is not None
     assert genesis.record == await db.store.transition_at(thread_id, 0)
+    assert genesis.policy_name == "pipeline"  # new_thread's
     assert await db.store.state_at(thread_id, GROWN_TO + 1) is None
     record, _ = await db.approvals.base_of(dataclasses.replace(parked, base_version=1))
     assert record == at_one.record

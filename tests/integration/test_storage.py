@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import asyncpg
@@ -13,12 +14,14 @@ import pytest
 import pytest_asyncio
 
 from tests.harness import Ledger, Pki, act, client, new_thread_id, with_database
-from tests.integration.test_store_conformance import new_thread, sealed
+from tests.integration.test_store_conformance import new_thread, pending, sealed
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.keyring import Keyring
 from ztate.contract.record import GENESIS_PARENT
 from ztate.services.store import migrate as migrations
-from ztate.services.store.interface import Commit, Creation
+from ztate.services.store.interface import Commit, Creation, LeaseClaim, Park
+from ztate.services.store.transitions import PostgresTransitionStore
+from ztate.services.store.work import RELEASE, WorkStore
 from ztate.transition_service.app import RunningService
 from ztate.worker_sdk import StaleVersion
 
@@ -225,3 +228,164 @@ async def test_a_head_update_stays_on_its_page_while_old_versions_cannot_be_prun
     finally:
         await keeper.close()
     assert after == before
+
+
+async def test_a_park_under_a_lease_holds_the_lease_until_the_parked_row_commits(
+    service: RunningService, keyring: Keyring
+) -> None:
+    """The park fences its lease in its own transaction (migration 0024): it locks the
+    grant's row FOR SHARE, so that no release (and no new grant) can change the lease
+    between the fence and the parked row's commit, which would leave a stale holder's
+    proposal parked. While a park's transaction is open, a release of that grant waits
+    for it (here: refused by a 200 ms lock_timeout); once it has committed, the release
+    goes through."""
+    store = service.store
+    assert isinstance(store, PostgresTransitionStore)
+    work = WorkStore(store.pool)
+    thread_id = new_thread_id()
+    genesis, state = sealed(keyring, thread_id, 0, GENESIS_PARENT, {"raw_text": "v0"})
+    created = await store.create_thread(
+        genesis, state, policy_name="pipeline", committed_at=datetime.now(UTC), woken=["n"]
+    )
+    assert created is Creation.CREATED
+    lease = await work.acquire(thread_id, "n", "holder", 30.0)
+    assert lease is not None
+    async with store.pool.acquire() as parking_conn, store.pool.acquire() as other:
+        open_park = parking_conn.transaction()
+        await open_park.start()
+        try:
+            # the store's park, on a connection whose transaction stays open
+            in_transaction = PostgresTransitionStore(parking_conn)  # type: ignore[arg-type]
+            parking = await in_transaction.park(
+                pending(thread_id, genesis.digest, "held-1", "d4" * 32),
+                b"{}",
+                LeaseClaim("n", lease.epoch),
+            )
+            assert parking.outcome is Park.PARKED
+            async with other.transaction():
+                await other.execute("SET LOCAL lock_timeout = '200ms'")
+                with pytest.raises(asyncpg.LockNotAvailableError):
+                    await other.fetchrow(RELEASE, thread_id, "n", lease.epoch, -1)
+        except BaseException:
+            await open_park.rollback()
+            raise
+        await open_park.commit()
+    assert await work.holds(thread_id, "n", lease.epoch)  # the park left it held
+    assert await work.release(thread_id, "n", lease.epoch, -1) is not None
+
+
+async def test_the_park_of_the_release_before_still_parks_during_a_rolling_upgrade(
+    service: RunningService, keyring: Keyring, as_service_role: asyncpg.Connection
+) -> None:
+    """Migration 0024 adds the park with a lease fence as a new function: the 13-argument
+    one that replicas of the release before call stays, so that during a rolling upgrade
+    their risky proposals still park instead of failing on a missing function."""
+    thread_id, genesis = await new_thread(service.store, keyring)
+    old = pending(thread_id, genesis.digest, "old-release", "e5" * 32)
+    parked = await as_service_role.fetchval(
+        "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+        old.thread_id,
+        old.digest,
+        old.base_version,
+        old.parent_digest,
+        old.node_id,
+        old.proposal,
+        b"{}",
+        old.risk_rules,
+        old.idempotency_key,
+        old.request_digest,
+        old.parked_at,
+        old.sensitive_keys,
+        old.required_approvals,
+    )
+    assert parked is True
+    found = await service.store.pending_by_digest(old.digest)
+    assert found is not None
+    assert (found.thread_id, found.idempotency_key) == (thread_id, "old-release")
+
+
+@dataclass(frozen=True)
+class MigrationsUpTo(migrations.MigrationSet):
+    """The transition service's migrations as a release that ended at ``last`` shipped."""
+
+    last: int = 0
+
+    def bundled(self) -> list[migrations.Migration]:
+        return [m for m in super().bundled() if m.number <= self.last]
+
+
+async def test_an_index_left_invalid_by_a_failed_concurrent_build_fails_its_migration(
+    postgres_server_dsn: str,
+) -> None:
+    """Operators are told to build migration 0025's index with CREATE INDEX CONCURRENTLY
+    beforehand on a large rejections table. A concurrent build that failed leaves an
+    invalid index of that name, which the planner never uses and CREATE INDEX IF NOT
+    EXISTS would take for done: the migration fails naming it, and is not recorded."""
+    name = f"ztate_invalid_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    conn = await asyncpg.connect(with_database(postgres_server_dsn, name))
+    roles = {
+        ":service_role": "ztate_invalid_role",
+        ":reader_role": "ztate_reader",
+        ":pruner_role": migrations.PRUNER_ROLE,
+    }
+    every = migrations.TRANSITION_MIGRATIONS
+    try:
+        before = MigrationsUpTo(every.package, every.table, every.lock, last=24)
+        await migrations.apply_migrations(conn, before, roles)
+        await conn.execute(
+            "CREATE INDEX rejections_at_commit ON ztate.rejections "
+            "(thread_id, node_id, base_version, id) WHERE method = 'ApplyDecision'; "
+            "UPDATE pg_catalog.pg_index SET indisvalid = false "  # as a failed build leaves it
+            "WHERE indexrelid = 'ztate.rejections_at_commit'::regclass"
+        )
+        with pytest.raises(
+            asyncpg.RaiseError,
+            match=r"^the index ztate.rejections_at_commit exists but is not valid \(a "
+            r"CREATE INDEX CONCURRENTLY that failed\?\): drop it, then migrate again$",
+        ):
+            await migrations.apply_migrations(conn, every, roles)
+        assert await conn.fetchval("SELECT max(number) FROM public.ztate_schema_migrations") == 24
+        await conn.execute("DROP INDEX ztate.rejections_at_commit")
+        assert await migrations.apply_migrations(conn, every, roles) == [
+            f"{m.number:04d}_{m.name}" for m in every.bundled() if m.number > 24
+        ]
+    finally:
+        await conn.close()
+
+
+async def test_an_invalid_index_of_the_approval_outbox_fails_its_migration(
+    postgres_server_dsn: str,
+) -> None:
+    """The approval service's migration 0003 likewise refuses an invalid
+    receipts_undelivered (a failed concurrent build), and is not recorded."""
+    from ztate.approval_service.app import APPROVAL_MIGRATIONS
+
+    name = f"ztate_invalid_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(postgres_server_dsn)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    conn = await asyncpg.connect(with_database(postgres_server_dsn, name))
+    roles = {":approval_role": "ztate_invalid_approver"}
+    every = APPROVAL_MIGRATIONS
+    try:
+        before = MigrationsUpTo(every.package, every.table, every.lock, last=2)
+        await migrations.apply_migrations(conn, before, roles)
+        await conn.execute(
+            "CREATE INDEX receipts_undelivered ON ztate_approval.receipts (signed_at, digest) "
+            "WHERE delivered_at IS NULL; "
+            "UPDATE pg_catalog.pg_index SET indisvalid = false "
+            "WHERE indexrelid = 'ztate_approval.receipts_undelivered'::regclass"
+        )
+        with pytest.raises(
+            asyncpg.RaiseError,
+            match=r"^the index ztate_approval.receipts_undelivered exists but is not valid "
+            r"\(a CREATE INDEX CONCURRENTLY that failed\?\): drop it, then migrate again$",
+        ):
+            await migrations.apply_migrations(conn, every, roles)
+        recorded = f"SELECT max(number) FROM public.{every.table}"  # noqa: S608 - a constant
+        assert await conn.fetchval(recorded) == 2
+    finally:
+        await conn.close()

@@ -18,13 +18,14 @@
 --
 -- The lease is not released here: the service releases it after the answer, as before.
 --
--- The new arguments change the function's signature: the old one is dropped. `ztate db
--- citus` distributes the new one by its thread id like the old
--- (services/store/optional/citus_distribute.sql): run it again after this migration.
--- node_work is co-located with threads, so on Citus the call stays on one worker.
-
-DROP FUNCTION IF EXISTS ztate.park_transition(text, text, bigint, text, text, bytea, bytea,
-    text[], text, text, timestamptz, text[], integer);
+-- The new arguments make a new function (an overload): the 13-argument one of migration
+-- 0016 stays, unchanged, so that replicas of the release before, which fence with a
+-- statement of their own and then park with it, keep parking during a rolling upgrade
+-- instead of failing every risky proposal on a function that no longer exists. This
+-- release never calls it; a later migration drops it. `ztate db citus` distributes the
+-- new one by its thread id like the old (services/store/optional/citus_distribute.sql):
+-- run it again after this migration. node_work is co-located with threads, so on Citus
+-- the call stays on one worker.
 
 CREATE OR REPLACE FUNCTION ztate.park_transition(
     p_thread_id text, p_digest text, p_base_version bigint, p_parent text, p_node_id text,

@@ -12,9 +12,24 @@
 --
 -- Building it reads the rejections once and blocks their inserts while it runs (a
 -- refused proposal waits); on a very large table create it first with
--- CREATE INDEX CONCURRENTLY under this name, and this migration finds it there.
--- On Citus the rejections stay on the coordinator, as does this index.
+-- CREATE INDEX CONCURRENTLY under this name, and this migration finds it there. A
+-- concurrent build that failed leaves an invalid index of that name, which the planner
+-- never uses: this migration then fails, naming it, rather than be recorded as applied
+-- over an index that serves nothing (drop it, build it again, migrate again).
+-- On Citus the rejections are the coordinator's table, where this index serves the
+-- lookup.
 
 CREATE INDEX IF NOT EXISTS rejections_at_commit
     ON ztate.rejections (thread_id, node_id, base_version, id)
     WHERE method = 'ApplyDecision';
+
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_index
+                WHERE indexrelid = pg_catalog.to_regclass('ztate.rejections_at_commit')
+                  AND NOT (indisvalid AND indisready)) THEN
+        RAISE EXCEPTION 'the index ztate.rejections_at_commit exists but is not valid (a '
+            'CREATE INDEX CONCURRENTLY that failed?): drop it, then migrate again';
+    END IF;
+END;
+$$;
