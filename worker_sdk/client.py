@@ -52,6 +52,18 @@ _OUTCOMES = frozenset(transition_pb2.Outcome.values()) - {transition_pb2.OUTCOME
 Reply = TypeVar("Reply")
 
 
+def _bad_reply(kind: str, fault: str) -> ProtocolError:
+    """The ``ProtocolError`` (BAD_REPLY) for a reply of the service, or a part of one,
+    of message type ``kind`` that the protocol does not allow; ``fault`` says what is
+    wrong with it, never with the reply's bytes (they may hold state values)."""
+    answered = (
+        f"answered {kind.removesuffix('Response')}"
+        if kind.endswith("Response")
+        else f"sent a {kind}"
+    )
+    return ProtocolError(f"the service {answered} {fault}")
+
+
 def _require(message: Message, *fields: str) -> None:
     """Raise ``ProtocolError`` (BAD_REPLY) unless each of ``fields`` (a sub-message or a
     oneof) is set in ``message``, a reply of the service or a part of one. proto3 cannot
@@ -59,13 +71,24 @@ def _require(message: Message, *fields: str) -> None:
     empty fields, a time of 1970), which a worker would take for the service's answer."""
     missing = [name for name in fields if not message.HasField(name)]
     if missing:
-        kind = message.DESCRIPTOR.name
-        answered = (
-            f"answered {kind.removesuffix('Response')}"
-            if kind.endswith("Response")
-            else f"sent a {kind}"
-        )
-        raise ProtocolError(f"the service {answered} without the {', '.join(missing)}")
+        raise _bad_reply(message.DESCRIPTOR.name, f"without the {', '.join(missing)}")
+
+
+def _json_object(data: bytes, kind: str, field: str) -> dict[str, Any]:
+    """The JSON object that ``field`` of a reply (or a part of one) of message type
+    ``kind`` carries; ``ProtocolError`` (BAD_REPLY) when it is empty, not UTF-8 JSON or
+    not an object. A worker is not to crash with a decoding traceback on what a
+    misbehaving service or proxy sent, nor to be told its bytes (they may hold state
+    values): the error names the field and the fault only."""
+    if not data:
+        raise _bad_reply(kind, f"with an empty {field}")
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _bad_reply(kind, f"with a {field} that is not JSON") from None
+    if not isinstance(parsed, dict):
+        raise _bad_reply(kind, f"with a {field} that is not a JSON object")
+    return parsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +111,15 @@ class Transition:
         """The parsed ledger record (see docs/ledger-format.md).
 
         Raises ``RecordWithheld`` for a node whose policy does not mark it
-        ``read_records``: it receives versions and outcomes, no record and no digest.
+        ``read_records``: it receives versions and outcomes, no record and no digest;
+        ``ProtocolError`` for record bytes that are not a JSON object.
         """
         if not self.record_json:
             raise RecordWithheld(
                 "records and digests are disclosed only to operators and to nodes whose "
                 "policy marks them read_records"
             )
-        parsed: dict[str, Any] = json.loads(self.record_json)
-        return parsed
+        return _json_object(self.record_json, "Transition", "record_json")
 
     @classmethod
     def from_message(cls, msg: transition_pb2.Transition, *, replayed: bool = False) -> Transition:
@@ -432,7 +455,8 @@ class ZtateClient:
         return Transition.from_message(response.genesis, replayed=response.replayed)
 
     async def get_view(self, thread_id: str) -> View:
-        """The head of a thread, projected to the keys this worker may read."""
+        """The head of a thread, projected to the keys this worker may read
+        (``ProtocolError`` when the service's answer holds no JSON object as the state)."""
         response = await self._call(
             lambda stub: stub.GetView, transition_pb2.GetViewRequest(thread_id=thread_id)
         )
@@ -440,7 +464,7 @@ class ZtateClient:
             thread_id=response.thread_id,
             version=response.version,
             head_digest=response.head_digest,
-            state=json.loads(response.state_json),
+            state=_json_object(response.state_json, "GetViewResponse", "state_json"),
         )
 
     async def propose(
@@ -553,8 +577,9 @@ class ZtateClient:
         normal end that came quickly and brought nothing counts as a failure.
         Refusals (a thread of another workflow, a stream limit:
         ``TooManyStreams``) are raised at once, and so is a certificate the
-        handshake refuses (``HandshakeFailed``). Break out of the loop to stop
-        watching.
+        handshake refuses (``HandshakeFailed``). A message the protocol does not
+        allow (a state that is not a JSON object) ends the watch with
+        ``ProtocolError``: it is not skipped. Break out of the loop to stop watching.
         """
         last = from_version
 
@@ -574,7 +599,9 @@ class ZtateClient:
                     thread_id=message.thread_id,
                     version=message.version,
                     digest=message.digest,
-                    state=None if message.state_pruned else json.loads(message.state_json),
+                    state=None
+                    if message.state_pruned
+                    else _json_object(message.state_json, "WatchThreadResponse", "state_json"),
                 )
 
     async def subscribe_work(
@@ -584,9 +611,12 @@ class ZtateClient:
 
         The stream is re-opened when it breaks in transport or the server ends it,
         and its failures are raised typed, as ``watch``'s are (a certificate the
-        handshake refuses: ``HandshakeFailed`` at once); leases already received stay
-        this process's until they lapse. At most ``max_in_flight`` leases are held
-        through the stream at once: release (or propose under) one to receive the next."""
+        handshake refuses: ``HandshakeFailed`` at once), and a message the protocol does
+        not allow (without the lease's expiry, a state that is not a JSON object) ends it
+        with ``ProtocolError``, not skipped; leases already received stay this process's
+        until they lapse (so does that message's). At most ``max_in_flight`` leases are
+        held through the stream at once: release (or propose under) one to receive the
+        next."""
         request = transition_pb2.SubscribeWorkRequest(max_in_flight=max_in_flight)
         async with contextlib.aclosing(
             self._resumed(
@@ -598,7 +628,7 @@ class ZtateClient:
                 yield WorkItem(
                     thread_id=message.thread_id,
                     version=message.version,
-                    state=json.loads(message.state_json),
+                    state=_json_object(message.state_json, "SubscribeWorkResponse", "state_json"),
                     lease_epoch=message.lease_epoch,
                     lease_expires_at=message.lease_expires_at.ToDatetime(),
                     lease_ttl=message.lease_ttl_seconds,

@@ -5,6 +5,7 @@ stale version, a refusal, a parked proposal, a head without a receipt)."""
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         self.watch: Callable[[int, int], AsyncIterator[transition_pb2.WatchThreadResponse]]
         self.propose: Callable[[int, Any], Any]
         self.view_version = 0
+        self.view_state = b'{"n":1}'
         self.record: transition_pb2.GetTransitionResponse | None = None
         self.checkpoint: transition_pb2.SignedCheckpoint | None = None
         self.outcome = transition_pb2.WaitForOutcomeResponse()
@@ -97,7 +99,7 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         if self.view_calls <= self.view_failures:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is restarting")
         return transition_pb2.GetViewResponse(
-            thread_id=THREAD, version=self.view_version, state_json=b'{"n":1}', head_digest="f"
+            thread_id=THREAD, version=self.view_version, state_json=self.view_state, head_digest="f"
         )
 
     async def ProposeTransition(
@@ -286,9 +288,9 @@ async def test_a_thread_created_without_its_genesis_is_a_protocol_error(
     assert (created.thread_id, created.version, created.replayed) == (THREAD, 0, True)
 
 
-def lease(**fields: Any) -> transition_pb2.SubscribeWorkResponse:
+def lease(state: bytes = b'{"n":1}', **fields: Any) -> transition_pb2.SubscribeWorkResponse:
     return transition_pb2.SubscribeWorkResponse(
-        thread_id=THREAD, version=3, state_json=b'{"n":1}', lease_epoch=7, **fields
+        thread_id=THREAD, version=3, state_json=state, lease_epoch=7, **fields
     )
 
 
@@ -426,6 +428,151 @@ WHOLE = {
     "renew_lease": 2026,
     "subscribe_work": (3, 7, 2026),
 }
+
+
+# JSON a field of a reply must carry as an object, as a misbehaving service or proxy
+# might send it instead: the bytes, and what the ProtocolError says of the field. Each
+# holds "s3cret", which the error must not repeat (state values may be secrets).
+BAD_JSON: dict[str, tuple[bytes, str]] = {
+    "empty": (b"", "an empty {}"),
+    "cut short": (b'{"card":"s3cret', "a {} that is not JSON"),
+    "not UTF-8": (b'{"card":"s3cret\xff"}', "a {} that is not JSON"),
+    "nested past the parser's recursion limit": (
+        b"[" * 100_000 + b'"s3cret"',
+        "a {} that is not JSON",
+    ),
+    "an array": (b'["s3cret"]', "a {} that is not a JSON object"),
+    "a string": (b'"s3cret"', "a {} that is not a JSON object"),
+    "null": (b"null", "a {} that is not a JSON object"),
+}
+
+
+async def worked(worker: ZtateClient) -> None:
+    async for _ in worker.subscribe_work(reconnects=0):
+        pass
+
+
+async def watched(worker: ZtateClient) -> None:
+    async for _ in worker.watch(THREAD, reconnects=0):
+        pass
+
+
+def watch_with(
+    bad: bytes,
+) -> Callable[[int, int], AsyncIterator[transition_pb2.WatchThreadResponse]]:
+    async def watch(call: int, after: int) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
+        yield event(0)
+        yield event(1, bad)
+        yield event(2)  # never reached: the bad message ends the stream, it is not skipped
+        await forever()
+
+    return watch
+
+
+def carrying_record(bad: bytes) -> transition_pb2.GetTransitionResponse:
+    return transition_pb2.GetTransitionResponse(
+        transition=transition_pb2.Transition(
+            thread_id=THREAD, version=4, digest="f" * 64, committed_at=stamp(), record_json=bad
+        )
+    )
+
+
+async def record_of(worker: ZtateClient) -> Any:
+    return (await worker.get_record(THREAD)).transition.record
+
+
+# Each reply field that carries a JSON object: how the server sends ``bad`` in it, the
+# call, the message type and field the ProtocolError names, and how often the service
+# was asked (once: not retried, the stream not re-opened).
+JsonCase = tuple[
+    Callable[[Scripted, bytes], None], Callable[[ZtateClient], Any], str, Callable[[Scripted], Any]
+]
+JSON_FIELDS: dict[str, JsonCase] = {
+    "get_view": (
+        lambda s, bad: setattr(s, "view_state", bad),
+        lambda w: w.get_view(THREAD),
+        "answered GetView with {}",
+        lambda s: s.view_calls,
+    ),
+    "watch": (
+        lambda s, bad: setattr(s, "watch", watch_with(bad)),
+        watched,
+        "answered WatchThread with {}",
+        lambda s: len(s.watch_from),
+    ),
+    "subscribe_work": (
+        lambda s, bad: setattr(
+            s, "work", [lease(lease_expires_at=stamp()), lease(bad, lease_expires_at=stamp())]
+        ),
+        worked,
+        "answered SubscribeWork with {}",
+        lambda s: len(s.asked),
+    ),
+    "a transition's record": (
+        lambda s, bad: setattr(s, "record", carrying_record(bad)),
+        record_of,
+        "sent a Transition with {}",
+        lambda s: len(s.asked),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "payload"),
+    [
+        (case, payload)
+        for case in JSON_FIELDS
+        for payload in BAD_JSON
+        # an empty record is the protocol's: withheld from this node (RecordWithheld)
+        if (case, payload) != ("a transition's record", "empty")
+    ],
+)
+async def test_a_reply_whose_json_is_not_an_object_is_a_protocol_error(
+    scripted: tuple[Scripted, ZtateClient], case: str, payload: str
+) -> None:
+    """Not a decoding traceback (JSONDecodeError, UnicodeDecodeError, RecursionError)
+    nor a state that is not a mapping: ProtocolError naming the field, not its bytes,
+    raised at once and not retried; a stream ends with it after the whole messages
+    before it, the bad one not skipped."""
+    servicer, worker = scripted
+    send, call, answered, asked = JSON_FIELDS[case]
+    bad, fault = BAD_JSON[payload]
+    field = "record_json" if case == "a transition's record" else "state_json"
+    send(servicer, bad)
+    with pytest.raises(ProtocolError) as failed:
+        async with asyncio.timeout(10):  # a skipped message would wait for the next forever
+            await call(worker)
+    assert (failed.value.code, failed.value.reason) == (grpc.StatusCode.INTERNAL, "BAD_REPLY")
+    assert str(failed.value) == f"BAD_REPLY: the service {answered.format(fault.format(field))}"
+    assert "s3cret" not in "".join(traceback.format_exception(failed.value))
+    # no parser's exception chained to it (a JSONDecodeError holds the whole document)
+    assert failed.value.__cause__ is None
+    assert failed.value.__context__ is None or failed.value.__suppress_context__
+    assert asked(servicer) == 1
+
+
+async def test_a_stream_ended_by_a_bad_message_ends_with_the_whole_ones_before_it(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    servicer, worker = scripted
+    servicer.watch = watch_with(b"[]")
+    servicer.work = [lease(lease_expires_at=stamp()), lease(b"[]", lease_expires_at=stamp())]
+    seen: list[Any] = []
+
+    async def watch() -> None:
+        async for change in worker.watch(THREAD, reconnects=0):
+            seen.append(change.version)
+
+    async def work() -> None:
+        async for item in worker.subscribe_work(reconnects=0):
+            seen.append(item.state)
+
+    for stream in (watch, work):
+        with pytest.raises(ProtocolError):
+            async with asyncio.timeout(10):
+                await stream()
+    assert seen == [0, {"n": 1}]
+    assert (servicer.watch_from, servicer.asked) == ([-1], ["SubscribeWork"])
 
 
 # --- the runner ---------------------------------------------------------------------------

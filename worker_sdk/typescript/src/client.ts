@@ -247,15 +247,22 @@ function diagnose(target: string, tlsFiles: TlsFiles, serverName: string | undef
 }
 
 /**
+ * The error for a reply of `call` the protocol does not allow: EvidenceInvalid
+ * "reply.form", `fault` saying what is wrong, never with the reply's bytes (they may
+ * hold state values). The Python SDK raises ProtocolError (BAD_REPLY) for the same
+ * replies, with the same message.
+ */
+function badReply(call: string, fault: string): EvidenceInvalid {
+  return new EvidenceInvalid("reply.form", `the service answered ${call} ${fault}`);
+}
+
+/**
  * `value`, a field the protocol says a reply of `call` carries (a sub-message, a oneof);
  * EvidenceInvalid "reply.form" when the reply lacks it. protobuf-es leaves an unset
- * sub-message undefined, which a worker would pass on as the service's answer. The
- * Python SDK raises ProtocolError (BAD_REPLY) for the same replies.
+ * sub-message undefined, which a worker would pass on as the service's answer.
  */
 function required<T>(value: T | undefined, call: string, field: string): T {
-  if (value === undefined) {
-    throw new EvidenceInvalid("reply.form", `the service answered ${call} without the ${field}`);
-  }
+  if (value === undefined) throw badReply(call, `without the ${field}`);
   return value;
 }
 
@@ -271,8 +278,23 @@ const OUTCOMES: ReadonlySet<OutcomeKind> = new Set(
   Object.values(OutcomeKind).filter((value): value is OutcomeKind => typeof value === "number" && value !== OutcomeKind.UNSPECIFIED),
 );
 
-function parseState(bytes: Uint8Array): JsonObject {
-  return JSON.parse(decoder.decode(bytes)) as JsonObject;
+/**
+ * The JSON object `field` of a reply of `call` carries (a state); EvidenceInvalid
+ * "reply.form" when it is empty, not UTF-8 JSON, or JSON of another kind. Not
+ * JSON.parse's SyntaxError: its message quotes the text, which may hold state values.
+ */
+function parseObject(bytes: Uint8Array, call: string, field: string): JsonObject {
+  if (bytes.length === 0) throw badReply(call, `with an empty ${field}`);
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(decoder.decode(bytes));
+  } catch {
+    throw badReply(call, `with a ${field} that is not JSON`);
+  }
+  if (parsed === null || typeof parsed !== "object" || Array.isArray(parsed)) {
+    throw badReply(call, `with a ${field} that is not a JSON object`);
+  }
+  return parsed as JsonObject;
 }
 
 /** A ztate client for one worker identity. Close it when done. */
@@ -376,13 +398,16 @@ export class ZtateClient {
     return { transition: committedTransition(reply.genesis, "CreateThread", "genesis"), replayed: reply.replayed };
   }
 
-  /** The caller's view of the thread's head. */
+  /**
+   * The caller's view of the thread's head; EvidenceInvalid "reply.form" for a reply
+   * whose state is not a JSON object.
+   */
   async getView(threadId: string): Promise<View> {
     const reply = await this.#call(() => this.#client.getView({ threadId }, { timeoutMs: this.#timeoutMs }));
     return {
       threadId: reply.threadId,
       version: reply.version,
-      state: parseState(reply.stateJson),
+      state: parseObject(reply.stateJson, "GetView", "state_json"),
       headDigest: reply.headDigest,
     };
   }
@@ -420,7 +445,7 @@ export class ZtateClient {
           baseVersion: reply.outcome.value.baseVersion,
         };
       default:
-        throw new EvidenceInvalid("reply.form", "the service answered ProposeTransition without the outcome");
+        throw badReply("ProposeTransition", "without the outcome");
     }
   }
 
@@ -429,7 +454,9 @@ export class ZtateClient {
    * commits, until `signal` aborts or the server ends the stream (after
    * ZTATE_WATCH_MAX_STREAM_SECONDS: call again from the last version received).
    * A worker's own commit can arrive here before its propose call returns: decide on
-   * versions, not on the order of events.
+   * versions, not on the order of events. A message the protocol does not allow (a
+   * state that is not a JSON object) ends the stream with EvidenceInvalid "reply.form":
+   * it is not skipped.
    */
   async *watch(threadId: string, fromVersion: bigint | number, signal?: AbortSignal): AsyncGenerator<WatchEvent> {
     try {
@@ -440,11 +467,12 @@ export class ZtateClient {
         yield {
           threadId: reply.threadId,
           version: reply.version,
-          state: reply.statePruned ? null : parseState(reply.stateJson),
+          state: reply.statePruned ? null : parseObject(reply.stateJson, "WatchThread", "state_json"),
           digest: reply.digest,
         };
       }
     } catch (error) {
+      if (error instanceof EvidenceInvalid) throw error; // the reply, not the transport
       if (signal?.aborted) return;
       throw await this.#failure(error);
     }
@@ -478,7 +506,7 @@ export class ZtateClient {
       if (reply.outcome === OutcomeKind.PENDING && deadline - performance.now() > ASK_AGAIN_MS) continue;
       if (!OUTCOMES.has(reply.outcome)) {
         // UNSPECIFIED is never sent; an outcome this client does not know has no status
-        throw new EvidenceInvalid("reply.form", `the service answered WaitForOutcome with outcome ${reply.outcome}`);
+        throw badReply("WaitForOutcome", `with outcome ${reply.outcome}`);
       }
       const status = (OutcomeKind[reply.outcome] as string).toLowerCase();
       const transition =

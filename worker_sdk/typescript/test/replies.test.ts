@@ -2,7 +2,8 @@
 // certificate of tests/integration/test_ts_client.py's CA, in the environment): a reply
 // without a sub-message or oneof it must carry is EvidenceInvalid "reply.form", thrown
 // at once and not retried, as the Python SDK's ProtocolError (BAD_REPLY); never a
-// result of undefined fields passed on as the service's answer.
+// result of undefined fields passed on as the service's answer. So is a state that is
+// not a JSON object (never JSON.parse's SyntaxError, which quotes the bytes).
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { createSecureServer, type ServerHttp2Session } from "node:http2";
@@ -23,6 +24,8 @@ const UNTIMED = { threadId: THREAD, version: 4n, digest: "f".repeat(64) };
 /** What the scripted service answers each call with, and how often it was asked. */
 const replies: { [call: string]: object } = {};
 const asked: string[] = [];
+/** The messages of the scripted service's watch stream, sent in order, then it ends. */
+let watched: object[] = [];
 
 function answer(call: string): object {
   asked.push(call);
@@ -45,6 +48,11 @@ async function scripted(): Promise<{ client: ZtateClient; close: () => void }> {
           proposeTransition: () => answer("proposeTransition"),
           getTransition: () => answer("getTransition"),
           waitForOutcome: () => answer("waitForOutcome"),
+          getView: () => answer("getView"),
+          async *watchThread() {
+            asked.push("watchThread");
+            yield* watched;
+          },
         }),
     }),
   );
@@ -174,6 +182,67 @@ test("a reply without what the protocol requires is reply.form, not retried", { 
         assert.deepEqual(c.holds(await c.make(client)), c.expected);
       });
     }
+  } finally {
+    close();
+  }
+});
+
+// A state as a misbehaving service or proxy might send it: the bytes, and what the error
+// says of the field. Each holds "s3cret", which the error must not repeat.
+const encoder = new TextEncoder();
+const BAD_STATES: { name: string; bytes: Uint8Array; fault: string }[] = [
+  { name: "empty", bytes: new Uint8Array(), fault: "an empty state_json" },
+  { name: "cut short", bytes: encoder.encode('{"card":"s3cret'), fault: "a state_json that is not JSON" },
+  {
+    name: "not UTF-8",
+    bytes: Uint8Array.of(...encoder.encode('{"card":"s3cret'), 0xff, ...encoder.encode('"}')),
+    fault: "a state_json that is not JSON",
+  },
+  { name: "deeply nested", bytes: encoder.encode("[".repeat(100_000) + '"s3cret"'), fault: "a state_json that is not JSON" },
+  { name: "an array", bytes: encoder.encode('["s3cret"]'), fault: "a state_json that is not a JSON object" },
+  { name: "a string", bytes: encoder.encode('"s3cret"'), fault: "a state_json that is not a JSON object" },
+  { name: "null", bytes: encoder.encode("null"), fault: "a state_json that is not a JSON object" },
+];
+const WHOLE_STATE = encoder.encode('{"n":1}');
+
+function watchedEvent(version: bigint, stateJson: Uint8Array): object {
+  return { threadId: THREAD, version, digest: "f".repeat(64), stateJson };
+}
+
+test("a state that is not a JSON object is reply.form, the bytes unsaid, a stream ended", { skip: !live }, async (t) => {
+  const { client, close } = await scripted();
+  const isReplyForm = (message: string) => (error: unknown) => {
+    assert.ok(error instanceof EvidenceInvalid, `${String(error)} is not EvidenceInvalid`);
+    assert.equal(error.check, "reply.form");
+    assert.equal(error.message, `reply.form: ${message}`);
+    assert.ok(!String(error.stack).includes("s3cret"), "the error repeats the bytes");
+    return true;
+  };
+  try {
+    for (const bad of BAD_STATES) {
+      await t.test(`getView, ${bad.name}`, async () => {
+        replies.getView = { threadId: THREAD, version: 3n, stateJson: bad.bytes };
+        asked.length = 0;
+        await assert.rejects(client.getView(THREAD), isReplyForm(`the service answered GetView with ${bad.fault}`));
+        assert.deepEqual(asked, ["getView"], "asked once: not retried");
+      });
+      await t.test(`watch, ${bad.name}`, async () => {
+        // a skipped message would let version 2 through and the stream end normally
+        watched = [watchedEvent(0n, WHOLE_STATE), watchedEvent(1n, bad.bytes), watchedEvent(2n, WHOLE_STATE)];
+        asked.length = 0;
+        const seen: unknown[] = [];
+        const watching = (async () => {
+          for await (const event of client.watch(THREAD, -1)) seen.push([event.version, event.state]);
+        })();
+        await assert.rejects(watching, isReplyForm(`the service answered WatchThread with ${bad.fault}`));
+        assert.deepEqual(seen, [[0n, { n: 1 }]]);
+        assert.deepEqual(asked, ["watchThread"]);
+      });
+    }
+    // the replies the protocol allows are the results
+    replies.getView = { threadId: THREAD, version: 3n, stateJson: WHOLE_STATE };
+    const view = await client.getView(THREAD);
+    assert.deepEqual([view.version, view.state], [3n, { n: 1 }]);
   } finally {
     close();
   }
