@@ -5,6 +5,7 @@ stale version, a refusal, a parked proposal, a head without a receipt)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -159,8 +160,10 @@ async def forever() -> None:
     await asyncio.Event().wait()
 
 
-@pytest_asyncio.fixture
-async def scripted(pki: Pki) -> AsyncIterator[tuple[Scripted, ZtateClient]]:
+@contextlib.asynccontextmanager
+async def scripted_server(pki: Pki) -> AsyncIterator[tuple[Scripted, str]]:
+    """A ``Scripted`` service over real mTLS (the test PKI's service certificate, client
+    certificates required), and its address."""
     servicer = Scripted()
     server = grpc.aio.server()
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(servicer, server)
@@ -172,13 +175,21 @@ async def scripted(pki: Pki) -> AsyncIterator[tuple[Scripted, ZtateClient]]:
         ),
     )
     await server.start()
-    creds = pki.node("db-writer")
-    worker = ZtateClient.from_files(
-        f"localhost:{port}", cert=creds.cert, key=creds.key, ca=creds.ca, backoff=0.01
-    )
-    yield servicer, worker
-    await worker.close()
-    await server.stop(None)
+    try:
+        yield servicer, f"localhost:{port}"
+    finally:
+        await server.stop(None)
+
+
+@pytest_asyncio.fixture
+async def scripted(pki: Pki) -> AsyncIterator[tuple[Scripted, ZtateClient]]:
+    async with scripted_server(pki) as (servicer, target):
+        creds = pki.node("db-writer")
+        worker = ZtateClient.from_files(
+            target, cert=creds.cert, key=creds.key, ca=creds.ca, backoff=0.01
+        )
+        yield servicer, worker
+        await worker.close()
 
 
 # --- watch ------------------------------------------------------------------------------
