@@ -692,6 +692,38 @@ async def test_a_malformed_record_is_head_not_verified_never_a_crash(
     assert refused.value.check == "record.form", case
 
 
+@pytest.mark.parametrize("case", ["no transition", "no committed_at"])
+async def test_a_head_reply_without_what_the_protocol_requires_is_head_not_verified(
+    scripted: tuple[Scripted, ZtateClient], case: str
+) -> None:
+    """get_record raises ProtocolError for such a reply: the check says HeadNotVerified
+    (reply.form), as for any malformed answer, and repeats nothing the reply held."""
+    servicer, worker = scripted
+    whole, approval_keys = head_with_receipt()
+    if case == "no transition":
+        whole.ClearField("transition")
+    else:
+        whole.transition.ClearField("committed_at")
+    servicer.record = whole
+    with pytest.raises(HeadNotVerified) as refused:
+        await verify_head_before_acting(
+            worker,
+            THREAD,
+            approval_keys=approval_keys,
+            checkpoint_keys={},
+            expected_version=4,
+            acting_on=PATCH,
+            checkpoint_wait=0.3,
+        )
+    assert (refused.value.check, str(refused.value)) == (
+        "reply.form",
+        "reply.form: the service answered GetTransition without a field the protocol requires",
+    )
+    assert refused.value.__cause__ is None
+    assert refused.value.__suppress_context__
+    assert servicer.asked == ["GetTransition"]  # asked once: not retried
+
+
 async def test_a_checkpoint_is_not_parsed_before_its_signature_verifies(
     scripted: tuple[Scripted, ZtateClient],
 ) -> None:
