@@ -5,7 +5,9 @@ before any RPC"), so gRPC reports a refused certificate as UNAVAILABLE, exactly 
 service that is down. Two things tell them apart:
 
 - ``check_own_certificate`` reads the worker's own files before any call: a key that is
-  not the certificate's, or a certificate outside its validity period, can only fail.
+  not the certificate's, a file cryptography cannot use (an encrypted key, a curve it
+  does not support, not PEM), or a certificate outside its validity period, can only
+  fail.
 - ``diagnose`` runs when a call failed in transport without a ztate reason: it opens one
   TLS connection of its own with the same certificate, key and CA, and sees which side
   gave up (our CA does not trust the server, the server's certificate does not name
@@ -29,9 +31,8 @@ from datetime import UTC, datetime
 import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 
-from ztate.worker_sdk._credentials import Pems
+from ztate.worker_sdk._credentials import Pems, own_certificate, refused
 from ztate.worker_sdk.errors import HandshakeFailed, Unreachable
 
 PROBE_SECONDS = 5.0
@@ -42,28 +43,20 @@ HOSTNAME_MISMATCH = 62  # X509_V_ERR_HOSTNAME_MISMATCH
 IP_ADDRESS_MISMATCH = 64  # X509_V_ERR_IP_ADDRESS_MISMATCH
 
 
-def _failed(kind: str, hint: str) -> HandshakeFailed:
-    return HandshakeFailed(grpc.StatusCode.UNAVAILABLE, kind, hint)
-
-
 def check_own_certificate(pems: Pems, *, now: datetime | None = None) -> None:
     """Raise ``HandshakeFailed`` for files the service's handshake can only refuse:
-    a key that is not the certificate's, a certificate expired or not yet valid."""
-    cert = x509.load_pem_x509_certificate(pems.cert)
-    key = serialization.load_pem_private_key(pems.key, password=None)
-    spki = serialization.PublicFormat.SubjectPublicKeyInfo
-    der = serialization.Encoding.DER
-    if key.public_key().public_bytes(der, spki) != cert.public_key().public_bytes(der, spki):
-        raise _failed("KEY_MISMATCH", "the key file is not the private key of the certificate file")
+    an unusable file or a key that is not the certificate's (``own_certificate``), a
+    certificate expired or not yet valid."""
+    cert = own_certificate(pems)
     now = now or datetime.now(UTC)
     if now >= cert.not_valid_after_utc:
-        raise _failed(
+        raise refused(
             "CERTIFICATE_EXPIRED",
             f"the client certificate expired at {cert.not_valid_after_utc.isoformat()}: the "
             "service refuses it in the TLS handshake; renew it (ztate ca renew)",
         )
     if now < cert.not_valid_before_utc:
-        raise _failed(
+        raise refused(
             "CERTIFICATE_NOT_YET_VALID",
             f"the client certificate is valid only from {cert.not_valid_before_utc.isoformat()} "
             "(is this machine's clock right?): the service refuses it until then",
@@ -126,7 +119,7 @@ def _refused_hint(pems: Pems, detail: str) -> HandshakeFailed:
             "the service does not trust this certificate: its CA is unknown to the "
             "service, or the service revoked it at the TLS layer"
         )
-    return _failed("CERTIFICATE_REFUSED", f"the service refused our certificate ({detail}): {why}")
+    return refused("CERTIFICATE_REFUSED", f"the service refused our certificate ({detail}): {why}")
 
 
 def diagnose(
@@ -160,12 +153,12 @@ def diagnose(
                 answer = tls.recv(9)
         except ssl.SSLCertVerificationError as error:
             if error.verify_code in (HOSTNAME_MISMATCH, IP_ADDRESS_MISMATCH):
-                return _failed(
+                return refused(
                     "SERVER_NAME_MISMATCH",
                     f"the service's certificate does not name {name!r}: connect with the "
                     "name in its certificate, or pass server_name",
                 )
-            return _failed(
+            return refused(
                 "SERVER_NOT_TRUSTED",
                 f"our CA does not trust the service's certificate ({error.verify_message}): "
                 "the CA file is not the CA that signed the service's certificate",

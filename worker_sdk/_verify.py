@@ -14,6 +14,7 @@ from ztate.contract.keyring import PublicKeys
 from ztate.contract.receipts import SignedReceipt, check_receipt_binds, verify_receipt
 from ztate.contract.record import parse_record
 from ztate.worker_sdk.client import ZtateClient
+from ztate.worker_sdk.errors import ProtocolError
 
 # The server signs checkpoints every ZTATE_CHECKPOINT_INTERVAL_SECONDS (60 by
 # default), not on each commit: waiting a little longer than one interval finds
@@ -24,7 +25,8 @@ LONGEST_POLL_SECONDS = 5.0
 
 
 class HeadNotVerified(Exception):
-    """The head may not be acted on: ``check`` names what failed (``head.moved``,
+    """The head may not be acted on: ``check`` names what failed (``reply.form``: the
+    service answered without what the protocol requires; ``head.moved``,
     ``record.digest``, ``record.form``, ``patch.missing``, ``patch.value``,
     ``receipt.missing``, ``receipt.signature``, ``receipt.form``,
     ``receipt.digest``, ``receipt.binding``, ``receipt.expired``,
@@ -95,7 +97,12 @@ async def verify_head_before_acting(
     """
     if not acting_on:
         raise ValueError("acting_on must name at least one key the worker acts on")
-    found = await client.get_record(thread_id)
+    try:
+        found = await client.get_record(thread_id)
+    except ProtocolError:  # a reply without its transition, or a transition undated
+        raise HeadNotVerified(
+            "reply.form", "the service answered GetTransition without a field the protocol requires"
+        ) from None
     transition = found.transition
     if transition.version != expected_version:
         raise HeadNotVerified(

@@ -129,8 +129,10 @@ class HandshakeFailed(Unavailable):
     alone reports as UNAVAILABLE, like a service that is down. ``reason`` says which
     (set by this client, not the server) and ``hint`` what to check:
 
-    - ``KEY_MISMATCH``, ``CERTIFICATE_EXPIRED``, ``CERTIFICATE_NOT_YET_VALID``: our own
-      files, checked before any call;
+    - ``KEY_UNUSABLE``, ``CERTIFICATE_UNUSABLE``, ``CA_UNUSABLE`` (a file that is not
+      PEM, a key encrypted with a password, a key or certificate key of a curve
+      cryptography does not support), ``KEY_MISMATCH``, ``CERTIFICATE_EXPIRED``,
+      ``CERTIFICATE_NOT_YET_VALID``: our own files, checked before any call;
     - ``CERTIFICATE_REFUSED``: the service refused our certificate (another CA, or
       unknown to the service);
     - ``SERVER_NOT_TRUSTED``: our CA file does not verify the service's certificate;

@@ -5,6 +5,7 @@ stale version, a refusal, a parked proposal, a head without a receipt)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -161,8 +162,10 @@ async def forever() -> None:
     await asyncio.Event().wait()
 
 
-@pytest_asyncio.fixture
-async def scripted(pki: Pki) -> AsyncIterator[tuple[Scripted, ZtateClient]]:
+@contextlib.asynccontextmanager
+async def scripted_server(pki: Pki) -> AsyncIterator[tuple[Scripted, str]]:
+    """A ``Scripted`` service over real mTLS (the test PKI's service certificate, client
+    certificates required), and its address."""
     servicer = Scripted()
     server = grpc.aio.server()
     transition_pb2_grpc.add_TransitionServiceServicer_to_server(servicer, server)
@@ -174,13 +177,21 @@ async def scripted(pki: Pki) -> AsyncIterator[tuple[Scripted, ZtateClient]]:
         ),
     )
     await server.start()
-    creds = pki.node("db-writer")
-    worker = ZtateClient.from_files(
-        f"localhost:{port}", cert=creds.cert, key=creds.key, ca=creds.ca, backoff=0.01
-    )
-    yield servicer, worker
-    await worker.close()
-    await server.stop(None)
+    try:
+        yield servicer, f"localhost:{port}"
+    finally:
+        await server.stop(None)
+
+
+@pytest_asyncio.fixture
+async def scripted(pki: Pki) -> AsyncIterator[tuple[Scripted, ZtateClient]]:
+    async with scripted_server(pki) as (servicer, target):
+        creds = pki.node("db-writer")
+        worker = ZtateClient.from_files(
+            target, cert=creds.cert, key=creds.key, ca=creds.ca, backoff=0.01
+        )
+        yield servicer, worker
+        await worker.close()
 
 
 # --- watch ------------------------------------------------------------------------------
@@ -826,6 +837,38 @@ async def test_a_malformed_record_is_head_not_verified_never_a_crash(
             checkpoint_wait=0.3,
         )
     assert refused.value.check == "record.form", case
+
+
+@pytest.mark.parametrize("case", ["no transition", "no committed_at"])
+async def test_a_head_reply_without_what_the_protocol_requires_is_head_not_verified(
+    scripted: tuple[Scripted, ZtateClient], case: str
+) -> None:
+    """get_record raises ProtocolError for such a reply: the check says HeadNotVerified
+    (reply.form), as for any malformed answer, and repeats nothing the reply held."""
+    servicer, worker = scripted
+    whole, approval_keys = head_with_receipt()
+    if case == "no transition":
+        whole.ClearField("transition")
+    else:
+        whole.transition.ClearField("committed_at")
+    servicer.record = whole
+    with pytest.raises(HeadNotVerified) as refused:
+        await verify_head_before_acting(
+            worker,
+            THREAD,
+            approval_keys=approval_keys,
+            checkpoint_keys={},
+            expected_version=4,
+            acting_on=PATCH,
+            checkpoint_wait=0.3,
+        )
+    assert (refused.value.check, str(refused.value)) == (
+        "reply.form",
+        "reply.form: the service answered GetTransition without a field the protocol requires",
+    )
+    assert refused.value.__cause__ is None
+    assert refused.value.__suppress_context__
+    assert servicer.asked == ["GetTransition"]  # asked once: not retried
 
 
 async def test_a_checkpoint_is_not_parsed_before_its_signature_verifies(

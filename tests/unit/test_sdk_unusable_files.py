@@ -1,0 +1,148 @@
+"""The worker SDK on certificate and key files it cannot use (real files: a key pair on
+secp112r1, a curve cryptography refuses with UnsupportedAlgorithm, and a certificate the
+test CA signs for it; a key encrypted with a password). At start-up ``from_files``
+raises ``HandshakeFailed`` naming the file and why, never its content, with no
+traceback of cryptography's; rotated in under a running client, such files are skipped:
+the old channel serves on and the files are not parsed again until they change."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from cryptography.hazmat.primitives import serialization
+
+from tests.harness import Credentials, Pki
+from tests.unit.test_sdk_runner import Scripted, scripted_server
+from tests.unsupported_curve import certificate_for, secp112r1_key_pair
+from ztate.services.runtime.reloading import write_atomically
+from ztate.worker_sdk import HandshakeFailed, ZtateClient
+from ztate.worker_sdk import _credentials as credentials_module
+
+
+def encrypted(key: Path) -> bytes:
+    """``key``, the same private key, encrypted with a password."""
+    private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    return private.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"a password"),
+    )
+
+
+def mine(pki: Pki, folder: Path) -> Credentials:
+    """A copy of a node's files that this test may replace."""
+    node = pki.node("db-writer")
+    folder.mkdir()
+    for path in (node.cert, node.key, node.ca):
+        shutil.copy(path, folder / path.name)
+    return Credentials(folder / node.cert.name, folder / node.key.name, folder / node.ca.name)
+
+
+UNUSABLE = {
+    "a key on an unsupported curve": (
+        "KEY_UNUSABLE",
+        "the key file is a private key of an unsupported algorithm or curve",
+    ),
+    "a certificate for a key on an unsupported curve": (
+        "CERTIFICATE_UNUSABLE",
+        "the certificate file is a certificate for a key of an unsupported algorithm or curve",
+    ),
+    "a key encrypted with a password": (
+        "KEY_UNUSABLE",
+        "the key file is encrypted with a password: ztate reads private keys without one",
+    ),
+    "a key that is not PEM": ("KEY_UNUSABLE", "the key file is not a PEM private key"),
+    "a CA file that is not PEM": ("CA_UNUSABLE", "the CA file is not a PEM certificate bundle"),
+}
+
+
+def make_unusable(case: str, files: Credentials, pki: Pki) -> None:
+    if case in ("a key on an unsupported curve", "a certificate for a key on an unsupported curve"):
+        key_pem, spki = secp112r1_key_pair()
+        write_atomically(files.cert, certificate_for(spki, pki), 0o644)
+        if case == "a key on an unsupported curve":
+            write_atomically(files.key, key_pem, 0o600)  # the pair: only the curve is wrong
+    elif case == "a key encrypted with a password":
+        write_atomically(files.key, encrypted(files.key), 0o600)  # the certificate's own key
+    elif case == "a key that is not PEM":
+        write_atomically(files.key, b"not a key\n", 0o600)
+    else:
+        write_atomically(files.ca, b"not a bundle\n", 0o644)
+
+
+@pytest.mark.parametrize("case", UNUSABLE)
+def test_unusable_files_are_named_at_start_up(pki: Pki, tmp_path: Path, case: str) -> None:
+    files = mine(pki, tmp_path / "mine")
+    make_unusable(case, files, pki)
+    with pytest.raises(HandshakeFailed) as caught:
+        ZtateClient.from_files("localhost:1", cert=files.cert, key=files.key, ca=files.ca)
+    reason, hint = UNUSABLE[case]
+    assert (caught.value.code, caught.value.reason, caught.value.hint) == (
+        grpc.StatusCode.UNAVAILABLE,
+        reason,
+        hint,
+    )
+    assert str(caught.value) == f"{reason}: {hint}"
+    # no traceback of cryptography's behind it, and nothing of the files in it
+    assert caught.value.__cause__ is None
+    assert caught.value.__suppress_context__
+    for path in (files.cert, files.key, files.ca):
+        for line in path.read_bytes().decode("ascii", "replace").splitlines():
+            if len(line) > 8:
+                assert line not in str(caught.value)
+
+
+@pytest_asyncio.fixture
+async def service(pki: Pki) -> AsyncIterator[tuple[Scripted, str]]:
+    async with scripted_server(pki) as running:
+        yield running
+
+
+@pytest.mark.parametrize("case", UNUSABLE)
+async def test_unusable_files_rotated_in_are_skipped_and_not_parsed_again(
+    pki: Pki,
+    tmp_path: Path,
+    service: tuple[Scripted, str],
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    """The client keeps its channel (the calls succeed on the old files), parses the
+    unusable files once, and takes the next usable files when they come."""
+    servicer, target = service
+    files = mine(pki, tmp_path / "mine")
+    parses: list[bytes] = []
+    matching = credentials_module._matching
+
+    def counted(pems: credentials_module.Pems) -> bool:
+        parses.append(pems.key)
+        return matching(pems)
+
+    monkeypatch.setattr(credentials_module, "_matching", counted)
+    async with ZtateClient.from_files(
+        target, cert=files.cert, key=files.key, ca=files.ca, retries=0
+    ) as worker:
+        first = worker._connection
+        assert (await worker.get_view("order-42")).version == 0
+        make_unusable(case, files, pki)
+        for _ in range(3):
+            assert (await worker.get_view("order-42")).version == 0
+        assert len(parses) == 1  # parsed once, then skipped until the files change
+        assert worker._connection is first  # the old channel serves on
+        assert servicer.view_calls == 4
+        # usable files again (another certificate of the CA, with its key): taken
+        other = pki.node("planner")
+        for source, path, mode in (
+            (other.ca, files.ca, 0o644),
+            (other.key, files.key, 0o600),
+            (other.cert, files.cert, 0o644),
+        ):
+            write_atomically(path, source.read_bytes(), mode)
+        assert (await worker.get_view("order-42")).version == 0
+        assert worker._connection is not first
+        assert worker._connection.pems.cert == other.cert.read_bytes()
+        assert servicer.view_calls == 5
