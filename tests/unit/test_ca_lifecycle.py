@@ -152,6 +152,21 @@ def test_watched_files_rebuild_on_change_and_keep_the_last_good_value(tmp_path: 
     assert files.current() == 3
 
 
+def test_watched_files_keep_their_value_while_a_file_is_a_symlink_loop(tmp_path: Path) -> None:
+    """A file that becomes a symlink loop (stat: ELOOP) is a file that cannot be read:
+    the last good value stays, nothing raises, and the file back is taken."""
+    path, other = tmp_path / "value", tmp_path / "other"
+    write_atomically(path, b"1", 0o644)
+    files = WatchedFiles("a number", (path,), lambda: int(path.read_bytes()))
+    path.unlink()
+    path.symlink_to(other)
+    other.symlink_to(path)
+    assert (files.refresh(), files.value) == (False, 1)
+    path.unlink()
+    write_atomically(path, b"2", 0o644)
+    assert (files.refresh(), files.value) == (True, 2)
+
+
 def test_a_server_does_not_start_on_a_certificate_without_its_key(
     ca_dir: Path, tmp_path: Path
 ) -> None:

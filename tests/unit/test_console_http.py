@@ -627,3 +627,42 @@ async def test_credentials_are_read_once_and_again_only_when_they_change(
             assert len(reads) == 5  # the two pages without a key tried once each
     finally:
         held.close()
+
+
+async def test_a_credential_that_became_a_symlink_loop_is_503_credentials_unreadable(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """A key file replaced by a symlink loop (stat and open: ELOOP) is a credential
+    the console cannot read: 503 CREDENTIALS_UNREADABLE at every page, as a file gone
+    is, never a 500; the file back is used at the next page."""
+    import shutil
+    import socket
+
+    operator = pki.operator()
+    for source in (operator.cert, operator.key):
+        shutil.copy(source, tmp_path / source.name)
+    cert, key = tmp_path / operator.cert.name, tmp_path / operator.key.name
+    saved = key.read_bytes()
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    mine = Identity(f"127.0.0.1:{held.getsockname()[1]}", cert, key, operator.ca)
+
+    async def shown(path: str) -> tuple[int, bool, bool]:
+        async with console.session.get(f"{console.base}{path}") as got:
+            body = await got.text()
+        return got.status, "CREDENTIALS_UNREADABLE" in body, "UNAVAILABLE" in body
+
+    try:
+        async with serving(Backend(mine, mine)) as console:
+            await console.sign_in()
+            assert await shown("/threads") == (503, False, True)
+            key.unlink()
+            key.symlink_to(tmp_path / "loop")
+            (tmp_path / "loop").symlink_to(key)
+            for path in ("/threads", "/reviews", "/threads"):
+                assert await shown(path) == (503, True, False), path
+            key.unlink()
+            key.write_bytes(saved)
+            assert await shown("/threads") == (503, False, True)
+    finally:
+        held.close()
