@@ -228,6 +228,58 @@ def test_the_command_refuses_unreadable_credentials(
     assert str(tmp_path / "certs" / "reviewer-alice.key") in said
 
 
+CONNECTION_ENV = ("ZTATE_ADDRESS", "ZTATE_APPROVAL_ADDRESS", "ZTATE_CERT", "ZTATE_KEY",
+                  "ZTATE_CA", "ZTATE_SERVER_NAME", "ZTATE_CONTEXT")  # fmt: skip
+
+
+def console_said(
+    argv: list[str], home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, list[str]]:
+    """``ztate console ARGV`` run as the CLI runs it, with no credentials under ``home``
+    and nothing from the environment or a context file: its exit code and stderr lines."""
+    from ztate.services.cli.main import main
+
+    for name in CONNECTION_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ZTATE_HOME", str(home))
+    monkeypatch.setenv("ZTATE_CONFIG", str(home / "no-config.yaml"))
+    code = main(["console", "--port", "0", *argv])
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_reviewer_names_the_approval_side_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--reviewer bob``: the review pages use reviewer-bob.*, the ledger pages still
+    the operator's certificate (docs/console.md), as ``ztate ledger`` would."""
+    certs = tmp_path / "certs"
+    assert console_said(["--reviewer", "bob"], tmp_path, capsys, monkeypatch) == (
+        2,
+        [
+            f"ztate console: cannot read {certs / 'operator-admin.crt'}, "
+            f"{certs / 'operator-admin.key'}, {certs / 'reviewer-bob.crt'}, "
+            f"{certs / 'reviewer-bob.key'}, {certs / 'ca.crt'}"
+        ],
+    )
+
+
+def test_a_certificate_path_too_long_to_ask_about_is_unreadable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 300-character file name (stat: ENAMETOOLONG) is a file the console cannot
+    read, said as any missing file is: one line, exit 2, no traceback."""
+    long_name = "a" * 300
+    certs = tmp_path / "certs"
+    assert console_said(["--client-cert", long_name], tmp_path, capsys, monkeypatch) == (
+        2,
+        [
+            f"ztate console: cannot read {long_name}, {certs / 'operator-admin.key'}, "
+            f"{certs / 'reviewer-alice.crt'}, {certs / 'reviewer-alice.key'}, "
+            f"{certs / 'ca.crt'}"
+        ],
+    )
+
+
 async def test_a_verification_that_cannot_run_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
