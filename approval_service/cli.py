@@ -92,6 +92,7 @@ def cmd_approval_serve(args: argparse.Namespace) -> int:
         dsn=dsn,
         wait_seconds=args.wait_for_database,
         prefix="cannot start the approval service",
+        stopped="the approval service stopped",
     )
 
 

@@ -78,6 +78,7 @@ def _serve(settings: Settings, wait_seconds: float, *, share_port: bool = False)
         dsn=dsn,
         wait_seconds=wait_seconds,
         prefix="cannot start",
+        stopped="the transition service stopped",
     )
 
 

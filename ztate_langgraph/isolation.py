@@ -255,15 +255,23 @@ class _Worker:
     async def end(self, grace: float = 0.0) -> int | None:
         """End the worker process: close its input, give it ``grace`` seconds to exit of
         itself, then kill it; it is reaped (no zombie) and its pipes are closed. Returns
-        its exit status (negative: the signal that ended it), or None when we killed it."""
+        its exit status (negative: the signal that ended it), or None when we killed it.
+        A step cancelled during the grace does not leave the worker running: it is killed
+        and reaped, then the cancellation goes on."""
         process = self.process
         if process is None:
             return None
         if process.stdin is not None:
             process.stdin.close()
-        if process.returncode is None and grace > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(process.wait(), grace)
+        try:
+            if process.returncode is None and grace > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.wait(), grace)
+        except BaseException:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            raise
         killed = process.returncode is None
         if killed:
             process.kill()

@@ -63,8 +63,11 @@ def config_path() -> Path:
     explicit = os.environ.get("ZTATE_CONFIG")
     if explicit:
         return Path(_setting("ZTATE_CONFIG", explicit))
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(_setting("XDG_CONFIG_HOME", base)) / "ztate" / "config.yaml"
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    if xdg:
+        return Path(_setting("XDG_CONFIG_HOME", xdg)) / "ztate" / "config.yaml"
+    # without it, $HOME/.config: a value that breaks the rule is HOME's, say so
+    return Path(_setting("HOME", str(Path.home()))) / ".config" / "ztate" / "config.yaml"
 
 
 class ContextFile:
@@ -206,7 +209,6 @@ def resolve(
     if address is None:
         address, sources[ADDRESS_FIELD[service]] = _local_address(service)
     reviewer = getattr(args, "reviewer", None)
-    certs = Path(_setting("ZTATE_HOME", str(home()))) / "certs"
     if reviewer:  # --reviewer NAME: the development layout's reviewer, over env and context
         stem, files_from = f"reviewer-{_setting('--reviewer', reviewer)}", "--reviewer"
         cert, key = flag("client_cert"), flag("client_key")
@@ -217,14 +219,19 @@ def resolve(
         key = pick("key", "client_key", "ZTATE_KEY")
     ca = pick("ca", "ca_cert", "ZTATE_CA")
     server_name = pick("server-name", "server_name", "ZTATE_SERVER_NAME")
+    defaults: dict[str, Path] = {}
+    if None in (cert, key, ca):  # ZTATE_HOME is read (and held to the rule) only if used
+        certs = Path(_setting("ZTATE_HOME", str(home()))) / "certs"
+        defaults = {"cert": certs / f"{stem}.crt", "key": certs / f"{stem}.key"}
+        defaults["ca"] = certs / "ca.crt"
     for field, value in (("cert", cert), ("key", key), ("ca", ca)):
         if value is None:
-            sources[field] = f"$ZTATE_HOME/certs ({certs})"
+            sources[field] = f"$ZTATE_HOME/certs ({defaults[field].parent})"
     return Connection(
         address=address,
-        cert=Path(cert) if cert else certs / f"{stem}.crt",
-        key=Path(key) if key else certs / f"{stem}.key",
-        ca=Path(ca) if ca else certs / "ca.crt",
+        cert=Path(cert) if cert else defaults["cert"],
+        key=Path(key) if key else defaults["key"],
+        ca=Path(ca) if ca else defaults["ca"],
         server_name=server_name,
         context=context_name,
         sources=sources,

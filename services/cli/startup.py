@@ -5,7 +5,9 @@ for anything else the service cannot start with (a migration, a file, a key, a s
 
 A failure after the service started is not one of these: it is no mistake in the
 configuration, and saying "cannot start" (exit 2) about a service that served would
-send its operator to the wrong place. It goes on as any other failure does.
+send its operator to the wrong place. It is one line too, with its own prefix
+(``the transition service stopped: ...``), ``dsn``'s password masked, and exit 1: the
+service ran, and stopped on a failure.
 
 Only the standard library at import time: the store's modules load when a service runs.
 """
@@ -16,20 +18,23 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from ztate.services.cli.output import OK, UNREACHABLE, USAGE, CliError
+from ztate.services.cli.output import FAILED, OK, UNREACHABLE, USAGE, CliError
 
 Started = Callable[[], None]
 Serve = Callable[[Started], Coroutine[Any, Any, None]]
 
 
-def run_service(serve: Serve, *, dsn: str | None, wait_seconds: float, prefix: str) -> int:
+def run_service(
+    serve: Serve, *, dsn: str | None, wait_seconds: float, prefix: str, stopped: str
+) -> int:
     """Wait up to ``wait_seconds`` for the database at ``dsn`` (when there is one), then
     run ``serve(started)`` until it returns; ``serve`` calls ``started()`` once it
     serves. Until then a failure is a ``CliError``: the database not reachable in time
     (exit 4) or a file, key, setting or migration the service cannot use (a
     ``MigrationError``, an ``OSError`` or a ``ValueError``, such as ``KeyFileError``;
     exit 2), each as ``{prefix}: `` and its first line, and the database's refusal
-    (exit 2) as the database said it; ``dsn``'s password is never printed."""
+    (exit 2) as the database said it. After ``started()``, such a failure is
+    ``{stopped}: `` and its first line (exit 1). ``dsn``'s password is never printed."""
     from ztate.services.store.migrate import MigrationError
     from ztate.services.store.waiting import (
         DatabaseNotReady,
@@ -56,6 +61,6 @@ def run_service(serve: Serve, *, dsn: str | None, wait_seconds: float, prefix: s
     # file it cannot read or an address it cannot listen on (CannotListen) an OSError
     except (MigrationError, OSError, ValueError) as exc:
         if serving:
-            raise
+            raise CliError(f"{stopped}: {first_line(exc, dsn)}", FAILED) from None
         raise CliError(f"{prefix}: {first_line(exc, dsn)}", USAGE) from None
     return OK

@@ -75,7 +75,9 @@ def identities(args: argparse.Namespace) -> tuple[Identity, Identity]:
     from ztate.services.cli.context import APPROVAL, TRANSITION, resolve
     from ztate.services.console.backend import Identity
 
-    operator = resolve(args, TRANSITION)
+    # --reviewer names the approval side's certificates only (docs/console.md): the
+    # operator side resolves as `ztate ledger` would, without it
+    operator = resolve(argparse.Namespace(**{**vars(args), "reviewer": None}), TRANSITION)
     reviewer = resolve(
         argparse.Namespace(
             address=args.approval_address,
@@ -99,6 +101,15 @@ def identities(args: argparse.Namespace) -> tuple[Identity, Identity]:
     )
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; a path that cannot even be asked about (a name too
+    long: ENAMETOOLONG, a folder that cannot be searched) is no file either."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def cmd_console(args: argparse.Namespace) -> int:
     try:
         import aiohttp  # noqa: F401
@@ -115,7 +126,7 @@ def cmd_console(args: argparse.Namespace) -> int:
         for path in dict.fromkeys(
             (operator.cert, operator.key, reviewer.cert, reviewer.key, operator.ca, reviewer.ca)
         )
-        if not path.is_file()
+        if not _is_file(path)
     ]
     if missing:
         print(f"ztate console: cannot read {', '.join(missing)}", file=sys.stderr)

@@ -27,12 +27,15 @@ Stamp = tuple[tuple[int, int, int, int] | None, ...]
 
 
 def stamp(paths: Sequence[Path]) -> Stamp:
-    """What identifies the current content of ``paths`` without reading it (None: absent)."""
+    """What identifies the current content of ``paths`` without reading it (None: absent,
+    or not to be stat'ed: a symlink loop, a folder that cannot be searched, a name too
+    long). Never raises: whoever reads the files next says why they cannot be read
+    (``WatchedFiles`` keeps its value, the console answers CREDENTIALS_UNREADABLE)."""
     found: list[tuple[int, int, int, int] | None] = []
     for path in paths:
         try:
             info = os.stat(path)
-        except FileNotFoundError:
+        except OSError:
             found.append(None)
         else:
             found.append((info.st_ino, info.st_dev, info.st_mtime_ns, info.st_size))

@@ -31,16 +31,6 @@ def _same_public_key(key: PrivateKeyTypes, public: PublicKeyTypes) -> bool:
     return key.public_key().public_bytes(*_SPKI_DER) == public.public_bytes(*_SPKI_DER)
 
 
-def key_matches_certificate(cert_pem: bytes, key_pem: bytes) -> bool:
-    """Whether ``key_pem`` is the private half of the (first) certificate in ``cert_pem``.
-
-    While a certificate and its key are replaced one file after the other, a reader can
-    see the new certificate with the old key: such a pair is not taken.
-    """
-    key = serialization.load_pem_private_key(key_pem, password=None)
-    return _same_public_key(key, x509.load_pem_x509_certificate(cert_pem).public_key())
-
-
 def checked_files(cert: Path, key: Path, ca: Path) -> tuple[bytes, bytes, bytes]:
     """The PEM of ``cert``, ``key`` and the CA bundle ``ca``, each usable: else a
     ``KeyFileError`` (a ``ValueError``) naming the file and why, never its content. A

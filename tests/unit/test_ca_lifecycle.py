@@ -93,7 +93,8 @@ def test_renewal_is_the_same_identity_with_a_new_key_pair(ca_dir: Path, tmp_path
     )
     assert after.serial != before.serial
     assert paths.key.read_bytes() != old_key
-    assert tls.key_matches_certificate(paths.cert.read_bytes(), paths.key.read_bytes())
+    # the new key is the new certificate's (else KeyFileError, as a server would refuse it)
+    tls.checked_files(paths.cert, paths.key, out / ca.CA_CERT)
     assert after.lifetime == before.lifetime == timedelta(hours=2)
     assert stat.S_IMODE(paths.key.stat().st_mode) == 0o600
     assert stat.S_IMODE(paths.cert.stat().st_mode) == 0o644
@@ -150,6 +151,21 @@ def test_watched_files_rebuild_on_change_and_keep_the_last_good_value(tmp_path: 
     assert (files.refresh(), len(builds)) == (False, 2)  # a failed stamp is not tried again
     write_atomically(path, b"3", 0o644)
     assert files.current() == 3
+
+
+def test_watched_files_keep_their_value_while_a_file_is_a_symlink_loop(tmp_path: Path) -> None:
+    """A file that becomes a symlink loop (stat: ELOOP) is a file that cannot be read:
+    the last good value stays, nothing raises, and the file back is taken."""
+    path, other = tmp_path / "value", tmp_path / "other"
+    write_atomically(path, b"1", 0o644)
+    files = WatchedFiles("a number", (path,), lambda: int(path.read_bytes()))
+    path.unlink()
+    path.symlink_to(other)
+    other.symlink_to(path)
+    assert (files.refresh(), files.value) == (False, 1)
+    path.unlink()
+    write_atomically(path, b"2", 0o644)
+    assert (files.refresh(), files.value) == (True, 2)
 
 
 def test_a_server_does_not_start_on_a_certificate_without_its_key(

@@ -228,6 +228,58 @@ def test_the_command_refuses_unreadable_credentials(
     assert str(tmp_path / "certs" / "reviewer-alice.key") in said
 
 
+CONNECTION_ENV = ("ZTATE_ADDRESS", "ZTATE_APPROVAL_ADDRESS", "ZTATE_CERT", "ZTATE_KEY",
+                  "ZTATE_CA", "ZTATE_SERVER_NAME", "ZTATE_CONTEXT")  # fmt: skip
+
+
+def console_said(
+    argv: list[str], home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, list[str]]:
+    """``ztate console ARGV`` run as the CLI runs it, with no credentials under ``home``
+    and nothing from the environment or a context file: its exit code and stderr lines."""
+    from ztate.services.cli.main import main
+
+    for name in CONNECTION_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ZTATE_HOME", str(home))
+    monkeypatch.setenv("ZTATE_CONFIG", str(home / "no-config.yaml"))
+    code = main(["console", "--port", "0", *argv])
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_reviewer_names_the_approval_side_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--reviewer bob``: the review pages use reviewer-bob.*, the ledger pages still
+    the operator's certificate (docs/console.md), as ``ztate ledger`` would."""
+    certs = tmp_path / "certs"
+    assert console_said(["--reviewer", "bob"], tmp_path, capsys, monkeypatch) == (
+        2,
+        [
+            f"ztate console: cannot read {certs / 'operator-admin.crt'}, "
+            f"{certs / 'operator-admin.key'}, {certs / 'reviewer-bob.crt'}, "
+            f"{certs / 'reviewer-bob.key'}, {certs / 'ca.crt'}"
+        ],
+    )
+
+
+def test_a_certificate_path_too_long_to_ask_about_is_unreadable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 300-character file name (stat: ENAMETOOLONG) is a file the console cannot
+    read, said as any missing file is: one line, exit 2, no traceback."""
+    long_name = "a" * 300
+    certs = tmp_path / "certs"
+    assert console_said(["--client-cert", long_name], tmp_path, capsys, monkeypatch) == (
+        2,
+        [
+            f"ztate console: cannot read {long_name}, {certs / 'operator-admin.key'}, "
+            f"{certs / 'reviewer-alice.crt'}, {certs / 'reviewer-alice.key'}, "
+            f"{certs / 'ca.crt'}"
+        ],
+    )
+
+
 async def test_a_verification_that_cannot_run_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -625,5 +677,44 @@ async def test_credentials_are_read_once_and_again_only_when_they_change(
             assert await shown("/threads") == (503, "UNAVAILABLE")
             assert await shown("/reviews") == (503, "UNAVAILABLE")
             assert len(reads) == 5  # the two pages without a key tried once each
+    finally:
+        held.close()
+
+
+async def test_a_credential_that_became_a_symlink_loop_is_503_credentials_unreadable(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """A key file replaced by a symlink loop (stat and open: ELOOP) is a credential
+    the console cannot read: 503 CREDENTIALS_UNREADABLE at every page, as a file gone
+    is, never a 500; the file back is used at the next page."""
+    import shutil
+    import socket
+
+    operator = pki.operator()
+    for source in (operator.cert, operator.key):
+        shutil.copy(source, tmp_path / source.name)
+    cert, key = tmp_path / operator.cert.name, tmp_path / operator.key.name
+    saved = key.read_bytes()
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    mine = Identity(f"127.0.0.1:{held.getsockname()[1]}", cert, key, operator.ca)
+
+    async def shown(path: str) -> tuple[int, bool, bool]:
+        async with console.session.get(f"{console.base}{path}") as got:
+            body = await got.text()
+        return got.status, "CREDENTIALS_UNREADABLE" in body, "UNAVAILABLE" in body
+
+    try:
+        async with serving(Backend(mine, mine)) as console:
+            await console.sign_in()
+            assert await shown("/threads") == (503, False, True)
+            key.unlink()
+            key.symlink_to(tmp_path / "loop")
+            (tmp_path / "loop").symlink_to(key)
+            for path in ("/threads", "/reviews", "/threads"):
+                assert await shown(path) == (503, True, False), path
+            key.unlink()
+            key.write_bytes(saved)
+            assert await shown("/threads") == (503, False, True)
     finally:
         held.close()

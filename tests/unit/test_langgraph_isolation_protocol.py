@@ -221,3 +221,29 @@ async def test_a_worker_that_closed_its_input_and_then_exits_is_reported_with_it
             "code 3 (its standard error says why)"
         )
         await starts_afresh(isolated, first, ["noop"])
+
+
+async def test_a_step_cancelled_while_its_worker_is_given_time_to_exit_kills_and_reaps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker closed its output and ignores the end of its input; the step, giving
+    it time to exit, is cancelled: the worker is killed and reaped before the
+    cancellation goes on, never left running."""
+    monkeypatch.setattr(isolation, "EXIT_GRACE_SECONDS", 600.0)
+    async with graph() as isolated:
+        first = isolated.pids()["bump"]
+        stdin = os.readlink(f"/proc/{first}/fd/0")
+        step = asyncio.ensure_future(isolated.graph.ainvoke({"count": 1}, run("close-output-1")))
+        # its output closed, the step ends the worker: its input is closed here, and the
+        # step waits for the worker to exit
+        await until(lambda: step.done() or stdin not in open_in_this_process())
+        assert not step.done()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(step, 30)
+        gone = reaped(first)
+        if not gone:  # still our child, so the pid is not another's: end it for the test
+            os.kill(first, signal.SIGKILL)
+        assert gone
+        assert not os.path.exists(f"/proc/{first}")  # noqa: ASYNC240 (procfs, instant)
+        await starts_afresh(isolated, first, [])

@@ -1,16 +1,17 @@
 """services/cli/startup.py: how both services' commands start, once. What fails before
 the service serves is a failure to start (one line, exit 2); what fails after is not,
-and is never reported as one. (The real services' refusals, through the real binary:
-tests/integration/test_cli.py.)"""
+and is never reported as one: it is one line of its own (exit 1), never a traceback.
+(The real services' refusals, through the real binary: tests/integration/test_cli.py.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 from ztate.contract.errors import KeyFileError
-from ztate.services.cli.output import OK, USAGE, CliError
+from ztate.services.cli.output import FAILED, OK, USAGE, CliError
 from ztate.services.cli.startup import run_service
 
 
@@ -19,7 +20,13 @@ def test_a_failure_before_the_service_serves_is_a_failure_to_start() -> None:
         raise KeyFileError("/etc/ztate/tls.key is not a PEM private key\nsecond line")
 
     with pytest.raises(CliError) as refused:
-        run_service(serve, dsn=None, wait_seconds=0, prefix="cannot start the approval service")
+        run_service(
+            serve,
+            dsn=None,
+            wait_seconds=0,
+            prefix="cannot start the approval service",
+            stopped="the approval service stopped",
+        )
     assert (refused.value.message, refused.value.code) == (
         "cannot start the approval service: /etc/ztate/tls.key is not a PEM private key",
         USAGE,
@@ -27,20 +34,67 @@ def test_a_failure_before_the_service_serves_is_a_failure_to_start() -> None:
 
 
 @pytest.mark.parametrize(
-    "failure",
-    [OSError(5, "Input/output error"), ValueError("a value met while serving")],
+    ("failure", "line"),
+    [
+        (
+            OSError(5, "Input/output error"),
+            "the transition service stopped: [Errno 5] Input/output error",
+        ),
+        (
+            ValueError("a value met while serving\nsecond line"),
+            "the transition service stopped: a value met while serving",
+        ),
+    ],
     ids=["OSError", "ValueError"],
 )
-def test_a_failure_after_the_service_served_is_not_a_failure_to_start(
-    failure: Exception,
+def test_a_failure_after_the_service_served_is_one_line_not_a_failure_to_start(
+    failure: Exception, line: str
 ) -> None:
     async def serve(started: Callable[[], None]) -> None:
         started()
         raise failure
 
-    with pytest.raises(type(failure)) as raised:
-        run_service(serve, dsn=None, wait_seconds=0, prefix="cannot start")
-    assert raised.value is failure
+    with pytest.raises(CliError) as stopped:
+        run_service(
+            serve,
+            dsn=None,
+            wait_seconds=0,
+            prefix="cannot start",
+            stopped="the transition service stopped",
+        )
+    assert (stopped.value.message, stopped.value.code) == (line, FAILED)
+
+
+def with_password(dsn: str, password: str) -> str:
+    parts = urlsplit(dsn)
+    user = parts.username or "postgres"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{password}@{host}"))
+
+
+def test_a_failure_after_the_service_served_masks_the_database_url(
+    postgres_server_dsn: str,
+) -> None:
+    """The real database is waited for (and answers); what the service then fails on
+    names the DSN and its password, and neither is printed."""
+    dsn = with_password(postgres_server_dsn, "s3cret-pw")
+
+    async def serve(started: Callable[[], None]) -> None:
+        started()
+        raise OSError(f"lost {dsn} (password s3cret-pw)\nsecond line")
+
+    with pytest.raises(CliError) as stopped:
+        run_service(
+            serve,
+            dsn=dsn,
+            wait_seconds=5,
+            prefix="cannot start the approval service",
+            stopped="the approval service stopped",
+        )
+    assert (stopped.value.message, stopped.value.code) == (
+        "the approval service stopped: lost *** (password ***)",
+        FAILED,
+    )
 
 
 def test_a_service_that_ran_and_stopped_exits_0() -> None:
@@ -50,5 +104,8 @@ def test_a_service_that_ran_and_stopped_exits_0() -> None:
         started()
         ran.append(True)
 
-    assert run_service(serve, dsn=None, wait_seconds=0, prefix="cannot start") == OK
+    stopped = "the transition service stopped"
+    assert (
+        run_service(serve, dsn=None, wait_seconds=0, prefix="cannot start", stopped=stopped) == OK
+    )
     assert ran == [True]
