@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from tests.harness import Ledger, Pki, act, client, new_thread_id, with_database
+from tests.harness import Ledger, Pki, act, client, fresh_database, new_thread_id, with_database
 from tests.integration.test_store_conformance import new_thread, pending, sealed
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.keyring import Keyring
@@ -321,11 +321,7 @@ async def test_an_index_left_invalid_by_a_failed_concurrent_build_fails_its_migr
     beforehand on a large rejections table. A concurrent build that failed leaves an
     invalid index of that name, which the planner never uses and CREATE INDEX IF NOT
     EXISTS would take for done: the migration fails naming it, and is not recorded."""
-    name = f"ztate_invalid_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    await admin.close()
-    conn = await asyncpg.connect(with_database(postgres_server_dsn, name))
+    conn = await asyncpg.connect(await fresh_database(postgres_server_dsn))
     roles = {
         ":service_role": "ztate_invalid_role",
         ":reader_role": "ztate_reader",
@@ -363,11 +359,7 @@ async def test_an_invalid_index_of_the_approval_outbox_fails_its_migration(
     receipts_undelivered (a failed concurrent build), and is not recorded."""
     from ztate.approval_service.app import APPROVAL_MIGRATIONS
 
-    name = f"ztate_invalid_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(postgres_server_dsn)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    await admin.close()
-    conn = await asyncpg.connect(with_database(postgres_server_dsn, name))
+    conn = await asyncpg.connect(await fresh_database(postgres_server_dsn))
     roles = {":approval_role": "ztate_invalid_approver"}
     every = APPROVAL_MIGRATIONS
     try:
