@@ -18,6 +18,7 @@ from tests.integration.test_store_conformance import new_thread, pending, sealed
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.keyring import Keyring
 from ztate.contract.record import GENESIS_PARENT
+from ztate.services.runtime.config import Settings
 from ztate.services.store import migrate as migrations
 from ztate.services.store.interface import Commit, Creation, LeaseClaim, Park
 from ztate.services.store.transitions import PostgresTransitionStore
@@ -56,6 +57,28 @@ async def as_service_role(database_dsn: str) -> AsyncIterator[asyncpg.Connection
     assert await conn.fetchval("SELECT current_user") == SERVICE_ROLE
     yield conn
     await conn.close()
+
+
+@pytest_asyncio.fixture
+async def own_store(
+    postgres_server_dsn: str, settings: Settings
+) -> AsyncIterator[PostgresTransitionStore]:
+    """A transition store on a database of its own: what a test parks there is no other
+    test's services' work (their approval outboxes submit every parked proposal of
+    their database)."""
+    dsn = await fresh_database(postgres_server_dsn)
+    admin = await asyncpg.connect(dsn)
+    try:
+        await migrations.migrate(admin, settings.db_role)
+    finally:
+        await admin.close()
+    pool = await asyncpg.create_pool(
+        dsn, min_size=1, max_size=3, server_settings={"role": settings.db_role}
+    )
+    try:
+        yield PostgresTransitionStore(pool)
+    finally:
+        await pool.close()
 
 
 REWRITES = [
@@ -231,7 +254,7 @@ async def test_a_head_update_stays_on_its_page_while_old_versions_cannot_be_prun
 
 
 async def test_a_park_under_a_lease_holds_the_lease_until_the_parked_row_commits(
-    service: RunningService, keyring: Keyring
+    own_store: PostgresTransitionStore, keyring: Keyring
 ) -> None:
     """The park fences its lease in its own transaction (migration 0024): it locks the
     grant's row FOR SHARE, so that no release (and no new grant) can change the lease
@@ -239,8 +262,7 @@ async def test_a_park_under_a_lease_holds_the_lease_until_the_parked_row_commits
     proposal parked. While a park's transaction is open, a release of that grant waits
     for it (here: refused by a 200 ms lock_timeout); once it has committed, the release
     goes through."""
-    store = service.store
-    assert isinstance(store, PostgresTransitionStore)
+    store = own_store
     work = WorkStore(store.pool)
     thread_id = new_thread_id()
     genesis, state = sealed(keyring, thread_id, 0, GENESIS_PARENT, {"raw_text": "v0"})
@@ -275,14 +297,14 @@ async def test_a_park_under_a_lease_holds_the_lease_until_the_parked_row_commits
 
 
 async def test_the_park_of_the_release_before_still_parks_during_a_rolling_upgrade(
-    service: RunningService, keyring: Keyring, as_service_role: asyncpg.Connection
+    own_store: PostgresTransitionStore, keyring: Keyring
 ) -> None:
     """Migration 0024 adds the park with a lease fence as a new function: the 13-argument
     one that replicas of the release before call stays, so that during a rolling upgrade
     their risky proposals still park instead of failing on a missing function."""
-    thread_id, genesis = await new_thread(service.store, keyring)
+    thread_id, genesis = await new_thread(own_store, keyring)
     old = pending(thread_id, genesis.digest, "old-release", "e5" * 32)
-    parked = await as_service_role.fetchval(
+    parked = await own_store.pool.fetchval(
         "SELECT ztate.park_transition($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         old.thread_id,
         old.digest,
@@ -299,7 +321,7 @@ async def test_the_park_of_the_release_before_still_parks_during_a_rolling_upgra
         old.required_approvals,
     )
     assert parked is True
-    found = await service.store.pending_by_digest(old.digest)
+    found = await own_store.pending_by_digest(old.digest)
     assert found is not None
     assert (found.thread_id, found.idempotency_key) == (thread_id, "old-release")
 
