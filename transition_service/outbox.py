@@ -5,6 +5,14 @@ if the approval service is down, nothing is lost, and submission is retried
 (with backoff, capped) until it is taken. The approval service opens one review
 per digest, so a submission repeated after a crash is harmless. The same loop
 closes transitions that waited longer than ``pending_ttl`` as expired.
+
+A failure that stands for every review (the approval service unreachable, overloaded,
+refusing this service's identity, a deadline) stops the round, which backs off. A
+refusal of one review (``REFUSED_REVIEW``: the approval service cannot derive a review
+from that submission) or a base record that is gone sets that one aside: it stays
+parked, and expires with ``pending_ttl`` like any undecided transition, while the
+reviews parked after it are submitted. Before, it held back every review parked after
+it, for good.
 """
 
 from __future__ import annotations
@@ -25,6 +33,16 @@ from ztate.v1 import approval_pb2, approval_pb2_grpc
 log = logging.getLogger("ztate.transition")
 BATCH = 100
 MAX_BACKOFF_SECONDS = 30.0
+# the approval service's answers that refuse one submission, not the service's state
+REFUSED_REVIEW = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+# the most parked transitions a process sets aside (past it, the oldest is tried again)
+MAX_SET_ASIDE = 1000
 
 
 def submission(
@@ -65,6 +83,8 @@ class ApprovalOutbox:
         self._pending_ttl = pending_ttl
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
+        # digests of the parked transitions the approval service refused, oldest first
+        self._set_aside: dict[str, None] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ztate-approval-outbox")
@@ -104,12 +124,20 @@ class ApprovalOutbox:
             log.info("expired %d parked transitions", len(expired))
         if self._channel is None:
             return
-        for pending in await self._approvals.to_submit(BATCH):
+        for pending in await self._approvals.to_submit(BATCH, list(self._set_aside)):
             try:
                 base_record, base_state = await self._approvals.base_of(pending)
                 stub = approval_pb2_grpc.ApprovalServiceStub(await self._channel.channel())
                 await stub.SubmitReview(submission(pending, base_record, base_state), timeout=10)
+            except LookupError:
+                self._set_apart(pending, "its base record is gone")
+                continue
             except grpc.aio.AioRpcError as error:
+                if error.code() in REFUSED_REVIEW:
+                    self._set_apart(
+                        pending, f"the approval service refused it: {error.code().name}"
+                    )
+                    continue
                 self._failures = min(self._failures + 1, 6)
                 log.warning(
                     "submitting %s to the approval service failed: %s; will retry",
@@ -119,3 +147,15 @@ class ApprovalOutbox:
                 return
             await self._approvals.mark_submitted(pending, datetime.now(UTC))
             self._failures = 0
+
+    def _set_apart(self, pending: PendingTransition, why: str) -> None:
+        """Submit ``pending`` no more from this process (it stays parked until it expires),
+        and say why: the reviews parked after it go on."""
+        if len(self._set_aside) >= MAX_SET_ASIDE:
+            del self._set_aside[next(iter(self._set_aside))]
+        self._set_aside[pending.digest] = None
+        log.warning(
+            "parked transition %s cannot be reviewed (%s): set aside until it expires",
+            pending.digest[:16],
+            why,
+        )

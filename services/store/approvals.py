@@ -311,11 +311,15 @@ class ApprovalStore:
         return [ParkedKey(row["thread_id"], row["digest"]) for row in rows]
 
     @translated
-    async def to_submit(self, limit: int) -> list[PendingTransition]:
+    async def to_submit(self, limit: int, set_aside: list[str]) -> list[PendingTransition]:
+        """The oldest parked transitions not yet submitted, but for the digests
+        ``set_aside`` (those the approval service refused)."""
         rows = await self._pool.fetch(
             f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
-            "WHERE submitted_at IS NULL AND status = 'pending' ORDER BY parked_at LIMIT $1",
+            "WHERE submitted_at IS NULL AND status = 'pending' "
+            "AND NOT (digest = ANY($2::text[])) ORDER BY parked_at LIMIT $1",
             limit,
+            set_aside,
         )
         return [PendingTransition.from_row(row) for row in rows]
 

@@ -48,6 +48,9 @@ from ztate.contract.receipts import build_receipt, sign_receipt, verify_receipt
 from ztate.services.cli import ca
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.interface import Park
+from ztate.services.store.rows import PendingTransition
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import (
     approval_pb2,
@@ -592,6 +595,53 @@ async def test_parked_while_the_approval_service_is_down_is_reviewed_once_back(
     assert record["patch"] == {"target_user_id": OTHER_USER}
     assert await world.pending_status(parked.digest) == "committed"
     assert await world.ledger.verify(thread_id) == 2
+
+
+async def test_a_review_the_approval_service_refuses_holds_back_no_other(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The outbox submits parked transitions oldest first. One the approval service
+    refuses (here a proposal that is not a JSON object, INVALID_ARGUMENT: a parked row
+    no pipeline writes, but one the approval service cannot review) is set aside: it
+    stays parked and unsubmitted until it expires, and the transitions parked after it
+    are reviewed. Before, each round stopped at it and backed off: no later review was
+    ever submitted."""
+    caplog.set_level(logging.WARNING, logger="ztate.transition")
+    thread_id = await world.thread()
+    head = await world.transition.store.read_head(thread_id)
+    assert head is not None
+    unreviewable = PendingTransition(
+        digest=hashlib.sha256(thread_id.encode()).hexdigest(),
+        thread_id=thread_id,
+        base_version=0,
+        parent_digest=head.digest,
+        node_id=f"spiffe://{TRUST_DOMAIN}/node/planner",
+        proposal=b'["not", "an object"]',
+        risk_rules=["target-user-change"],
+        idempotency_key="unreviewable",
+        request_digest="0" * 64,
+        status="pending",
+        parked_at=datetime.now(UTC) - timedelta(minutes=1),  # first in line
+        sensitive_keys=[],
+        required_approvals=1,
+    )
+    parking = await world.transition.store.park(unreviewable, b"{}")
+    assert parking.outcome is Park.PARKED
+    try:
+        parked = await world.park(await world.thread())  # parked after it
+        review = await world.review(parked.digest)
+        assert review.digest == parked.digest
+        set_aside = (
+            f"parked transition {unreviewable.digest[:16]} cannot be reviewed (the approval "
+            "service refused it: INVALID_ARGUMENT): set aside until it expires"
+        )
+        assert set_aside in [r.getMessage() for r in caplog.records]
+        assert await world.submitted_at(unreviewable.digest) is None
+        assert await world.pending_status(unreviewable.digest) == "pending"
+    finally:
+        await ApprovalStore(world.transition.store.pool).close_without_decision(
+            [unreviewable], "expired", datetime.now(UTC)
+        )
 
 
 async def test_restarting_the_transition_service_between_parking_and_approval(
