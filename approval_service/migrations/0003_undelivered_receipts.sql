@@ -14,10 +14,6 @@
 -- never uses: this migration then fails, naming it (drop it, build it again, migrate
 -- again).
 
-CREATE INDEX IF NOT EXISTS receipts_undelivered
-    ON ztate_approval.receipts (signed_at, digest)
-    WHERE delivered_at IS NULL;
-
 DO $$
 BEGIN
     IF EXISTS (SELECT 1 FROM pg_catalog.pg_index
@@ -26,5 +22,8 @@ BEGIN
         RAISE EXCEPTION 'the index ztate_approval.receipts_undelivered exists but is not '
             'valid (a CREATE INDEX CONCURRENTLY that failed?): drop it, then migrate again';
     END IF;
+    CREATE INDEX IF NOT EXISTS receipts_undelivered
+        ON ztate_approval.receipts (signed_at, digest)
+        WHERE delivered_at IS NULL;
 END;
 $$;

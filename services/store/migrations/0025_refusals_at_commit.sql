@@ -17,11 +17,9 @@
 -- never uses: this migration then fails, naming it, rather than be recorded as applied
 -- over an index that serves nothing (drop it, build it again, migrate again).
 -- On Citus the rejections are the coordinator's table, where this index serves the
--- lookup.
-
-CREATE INDEX IF NOT EXISTS rejections_at_commit
-    ON ztate.rejections (thread_id, node_id, base_version, id)
-    WHERE method = 'ApplyDecision';
+-- lookup. The check and the index are one statement: Citus passes on the index of a
+-- table it manages with the text of the statement that made it, which must then be one
+-- command.
 
 DO $$
 BEGIN
@@ -31,5 +29,8 @@ BEGIN
         RAISE EXCEPTION 'the index ztate.rejections_at_commit exists but is not valid (a '
             'CREATE INDEX CONCURRENTLY that failed?): drop it, then migrate again';
     END IF;
+    CREATE INDEX IF NOT EXISTS rejections_at_commit
+        ON ztate.rejections (thread_id, node_id, base_version, id)
+        WHERE method = 'ApplyDecision';
 END;
 $$;
