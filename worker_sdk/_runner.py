@@ -15,6 +15,7 @@ from ztate.worker_sdk.client import Outcome, Transition, View, WorkItem, ZtateCl
 from ztate.worker_sdk.errors import (
     AwaitingApproval,
     LeaseLost,
+    ProtocolError,
     StaleVersion,
     Unavailable,
     ZtateError,
@@ -226,7 +227,7 @@ class NodeRunner:
             except LeaseLost:
                 log.info("%s: lease lost on a thread; another process has it", self.node_name)
                 return True
-            except Unavailable:
+            except (Unavailable, ProtocolError):  # not a refusal: nothing was decided
                 raise
             except ZtateError as refused:
                 self._refused(view, patch, refused)
@@ -302,7 +303,7 @@ class NodeRunner:
                     raise
                 view = await self.client.get_view(self.thread_id)
                 continue
-            except Unavailable:
+            except (Unavailable, ProtocolError):  # not a refusal: nothing was decided
                 raise
             except ZtateError as refused:
                 log.info("%s: refused: %s", self.node_name, refused)

@@ -648,6 +648,23 @@ async def test_the_runner_records_a_refusal_and_carries_on(
     assert steps[0].transition is None
 
 
+async def test_a_reply_without_its_outcome_is_no_refusal_to_record(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    """A ProposeTransition reply with neither a transition nor a pending one is a
+    ProtocolError, not a refusal: nothing was decided (the proposal may have committed),
+    so the runner records no "refused" step and raises it, as it does Unavailable (on
+    the lease path the lease then lapses instead of being released as handled)."""
+    servicer, worker = scripted
+    servicer.watch = only(0, 1)
+    servicer.propose = lambda call, request: transition_pb2.ProposeTransitionResponse()
+    runner = NodeRunner(worker, THREAD, lambda view: {"n": 2})
+    with pytest.raises(ProtocolError):
+        await runner.run(stop_after=2)
+    assert runner.steps == []
+    assert len(servicer.proposals) == 1  # not carried on to the next version
+
+
 async def test_the_runner_waits_for_an_approval_and_skips_its_own_commit(
     scripted: tuple[Scripted, ZtateClient],
 ) -> None:
