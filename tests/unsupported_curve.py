@@ -77,10 +77,10 @@ def secp112r1_key_pair() -> tuple[bytes, bytes]:
     return f"-----BEGIN EC PRIVATE KEY-----\n{body}-----END EC PRIVATE KEY-----\n".encode(), spki
 
 
-def certificate_for(spki: bytes, pki: Pki) -> bytes:
-    """A certificate the test CA signs for the public key ``spki``, whatever its curve:
-    cryptography builds one for a stand-in key; its key is then replaced and the
-    certificate signed again."""
+def certificate_for(spki: bytes, pki: Pki, *, common_name: str = "unsupported") -> bytes:
+    """A certificate the test CA signs for the public key ``spki``, whatever its curve,
+    named ``common_name``: cryptography builds one for a stand-in key; its key is then
+    replaced and the certificate signed again."""
     import datetime
 
     from cryptography import x509
@@ -95,7 +95,7 @@ def certificate_for(spki: bytes, pki: Pki) -> bytes:
     now = datetime.datetime.now(datetime.UTC)
     built = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "unsupported")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_cert.subject)
         .public_key(stand_in)
         .serial_number(x509.random_serial_number())

@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 
 import grpc
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 
 from ztate.worker_sdk._credentials import Pems, own_certificate, refused
 from ztate.worker_sdk.errors import HandshakeFailed, Unreachable
@@ -64,12 +64,15 @@ def check_own_certificate(pems: Pems, *, now: datetime | None = None) -> None:
 
 
 def _issued_by_ca(pems: Pems) -> bool:
-    """Whether a certificate of the CA file signed the client certificate."""
+    """Whether a certificate of the CA file signed the client certificate. A CA
+    certificate whose key cryptography cannot load (``UnsupportedAlgorithm``: a curve
+    it lacks; the bundle still parses, so ``own_certificate`` took it) signed nothing
+    this can check: skipped, as one whose signature does not verify."""
     cert = x509.load_pem_x509_certificate(pems.cert)
     for authority in x509.load_pem_x509_certificates(pems.ca):
         try:
             cert.verify_directly_issued_by(authority)
-        except (ValueError, TypeError, InvalidSignature):
+        except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
             continue
         return True
     return False

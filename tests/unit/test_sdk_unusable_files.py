@@ -14,11 +14,15 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
 
 from tests.harness import Credentials, Pki
 from tests.unit.test_sdk_runner import Scripted, scripted_server
 from tests.unsupported_curve import certificate_for, secp112r1_key_pair
+from ztate.services.cli import ca
+from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.reloading import write_atomically
 from ztate.worker_sdk import HandshakeFailed, ZtateClient
 from ztate.worker_sdk import _credentials as credentials_module
@@ -146,3 +150,47 @@ async def test_unusable_files_rotated_in_are_skipped_and_not_parsed_again(
         assert worker._connection is not first
         assert worker._connection.pems.cert == other.cert.read_bytes()
         assert servicer.view_calls == 5
+
+
+async def test_a_ca_of_an_unsupported_curve_does_not_break_the_diagnosis(
+    pki: Pki, tmp_path: Path, service: tuple[Scripted, str]
+) -> None:
+    """A CA file holding a certificate with a key on secp112r1, named as the issuer of
+    our certificate (so that its key is read), is usable at start-up (the bundle
+    parses). When the service refuses our certificate, the diagnosis asks whether a
+    CA of the CA file issued it: that certificate is skipped as one whose signature
+    does not verify is, and the hint names our certificate's issuer: not cryptography's
+    UnsupportedAlgorithm (failed before with it). Our certificate file holds its chain
+    (ours and its CA's), as a worker behind an intermediate CA sends it: so TLS takes
+    that chain and does not look in the CA file for our issuer (it would find the
+    secp112r1 certificate and refuse its key as too small before any diagnosis)."""
+    servicer, target = service
+    # a CA of another name than the service's (else the secp112r1 certificate would be
+    # taken for the issuer of the service's certificate too): the service refuses ours
+    other_ca = tmp_path / "other-ca"
+    ca.init_ca(other_ca, "other.example")
+    ours = ca.issue(other_ca, Identity("other.example", Role.NODE, "db-writer"), tmp_path / "ours")
+    chain = tmp_path / "chain.crt"
+    chain.write_bytes(ours.cert.read_bytes() + (other_ca / ca.CA_CERT).read_bytes())
+    issuer = x509.load_pem_x509_certificate(ours.cert.read_bytes()).issuer
+    (name,) = issuer.get_attributes_for_oid(NameOID.COMMON_NAME)
+    _, spki = secp112r1_key_pair()
+    bundle = tmp_path / "ca.crt"
+    # the secp112r1 certificate, then the service's CA (so that we trust the service)
+    bundle.write_bytes(
+        certificate_for(spki, pki, common_name=str(name.value))
+        + pki.node("db-writer").ca.read_bytes()
+    )
+    async with ZtateClient.from_files(
+        target, cert=chain, key=ours.key, ca=bundle, retries=0
+    ) as worker:
+        with pytest.raises(HandshakeFailed) as caught:
+            await worker.get_view("order-42")
+    assert caught.value.code is grpc.StatusCode.UNAVAILABLE
+    assert caught.value.reason == "CERTIFICATE_REFUSED"
+    assert caught.value.hint.startswith("the service refused our certificate (")
+    assert caught.value.hint.endswith(
+        "the client certificate is not issued by the CA file's CA (its issuer is "
+        f"{issuer.rfc4514_string()}): the service trusts only certificates of its own CA"
+    )
+    assert servicer.view_calls == 0  # refused in the handshake: no call reached it

@@ -1,5 +1,5 @@
 /** The client a worker uses: view, propose and watch over gRPC with mutual TLS. */
-import { randomUUID, X509Certificate, createPrivateKey } from "node:crypto";
+import { randomUUID, X509Certificate, createPrivateKey, type KeyObject } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { connect as tlsConnect } from "node:tls";
 import { create } from "@bufbuild/protobuf";
@@ -127,40 +127,83 @@ export interface VerifiedHead {
   checkpoint: JsonObject;
 }
 
+/** A HandshakeFailed this client names (`reason`) about our own files, before any call. */
+function ownFiles(reason: string, hint: string): HandshakeFailed {
+  return new HandshakeFailed(reason, hint, Code.Unavailable);
+}
+
+const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/g;
+const PEM_KEY = /-----BEGIN [A-Z ]*PRIVATE KEY-----/;
+// PKCS #8 encrypted, or the traditional (OpenSSL) form with a Proc-Type header
+const ENCRYPTED_KEY = /-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type:\s*4,\s*ENCRYPTED/;
+
+/** The certificates of a PEM file, or null when it holds none or one that does not parse. */
+function pemCertificates(pems: Buffer): X509Certificate[] | null {
+  const blocks = pems.toString("latin1").match(PEM_CERTIFICATE) ?? [];
+  if (blocks.length === 0) return null;
+  try {
+    return blocks.map((block) => new X509Certificate(block));
+  } catch {
+    return null;
+  }
+}
+
 /**
  * Catches what the handshake can only refuse before a call is made, with a message
- * that says so (instead of UNAVAILABLE): a key that is not the certificate's, or a
- * certificate outside its validity period.
+ * that says so (instead of UNAVAILABLE): a file that is not usable (not PEM, a key
+ * encrypted with a password, a key of an algorithm or curve Node cannot read), a key
+ * that is not the certificate's, or a certificate outside its validity period. The
+ * reasons and hints are the Python SDK's (`own_certificate`): each names the file and
+ * why, never its content, and Node's error is not kept as the cause (its message may
+ * quote the file).
  */
-function checkOwnCertificate(cert: Buffer, key: Buffer): void {
-  const x509 = new X509Certificate(cert);
-  if (!x509.checkPrivateKey(createPrivateKey(key))) {
-    throw new HandshakeFailed("KEY_MISMATCH", "the key file is not the private key of the certificate file", Code.Unavailable);
+function checkOwnCertificate(cert: Buffer, key: Buffer, ca: Buffer): void {
+  let privateKey: KeyObject;
+  try {
+    privateKey = createPrivateKey(key);
+  } catch {
+    if (ENCRYPTED_KEY.test(key.toString("latin1"))) {
+      throw ownFiles("KEY_UNUSABLE", "the key file is encrypted with a password: ztate reads private keys without one");
+    }
+    if (PEM_KEY.test(key.toString("latin1"))) {
+      throw ownFiles("KEY_UNUSABLE", "the key file is a private key of an unsupported algorithm or curve, or damaged");
+    }
+    throw ownFiles("KEY_UNUSABLE", "the key file is not a PEM private key");
   }
+  const x509 = pemCertificates(cert)?.[0];
+  if (x509 === undefined) throw ownFiles("CERTIFICATE_UNUSABLE", "the certificate file is not a PEM certificate");
+  let matching: boolean;
+  try {
+    matching = x509.checkPrivateKey(privateKey);
+  } catch {
+    throw ownFiles("CERTIFICATE_UNUSABLE", "the certificate file is a certificate for a key of an unsupported algorithm or curve");
+  }
+  if (pemCertificates(ca) === null) throw ownFiles("CA_UNUSABLE", "the CA file is not a PEM certificate bundle");
+  if (!matching) throw ownFiles("KEY_MISMATCH", "the key file is not the private key of the certificate file");
   const now = Date.now();
   if (now >= Date.parse(x509.validTo)) {
-    throw new HandshakeFailed(
+    throw ownFiles(
       "CERTIFICATE_EXPIRED",
       `the client certificate expired at ${new Date(x509.validTo).toISOString()}: the service refuses it in the TLS handshake; renew it (ztate ca renew)`,
-      Code.Unavailable,
     );
   }
   if (now < Date.parse(x509.validFrom)) {
-    throw new HandshakeFailed(
+    throw ownFiles(
       "CERTIFICATE_NOT_YET_VALID",
       `the client certificate is valid only from ${new Date(x509.validFrom).toISOString()} (is this machine's clock right?): the service refuses it until then`,
-      Code.Unavailable,
     );
   }
 }
 
-/** Whether a certificate of the CA file signed the client certificate. */
+/** Whether a certificate of the CA file signed the client certificate (both checked by `checkOwnCertificate`). */
 function issuedByCa(cert: Buffer, ca: Buffer): boolean {
   const mine = new X509Certificate(cert);
-  const pems = ca.toString("latin1").match(/-----BEGIN CERTIFICATE-----[^-]+-----END CERTIFICATE-----/g) ?? [];
-  return pems.some((pem) => {
-    const authority = new X509Certificate(pem);
-    return mine.checkIssued(authority) && mine.verify(authority.publicKey);
+  return (pemCertificates(ca) ?? []).some((authority) => {
+    try {
+      return mine.checkIssued(authority) && mine.verify(authority.publicKey);
+    } catch {
+      return false; // a CA certificate whose key Node cannot use signed nothing it can check
+    }
   });
 }
 
@@ -326,7 +369,9 @@ export class ZtateClient {
    * A client authenticated by the certificate, key and CA files (PEM). Throws a
    * TypeError or RangeError, naming the option, for a `timeoutMs`, `retries` or
    * `backoffMs` that is not an integer of its range (NaN, an infinity, negative,
-   * fractional), before reading any file.
+   * fractional), before reading any file; then `HandshakeFailed` for files the
+   * handshake can only refuse (`checkOwnCertificate`: KEY_UNUSABLE, CERTIFICATE_UNUSABLE,
+   * CA_UNUSABLE, KEY_MISMATCH, CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID).
    */
   static fromFiles(files: ClientFiles): ZtateClient {
     const numbers = {
@@ -337,7 +382,7 @@ export class ZtateClient {
     const cert = readFileSync(files.certFile);
     const key = readFileSync(files.keyFile);
     const ca = readFileSync(files.caFile);
-    checkOwnCertificate(cert, key);
+    checkOwnCertificate(cert, key, ca);
     const transport = createGrpcTransport({
       baseUrl: `https://${files.target}`,
       nodeOptions: files.serverName === undefined ? { cert, key, ca } : { cert, key, ca, servername: files.serverName },

@@ -43,7 +43,9 @@ export class StaleVersion extends ZtateError {
  * is down (docs/api.md, "Refusals before any RPC"). `reason` (set by this client, not
  * the server) says which, `hint` what to check:
  *
- * - KEY_MISMATCH, CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID: our own files,
+ * - KEY_UNUSABLE, CERTIFICATE_UNUSABLE, CA_UNUSABLE (a file that is not PEM, a key
+ *   encrypted with a password, a key of an algorithm or curve Node cannot read),
+ *   KEY_MISMATCH, CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID: our own files,
  *   checked before any call (`ZtateClient.fromFiles` throws);
  * - CERTIFICATE_REFUSED: the service refused our certificate (another CA, or unknown
  *   to the service);
