@@ -10,13 +10,14 @@
 -- reviews_by_status and reviews_by_thread hold the reviews in the list's order under
 -- their status (and thread): a page reads the reviews it returns.
 --
--- Building them reads the reviews once and blocks new reviews and decisions while it
--- runs; on a very large table create them first with CREATE INDEX CONCURRENTLY under
--- these names (docs/operations.md), and this migration finds them there. A concurrent
--- build that failed leaves an invalid index of that name, which the planner never uses:
--- this migration then fails, naming it (drop it, build it again, migrate again). The
--- checks and the indexes are one statement: Citus passes on the index of a table it
--- manages with the text of the statement that made it, which must then be one command.
+-- Building them reads the reviews once and blocks new reviews and their closing (a
+-- decision that closes one, the expiry pass) while it runs; on a very large table
+-- create them first with CREATE INDEX CONCURRENTLY under these names
+-- (docs/operations.md), and this migration finds them there. A concurrent build that
+-- failed leaves an invalid index of that name, which the planner never uses: this
+-- migration then fails, naming it (drop it, build it again, migrate again). The checks
+-- and the indexes are one statement: Citus passes on the index of a table it manages
+-- with the text of the statement that made it, which must then be one command.
 
 DO $$
 DECLARE
