@@ -354,7 +354,7 @@ async def test_the_approval_outbox_reads_only_the_receipts_it_delivers(
 
 
 BASE = datetime(2026, 1, 1, tzinfo=UTC)
-OPEN_REVIEWS = (
+ADD_REVIEWS = (
     "INSERT INTO ztate_approval.reviews (digest, thread_id, base_version, node_id, "
     "risk_rules, required_approvals, proposal, redacted_diff, status, opened_at, expires_at) "
     "SELECT lpad(to_hex(g), 64, '0'), $3, 0, 'n', '{r}', 1, '\\x00', '\\x00', $4, "
@@ -369,7 +369,7 @@ async def add_reviews(
     """Reviews ``first`` to ``last`` (their digests), review g opened g seconds after
     BASE and due ``days`` later."""
     await admin.execute(
-        OPEN_REVIEWS, first, last, thread_id, status, BASE, BASE + timedelta(days=days)
+        ADD_REVIEWS, first, last, thread_id, status, BASE, BASE + timedelta(days=days)
     )
 
 
