@@ -48,29 +48,59 @@ RETURNING digest
 """
 
 # Keyset pagination: open reviews are a queue (oldest first); decided ones are
-# history (newest first). The position is the last (opened_at, digest) seen.
-LIST_OLDEST_FIRST = f"""
-SELECT {REVIEW_COLUMNS} FROM {REVIEWS}
- WHERE r.status = $1
-   AND ($2::text IS NULL OR r.thread_id = $2)
-   AND ($3::timestamptz IS NULL OR (r.opened_at, r.digest) > ($3, $4::text))
- ORDER BY r.opened_at, r.digest
- LIMIT $5
-"""  # noqa: S608 - constant columns and tables
+# history (newest first). The position is the last (opened_at, digest) seen; a first
+# page starts before (after) every review, opened_at being the service's clock, never
+# infinite. Each statement is a range of the order of an index (approval migration
+# 0004: ``reviews_by_status``, ``reviews_by_thread`` with the thread), the status and
+# thread equalities its leading columns: whatever the statistics its plan was made
+# with, a page reads the reviews it returns, where a status or thread written as an
+# optional parameter led every plan to read every review and sort those of the status.
+_BY_STATUS = "r.status = $1"
+_BY_THREAD = "r.thread_id = $5 AND r.status = $1"
+_AFTER = (
+    "(r.opened_at, r.digest) > (coalesce($2::timestamptz, '-infinity'), coalesce($3::text, ''))"
+)
+_BEFORE = (
+    "(r.opened_at, r.digest) < (coalesce($2::timestamptz, 'infinity'), coalesce($3::text, ''))"
+)
 
-LIST_NEWEST_FIRST = f"""
-SELECT {REVIEW_COLUMNS} FROM {REVIEWS}
- WHERE r.status = $1
-   AND ($2::text IS NULL OR r.thread_id = $2)
-   AND ($3::timestamptz IS NULL OR (r.opened_at, r.digest) < ($3, $4::text))
- ORDER BY r.opened_at DESC, r.digest DESC
- LIMIT $5
-"""  # noqa: S608 - constant columns and tables
 
+def _page_of(where: str, position: str, order: str) -> str:
+    return f"""
+SELECT {REVIEW_COLUMNS} FROM {REVIEWS}
+ WHERE {where} AND {position}
+ ORDER BY {order}
+ LIMIT $4
+"""  # noqa: S608 - constant columns, tables and conditions
+
+
+_OLDEST, _NEWEST = "r.opened_at, r.digest", "r.opened_at DESC, r.digest DESC"
+# (oldest first, newest first), of any thread and of the thread $5
+LIST_PAGE = {
+    False: (_page_of(_BY_STATUS, _AFTER, _OLDEST), _page_of(_BY_STATUS, _BEFORE, _NEWEST)),
+    True: (_page_of(_BY_THREAD, _AFTER, _OLDEST), _page_of(_BY_THREAD, _BEFORE, _NEWEST)),
+}
+
+# The overdue open reviews, in the deadline order of ``reviews_open_expiry`` (approval
+# migration 0004); no index had expires_at, and every pass read every open review.
 EXPIRE_OPEN = """
 UPDATE ztate_approval.reviews SET status = 'expired', closed_at = $1
  WHERE status = 'open' AND expires_at < $1
 RETURNING digest, thread_id, risk_rules
+"""
+
+# Closing the locked review. Its row is found by its primary key as a range of one
+# value, LIMIT 1 (an order only the key's index gives), and updated by its physical
+# address (a TID scan): written ``WHERE digest = $1 AND status = 'open'``, the generic
+# plan made on tables never analysed read every open review through a partial index of
+# the open ones, the digest filtered; so did a subquery giving the digest. The row is
+# locked by this transaction (``ReviewStore.locked``), so the version found is the one
+# updated; the digest is checked again all the same.
+CLOSE_REVIEW = """
+UPDATE ztate_approval.reviews SET status = $2, closed_at = $3
+ WHERE ctid = (SELECT ctid FROM ztate_approval.reviews
+                WHERE digest BETWEEN $1 AND $1 ORDER BY digest LIMIT 1)
+   AND digest = $1 AND status = 'open'
 """
 
 UNDELIVERED = """
@@ -216,8 +246,7 @@ class LockedReview:
     async def close(self, status: str, at: datetime) -> None:
         """Close the review as approved, rejected or expired."""
         await self._conn.execute(
-            "UPDATE ztate_approval.reviews SET status = $2, closed_at = $3 "
-            "WHERE digest = $1 AND status = 'open'",
+            CLOSE_REVIEW,
             self.review.digest,
             status,
             at,
@@ -295,15 +324,11 @@ class ReviewStore:
         self, status: str, *, thread_id: str | None, limit: int, after: Cursor | None
     ) -> list[StoredReview]:
         """One page of reviews with ``status``: open ones oldest first, others newest first."""
-        query = LIST_OLDEST_FIRST if status == OPEN else LIST_NEWEST_FIRST
-        rows = await self._pool.fetch(
-            query,
-            status,
-            thread_id,
-            after.opened_at if after else None,
-            after.digest if after else None,
-            limit,
-        )
+        oldest_first, newest_first = LIST_PAGE[thread_id is not None]
+        query = oldest_first if status == OPEN else newest_first
+        position = (after.opened_at, after.digest) if after else (None, None)
+        thread = () if thread_id is None else (thread_id,)
+        rows = await self._pool.fetch(query, status, *position, limit, *thread)
         return [StoredReview.from_row(row) for row in rows]
 
     @asynccontextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -27,7 +28,14 @@ from tests.harness import fresh_database
 from tests.integration.test_store_conformance import NODE, commit, new_thread, pending
 from tests.integration.test_watch_limits import eventually
 from ztate.approval_service.app import migrate_approvals
-from ztate.approval_service.store import ReviewStore
+from ztate.approval_service.store import (
+    APPROVED,
+    EXPIRED,
+    OPEN,
+    STATUSES,
+    Cursor,
+    ReviewStore,
+)
 from ztate.contract.keyring import Keyring
 from ztate.services.runtime.config import Settings
 from ztate.services.store.approvals import ApprovalStore
@@ -339,6 +347,142 @@ async def test_the_approval_outbox_reads_only_the_receipts_it_delivers(
         assert [e.digest for e in await reviews.undelivered(100)] == [
             f"{2005:064x}",
             f"{4:064x}",
+        ]
+    finally:
+        await reviews.close()
+        await admin.close()
+
+
+BASE = datetime(2026, 1, 1, tzinfo=UTC)
+ADD_REVIEWS = (
+    "INSERT INTO ztate_approval.reviews (digest, thread_id, base_version, node_id, "
+    "risk_rules, required_approvals, proposal, redacted_diff, status, opened_at, expires_at) "
+    "SELECT lpad(to_hex(g), 64, '0'), $3, 0, 'n', '{r}', 1, '\\x00', '\\x00', $4, "
+    "$5::timestamptz + make_interval(secs => g), $6::timestamptz + make_interval(secs => g) "
+    "FROM generate_series($1::bigint, $2) g"
+)
+
+
+async def add_reviews(
+    admin: asyncpg.Connection, first: int, last: int, thread_id: str, status: str, days: int
+) -> None:
+    """Reviews ``first`` to ``last`` (their digests), review g opened g seconds after
+    BASE and due ``days`` later."""
+    await admin.execute(
+        ADD_REVIEWS, first, last, thread_id, status, BASE, BASE + timedelta(days=days)
+    )
+
+
+async def close_approved(reviews: ReviewStore, number: int) -> None:
+    """Close review ``number`` as approved, as a decision does."""
+    async with reviews.locked(f"{number:064x}") as locked:
+        assert locked is not None
+        await locked.close(APPROVED, BASE)
+        assert (await locked.reread()).status == APPROVED
+
+
+async def test_the_reviews_reads_and_closes_read_only_the_reviews_they_touch(
+    postgres_server_dsn: str,
+) -> None:
+    """Closing a decided review, the expiry pass and the pages of the review list ran
+    plans that, made while the approval service's tables were tiny and never analysed,
+    read every open review (the close, the expiry) or every review, sorting those of the
+    status (a page: its status a parameter, no index with the thread; whatever the
+    statistics). Approval migration 0004 and the statements' wording lead each to the
+    reviews it touches."""
+    dsn = await fresh_database(postgres_server_dsn)
+    await migrate_approvals(dsn, APPROVER)
+    admin = await asyncpg.connect(dsn)
+    for table in ("reviews", "receipts", "decisions"):
+        await admin.execute(f"ALTER TABLE ztate_approval.{table} SET (autovacuum_enabled = false)")
+    reviews = await ReviewStore.open(dsn, role=APPROVER, pool_size=1)
+    now = BASE + timedelta(days=10)
+    after_1000 = Cursor(BASE + timedelta(seconds=1000), f"{1000:064x}")
+    # (tables, read) of each read counted
+    closing = iter(range(1500, 1500 + RUNS))
+    reads_of: dict[str, tuple[tuple[str, ...], Callable[[], Awaitable[Any]]]] = {
+        "close": (("ztate_approval.reviews",), lambda: close_approved(reviews, next(closing))),
+        "expire_open": (("ztate_approval.reviews",), lambda: reviews.expire_open(now)),
+        "open, oldest first": (
+            ("ztate_approval.reviews", "ztate_approval.receipts"),
+            lambda: reviews.page(OPEN, thread_id=None, limit=10, after=after_1000),
+        ),
+        "approved, of a thread": (
+            ("ztate_approval.reviews", "ztate_approval.receipts"),
+            lambda: reviews.page(APPROVED, thread_id="t", limit=10, after=None),
+        ),
+    }
+    try:
+        await add_reviews(admin, 1, 2, "t", OPEN, 30)
+        await add_reviews(admin, 3, 3, "t", APPROVED, 30)
+        await add_reviews(admin, 4, 4, "u", OPEN, 30)
+        for _ in range(TINY_RUNS):  # the plans are made while the reviews are a few
+            await close_approved(reviews, 2)  # closed at the first run, then left as it is
+            assert await reviews.expire_open(now) == []
+            for status in STATUSES:
+                for thread_id in (None, "t"):
+                    await reviews.page(status, thread_id=thread_id, limit=10, after=None)
+        # 2,000 open reviews of the thread t, 2,000 approved of u, two overdue
+        await add_reviews(admin, 5, 2004, "t", OPEN, 30)
+        await add_reviews(admin, 2005, 4004, "u", APPROVED, 30)
+        await add_reviews(admin, 4005, 4006, "u", OPEN, 1)
+
+        found = {
+            name: await counted(Outbox(admin, reviews.pool), tables, read)
+            for name, (tables, read) in reads_of.items()
+        }
+
+        # (sequential scans, rows and index entries read) a table, for RUNS runs of each.
+        # A close reads its review by key four times (the lock, the read, the close,
+        # the read again, which finds the entries of both versions: 5); a page, the
+        # reviews it returns (the thread t's approved: 2, 3 and the three just closed)
+        expiry = found.pop("expire_open")["ztate_approval.reviews"]
+        assert {
+            name: {table: (r.seq_scans, r.rows) for table, r in f.items()}
+            for name, f in found.items()
+        } == {
+            "close": {"ztate_approval.reviews": (0, 5 * RUNS)},
+            "open, oldest first": {
+                "ztate_approval.reviews": (0, 10 * RUNS),
+                "ztate_approval.receipts": (0, 0),
+            },
+            "approved, of a thread": {
+                "ztate_approval.reviews": (0, 5 * RUNS),
+                "ztate_approval.receipts": (0, 0),
+            },
+        }
+        # the first expiry pass reads the two overdue reviews and expires them; the next
+        # may read their index entries once more before Postgres marks them dead
+        assert expiry.seq_scans == 0
+        assert 2 <= expiry.rows <= 4
+        # and the answers are unchanged: the page after review 1000, oldest first
+        page = await reviews.page(OPEN, thread_id=None, limit=10, after=after_1000)
+        assert [r.digest for r in page] == [f"{g:064x}" for g in range(1001, 1011)]
+        # the decided ones newest first, of any thread or of one
+        page = await reviews.page(APPROVED, thread_id=None, limit=3, after=None)
+        assert [r.digest for r in page] == [f"{g:064x}" for g in (4004, 4003, 4002)]
+        last = Cursor(page[-1].opened_at, page[-1].digest)
+        page = await reviews.page(APPROVED, thread_id=None, limit=2, after=last)
+        assert [r.digest for r in page] == [f"{g:064x}" for g in (4001, 4000)]
+        page = await reviews.page(APPROVED, thread_id="t", limit=10, after=None)
+        assert [r.digest for r in page] == [f"{g:064x}" for g in (1502, 1501, 1500, 3, 2)]
+        closed = [r.closed_at for r in page]  # review 3 was added approved, with no date
+        assert closed == [BASE, BASE, BASE, None, BASE]
+        page = await reviews.page(OPEN, thread_id="u", limit=10, after=None)
+        assert [r.digest for r in page] == [f"{4:064x}"]  # 4005 and 4006 expired
+        page = await reviews.page(OPEN, thread_id="t", limit=2, after=None)
+        assert [r.digest for r in page] == [f"{1:064x}", f"{5:064x}"]
+        # the overdue reviews were expired once, at the first pass; none other since
+        expired = await reviews.page(EXPIRED, thread_id=None, limit=10, after=None)
+        assert [(r.digest, r.closed_at) for r in expired] == [
+            (f"{4006:064x}", now),
+            (f"{4005:064x}", now),
+        ]
+        # at its deadline a review is not yet overdue; a microsecond after, it is
+        due = BASE + timedelta(days=30, seconds=1)
+        assert await reviews.expire_open(due) == []
+        assert [r.digest for r in await reviews.expire_open(due + timedelta(microseconds=1))] == [
+            f"{1:064x}"
         ]
     finally:
         await reviews.close()

@@ -464,7 +464,8 @@ async def test_the_migration_job_applies_both_schemas_once(postgres_server_dsn: 
     names = ", ".join(f"{m.number:04d}_{m.name}" for m in shipped)
     assert lines[0] == f"transition service: {names}"
     assert lines[1] == (
-        "approval service: 0001_reviews, 0002_delivery_outcome, 0003_undelivered_receipts"
+        "approval service: 0001_reviews, 0002_delivery_outcome, 0003_undelivered_receipts, "
+        "0004_review_reads"
     )
     assert dsn not in stdout + stderr
     conn = await asyncpg.connect(dsn)

@@ -374,32 +374,54 @@ async def test_an_index_left_invalid_by_a_failed_concurrent_build_fails_its_migr
         await conn.close()
 
 
+@pytest.mark.parametrize(
+    ("last", "index", "definition"),
+    [
+        pytest.param(
+            2,
+            "receipts_undelivered",
+            "ON ztate_approval.receipts (signed_at, digest) WHERE delivered_at IS NULL",
+            id="0003",
+        ),
+        pytest.param(
+            3,
+            "reviews_by_thread",
+            "ON ztate_approval.reviews (thread_id, status, opened_at, digest)",
+            id="0004",
+        ),
+    ],
+)
 async def test_an_invalid_index_of_the_approval_outbox_fails_its_migration(
-    postgres_server_dsn: str,
+    postgres_server_dsn: str, last: int, index: str, definition: str
 ) -> None:
-    """The approval service's migration 0003 likewise refuses an invalid
-    receipts_undelivered (a failed concurrent build), and is not recorded."""
+    """The approval service's migrations 0003 (the outbox's receipts_undelivered) and
+    0004 (the reviews' indexes, one of three names here) likewise refuse an invalid
+    index of a name they build (a failed concurrent build), are not recorded, and apply
+    once it is dropped."""
     from ztate.approval_service.app import APPROVAL_MIGRATIONS
 
     conn = await asyncpg.connect(await fresh_database(postgres_server_dsn))
     roles = {":approval_role": "ztate_invalid_approver"}
     every = APPROVAL_MIGRATIONS
     try:
-        before = MigrationsUpTo(every.package, every.table, every.lock, last=2)
+        before = MigrationsUpTo(every.package, every.table, every.lock, last=last)
         await migrations.apply_migrations(conn, before, roles)
         await conn.execute(
-            "CREATE INDEX receipts_undelivered ON ztate_approval.receipts (signed_at, digest) "
-            "WHERE delivered_at IS NULL; "
-            "UPDATE pg_catalog.pg_index SET indisvalid = false "
-            "WHERE indexrelid = 'ztate_approval.receipts_undelivered'::regclass"
+            f"CREATE INDEX {index} {definition}; "  # noqa: S608 - the test's constants
+            "UPDATE pg_catalog.pg_index SET indisvalid = false "  # as a failed build leaves it
+            f"WHERE indexrelid = 'ztate_approval.{index}'::regclass"
         )
         with pytest.raises(
             asyncpg.RaiseError,
-            match=r"^the index ztate_approval.receipts_undelivered exists but is not valid "
+            match=rf"^the index ztate_approval.{index} exists but is not valid "
             r"\(a CREATE INDEX CONCURRENTLY that failed\?\): drop it, then migrate again$",
         ):
             await migrations.apply_migrations(conn, every, roles)
         recorded = f"SELECT max(number) FROM public.{every.table}"  # noqa: S608 - a constant
-        assert await conn.fetchval(recorded) == 2
+        assert await conn.fetchval(recorded) == last
+        await conn.execute(f"DROP INDEX ztate_approval.{index}")
+        assert await migrations.apply_migrations(conn, every, roles) == [
+            f"{m.number:04d}_{m.name}" for m in every.bundled() if m.number > last
+        ]
     finally:
         await conn.close()
