@@ -111,12 +111,11 @@ class ContextFile:
                 usage(f"{path}: the name of context number {number} is not one ({NAME_RULE})")
             if not isinstance(fields, dict):
                 usage(f"{path}: context {name!r} must be a mapping")
-            unknown = sorted(set(fields) - set(FIELDS))
-            if unknown:
-                usage(
-                    f"{path}: context {name!r}: unknown {', '.join(unknown)} "
-                    f"(known: {', '.join(FIELDS)})"
-                )
+            unknown = [key for key in fields if key not in FIELDS]
+            if unknown:  # named only when each is a name: a hand-edited key may hold anything
+                named = all(isinstance(k, str) and CONTEXT_NAME.fullmatch(k) for k in unknown)
+                which = ", ".join(sorted(unknown)) if named else f"{len(unknown)} setting(s)"
+                usage(f"{path}: context {name!r}: unknown {which} (known: {', '.join(FIELDS)})")
             if not all(isinstance(v, str) for v in fields.values()):
                 usage(f"{path}: context {name!r}: every value is a string")
             for field, value in fields.items():

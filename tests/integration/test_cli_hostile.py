@@ -256,6 +256,16 @@ def test_context_set_refuses_hostile_settings(
         ),
         # hand-edited: what `context set` would refuse, refused without being echoed
         (
+            b'{"contexts": {"dev": {"\u001b[31mred": "x", "token": "y"}}}',
+            "PATH: context 'dev': unknown 2 setting(s) "
+            "(known: address, approval-address, cert, key, ca, server-name)",
+        ),
+        (
+            b"contexts:\n  dev:\n    1: x\n",
+            "PATH: context 'dev': unknown 1 setting(s) "
+            "(known: address, approval-address, cert, key, ca, server-name)",
+        ),
+        (
             b'{"contexts": {"dev": {}, "\\u001b[31mred": {"address": "h:1"}}}',
             f"PATH: the name of context number 2 is not one ({NAME_TEXT})",
         ),
