@@ -31,10 +31,13 @@ def run_service(
     run ``serve(started)`` until it returns; ``serve`` calls ``started()`` once it
     serves. Until then a failure is a ``CliError``: the database not reachable in time
     (exit 4) or a file, key, setting or migration the service cannot use (a
-    ``MigrationError``, an ``OSError`` or a ``ValueError``, such as ``KeyFileError``;
-    exit 2), each as ``{prefix}: `` and its first line, and the database's refusal
+    ``MigrationError``, an ``OSError`` or a ``ValueError``, such as ``KeyFileError``, or
+    an ``asyncpg`` error, such as a migration the database refuses; exit 2), each as
+    ``{prefix}: `` and its first line, and the database's refusal of the connection
     (exit 2) as the database said it. After ``started()``, such a failure is
     ``{stopped}: `` and its first line (exit 1). ``dsn``'s password is never printed."""
+    import asyncpg
+
     from ztate.services.store.migrate import MigrationError
     from ztate.services.store.waiting import (
         DatabaseNotReady,
@@ -58,8 +61,16 @@ def run_service(
     except DatabaseRefused as exc:
         raise CliError(str(exc), USAGE) from None
     # a policy, keyring, key file or revocation list it cannot use is a ValueError; a
-    # file it cannot read or an address it cannot listen on (CannotListen) an OSError
-    except (MigrationError, OSError, ValueError) as exc:
+    # file it cannot read or an address it cannot listen on (CannotListen) an OSError;
+    # a migration the database refuses (a privilege, a lock timeout) or a connection
+    # lost after the wait, asyncpg's
+    except (
+        MigrationError,
+        OSError,
+        ValueError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+    ) as exc:
         if serving:
             raise CliError(f"{stopped}: {first_line(exc, dsn)}", FAILED) from None
         raise CliError(f"{prefix}: {first_line(exc, dsn)}", USAGE) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
 from ztate.contract.errors import KeyFileError
@@ -109,3 +110,36 @@ def test_a_service_that_ran_and_stopped_exits_0() -> None:
         run_service(serve, dsn=None, wait_seconds=0, prefix="cannot start", stopped=stopped) == OK
     )
     assert ran == [True]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        asyncpg.InsufficientPrivilegeError("permission denied for schema public\ndetail"),
+        asyncpg.InterfaceError("connection is closed"),
+    ],
+    ids=["refused-migration", "lost-connection"],
+)
+def test_a_database_error_while_starting_is_a_failure_to_start_not_a_traceback(
+    failure: Exception,
+) -> None:
+    """A migration the database refuses (a privilege, a lock timeout while an index
+    builds) or a connection lost between the wait and the start raised an asyncpg error
+    that no clause caught: a traceback. It is a failure to start, one line."""
+
+    async def serve(started: Callable[[], None]) -> None:
+        raise failure
+
+    with pytest.raises(CliError) as refused:
+        run_service(
+            serve,
+            dsn=None,
+            wait_seconds=0,
+            prefix="cannot start the transition service",
+            stopped="the transition service stopped",
+        )
+    first = str(failure).splitlines()[0]
+    assert (refused.value.message, refused.value.code) == (
+        f"cannot start the transition service: {first}",
+        USAGE,
+    )
