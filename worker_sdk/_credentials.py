@@ -44,7 +44,7 @@ def _stamp(paths: tuple[Path, ...]) -> Stamp:
     for path in paths:
         try:
             info = os.stat(path)
-        except FileNotFoundError:
+        except OSError:  # gone, a symlink loop, a folder it may not search: unusable now
             found.append(None)
         else:
             found.append((info.st_ino, info.st_dev, info.st_mtime_ns, info.st_size))

@@ -74,6 +74,10 @@ def _require(message: Message, *fields: str) -> None:
         raise _bad_reply(message.DESCRIPTOR.name, f"without the {', '.join(missing)}")
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _json_object(data: bytes, kind: str, field: str) -> dict[str, Any]:
     """The JSON object that ``field`` of a reply (or a part of one) of message type
     ``kind`` carries; ``ProtocolError`` (BAD_REPLY) when it is empty, not UTF-8 JSON or
@@ -82,8 +86,8 @@ def _json_object(data: bytes, kind: str, field: str) -> dict[str, Any]:
     values): the error names the field and the fault only."""
     if not data:
         raise _bad_reply(kind, f"with an empty {field}")
-    try:
-        parsed = json.loads(data)
+    try:  # UTF-8 only (json.loads would guess UTF-16 or 32), no NaN or Infinity
+        parsed = json.loads(data.decode("utf-8"), parse_constant=_not_json)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise _bad_reply(kind, f"with a {field} that is not JSON") from None
     if not isinstance(parsed, dict):

@@ -448,6 +448,8 @@ BAD_JSON: dict[str, tuple[bytes, str]] = {
     "empty": (b"", "an empty {}"),
     "cut short": (b'{"card":"s3cret', "a {} that is not JSON"),
     "not UTF-8": (b'{"card":"s3cret\xff"}', "a {} that is not JSON"),
+    "UTF-16": ('{"card":"s3cret"}'.encode("utf-16"), "a {} that is not JSON"),
+    "NaN": (b'{"card":"s3cret","n":NaN}', "a {} that is not JSON"),
     "nested past the parser's recursion limit": (
         b"[" * 100_000 + b'"s3cret"',
         "a {} that is not JSON",

@@ -194,3 +194,26 @@ async def test_a_ca_of_an_unsupported_curve_does_not_break_the_diagnosis(
         f"{issuer.rfc4514_string()}): the service trusts only certificates of its own CA"
     )
     assert servicer.view_calls == 0  # refused in the handshake: no call reached it
+
+
+async def test_a_certificate_path_that_became_a_symlink_loop_keeps_the_old_channel(
+    pki: Pki, tmp_path: Path, service: tuple[Scripted, str]
+) -> None:
+    """A rotation swaps symlinks (as a Kubernetes secret volume does); caught between two
+    swaps, or in a folder the worker may no longer search, a path cannot even be
+    looked at (ELOOP, EACCES). That is a file not usable now, like a missing one: the
+    old channel serves on. Before, only a missing file was, and every call raised
+    OSError."""
+    servicer, target = service
+    files = mine(pki, tmp_path / "mine")
+    async with ZtateClient.from_files(
+        target, cert=files.cert, key=files.key, ca=files.ca, retries=0
+    ) as worker:
+        first = worker._connection
+        assert (await worker.get_view("order-42")).version == 0
+        files.cert.unlink()
+        files.cert.symlink_to(files.cert)  # a loop: os.stat raises ELOOP
+        for _ in range(2):
+            assert (await worker.get_view("order-42")).version == 0
+        assert worker._connection is first
+        assert servicer.view_calls == 3
