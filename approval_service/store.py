@@ -244,13 +244,13 @@ class LockedReview:
         return [row["reviewer"] for row in rows]
 
     async def close(self, status: str, at: datetime) -> None:
-        """Close the review as approved, rejected or expired."""
-        await self._conn.execute(
-            CLOSE_REVIEW,
-            self.review.digest,
-            status,
-            at,
-        )
+        """Close the review as approved, rejected or expired. The review is open and
+        locked by this transaction (``ReviewStore.locked``); a close that changed no row
+        would let a receipt be signed for a review still open, so it ends the
+        transaction instead (rolled back: nothing signed)."""
+        closed = await self._conn.execute(CLOSE_REVIEW, self.review.digest, status, at)
+        if closed != "UPDATE 1":
+            raise RuntimeError(f"review {self.review.digest[:16]} was not closed ({closed})")
 
     async def store_receipt(self, receipt: SignedReceipt, nonce: str, at: datetime) -> None:
         """Keep the review's signed receipt; it waits in the outbox until delivered."""

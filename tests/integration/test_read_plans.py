@@ -22,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
+import pytest
 import pytest_asyncio
 
 from tests.harness import fresh_database
@@ -32,6 +33,7 @@ from ztate.approval_service.store import (
     APPROVED,
     EXPIRED,
     OPEN,
+    REJECTED,
     STATUSES,
     Cursor,
     ReviewStore,
@@ -417,7 +419,14 @@ async def test_the_reviews_reads_and_closes_read_only_the_reviews_they_touch(
         await add_reviews(admin, 3, 3, "t", APPROVED, 30)
         await add_reviews(admin, 4, 4, "u", OPEN, 30)
         for _ in range(TINY_RUNS):  # the plans are made while the reviews are a few
-            await close_approved(reviews, 2)  # closed at the first run, then left as it is
+            # review 2 is closed at each run: a close is of an open review, so it is
+            # opened again before each
+            await admin.execute(
+                "UPDATE ztate_approval.reviews SET status = 'open', closed_at = NULL "
+                "WHERE digest = $1",
+                f"{2:064x}",
+            )
+            await close_approved(reviews, 2)
             assert await reviews.expire_open(now) == []
             for status in STATUSES:
                 for thread_id in (None, "t"):
@@ -468,6 +477,14 @@ async def test_the_reviews_reads_and_closes_read_only_the_reviews_they_touch(
         assert [r.digest for r in page] == [f"{g:064x}" for g in (1502, 1501, 1500, 3, 2)]
         closed = [r.closed_at for r in page]  # review 3 was added approved, with no date
         assert closed == [BASE, BASE, BASE, None, BASE]
+        # a close changes an open review or nothing: a close that changed no row ends
+        # the decision's transaction (no receipt could be signed for it)
+        async with reviews.locked(f"{3:064x}") as locked:
+            assert locked is not None
+            with pytest.raises(RuntimeError, match=r"^review 0{16} was not closed \(UPDATE 0\)$"):
+                await locked.close(REJECTED, BASE + timedelta(days=1))
+        status = "SELECT status, closed_at FROM ztate_approval.reviews WHERE digest = $1"
+        assert tuple(await admin.fetchrow(status, f"{3:064x}")) == (APPROVED, None)
         page = await reviews.page(OPEN, thread_id="u", limit=10, after=None)
         assert [r.digest for r in page] == [f"{4:064x}"]  # 4005 and 4006 expired
         page = await reviews.page(OPEN, thread_id="t", limit=2, after=None)
