@@ -9,10 +9,10 @@ closes transitions that waited longer than ``pending_ttl`` as expired.
 A failure that stands for every review (the approval service unreachable, overloaded,
 refusing this service's identity, a deadline) stops the round, which backs off. A
 refusal of one review (``REFUSED_REVIEW``: the approval service cannot derive a review
-from that submission) or a base record that is gone sets that one aside: it stays
-parked, and expires with ``pending_ttl`` like any undecided transition, while the
-reviews parked after it are submitted. Before, it held back every review parked after
-it, for good.
+from that submission) or a base record that is gone sets that one aside for
+``SET_ASIDE_SECONDS``: it stays parked (and expires with ``pending_ttl`` if never
+taken), while the reviews parked after it are submitted. Before, it held back every
+review parked after it, for good.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ REFUSED_REVIEW = frozenset(
 )
 # the most parked transitions a process sets aside (past it, the oldest is tried again)
 MAX_SET_ASIDE = 1000
+# how long one stays aside before it is tried again: a refusal of one review may also be
+# a version skew between the services during a rolling upgrade, which passes
+SET_ASIDE_SECONDS = 600.0
 
 
 def submission(
@@ -83,8 +86,9 @@ class ApprovalOutbox:
         self._pending_ttl = pending_ttl
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
-        # digests of the parked transitions the approval service refused, oldest first
-        self._set_aside: dict[str, None] = {}
+        # the parked transitions the approval service refused: digest -> when (the
+        # loop's clock) to try it again, oldest first
+        self._set_aside: dict[str, float] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ztate-approval-outbox")
@@ -124,6 +128,10 @@ class ApprovalOutbox:
             log.info("expired %d parked transitions", len(expired))
         if self._channel is None:
             return
+        clock = asyncio.get_running_loop().time()
+        for digest, again in list(self._set_aside.items()):
+            if again <= clock:
+                del self._set_aside[digest]
         for pending in await self._approvals.to_submit(BATCH, list(self._set_aside)):
             try:
                 base_record, base_state = await self._approvals.base_of(pending)
@@ -149,13 +157,16 @@ class ApprovalOutbox:
             self._failures = 0
 
     def _set_apart(self, pending: PendingTransition, why: str) -> None:
-        """Submit ``pending`` no more from this process (it stays parked until it expires),
-        and say why: the reviews parked after it go on."""
+        """Submit ``pending`` no more for ``SET_ASIDE_SECONDS`` (it stays parked, and
+        expires with ``pending_ttl`` if never taken), and say why: the reviews parked
+        after it go on."""
         if len(self._set_aside) >= MAX_SET_ASIDE:
             del self._set_aside[next(iter(self._set_aside))]
-        self._set_aside[pending.digest] = None
+        again = asyncio.get_running_loop().time() + SET_ASIDE_SECONDS
+        self._set_aside[pending.digest] = again
         log.warning(
-            "parked transition %s cannot be reviewed (%s): set aside until it expires",
+            "parked transition %s cannot be reviewed (%s): set aside, tried again in %gs",
             pending.digest[:16],
             why,
+            SET_ASIDE_SECONDS,
         )

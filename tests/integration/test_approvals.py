@@ -51,6 +51,7 @@ from ztate.services.runtime.identity import Identity, Role
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.interface import Park
 from ztate.services.store.rows import PendingTransition
+from ztate.transition_service import outbox as outbox_module
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import (
     approval_pb2,
@@ -598,49 +599,67 @@ async def test_parked_while_the_approval_service_is_down_is_reviewed_once_back(
 
 
 async def test_a_review_the_approval_service_refuses_holds_back_no_other(
-    world: World, caplog: pytest.LogCaptureFixture
+    world: World, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The outbox submits parked transitions oldest first. One the approval service
     refuses (here a proposal that is not a JSON object, INVALID_ARGUMENT: a parked row
-    no pipeline writes, but one the approval service cannot review) is set aside: it
-    stays parked and unsubmitted until it expires, and the transitions parked after it
-    are reviewed. Before, each round stopped at it and backed off: no later review was
-    ever submitted."""
+    no pipeline writes, but one the approval service cannot review), and one whose base
+    record is not in the ledger, are set aside: they stay parked and unsubmitted, and
+    the transitions parked after them are reviewed; each is tried again after
+    SET_ASIDE_SECONDS (a refusal may be a version skew that passes). Before, each round
+    stopped at the first and backed off: no later review was ever submitted."""
+    monkeypatch.setattr(outbox_module, "SET_ASIDE_SECONDS", 0.5)
     caplog.set_level(logging.WARNING, logger="ztate.transition")
     thread_id = await world.thread()
     head = await world.transition.store.read_head(thread_id)
     assert head is not None
-    unreviewable = PendingTransition(
-        digest=hashlib.sha256(thread_id.encode()).hexdigest(),
-        thread_id=thread_id,
-        base_version=0,
-        parent_digest=head.digest,
-        node_id=f"spiffe://{TRUST_DOMAIN}/node/planner",
-        proposal=b'["not", "an object"]',
-        risk_rules=["target-user-change"],
-        idempotency_key="unreviewable",
-        request_digest="0" * 64,
-        status="pending",
-        parked_at=datetime.now(UTC) - timedelta(minutes=1),  # first in line
-        sensitive_keys=[],
-        required_approvals=1,
-    )
-    parking = await world.transition.store.park(unreviewable, b"{}")
-    assert parking.outcome is Park.PARKED
+
+    def unreviewable(key: str, proposal: bytes, base_version: int) -> PendingTransition:
+        return PendingTransition(
+            digest=hashlib.sha256(f"{thread_id}/{key}".encode()).hexdigest(),
+            thread_id=thread_id,
+            base_version=base_version,
+            parent_digest=head.digest,
+            node_id=f"spiffe://{TRUST_DOMAIN}/node/planner",
+            proposal=proposal,
+            risk_rules=["target-user-change"],
+            idempotency_key=key,
+            request_digest="0" * 64,
+            status="pending",
+            parked_at=datetime.now(UTC) - timedelta(minutes=1),  # first in line
+            sensitive_keys=[],
+            required_approvals=1,
+        )
+
+    refused = unreviewable("refused", b'["not", "an object"]', 0)
+    baseless = unreviewable("baseless", b'{"target_user_id": "x"}', 7)  # no version 7
+    for row in (refused, baseless):
+        assert (await world.transition.store.park(row, b"{}")).outcome is Park.PARKED
+
+    def said_twice(row: PendingTransition, why: str) -> Callable[[], Awaitable[bool | None]]:
+        line = (
+            f"parked transition {row.digest[:16]} cannot be reviewed ({why}): set aside, "
+            "tried again in 0.5s"
+        )
+
+        async def probe() -> bool | None:
+            return [r.getMessage() for r in caplog.records].count(line) >= 2 or None
+
+        return probe
+
     try:
-        parked = await world.park(await world.thread())  # parked after it
+        parked = await world.park(await world.thread())  # parked after them
         review = await world.review(parked.digest)
         assert review.digest == parked.digest
-        set_aside = (
-            f"parked transition {unreviewable.digest[:16]} cannot be reviewed (the approval "
-            "service refused it: INVALID_ARGUMENT): set aside until it expires"
-        )
-        assert set_aside in [r.getMessage() for r in caplog.records]
-        assert await world.submitted_at(unreviewable.digest) is None
-        assert await world.pending_status(unreviewable.digest) == "pending"
+        # set aside, then tried again (and set aside again) once their time is up
+        await eventually(said_twice(refused, "the approval service refused it: INVALID_ARGUMENT"))
+        await eventually(said_twice(baseless, "its base record is gone"))
+        for row in (refused, baseless):
+            assert await world.submitted_at(row.digest) is None
+            assert await world.pending_status(row.digest) == "pending"
     finally:
         await ApprovalStore(world.transition.store.pool).close_without_decision(
-            [unreviewable], "expired", datetime.now(UTC)
+            [refused, baseless], "expired", datetime.now(UTC)
         )
 
 
