@@ -70,8 +70,8 @@ CommitArgs = tuple[
 # in CommitArgs' order; $14, $15: the wakes, flattened (the row's ordinal, the node).
 GROUP_COMMIT = (
     "SELECT n, committed, key_taken, watched FROM ztate.commit_batch($1, $2, $3, $4, $5, $6, "
-    "$7, $8, $9, $10, $11, $12, $13, $14, $15) ORDER BY n"
-)  # in the batch's order: each answer goes to the commit at its position
+    "$7, $8, $9, $10, $11, $12, $13, $14, $15)"
+)  # a row per commit: n, its position in the batch (from 1), says whose answer it is
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +193,7 @@ class GroupCommitter:
             # one row's failure (a key taken since the snapshot, a constraint) must stay
             # that row's: each commits again alone, in the one-row statement
             return [await self._one(waiting.args) for waiting in batch]
+        by_position = {row["n"]: row for row in rows}
         return [
             Outcome(
                 Commit.COMMITTED
@@ -202,5 +203,5 @@ class GroupCommitter:
                 else Commit.HEAD_MOVED,
                 row["watched"],
             )
-            for row in rows
+            for row in (by_position[n] for n in range(1, len(batch) + 1))
         ]
