@@ -118,7 +118,15 @@ class Propose(UseCase):
         risky = matched_risk_rules(policy, change)
         if risky:
             return await self._park(
-                caller, proposal, policy, base, patch, state_bytes, risky, digest_of_request, lease
+                caller,
+                proposal,
+                policy,
+                base,
+                patch,
+                (state_bytes, state_digest),
+                risky,
+                digest_of_request,
+                lease,
             )
 
         now = datetime.now(UTC)
@@ -175,12 +183,14 @@ class Propose(UseCase):
         policy: Policy,
         base: CachedHead,
         patch: JsonObject,
-        state_bytes: bytes,
+        state: tuple[bytes, str],
         risky: list[str],
         digest_of_request: str,
         lease: LeasedProposal | None,
     ) -> Outcome:
-        """Keep a risky proposal for a human decision bound to its digest."""
+        """Keep a risky proposal for a human decision bound to its digest (``state``:
+        the candidate state's canonical bytes and their digest, computed once)."""
+        state_bytes, state_digest = state
         proposal_bytes = canonical_bytes(
             build_proposal(
                 thread_id=proposal.thread_id,
@@ -188,7 +198,7 @@ class Propose(UseCase):
                 parent_digest=base.digest,
                 node_id=caller.spiffe_id,
                 patch=patch,
-                state_digest=sha256_hex(state_bytes),
+                state_digest=state_digest,
                 policy_digest=policy.digest,
                 risk_rules=risky,
             )
