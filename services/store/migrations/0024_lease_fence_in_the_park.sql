@@ -19,10 +19,11 @@
 -- The lease is not released here: the service releases it after the answer, as before.
 --
 -- The new arguments make a new function (an overload): the 13-argument one of migration
--- 0016 stays, unchanged, so that replicas of the release before, which fence with a
--- statement of their own and then park with it, keep parking during a rolling upgrade
--- instead of failing every risky proposal on a function that no longer exists. This
--- release never calls it; a later migration drops it. `ztate db citus` distributes the
+-- 0016 stays, so that replicas of the release before, which fence with a statement of
+-- their own and then park with it, keep parking during a rolling upgrade instead of
+-- failing every risky proposal on a function that no longer exists. Its body becomes a
+-- call of the new one under no lease (one implementation of the park). This release
+-- never calls it; a later migration drops it. `ztate db citus` distributes the
 -- new one by its thread id like the old (services/store/optional/citus_distribute.sql):
 -- run it again after this migration. node_work is co-located with threads, so on Citus
 -- the call stays on one worker.
@@ -67,3 +68,15 @@ REVOKE ALL ON FUNCTION ztate.park_transition(text, text, bigint, text, text, byt
     text[], text, text, timestamptz, text[], integer, text, bigint) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION ztate.park_transition(text, text, bigint, text, text, bytea, bytea,
     text[], text, text, timestamptz, text[], integer, text, bigint) TO :service_role;
+
+CREATE OR REPLACE FUNCTION ztate.park_transition(
+    p_thread_id text, p_digest text, p_base_version bigint, p_parent text, p_node_id text,
+    p_proposal bytea, p_state bytea, p_risk_rules text[], p_idempotency_key text,
+    p_request_digest text, p_parked_at timestamptz, p_sensitive_keys text[],
+    p_required_approvals integer) RETURNS boolean
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+    SELECT ztate.park_transition(p_thread_id, p_digest, p_base_version, p_parent, p_node_id,
+                                 p_proposal, p_state, p_risk_rules, p_idempotency_key,
+                                 p_request_digest, p_parked_at, p_sensitive_keys,
+                                 p_required_approvals, NULL::text, NULL::bigint)
+$$;
