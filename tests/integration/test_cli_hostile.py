@@ -256,7 +256,7 @@ def test_context_set_refuses_hostile_settings(
         ),
         # hand-edited: what `context set` would refuse, refused without being echoed
         (
-            b'{"contexts": {"dev": {"\u001b[31mred": "x", "token": "y"}}}',
+            b'{"contexts": {"dev": {"\\u001b[31mred": "x", "token": "y"}}}',
             "PATH: context 'dev': unknown 2 setting(s) "
             "(known: address, approval-address, cert, key, ca, server-name)",
         ),
