@@ -265,6 +265,20 @@ async def shard_storage_parameters(conn: asyncpg.Connection, table: str) -> set[
     return {r["result"] for r in rows}
 
 
+async def shard_hex_checks(conn: asyncpg.Connection, table: str) -> set[str]:
+    """The definitions of the hex digest CHECKs of every shard of ``table``, as one text
+    per distinct set (a shard's constraints carry the shard's number in their names)."""
+    rows = await conn.fetch(
+        "SELECT result FROM run_command_on_shards($1, "
+        "$$SELECT string_agg(pg_get_constraintdef(oid), ' | ' ORDER BY conname) "
+        "FROM pg_constraint WHERE conrelid = '%s'::regclass AND contype = 'c' "
+        "AND pg_get_constraintdef(oid) LIKE '%%0-9a-f%%'$$)",
+        table,
+    )
+    assert rows, f"{table} has no shards"
+    return {r["result"] for r in rows}
+
+
 # The language of ztate.patch_keys on each worker (migration 0023 makes it PL/pgSQL).
 PATCH_KEYS_LANGUAGE_ON_WORKERS = (
     "SELECT success, result FROM run_command_on_workers($$"

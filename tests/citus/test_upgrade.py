@@ -21,6 +21,7 @@ from tests.citus.cluster import (
     PATCH_KEYS_LANGUAGE_ON_WORKERS,
     STORAGE_PARAMETERS,
     CitusCluster,
+    shard_hex_checks,
     shard_storage_parameters,
 )
 from ztate.services.store.migrate import (
@@ -103,7 +104,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         # commit); 0021 and 0022 set storage parameters of the (distributed) ledger and
         # heads; 0023 replaces the key-index trigger's function, on every node; 0024
         # the park; 0025 indexes the refusals at commit (the rejections stay on the
-        # coordinator)
+        # coordinator); 0026 rewrites the hex digests' checks, on every shard
         assert applied == [
             "0018_wakes_in_the_commit",
             "0019_leases_in_the_commit",
@@ -113,12 +114,23 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             "0023_patch_keys_planned_once",
             "0024_lease_fence_in_the_park",
             "0025_refusals_at_commit",
+            "0026_hex_checks_without_counted_regex",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None
         # 0021's and 0022's storage parameters reach the shards, where the rows are
         for table, parameter in STORAGE_PARAMETERS.items():
             assert await shard_storage_parameters(conn, table) == {parameter}
+        # 0026's checks reach the shards, where the rows are written
+        assert await shard_hex_checks(conn, "ztate.transitions") == {
+            " | ".join(
+                f"CHECK (((length({c}) = 64) AND ({c} !~ '[^0-9a-f]'::text)))"
+                for c in ("digest", "parent_digest", "signature")
+            )
+        }
+        assert await shard_hex_checks(conn, "ztate.threads") == {
+            "CHECK (((length(head_digest) = 64) AND (head_digest !~ '[^0-9a-f]'::text)))"
+        }
         # 0023's function reaches the workers, where the shards' key-index triggers run
         assert await conn.fetch(PATCH_KEYS_LANGUAGE_ON_WORKERS) == [(True, "plpgsql")] * 2
         await apply_citus_layout(conn)  # `ztate db citus`, again
@@ -141,16 +153,22 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         await conn.execute("SET citus.log_remote_commands = on; SET client_min_messages = log")
         answer = await conn.fetchval(
             COMMIT, thread_id, 0, 1, "1" * 64, b"{}", "0" * 64, "n", "k",
-            "a" * 64, datetime.now(UTC), b"{}", "i-1", "r", ["planner"], None, None,
+            "a" * 64, datetime.now(UTC), b'{"patch":{"plan":1}}', "i-1", "r", ["planner"],
+            None, None,
         )  # fmt: skip
         await conn.execute("SET citus.log_remote_commands = off")
         work = await conn.fetch(
             "SELECT node, wake_version FROM ztate.node_work WHERE thread_id = $1", thread_id
         )
+        # the shard's key-index trigger ran on its worker
+        keys = await conn.fetch(
+            "SELECT key, thread_id FROM ztate.transition_keys WHERE thread_id = $1", thread_id
+        )
     finally:
         await conn.close()
     assert answer == 0  # committed, unwatched, under no lease
     assert [(r["node"], r["wake_version"]) for r in work] == [("planner", 1)]
+    assert [tuple(r) for r in keys] == [("plan", thread_id)]
     sent = [m for m in remote if "ztate.commit_transition(" in m]
     assert len(sent) == 1, remote  # one command: the call itself
     assert f":{holder} " in sent[0], sent  # to the worker holding the thread
