@@ -104,7 +104,8 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         # commit); 0021 and 0022 set storage parameters of the (distributed) ledger and
         # heads; 0023 replaces the key-index trigger's function, on every node; 0024
         # the park; 0025 indexes the refusals at commit (the rejections stay on the
-        # coordinator); 0026 rewrites the hex digests' checks, on every shard
+        # coordinator); 0026 rewrites the hex digests' checks, on every shard; 0027
+        # replaces the key functions on every node and leaves the shards' row trigger
         assert applied == [
             "0018_wakes_in_the_commit",
             "0019_leases_in_the_commit",
@@ -115,6 +116,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             "0024_lease_fence_in_the_park",
             "0025_refusals_at_commit",
             "0026_hex_checks_without_counted_regex",
+            "0027_key_index_by_statement",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None
@@ -160,7 +162,8 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         work = await conn.fetch(
             "SELECT node, wake_version FROM ztate.node_work WHERE thread_id = $1", thread_id
         )
-        # the shard's key-index trigger ran on its worker
+        # the shard's key-index trigger (a row trigger on Citus, 0027 left it) ran on its
+        # worker, through 0027's key functions there
         keys = await conn.fetch(
             "SELECT key, thread_id FROM ztate.transition_keys WHERE thread_id = $1", thread_id
         )

@@ -423,3 +423,58 @@ async def test_a_burst_reads_no_table_whole_whatever_size_its_plan_was_made_at(
     finally:
         await pool.close()
         await admin.close()
+
+
+async def test_a_burst_indexes_its_rows_keys_in_one_trigger_call(
+    settings: Settings, keyring: Keyring, postgres_server_dsn: str
+) -> None:
+    """Migration 0027: the key index is written by a statement trigger, one call and one
+    INSERT a ledger statement, for every row of a burst (it was one call a row); the
+    rows are those of each record's patch, in the burst's transaction."""
+    dsn = await fresh_database(postgres_server_dsn)
+    admin = await asyncpg.connect(dsn)
+    await migrate(admin, settings.db_role)
+    pool = await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=1,
+        reset=keep_session,
+        server_settings={"role": settings.db_role, "track_functions": "pl"},
+    )
+    try:
+        ours = pipeline(pool, settings, keyring)
+        threads = [new_thread_id() for _ in range(6)]
+        for thread_id in threads:
+            await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+
+        outcomes = await asyncio.gather(
+            *(ours.propose(PARSER, proposal(t, 0, f"burst-{t}")) for t in threads)
+        )
+
+        assert all(isinstance(o, Committed) for o in outcomes)
+        await pool.execute("SELECT pg_catalog.pg_stat_force_next_flush()")
+        await admin.execute("SELECT pg_catalog.pg_stat_clear_snapshot()")
+        calls = await admin.fetchval(
+            "SELECT calls FROM pg_catalog.pg_stat_user_functions "
+            "WHERE schemaname = 'ztate' AND funcname = 'index_transition_keys_of_statement'"
+        )
+        rows = await admin.fetch(
+            "SELECT t.thread_id, t.version, t.xmin::text::bigint AS txid, k.key, "
+            "       k.xmin::text::bigint AS key_txid "
+            "  FROM ztate.transitions t "
+            "  LEFT JOIN ztate.transition_keys k ON k.digest = t.digest "
+            " WHERE t.thread_id = ANY($1)",
+            threads,
+        )
+    finally:
+        await pool.close()
+        await admin.close()
+    statements = {r["txid"] for r in rows}  # one statement a transaction here
+    # six creations, the first proposal alone, the five others in one batch
+    assert len(statements) == 8
+    assert calls == len(statements)
+    committed = [r for r in rows if r["version"] == 1]
+    assert sorted(r["thread_id"] for r in committed) == sorted(threads)
+    assert {(r["key"], r["key_txid"] == r["txid"]) for r in committed} == {
+        ("requested_action", True)
+    }

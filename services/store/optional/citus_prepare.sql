@@ -118,3 +118,20 @@ BEGIN
     RETURN NULL;
 END;
 $$;
+
+-- The key index's trigger is that row trigger here: each commit is one row on Citus, and
+-- each shard's trigger writes its row's thread_id. Migration 0027 makes it a statement
+-- trigger on a ledger not yet distributed; it is put back before the ledger is.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+                    WHERE tgrelid = 'ztate.transitions'::regclass
+                      AND tgname = 'transitions_index_keys'
+                      AND tgfoid = 'ztate.index_transition_keys()'::regprocedure) THEN
+        DROP TRIGGER IF EXISTS transitions_index_keys ON ztate.transitions;
+        CREATE TRIGGER transitions_index_keys
+            AFTER INSERT ON ztate.transitions
+            FOR EACH ROW EXECUTE FUNCTION ztate.index_transition_keys();
+    END IF;
+END;
+$$;
