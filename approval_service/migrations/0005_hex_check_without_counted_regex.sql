@@ -5,6 +5,6 @@
 -- per position. The same rule, so the same digests pass. The ALTER rewrites nothing; it
 -- reads the reviews once to validate the constraint, blocking new reviews meanwhile.
 
-ALTER TABLE ztate_approval.reviews DROP CONSTRAINT reviews_digest_check;
+ALTER TABLE ztate_approval.reviews DROP CONSTRAINT IF EXISTS reviews_digest_check;
 ALTER TABLE ztate_approval.reviews ADD CONSTRAINT reviews_digest_check
     CHECK (length(digest) = 64 AND digest !~ '[^0-9a-f]');

@@ -21,8 +21,9 @@
 -- distributed table's shards with the text of the command that made it, which must be
 -- one command with no other subcommand (each shard then checks its own rows). Nothing is rewritten, but adding a
 -- CHECK reads the table once to validate it, under a lock that blocks its writes
--- (commits wait) until the migration commits: about a second per million ledger rows
--- cached in memory, longer when they are read from disk.
+-- (commits wait) until the migration commits. The ledger's three checks read it three
+-- times: 1.2 s for 300,000 rows of 3 KB cached in memory (about 4 s a million), longer
+-- when they are read from disk. A constraint already gone is added all the same.
 
 DO $$
 DECLARE
@@ -42,7 +43,7 @@ BEGIN
             ('ztate.receipts', 'receipts_receipt_digest_check', 'receipt_digest')
         ) AS checks (relation, name, col)
     LOOP
-        EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', hex.relation, hex.name);
+        EXECUTE format('ALTER TABLE %s DROP CONSTRAINT IF EXISTS %I', hex.relation, hex.name);
         EXECUTE format('ALTER TABLE %s ADD CONSTRAINT %I CHECK (length(%I) = 64 AND %I !~ %L)',
                        hex.relation, hex.name, hex.col, hex.col, '[^0-9a-f]');
     END LOOP;
