@@ -98,6 +98,12 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             .replace(PARK_LAYOUT_0024, "text, timestamptz, text[], integer)")
         )
         assert await conn.fetchval(DISTRIBUTED_BY, OLD_COMMIT) == 0
+        # a head the release before wrote: 0026 adds the heads' new check NOT VALID
+        await conn.execute(
+            "INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, "
+            "policy_digest) VALUES ('t-before', 0, $1, '\\x7b7d', 'p', $1)",
+            "e" * 64,
+        )
 
         applied = await migrate(conn, SERVICE_ROLE)  # `ztate db migrate`
         # 0020 adds the batch commit's function, which Citus does not use (one row a
@@ -123,16 +129,22 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         # 0021's and 0022's storage parameters reach the shards, where the rows are
         for table, parameter in STORAGE_PARAMETERS.items():
             assert await shard_storage_parameters(conn, table) == {parameter}
-        # 0026's checks reach the shards, where the rows are written
+        # 0026's checks reach the shards, where the rows are written (of the heads, which
+        # held a row, NOT VALID: not read under the lock; the check replaced held)
+        def hex_check(column: str, suffix: str = "") -> str:
+            return f"CHECK (((length({column}) = 64) AND ({column} !~ '[^0-9a-f]'::text))){suffix}"
+
         assert await shard_hex_checks(conn, "ztate.transitions") == {
-            " | ".join(
-                f"CHECK (((length({c}) = 64) AND ({c} !~ '[^0-9a-f]'::text)))"
-                for c in ("digest", "parent_digest", "signature")
-            )
+            " | ".join(hex_check(c) for c in ("digest", "parent_digest", "signature"))
         }
         assert await shard_hex_checks(conn, "ztate.threads") == {
-            "CHECK (((length(head_digest) = 64) AND (head_digest !~ '[^0-9a-f]'::text)))"
+            hex_check("head_digest", " NOT VALID")
         }
+        assert await shard_hex_checks(conn, "ztate.pending_transitions") == {
+            " | ".join(hex_check(c) for c in ("digest", "parent_digest"))
+        }
+        assert await shard_hex_checks(conn, "ztate.checkpoints") == {hex_check("head_digest")}
+        assert await shard_hex_checks(conn, "ztate.receipts") == {hex_check("receipt_digest")}
         # 0023's function reaches the workers, where the shards' key-index triggers run
         assert await conn.fetch(PATCH_KEYS_LANGUAGE_ON_WORKERS) == [(True, "plpgsql")] * 2
         await apply_citus_layout(conn)  # `ztate db citus`, again

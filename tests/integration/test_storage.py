@@ -425,3 +425,116 @@ async def test_an_invalid_index_of_the_approval_outbox_fails_its_migration(
         ]
     finally:
         await conn.close()
+
+
+ROLES = {
+    ":service_role": "ztate_upgrade_role",
+    ":reader_role": "ztate_reader",
+    ":pruner_role": migrations.PRUNER_ROLE,
+}
+# a head and two ledger rows written as a release before migration 0026 wrote them
+OLD_ROWS = """
+INSERT INTO ztate.threads (thread_id, version, head_digest, state, policy_name, policy_digest)
+VALUES ('t-old', 1, repeat('b', 64), '\\x7b7d', 'p', repeat('c', 64));
+INSERT INTO ztate.transitions (thread_id, version, digest, parent_digest, node_id, key_id,
+                               signature, record, state, committed_at)
+VALUES ('t-old', 0, repeat('a', 64), repeat('0', 64), 'n', 'k', repeat('d', 64),
+        convert_to('{"patch":{"first":1}}', 'UTF8'), '\\x7b7d', now()),
+       ('t-old', 1, repeat('b', 64), repeat('a', 64), 'n', 'k', repeat('e', 64),
+        convert_to('{"patch":{"second":2}}', 'UTF8'), '\\x7b7d', now());
+"""
+VALIDATED = (
+    "SELECT conname, convalidated FROM pg_catalog.pg_constraint "
+    "WHERE connamespace = 'ztate'::regnamespace AND contype = 'c' "
+    "AND pg_get_constraintdef(oid) LIKE '%0-9a-f%' ORDER BY conname"
+)
+
+
+async def test_migration_0026_replaces_the_checks_of_tables_with_rows_without_reading_them(
+    postgres_server_dsn: str,
+) -> None:
+    """On a ledger that holds rows, 0026 adds each new check NOT VALID (no read of the
+    table under the ACCESS EXCLUSIVE lock; the check replaced, the same rule, held for
+    every row); empty tables get validated checks. New rows are checked all the same,
+    and an operator's VALIDATE CONSTRAINT (online) marks them validated."""
+    conn = await asyncpg.connect(await fresh_database(postgres_server_dsn))
+    every = migrations.TRANSITION_MIGRATIONS
+    try:
+        await migrations.apply_migrations(
+            conn, MigrationsUpTo(every.package, every.table, every.lock, last=25), ROLES
+        )
+        await conn.execute(OLD_ROWS)
+
+        applied = await migrations.apply_migrations(conn, every, ROLES)
+
+        assert applied[0] == "0026_hex_checks_without_counted_regex"
+        assert dict(await conn.fetch(VALIDATED)) == {
+            "threads_head_digest_check": False,
+            "transitions_digest_check": False,
+            "transitions_parent_digest_check": False,
+            "transitions_signature_check": False,
+            "pending_transitions_digest_check": True,
+            "pending_transitions_parent_digest_check": True,
+            "checkpoints_head_digest_check": True,
+            "policies_policy_digest_check": True,
+            "receipts_receipt_digest_check": True,
+        }
+        with pytest.raises(asyncpg.CheckViolationError) as refused:
+            await conn.execute("UPDATE ztate.threads SET head_digest = upper(head_digest)")
+        assert refused.value.constraint_name == "threads_head_digest_check"
+        assert await conn.fetchval("SELECT head_digest FROM ztate.threads") == "b" * 64
+        for name in (
+            "transitions_digest_check",
+            "transitions_parent_digest_check",
+            "transitions_signature_check",
+        ):
+            await conn.execute(f"ALTER TABLE ztate.transitions VALIDATE CONSTRAINT {name}")
+        await conn.execute(
+            "ALTER TABLE ztate.threads VALIDATE CONSTRAINT threads_head_digest_check"
+        )
+        assert set(dict(await conn.fetch(VALIDATED)).values()) == {True}
+    finally:
+        await conn.close()
+
+
+async def test_migration_0027_keeps_the_row_trigger_of_a_database_laid_out_for_citus(
+    postgres_server_dsn: str,
+) -> None:
+    """A database that `ztate db citus` prepared (its key index gained thread_id) keeps
+    the row trigger that writes it, distributed or not (a distribution that failed after
+    the preparation leaves it so): 0027's statement trigger would fail every commit
+    there on the NOT NULL thread_id. A plain database gets the statement trigger."""
+    from ztate.services.store.optional import prepare_for_citus
+
+    every = migrations.TRANSITION_MIGRATIONS
+    trigger = (
+        "SELECT p.proname, (t.tgtype & 1) = 1 AS per_row FROM pg_catalog.pg_trigger t "
+        "JOIN pg_catalog.pg_proc p ON p.oid = t.tgfoid "
+        "WHERE t.tgrelid = 'ztate.transitions'::regclass AND t.tgname = 'transitions_index_keys'"
+    )
+    for laid_out in (True, False):
+        conn = await asyncpg.connect(await fresh_database(postgres_server_dsn))
+        try:
+            await migrations.apply_migrations(
+                conn, MigrationsUpTo(every.package, every.table, every.lock, last=26), ROLES
+            )
+            if laid_out:
+                await prepare_for_citus(conn)
+
+            await migrations.apply_migrations(conn, every, ROLES)
+            await conn.execute(OLD_ROWS)
+
+            found = tuple(await conn.fetchrow(trigger))
+            keys = [tuple(r) for r in await conn.fetch(
+                "SELECT key, digest FROM ztate.transition_keys ORDER BY key"
+            )]  # fmt: skip
+            if laid_out:
+                assert found == ("index_transition_keys", True)
+                assert await conn.fetchval(
+                    "SELECT array_agg(DISTINCT thread_id) FROM ztate.transition_keys"
+                ) == ["t-old"]
+            else:
+                assert found == ("index_transition_keys_of_statement", False)
+            assert keys == [("first", "a" * 64), ("second", "b" * 64)]
+        finally:
+            await conn.close()

@@ -20,10 +20,11 @@
 --   less Postgres CPU a committed row (docs/performance.md, "Issue 19, seventh round").
 --   The rows written are those the row trigger wrote.
 --
--- On Citus (a ledger already distributed: `ztate db citus` ran before this migration)
--- the row trigger stays as the layout made it: each commit is one row there, and each
--- shard's trigger writes the thread_id the distributed key index needs. Only the
--- functions are replaced; `ztate db citus` puts the row trigger (and its function) back
+-- On a database laid out for Citus (`ztate db citus` ran before this migration: its
+-- key index has a thread_id column, distributed or not yet, should the distribution
+-- have failed after the preparation) the row trigger stays as the layout made it: each
+-- commit is one row there, and each shard's trigger writes the thread_id the
+-- distributed key index needs. Only the functions are replaced; `ztate db citus` puts the row trigger (and its function) back
 -- on a ledger it distributes later.
 
 CREATE OR REPLACE FUNCTION ztate.patch_key_set(document bytea) RETURNS SETOF text
@@ -52,11 +53,10 @@ $$;
 
 DO $$
 BEGIN
-    IF pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
-        IF EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition
-                    WHERE logicalrelid = 'ztate.transitions'::regclass) THEN
-            RETURN;  -- Citus: the layout's row trigger stays
-        END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_attribute
+                WHERE attrelid = 'ztate.transition_keys'::regclass AND attname = 'thread_id'
+                  AND NOT attisdropped) THEN
+        RETURN;  -- laid out for Citus (its key rows carry thread_id): the row trigger stays
     END IF;
     DROP TRIGGER IF EXISTS transitions_index_keys ON ztate.transitions;
     CREATE TRIGGER transitions_index_keys

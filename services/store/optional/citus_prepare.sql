@@ -1,7 +1,8 @@
 -- Optional, NOT part of the numbered migrations: the schema changes the Citus
 -- layout needs, in plain SQL, so they can run (and are tested) on any Postgres.
--- Applied by `ztate db citus` before citus_distribute.sql, in one transaction,
--- as the owner of the ztate schema. Idempotent.
+-- Applied by `ztate db citus` before citus_distribute.sql, in a transaction of its
+-- own (the distribution's statements follow one by one), as the owner of the ztate
+-- schema. Idempotent.
 --
 -- Citus requires every PRIMARY KEY and UNIQUE constraint of a distributed table
 -- to include the distribution column, and foreign keys between distributed
@@ -121,7 +122,9 @@ $$;
 
 -- The key index's trigger is that row trigger here: each commit is one row on Citus, and
 -- each shard's trigger writes its row's thread_id. Migration 0027 makes it a statement
--- trigger on a ledger not yet distributed; it is put back before the ledger is.
+-- trigger on a ledger not laid out yet (one with no thread_id in its key index); it is
+-- put back here, before the ledger is distributed, and 0027 leaves it on a ledger
+-- prepared here (even if its distribution then failed).
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
