@@ -129,6 +129,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         # 0021's and 0022's storage parameters reach the shards, where the rows are
         for table, parameter in STORAGE_PARAMETERS.items():
             assert await shard_storage_parameters(conn, table) == {parameter}
+
         # 0026's checks reach the shards, where the rows are written (of the heads, which
         # held a row, NOT VALID: not read under the lock; the check replaced held)
         def hex_check(column: str, suffix: str = "") -> str:
