@@ -58,9 +58,15 @@ async def pools(
         await pool.close()
 
 
-def pipeline(pool: asyncpg.Pool, settings: Settings, keyring: Keyring) -> TransitionPipeline:
+def pipeline(
+    pool: asyncpg.Pool,
+    settings: Settings,
+    keyring: Keyring,
+    *,
+    store: PostgresTransitionStore | None = None,
+) -> TransitionPipeline:
     return TransitionPipeline(
-        store=PostgresTransitionStore(pool, commit_slots=1),
+        store=store or PostgresTransitionStore(pool, commit_slots=1),
         policies=PolicySet.load(settings.policy_path),
         keyring=keyring,
         max_patch_bytes=settings.max_patch_bytes,
@@ -478,3 +484,77 @@ async def test_a_burst_indexes_its_rows_keys_in_one_trigger_call(
     assert {(r["key"], r["key_txid"] == r["txid"]) for r in committed} == {
         ("requested_action", True)
     }
+
+
+LOCK_WAITERS = (
+    "SELECT count(*) FROM pg_catalog.pg_stat_activity "
+    "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+)
+
+
+async def test_under_load_a_commit_waits_for_the_batch_running_instead_of_a_free_slot(
+    pools: list[asyncpg.Pool], settings: Settings, keyring: Keyring, database_dsn: str
+) -> None:
+    """Two commit slots. While the statement running carries one row, a second commit
+    takes the free slot at once (two writers do not wait for each other); once a
+    statement running carries several rows (load), a new commit waits for it to end
+    and leaves with whatever arrived meanwhile, though a slot is free: batches grow
+    with the load. Heads locked by other transactions hold the statements in flight."""
+    store = PostgresTransitionStore(pools[0], commit_slots=2)
+    ours = pipeline(pools[0], settings, keyring, store=store)
+    committer = store._committer  # the slots' state: what the rule decides
+    a, b, c, d, e = threads = [new_thread_id() for _ in range(5)]
+    for thread_id in threads:
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    admin = await asyncpg.connect(database_dsn)
+    lockers = {t: await asyncpg.connect(database_dsn) for t in (a, b, c)}
+    locks = {}
+    try:
+        for thread_id, locker in lockers.items():
+            locks[thread_id] = locker.transaction()
+            await locks[thread_id].start()
+            await locker.execute(
+                "SELECT 1 FROM ztate.threads WHERE thread_id = $1 FOR UPDATE", thread_id
+            )
+
+        async def waiting_on_locks(n: int) -> bool:
+            return bool(await admin.fetchval(LOCK_WAITERS) == n)
+
+        async def queued(n: int) -> bool:
+            return len(committer._queue) == n
+
+        propose = {
+            t: asyncio.create_task(ours.propose(PARSER, proposal(t, 0, f"k-{t}"))) for t in (a,)
+        }
+        await eventually(lambda: waiting_on_locks(1))  # A alone, held by its lock
+        propose[b] = asyncio.create_task(ours.propose(PARSER, proposal(b, 0, f"k-{b}")))
+        await eventually(lambda: waiting_on_locks(2))  # B took the free slot at once
+        for t in (c, d):  # both slots busy: C and D wait, together
+            propose[t] = asyncio.create_task(ours.propose(PARSER, proposal(t, 0, f"k-{t}")))
+        await eventually(lambda: queued(2))
+        await locks[b].rollback()
+        assert isinstance(await propose[b], Committed)
+        await eventually(lambda: waiting_on_locks(2))  # A, and the batch of C and D on C
+        await locks[a].rollback()
+        assert isinstance(await propose[a], Committed)
+        assert (committer._in_flight, committer._rows_in_flight) == (1, 2)
+
+        propose[e] = asyncio.create_task(ours.propose(PARSER, proposal(e, 0, f"k-{e}")))
+        await eventually(lambda: queued(1))
+
+        # a slot is free, but the statement running carries two rows: E waits for it
+        assert committer._in_flight == 1
+        assert (
+            await admin.fetchval("SELECT count(*) FROM ztate.transitions WHERE thread_id = $1", e)
+            == 1
+        )  # its genesis only
+        await locks[c].rollback()
+        outcomes = {t: await task for t, task in propose.items()}
+    finally:
+        for locker in lockers.values():
+            await locker.close()
+        await admin.close()
+    assert all(isinstance(o, Committed) for o in outcomes.values()), outcomes
+    batch = await inserting_transactions(database_dsn, [c, d], 1)
+    assert len(set(batch)) == 1  # C and D in one statement
+    assert await inserting_transactions(database_dsn, [e], 1) != batch[:1]  # E after it
