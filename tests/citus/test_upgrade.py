@@ -148,6 +148,16 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         assert await shard_hex_checks(conn, "ztate.receipts") == {hex_check("receipt_digest")}
         # 0023's function reaches the workers, where the shards' key-index triggers run
         assert await conn.fetch(PATCH_KEYS_LANGUAGE_ON_WORKERS) == [(True, "plpgsql")] * 2
+        # and 0027's, which patch_keys now reads from, is a distributed object: a worker
+        # added later (citus_add_node) gets it too
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM pg_dist_object WHERE classid = 'pg_proc'::regclass "
+                "AND objid IN (to_regprocedure('ztate.patch_keys(bytea)'), "
+                "              to_regprocedure('ztate.patch_key_set(bytea)'))"
+            )
+            == 2
+        )
         await apply_citus_layout(conn)  # `ztate db citus`, again
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_COMMIT) == 0
         assert await conn.fetchval(DISTRIBUTED_BY, NEW_PARK) == 0
