@@ -24,7 +24,7 @@ from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.contract.record import SealedRecord
 from ztate.services.runtime.telemetry import NO_METRICS, Metrics
 from ztate.services.store.boundary import translated
-from ztate.services.store.group_commit import CommitArgs, GroupCommitter
+from ztate.services.store.group_commit import GRACE_SECONDS, CommitArgs, GroupCommitter
 from ztate.services.store.group_commit import Outcome as CommitOutcome
 from ztate.services.store.interface import (
     Commit,
@@ -300,11 +300,16 @@ class PostgresTransitionStore:
         *,
         commit_slots: int = COMMIT_SLOTS,
         max_batch: int = MAX_BATCH,
+        commit_grace: float = GRACE_SECONDS,
     ) -> None:
         self._pool = pool
         self._metrics = metrics
         self._committer = GroupCommitter(
-            pool, self._commit_alone, max_in_flight=commit_slots, max_batch=max_batch
+            pool,
+            self._commit_alone,
+            max_in_flight=commit_slots,
+            max_batch=max_batch,
+            grace=commit_grace,
         )
 
     @classmethod
@@ -447,8 +452,8 @@ class PostgresTransitionStore:
     ) -> Commit:
         """In one statement: the compare-and-swap, the ledger insert and the nodes the
         version wakes (under a ``lease``, its fence and release too); with the commits
-        that arrive meanwhile, when every commit slot is busy (``group_commit``; a
-        leased commit alone). The woken nodes are announced once it committed."""
+        that arrive meanwhile, when the store is under load (``group_commit``; a leased
+        commit alone). The woken nodes are announced once it committed."""
         record: dict[str, Any] = sealed.record
         started = time.perf_counter()
         outcome = await self._committer.commit(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 import pytest_asyncio
@@ -486,10 +487,53 @@ async def test_a_burst_indexes_its_rows_keys_in_one_trigger_call(
     }
 
 
+# the commit statements of this test's store waiting for a row lock
 LOCK_WAITERS = (
     "SELECT count(*) FROM pg_catalog.pg_stat_activity "
-    "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+    "AND (query LIKE '%ztate.commit_transition(%' OR query LIKE '%ztate.commit_batch(%')"
 )
+
+
+class Heads:
+    """Thread heads locked by transactions of their own, each released on demand: the
+    commits that touch them are held in flight meanwhile."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._held: dict[str, tuple[asyncpg.Connection, Any]] = {}
+
+    async def hold(self, *thread_ids: str) -> None:
+        for thread_id in thread_ids:
+            conn = await asyncpg.connect(self._dsn)
+            transaction = conn.transaction()
+            await transaction.start()
+            await conn.execute(
+                "SELECT 1 FROM ztate.threads WHERE thread_id = $1 FOR UPDATE", thread_id
+            )
+            self._held[thread_id] = (conn, transaction)
+
+    async def release(self, thread_id: str) -> None:
+        conn, transaction = self._held.pop(thread_id)
+        await transaction.rollback()
+        await conn.close()
+
+    async def close(self) -> None:
+        for thread_id in list(self._held):
+            await self.release(thread_id)
+
+
+async def waiting_on_locks(admin: asyncpg.Connection, n: int) -> bool:
+    return bool(await admin.fetchval(LOCK_WAITERS) == n)
+
+
+async def committed(admin: asyncpg.Connection, thread_id: str) -> bool:
+    return bool(
+        await admin.fetchval(
+            "SELECT count(*) FROM ztate.transitions WHERE thread_id = $1 AND version = 1",
+            thread_id,
+        )
+    )
 
 
 async def test_under_load_a_commit_waits_for_the_batch_running_instead_of_a_free_slot(
@@ -499,62 +543,154 @@ async def test_under_load_a_commit_waits_for_the_batch_running_instead_of_a_free
     takes the free slot at once (two writers do not wait for each other); once a
     statement running carries several rows (load), a new commit waits for it to end
     and leaves with whatever arrived meanwhile, though a slot is free: batches grow
-    with the load. Heads locked by other transactions hold the statements in flight."""
-    store = PostgresTransitionStore(pools[0], commit_slots=2)
+    with the load. (No grace here: a minute.)"""
+    store = PostgresTransitionStore(pools[0], commit_slots=2, commit_grace=60.0)
     ours = pipeline(pools[0], settings, keyring, store=store)
     committer = store._committer  # the slots' state: what the rule decides
     a, b, c, d, e = threads = [new_thread_id() for _ in range(5)]
     for thread_id in threads:
         await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
     admin = await asyncpg.connect(database_dsn)
-    lockers = {t: await asyncpg.connect(database_dsn) for t in (a, b, c)}
-    locks = {}
-    try:
-        for thread_id, locker in lockers.items():
-            locks[thread_id] = locker.transaction()
-            await locks[thread_id].start()
-            await locker.execute(
-                "SELECT 1 FROM ztate.threads WHERE thread_id = $1 FOR UPDATE", thread_id
-            )
+    heads = Heads(database_dsn)
 
-        async def waiting_on_locks(n: int) -> bool:
-            return bool(await admin.fetchval(LOCK_WAITERS) == n)
+    def propose(thread_id: str) -> asyncio.Task[object]:
+        return asyncio.create_task(ours.propose(PARSER, proposal(thread_id, 0, f"k-{thread_id}")))
+
+    try:
+        await heads.hold(a, b, c)
+        proposals = {a: propose(a)}
+        await eventually(lambda: waiting_on_locks(admin, 1))  # A alone, held by its lock
+        proposals[b] = propose(b)
+        await eventually(lambda: waiting_on_locks(admin, 2))  # B took the free slot at once
+        proposals[c], proposals[d] = propose(c), propose(d)  # both slots busy: C, D wait
 
         async def queued(n: int) -> bool:
             return len(committer._queue) == n
 
-        propose = {
-            t: asyncio.create_task(ours.propose(PARSER, proposal(t, 0, f"k-{t}"))) for t in (a,)
-        }
-        await eventually(lambda: waiting_on_locks(1))  # A alone, held by its lock
-        propose[b] = asyncio.create_task(ours.propose(PARSER, proposal(b, 0, f"k-{b}")))
-        await eventually(lambda: waiting_on_locks(2))  # B took the free slot at once
-        for t in (c, d):  # both slots busy: C and D wait, together
-            propose[t] = asyncio.create_task(ours.propose(PARSER, proposal(t, 0, f"k-{t}")))
         await eventually(lambda: queued(2))
-        await locks[b].rollback()
-        assert isinstance(await propose[b], Committed)
-        await eventually(lambda: waiting_on_locks(2))  # A, and the batch of C and D on C
-        await locks[a].rollback()
-        assert isinstance(await propose[a], Committed)
-        assert (committer._in_flight, committer._rows_in_flight) == (1, 2)
+        await heads.release(b)
+        assert isinstance(await proposals[b], Committed)
+        await eventually(lambda: waiting_on_locks(admin, 2))  # A, and the batch C+D on C
+        await heads.release(a)
+        assert isinstance(await proposals[a], Committed)
 
-        propose[e] = asyncio.create_task(ours.propose(PARSER, proposal(e, 0, f"k-{e}")))
-        await eventually(lambda: queued(1))
+        proposals[e] = propose(e)
 
+        async def decided() -> bool:  # E queued, or (the rule before) sent at once
+            return len(committer._queue) == 1 or len(committer._running) == 2
+
+        await eventually(decided)
         # a slot is free, but the statement running carries two rows: E waits for it
-        assert committer._in_flight == 1
-        assert (
-            await admin.fetchval("SELECT count(*) FROM ztate.transitions WHERE thread_id = $1", e)
-            == 1
-        )  # its genesis only
-        await locks[c].rollback()
-        outcomes = {t: await task for t, task in propose.items()}
+        assert len(committer._running) == 1
+        assert not await committed(admin, e)
+        await heads.release(c)
+        outcomes = {t: await task for t, task in proposals.items()}
     finally:
-        for locker in lockers.values():
-            await locker.close()
+        await heads.close()
         await admin.close()
     assert all(isinstance(o, Committed) for o in outcomes.values()), outcomes
     batch = await inserting_transactions(database_dsn, [c, d], 1)
     assert len(set(batch)) == 1  # C and D in one statement
     assert await inserting_transactions(database_dsn, [e], 1) != batch[:1]  # E after it
+
+
+async def held_batch(
+    ours: TransitionPipeline,
+    store: PostgresTransitionStore,
+    admin: asyncpg.Connection,
+    heads: Heads,
+    threads: list[str],
+) -> dict[str, asyncio.Task[object]]:
+    """A batch of ``threads[1:3]`` held in flight on ``threads[1]``'s lock, the only
+    statement running: ``threads[0]`` commits alone while ``threads[1:3]`` wait, the
+    first then released. (Slots: two.)"""
+    first, second, third = threads[:3]
+    await heads.hold(first, second)
+
+    def propose(thread_id: str) -> asyncio.Task[object]:
+        return asyncio.create_task(ours.propose(PARSER, proposal(thread_id, 0, f"k-{thread_id}")))
+
+    proposals = {first: propose(first)}
+    await eventually(lambda: waiting_on_locks(admin, 1))
+    await heads.hold(threads[3])  # a second single-row statement fills the other slot
+    proposals[threads[3]] = propose(threads[3])
+    await eventually(lambda: waiting_on_locks(admin, 2))
+    proposals[second], proposals[third] = propose(second), propose(third)
+
+    async def both_waiting() -> bool:
+        return len(store._committer._queue) == 2
+
+    await eventually(both_waiting)
+    await heads.release(first)  # its slot takes the two waiting, held on the second's lock
+    assert isinstance(await proposals[first], Committed)
+    await heads.release(threads[3])
+    assert isinstance(await proposals[threads[3]], Committed)
+    await eventually(lambda: waiting_on_locks(admin, 1))
+    return proposals
+
+
+async def test_a_batch_held_up_holds_back_the_others_no_longer_than_the_grace(
+    pools: list[asyncpg.Pool], settings: Settings, keyring: Keyring, database_dsn: str
+) -> None:
+    """A multi-row statement held up (here by a lock another transaction holds; a lost
+    connection or a slow flush alike) keeps the commits that arrive waiting only for the
+    grace (here 0.2 s): then they take the free slot, and commit while it is still held.
+    Before, they waited for it however long it took."""
+    store = PostgresTransitionStore(pools[0], commit_slots=2, commit_grace=0.2)
+    ours = pipeline(pools[0], settings, keyring, store=store)
+    threads = [new_thread_id() for _ in range(5)]
+    for thread_id in threads:
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    admin = await asyncpg.connect(database_dsn)
+    heads = Heads(database_dsn)
+    try:
+        proposals = await held_batch(ours, store, admin, heads, threads)
+        late = threads[4]
+
+        proposals[late] = asyncio.create_task(ours.propose(PARSER, proposal(late, 0, f"k-{late}")))
+
+        await eventually(lambda: committed(admin, late))  # with the batch still held
+        assert isinstance(await proposals[late], Committed)
+        assert not await committed(admin, threads[1])
+        await heads.release(threads[1])
+        outcomes = [await task for task in proposals.values()]
+    finally:
+        await heads.close()
+        await admin.close()
+    assert all(isinstance(o, Committed) for o in outcomes), outcomes
+
+
+async def test_a_full_batch_waiting_takes_the_free_slot_at_once(
+    pools: list[asyncpg.Pool], settings: Settings, keyring: Keyring, database_dsn: str
+) -> None:
+    """Under load the commits that arrive wait for the multi-row statement running, but
+    not past a full batch (here max_batch 2, and no grace: a minute): the second to
+    arrive sends both, in the free slot, with the batch still held."""
+    store = PostgresTransitionStore(pools[0], commit_slots=2, max_batch=2, commit_grace=60.0)
+    ours = pipeline(pools[0], settings, keyring, store=store)
+    threads = [new_thread_id() for _ in range(6)]
+    for thread_id in threads:
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    admin = await asyncpg.connect(database_dsn)
+    heads = Heads(database_dsn)
+    try:
+        proposals = await held_batch(ours, store, admin, heads, threads)
+        for late in threads[4:]:
+            proposals[late] = asyncio.create_task(
+                ours.propose(PARSER, proposal(late, 0, f"k-{late}"))
+            )
+
+        for late in threads[4:]:
+            await eventually(lambda late=late: committed(admin, late))  # batch still held
+        late_outcomes = [await proposals[late] for late in threads[4:]]
+
+        assert all(isinstance(o, Committed) for o in late_outcomes)
+        assert not await committed(admin, threads[1])  # the batch still held
+        together = await inserting_transactions(database_dsn, threads[4:], 1)
+        assert len(set(together)) == 1  # the two late ones in one statement
+        await heads.release(threads[1])
+        outcomes = [await task for task in proposals.values()]
+    finally:
+        await heads.close()
+        await admin.close()
+    assert all(isinstance(o, Committed) for o in outcomes), outcomes
