@@ -12,7 +12,10 @@ refusal of one review (``REFUSED_REVIEW``: the approval service cannot derive a 
 from that submission) or a base record that is gone sets that one aside for
 ``SET_ASIDE_SECONDS``: it stays parked (and expires with ``pending_ttl`` if never
 taken), while the reviews parked after it are submitted. Before, it held back every
-review parked after it, for good.
+review parked after it, for good. Rounds page through the waiting transitions oldest
+first, each full page's round ending where the next begins, so a backlog of refused
+ones larger than what a process sets aside (``MAX_SET_ASIDE``) holds back no review
+parked after it either: they only take their turn in the pages.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import grpc
 
 from ztate.services.runtime import tls
 from ztate.services.runtime.telemetry import untraced
-from ztate.services.store.approvals import ApprovalStore
+from ztate.services.store.approvals import ApprovalStore, SubmitPosition
 from ztate.services.store.rows import PendingTransition
 from ztate.v1 import approval_pb2, approval_pb2_grpc
 
@@ -89,6 +92,9 @@ class ApprovalOutbox:
         # the parked transitions the approval service refused: digest -> when (the
         # loop's clock) to try it again, oldest first
         self._set_aside: dict[str, float] = {}
+        # where the last full page ended: the next round goes on from there, so that a
+        # backlog is walked through whatever the approval service refuses in it
+        self._position: SubmitPosition | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="ztate-approval-outbox")
@@ -132,7 +138,8 @@ class ApprovalOutbox:
         for digest, again in list(self._set_aside.items()):
             if again <= clock:
                 del self._set_aside[digest]
-        for pending in await self._approvals.to_submit(BATCH, list(self._set_aside)):
+        page = await self._approvals.to_submit(BATCH, list(self._set_aside), self._position)
+        for pending in page:
             try:
                 base_record, base_state = await self._approvals.base_of(pending)
                 stub = approval_pb2_grpc.ApprovalServiceStub(await self._channel.channel())
@@ -155,6 +162,10 @@ class ApprovalOutbox:
                 return
             await self._approvals.mark_submitted(pending, datetime.now(UTC))
             self._failures = 0
+        # a full page: the next round starts after it (the rows set aside in it stay
+        # behind); a short one: the backlog is walked through, the next starts over
+        last = page[-1] if len(page) == BATCH else None
+        self._position = (last.parked_at, last.digest) if last is not None else None
 
     def _set_apart(self, pending: PendingTransition, why: str) -> None:
         """Submit ``pending`` no more for ``SET_ASIDE_SECONDS`` (it stays parked, and

@@ -158,6 +158,24 @@ class ParkedKey:
     digest: str
 
 
+# Where the outbox's last full page of submissions ended: (parked_at, digest).
+SubmitPosition = tuple[datetime, str]
+# The parked transitions to submit, oldest first, in a total order (parked_at, digest) so
+# that a page may start after the last one's position; one statement with the position
+# and one without (an optional parameter in one statement no index serves).
+TO_SUBMIT = (
+    f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
+    "WHERE submitted_at IS NULL AND status = 'pending' "
+    "AND NOT (digest = ANY($2::text[])) ORDER BY parked_at, digest LIMIT $1"
+)
+TO_SUBMIT_AFTER = (
+    f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
+    "WHERE submitted_at IS NULL AND status = 'pending' "
+    "AND NOT (digest = ANY($2::text[])) AND (parked_at, digest) > ($3, $4) "
+    "ORDER BY parked_at, digest LIMIT $1"
+)
+
+
 class ApprovalStore:
     """Parked transitions, receipts and the outbox towards the approval service."""
 
@@ -311,16 +329,16 @@ class ApprovalStore:
         return [ParkedKey(row["thread_id"], row["digest"]) for row in rows]
 
     @translated
-    async def to_submit(self, limit: int, set_aside: list[str]) -> list[PendingTransition]:
-        """The oldest parked transitions not yet submitted, but for the digests
-        ``set_aside`` (those the approval service refused)."""
-        rows = await self._pool.fetch(
-            f"SELECT {PENDING_COLUMNS} FROM ztate.pending_transitions "  # noqa: S608
-            "WHERE submitted_at IS NULL AND status = 'pending' "
-            "AND NOT (digest = ANY($2::text[])) ORDER BY parked_at LIMIT $1",
-            limit,
-            set_aside,
-        )
+    async def to_submit(
+        self, limit: int, set_aside: list[str], after: SubmitPosition | None = None
+    ) -> list[PendingTransition]:
+        """The oldest parked transitions not yet submitted, in (parked_at, digest) order,
+        from the start or ``after`` a position, but for the digests ``set_aside`` (those
+        the approval service refused)."""
+        if after is None:
+            rows = await self._pool.fetch(TO_SUBMIT, limit, set_aside)
+        else:
+            rows = await self._pool.fetch(TO_SUBMIT_AFTER, limit, set_aside, *after)
         return [PendingTransition.from_row(row) for row in rows]
 
     @translated

@@ -663,6 +663,56 @@ async def test_a_review_the_approval_service_refuses_holds_back_no_other(
         )
 
 
+async def test_a_backlog_of_refused_reviews_larger_than_the_set_aside_holds_back_none(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process sets aside at most MAX_SET_ASIDE refused transitions; past that the
+    oldest is tried again. With more refused ones parked first than it holds, each round
+    read the oldest page not set aside, which (evicting as it went) was always among
+    them: a review parked after them was never submitted, until the refused ones
+    expired. Rounds now page through the waiting transitions, each full page's round
+    ending where the next starts, so the one parked after them is reached. (Here a page
+    of two and a set-aside of two, five refused transitions first.)"""
+    monkeypatch.setattr(outbox_module, "BATCH", 2)
+    monkeypatch.setattr(outbox_module, "MAX_SET_ASIDE", 2)
+    thread_id = await world.thread()
+    head = await world.transition.store.read_head(thread_id)
+    assert head is not None
+    refused = [
+        PendingTransition(
+            digest=hashlib.sha256(f"{thread_id}/refused-{n}".encode()).hexdigest(),
+            thread_id=thread_id,
+            base_version=0,
+            parent_digest=head.digest,
+            node_id=f"spiffe://{TRUST_DOMAIN}/node/planner",
+            proposal=b'["not", "an object"]',  # INVALID_ARGUMENT: the review is refused
+            risk_rules=["target-user-change"],
+            idempotency_key=f"refused-{n}",
+            request_digest="0" * 64,
+            status="pending",
+            parked_at=datetime.now(UTC) - timedelta(minutes=10 - n),  # first in line
+            sensitive_keys=[],
+            required_approvals=1,
+        )
+        for n in range(5)
+    ]
+    for row in refused:
+        assert (await world.transition.store.park(row, b"{}")).outcome is Park.PARKED
+    try:
+        parked = await world.park(await world.thread())  # parked after them
+
+        review = await world.review(parked.digest)
+
+        assert review.digest == parked.digest
+        for row in refused:
+            assert await world.submitted_at(row.digest) is None
+            assert await world.pending_status(row.digest) == "pending"
+    finally:
+        await ApprovalStore(world.transition.store.pool).close_without_decision(
+            refused, "expired", datetime.now(UTC)
+        )
+
+
 async def test_restarting_the_transition_service_between_parking_and_approval(
     world: World,
 ) -> None:
