@@ -134,7 +134,8 @@ class GroupCommitter:
         self._running: dict[asyncio.Task[None], int] = {}
         self._queue: list[_Waiting] = []
         self._waiting_since: float | None = None  # when the queue last became non-empty
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None  # the grace's, due at _timer_due
+        self._timer_due: float | None = None
 
     async def commit(self, args: CommitArgs) -> Outcome:
         answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
@@ -176,11 +177,13 @@ class GroupCommitter:
         if self._queue and self._running and len(self._running) < self._max_in_flight:
             since = self._waiting_since if self._waiting_since is not None else loop.time()
             due = since + self._grace
-        if self._timer is not None and (due is None or self._timer.when() != due):
+        if self._timer is not None and due != self._timer_due:
             self._timer.cancel()
             self._timer = None
         if due is not None and self._timer is None:
-            self._timer = loop.call_at(due, self._grace_over)
+            # uvloop answers a time already past with a plain Handle (no when()): the
+            # time is kept here
+            self._timer, self._timer_due = loop.call_at(due, self._grace_over), due
 
     def _grace_over(self) -> None:
         self._timer = None

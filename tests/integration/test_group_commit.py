@@ -16,6 +16,7 @@ from typing import Any
 
 import asyncpg
 import pytest_asyncio
+import uvloop
 
 from tests.harness import INITIAL, TRUST_DOMAIN, Ledger, act, fresh_database, new_thread_id
 from tests.integration.test_store_conformance import NODE, commit, new_thread, sealed
@@ -693,4 +694,55 @@ async def test_a_full_batch_waiting_takes_the_free_slot_at_once(
     finally:
         await heads.close()
         await admin.close()
+    assert all(isinstance(o, Committed) for o in outcomes), outcomes
+
+
+STEPS = 6  # each writer's proposals in the uvloop test
+
+
+def test_the_committer_runs_on_uvloop_with_its_grace_timer(
+    postgres_server_dsn: str, settings: Settings, keyring: Keyring
+) -> None:
+    """The service runs on uvloop, whose call_at answers a time less than half a
+    millisecond away with a plain Handle (no when()); the grace timer once asked it for
+    its time, and a burst under load failed its commits with INTERNAL (the benchmark
+    found it: these tests run on asyncio's loop). Here 24 writers of STEPS proposals
+    each on uvloop, with a grace of 0.3 ms, so that every wait's timer is such a
+    Handle: all commit."""
+
+    async def burst() -> list[object]:
+        dsn = await fresh_database(postgres_server_dsn)
+        admin = await asyncpg.connect(dsn)
+        try:
+            await migrate(admin, settings.db_role)
+        finally:
+            await admin.close()
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=1,
+            max_size=4,
+            reset=keep_session,
+            server_settings={"role": settings.db_role},
+        )
+        try:
+            store = PostgresTransitionStore(pool, commit_slots=2, commit_grace=0.0003)
+            ours = pipeline(pool, settings, keyring, store=store)
+            threads = [new_thread_id() for _ in range(24)]
+            for thread_id in threads:
+                await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+
+            async def worker(thread_id: str) -> list[object]:  # a closed loop, as the bench
+                return [
+                    await ours.propose(PARSER, proposal(thread_id, v, f"k-{thread_id}-{v}"))
+                    for v in range(STEPS)
+                ]
+
+            done = await asyncio.gather(*(worker(t) for t in threads))
+            return [outcome for steps in done for outcome in steps]
+        finally:
+            await pool.close()
+
+    outcomes = uvloop.run(burst())
+
+    assert len(outcomes) == 24 * STEPS
     assert all(isinstance(o, Committed) for o in outcomes), outcomes
