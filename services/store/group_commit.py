@@ -89,6 +89,8 @@ GROUP_COMMIT = (
 # that batches still grow; short enough that a statement held up (a lock, a connection
 # lost, a slow flush) delays the others by no more than this.
 GRACE_SECONDS = 0.025
+# uvloop's clock moves by whole milliseconds: the grace is over within one of its due time
+CLOCK_SLACK = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +162,8 @@ class GroupCommitter:
         if len(self._queue) >= self._max_batch:
             return True
         since = self._waiting_since
-        return since is not None and asyncio.get_running_loop().time() - since >= self._grace
+        now = asyncio.get_running_loop().time()
+        return since is not None and now - since >= self._grace - CLOCK_SLACK
 
     def _dispatch(self) -> None:
         """Start statements while commits wait and the rule lets them; otherwise make
@@ -176,7 +179,9 @@ class GroupCommitter:
         due = None
         if self._queue and self._running and len(self._running) < self._max_in_flight:
             since = self._waiting_since if self._waiting_since is not None else loop.time()
-            due = since + self._grace
+            # never sooner than a clock tick away: a timer that fires before the grace
+            # is seen over would be armed again at once, round after round
+            due = max(since + self._grace, loop.time() + CLOCK_SLACK)
         if self._timer is not None and due != self._timer_due:
             self._timer.cancel()
             self._timer = None
