@@ -10,8 +10,9 @@ service is under load) the commits that arrive wait, and leave all together (up 
 ``max_batch``) as ONE statement (``GROUP_COMMIT``: one round trip, one transaction,
 one WAL flush for the lot) when a slot frees and the rule lets them: when the
 multi-row statement ends, or at once when a full batch waits, or when the oldest has
-waited ``GRACE_SECONDS`` (so that a statement held up by a lock, a lost connection or a
-slow flush holds the others back no longer than that). Under load the batches thus
+waited ``GRACE_SECONDS`` (so that a free slot does not stay idle behind a statement held
+up by a lock, a lost connection or a slow flush; with two slots that buys one more
+statement, and two held-up statements hold everything, as before this rule). Under load the batches thus
 grow with the arrival rate instead of splitting between the slots: at 32 writers about
 seven rows a statement instead of three, and the statement's cost (its call, plan
 start-up, commit and WAL flush) shared by them (docs/performance.md, "Issue 19, seventh
