@@ -12,12 +12,13 @@ one WAL flush for the lot) when a slot frees and the rule lets them: when the
 multi-row statement ends, or at once when a full batch waits, or when the oldest has
 waited ``GRACE_SECONDS`` (so that a free slot does not stay idle behind a statement held
 up by a lock, a lost connection or a slow flush; with two slots that buys one more
-statement, and two held-up statements hold everything, as before this rule). Under load the batches thus
-grow with the arrival rate instead of splitting between the slots: at 32 writers about
-seven rows a statement instead of three, and the statement's cost (its call, plan
-start-up, commit and WAL flush) shared by them (docs/performance.md, "Issue 19, seventh
-round"). The price is in the tail: a commit that arrives while a batch runs waits for
-it (p99 68.5 against 55.1 ms at 32 writers, one run each).
+statement, and two held-up statements hold everything, as before this rule). Under
+load the batches thus grow with the arrival rate instead of splitting between the
+slots: at 32 writers about seven rows a statement instead of three, and the
+statement's cost (its call, plan start-up, commit and WAL flush) shared by them
+(docs/performance.md, "Issue 19, seventh round"). The price is in the tail: a commit
+that arrives while a batch runs waits for it (p99 68.5 against 55.1 ms at 32 writers,
+one run each).
 
 Inside that statement every row keeps its own outcome, exactly the one-row statement's:
 its own compare-and-swap on its thread's version and digest (and, when it commits, the
