@@ -537,6 +537,23 @@ async def committed(admin: asyncpg.Connection, thread_id: str) -> bool:
     )
 
 
+async def committer_with_threads(
+    pool: asyncpg.Pool, settings: Settings, keyring: Keyring, n: int, **options: Any
+) -> tuple[PostgresTransitionStore, TransitionPipeline, list[str]]:
+    """A store with two commit slots (and ``options``), its pipeline, ``n`` new threads."""
+    store = PostgresTransitionStore(pool, commit_slots=2, **options)
+    ours = pipeline(pool, settings, keyring, store=store)
+    threads = [new_thread_id() for _ in range(n)]
+    for thread_id in threads:
+        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    return store, ours, threads
+
+
+def proposing(ours: TransitionPipeline, thread_id: str) -> asyncio.Task[object]:
+    """The thread's proposal of version 1, under way."""
+    return asyncio.create_task(ours.propose(PARSER, proposal(thread_id, 0, f"k-{thread_id}")))
+
+
 async def test_under_load_a_commit_waits_for_the_batch_running_instead_of_a_free_slot(
     pools: list[asyncpg.Pool], settings: Settings, keyring: Keyring, database_dsn: str
 ) -> None:
@@ -545,17 +562,16 @@ async def test_under_load_a_commit_waits_for_the_batch_running_instead_of_a_free
     statement running carries several rows (load), a new commit waits for it to end
     and leaves with whatever arrived meanwhile, though a slot is free: batches grow
     with the load. (No grace here: a minute.)"""
-    store = PostgresTransitionStore(pools[0], commit_slots=2, commit_grace=60.0)
-    ours = pipeline(pools[0], settings, keyring, store=store)
+    store, ours, threads = await committer_with_threads(
+        pools[0], settings, keyring, 5, commit_grace=60.0
+    )
     committer = store._committer  # the slots' state: what the rule decides
-    a, b, c, d, e = threads = [new_thread_id() for _ in range(5)]
-    for thread_id in threads:
-        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    a, b, c, d, e = threads
     admin = await asyncpg.connect(database_dsn)
     heads = Heads(database_dsn)
 
     def propose(thread_id: str) -> asyncio.Task[object]:
-        return asyncio.create_task(ours.propose(PARSER, proposal(thread_id, 0, f"k-{thread_id}")))
+        return proposing(ours, thread_id)
 
     try:
         await heads.hold(a, b, c)
@@ -609,7 +625,7 @@ async def held_batch(
     await heads.hold(first, second)
 
     def propose(thread_id: str) -> asyncio.Task[object]:
-        return asyncio.create_task(ours.propose(PARSER, proposal(thread_id, 0, f"k-{thread_id}")))
+        return proposing(ours, thread_id)
 
     proposals = {first: propose(first)}
     await eventually(lambda: waiting_on_locks(admin, 1))
@@ -637,18 +653,16 @@ async def test_a_batch_held_up_holds_back_the_others_no_longer_than_the_grace(
     connection or a slow flush alike) keeps the commits that arrive waiting only for the
     grace (here 0.2 s): then they take the free slot, and commit while it is still held.
     Before, they waited for it however long it took."""
-    store = PostgresTransitionStore(pools[0], commit_slots=2, commit_grace=0.2)
-    ours = pipeline(pools[0], settings, keyring, store=store)
-    threads = [new_thread_id() for _ in range(5)]
-    for thread_id in threads:
-        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    store, ours, threads = await committer_with_threads(
+        pools[0], settings, keyring, 5, commit_grace=0.2
+    )
     admin = await asyncpg.connect(database_dsn)
     heads = Heads(database_dsn)
     try:
         proposals = await held_batch(ours, store, admin, heads, threads)
         late = threads[4]
 
-        proposals[late] = asyncio.create_task(ours.propose(PARSER, proposal(late, 0, f"k-{late}")))
+        proposals[late] = proposing(ours, late)
 
         await eventually(lambda: committed(admin, late))  # with the batch still held
         assert isinstance(await proposals[late], Committed)
@@ -667,19 +681,15 @@ async def test_a_full_batch_waiting_takes_the_free_slot_at_once(
     """Under load the commits that arrive wait for the multi-row statement running, but
     not past a full batch (here max_batch 2, and no grace: a minute): the second to
     arrive sends both, in the free slot, with the batch still held."""
-    store = PostgresTransitionStore(pools[0], commit_slots=2, max_batch=2, commit_grace=60.0)
-    ours = pipeline(pools[0], settings, keyring, store=store)
-    threads = [new_thread_id() for _ in range(6)]
-    for thread_id in threads:
-        await ours.create_thread(OPERATOR, thread_id, "pipeline", canonical_bytes(INITIAL))
+    store, ours, threads = await committer_with_threads(
+        pools[0], settings, keyring, 6, max_batch=2, commit_grace=60.0
+    )
     admin = await asyncpg.connect(database_dsn)
     heads = Heads(database_dsn)
     try:
         proposals = await held_batch(ours, store, admin, heads, threads)
         for late in threads[4:]:
-            proposals[late] = asyncio.create_task(
-                ours.propose(PARSER, proposal(late, 0, f"k-{late}"))
-            )
+            proposals[late] = proposing(ours, late)
 
         for late in threads[4:]:
             await eventually(lambda late=late: committed(admin, late))  # batch still held
