@@ -646,6 +646,20 @@ async def held_batch(
     return proposals
 
 
+async def all_committed_once_released(
+    admin: asyncpg.Connection,
+    heads: Heads,
+    held: str,
+    proposals: dict[str, asyncio.Task[object]],
+) -> None:
+    """The batch held on ``held``'s lock has not committed; released, every proposal
+    has."""
+    assert not await committed(admin, held)
+    await heads.release(held)
+    outcomes = [await task for task in proposals.values()]
+    assert all(isinstance(o, Committed) for o in outcomes), outcomes
+
+
 async def test_a_batch_held_up_holds_back_the_others_no_longer_than_the_grace(
     pools: list[asyncpg.Pool], settings: Settings, keyring: Keyring, database_dsn: str
 ) -> None:
@@ -666,13 +680,10 @@ async def test_a_batch_held_up_holds_back_the_others_no_longer_than_the_grace(
 
         await eventually(lambda: committed(admin, late))  # with the batch still held
         assert isinstance(await proposals[late], Committed)
-        assert not await committed(admin, threads[1])
-        await heads.release(threads[1])
-        outcomes = [await task for task in proposals.values()]
+        await all_committed_once_released(admin, heads, threads[1], proposals)
     finally:
         await heads.close()
         await admin.close()
-    assert all(isinstance(o, Committed) for o in outcomes), outcomes
 
 
 async def test_a_full_batch_waiting_takes_the_free_slot_at_once(
@@ -696,15 +707,12 @@ async def test_a_full_batch_waiting_takes_the_free_slot_at_once(
         late_outcomes = [await proposals[late] for late in threads[4:]]
 
         assert all(isinstance(o, Committed) for o in late_outcomes)
-        assert not await committed(admin, threads[1])  # the batch still held
         together = await inserting_transactions(database_dsn, threads[4:], 1)
         assert len(set(together)) == 1  # the two late ones in one statement
-        await heads.release(threads[1])
-        outcomes = [await task for task in proposals.values()]
+        await all_committed_once_released(admin, heads, threads[1], proposals)
     finally:
         await heads.close()
         await admin.close()
-    assert all(isinstance(o, Committed) for o in outcomes), outcomes
 
 
 STEPS = 6  # each writer's proposals in the uvloop test

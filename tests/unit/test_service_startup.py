@@ -5,7 +5,7 @@ and is never reported as one: it is one line of its own (exit 1), never a traceb
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -15,20 +15,28 @@ from ztate.contract.errors import KeyFileError
 from ztate.services.cli.output import FAILED, OK, USAGE, CliError
 from ztate.services.cli.startup import run_service
 
+Serve = Callable[[Callable[[], None]], Awaitable[None]]
+
+
+def refusal(serve: Serve, service: str, *, dsn: str | None = None, wait: float = 0) -> CliError:
+    """What ``run_service`` raises for ``serve``, started as ``ztate <service> serve``."""
+    with pytest.raises(CliError) as raised:
+        run_service(
+            serve,
+            dsn=dsn,
+            wait_seconds=wait,
+            prefix=f"cannot start the {service} service",
+            stopped=f"the {service} service stopped",
+        )
+    return raised.value
+
 
 def test_a_failure_before_the_service_serves_is_a_failure_to_start() -> None:
     async def serve(started: Callable[[], None]) -> None:
         raise KeyFileError("/etc/ztate/tls.key is not a PEM private key\nsecond line")
 
-    with pytest.raises(CliError) as refused:
-        run_service(
-            serve,
-            dsn=None,
-            wait_seconds=0,
-            prefix="cannot start the approval service",
-            stopped="the approval service stopped",
-        )
-    assert (refused.value.message, refused.value.code) == (
+    refused = refusal(serve, "approval")
+    assert (refused.message, refused.code) == (
         "cannot start the approval service: /etc/ztate/tls.key is not a PEM private key",
         USAGE,
     )
@@ -55,15 +63,8 @@ def test_a_failure_after_the_service_served_is_one_line_not_a_failure_to_start(
         started()
         raise failure
 
-    with pytest.raises(CliError) as stopped:
-        run_service(
-            serve,
-            dsn=None,
-            wait_seconds=0,
-            prefix="cannot start",
-            stopped="the transition service stopped",
-        )
-    assert (stopped.value.message, stopped.value.code) == (line, FAILED)
+    stopped = refusal(serve, "transition")
+    assert (stopped.message, stopped.code) == (line, FAILED)
 
 
 def with_password(dsn: str, password: str) -> str:
@@ -84,15 +85,8 @@ def test_a_failure_after_the_service_served_masks_the_database_url(
         started()
         raise OSError(f"lost {dsn} (password s3cret-pw)\nsecond line")
 
-    with pytest.raises(CliError) as stopped:
-        run_service(
-            serve,
-            dsn=dsn,
-            wait_seconds=5,
-            prefix="cannot start the approval service",
-            stopped="the approval service stopped",
-        )
-    assert (stopped.value.message, stopped.value.code) == (
+    stopped = refusal(serve, "approval", dsn=dsn, wait=5)
+    assert (stopped.message, stopped.code) == (
         "the approval service stopped: lost *** (password ***)",
         FAILED,
     )
@@ -130,16 +124,9 @@ def test_a_database_error_while_starting_is_a_failure_to_start_not_a_traceback(
     async def serve(started: Callable[[], None]) -> None:
         raise failure
 
-    with pytest.raises(CliError) as refused:
-        run_service(
-            serve,
-            dsn=None,
-            wait_seconds=0,
-            prefix="cannot start the transition service",
-            stopped="the transition service stopped",
-        )
+    refused = refusal(serve, "transition")
     first = str(failure).splitlines()[0]
-    assert (refused.value.message, refused.value.code) == (
+    assert (refused.message, refused.code) == (
         f"cannot start the transition service: {first}",
         USAGE,
     )
