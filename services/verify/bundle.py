@@ -40,7 +40,7 @@ import hashlib
 import operator
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -133,13 +133,16 @@ class Tally:
     """The lines of one bundle file as written or read: how many, and their SHA-256,
     which is what the manifest's packing list says of the file. The one count of bundle
     lines: the writer fills the manifest from it, and the readers number their findings
-    with it and compare it with the manifest."""
+    with it and compare it with the manifest. A file is taken in either by lines
+    (``line``, ``rest``) or by blocks of bytes as read (``block``), never both."""
 
-    __slots__ = ("_hasher", "lines")
+    __slots__ = ("_hasher", "_newlines", "_open", "lines")
 
     def __init__(self) -> None:
         self._hasher = hashlib.sha256()
         self.lines = 0
+        self._newlines = 0
+        self._open = False  # the last block ended inside a line
 
     def line(self, line: bytes) -> int:
         """Count and hash a line (or its first part, for a line read in parts); its
@@ -151,6 +154,15 @@ class Tally:
     def rest(self, part: bytes) -> None:
         """Hash more of the line last counted."""
         self._hasher.update(part)
+
+    def block(self, data: bytes) -> None:
+        """Count and hash the next bytes of the file, whatever lines they cut: a last
+        line without its newline counts, as reading by lines counts it."""
+        if data:
+            self._hasher.update(data)
+            self._newlines += data.count(b"\n")
+            self._open = not data.endswith(b"\n")
+            self.lines = self._newlines + self._open
 
     @property
     def sha256(self) -> str:
@@ -527,10 +539,16 @@ def tallied_lines(handle: BinaryIO, path: Path, tally: Tally) -> Iterator[tuple[
         for line in handle:
             yield tally.line(line), line
     except OSError as exc:
-        raise BundleError(
-            f"{path}: reading failed after line {tally.lines} ({exc.strerror}): "
-            "the rest of the bundle is not verified"
-        ) from None
+        raise read_failed(path, tally.lines, exc) from None
+
+
+def read_failed(path: Path, lines: int, exc: OSError) -> BundleError:
+    """A read of a bundle file that failed after ``lines`` lines: no end of file, but
+    what was not read is not verified, and the run must say so."""
+    return BundleError(
+        f"{path}: reading failed after line {lines} ({exc.strerror}): "
+        "the rest of the bundle is not verified"
+    )
 
 
 def line_finding(number: int, problem: LineProblem) -> Finding:
@@ -560,28 +578,6 @@ def check_records_file(manifest: Manifest, read: Tally, threads: int, report: Re
                 f"{lines} lines of {threads} threads",
             )
         )
-
-
-def read_rows(
-    directory: Path, manifest: Manifest, report: Report, *, thread_id: str | None = None
-) -> Iterator[LedgerRow]:
-    """The rows of ``records.jsonl`` (of one thread, if given), in file order.
-
-    Lines that are not rows are reported and skipped; after the last line the
-    file's hash, line count and thread count are compared with the manifest.
-    """
-    read = Tally()
-    threads: set[str] = set()
-    for number, line in record_lines(directory, read):
-        try:
-            row = row_from_line(line)
-        except LineProblem as problem:
-            report(line_finding(number, problem))
-            continue
-        threads.add(row.thread_id)
-        if thread_id is None or row.thread_id == thread_id:
-            yield row
-    check_records_file(manifest, read, len(threads), report)
 
 
 def row_from_line(line: bytes) -> LedgerRow:
@@ -637,53 +633,62 @@ def _blob_in(value: Any, name: str) -> bytes | None:
     raise LineProblem(f"{name} must be text, {{'base64': ...}} or null")
 
 
-class CheckpointReader:
-    """The bundle's checkpoints, taken thread by thread in one pass over the file,
-    in step with the records (both are in code point order of thread id).
+Checkpoint = tuple[str, int, SignedCheckpoint]  # thread id, version, the signed head
 
-    A checkpoint of a thread with no records in the bundle is reported (the chain
-    no longer passes through a signed head); after the last line, the file's hash
-    and line count are compared with the manifest.
-    """
 
-    def __init__(
-        self, directory: Path, manifest: Manifest, report: Report, *, thread_id: str | None
-    ) -> None:
-        self._path = directory / CHECKPOINTS
-        self._manifest, self._report, self._only = manifest, report, thread_id
-        self._read = Tally()
-        try:
-            self._handle = self._path.open("rb")
-        except OSError as exc:
-            raise BundleError(
-                f"{self._path}: cannot read the checkpoints ({exc.strerror})"
-            ) from None
-        self._numbered = tallied_lines(self._handle, self._path, self._read)  # step by step
-        self._last_thread: str | None = None
-        self._next: tuple[str, int, SignedCheckpoint] | None = None
-        self._advance()
-
-    def _advance(self) -> None:
-        self._next = None
-        for number, line in self._numbered:
+def checkpoint_entries(directory: Path, manifest: Manifest, report: Report) -> Iterator[Checkpoint]:
+    """The bundle's checkpoints in file order, read as they are asked for. A line that
+    is no checkpoint, or comes before the thread it follows, is reported; after the
+    last line, the file's hash and line count are compared with the manifest."""
+    path = directory / CHECKPOINTS
+    read = Tally()
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read the checkpoints ({exc.strerror})") from None
+    last_thread: str | None = None
+    with handle:
+        for number, line in tallied_lines(handle, path, read):
             try:
                 entry = _checkpoint_from_line(line)
             except LineProblem as problem:
                 found = f"line {number}: {problem}"
-                self._report(Finding(None, None, BUNDLE_CHECKPOINT, "a checkpoint", found))
+                report(Finding(None, None, BUNDLE_CHECKPOINT, "a checkpoint", found))
                 continue
-            if self._last_thread is not None and entry[0] < self._last_thread:
-                self._report(
+            if last_thread is not None and entry[0] < last_thread:
+                report(
                     Finding(
                         entry[0],
                         entry[1],
                         BUNDLE_ORDER,
                         "checkpoints in thread id order",
-                        f"line {number} comes after thread {shown(self._last_thread)}",
+                        f"line {number} comes after thread {shown(last_thread)}",
                     )
                 )
-            self._last_thread, self._next = entry[0], entry
-            return
+            last_thread = entry[0]
+            yield entry
+    found = read.sha256
+    if found != manifest.checkpoints_sha256:
+        expected = f"{CHECKPOINTS} with SHA-256 {manifest.checkpoints_sha256}"
+        report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
+    if read.lines != manifest.checkpoints:
+        expected = f"{manifest.checkpoints} checkpoint lines (the manifest's)"
+        report(Finding(None, None, BUNDLE_COUNT, expected, f"{read.lines} lines"))
+
+
+class CheckpointReader:
+    """Checkpoints taken thread by thread in one pass, in step with the records (both
+    are in code point order of thread id): from the bundle's file
+    (``checkpoint_entries``), or, on a worker of ``--jobs``, the part of it that
+    concerns the worker's threads.
+
+    A checkpoint of a thread with no records (before the thread taken next, or left
+    at the end) is reported: the chain no longer passes through a signed head.
+    """
+
+    def __init__(self, entries: Iterator[Checkpoint], report: Report, *, thread_id: str | None):
+        self._entries, self._report, self._only = entries, report, thread_id
+        self._next: Checkpoint | None = next(self._entries, None)
 
     def take(self, thread_id: str) -> dict[int, SignedCheckpoint]:
         """The checkpoints of ``thread_id``; those of threads before it have no records."""
@@ -694,7 +699,7 @@ class CheckpointReader:
                 taken[version] = checkpoint
             else:
                 self._orphan(owner, version)
-            self._advance()
+            self._next = next(self._entries, None)
         return taken
 
     def _orphan(self, thread_id: str, version: int) -> None:
@@ -710,20 +715,13 @@ class CheckpointReader:
             )
 
     def finish(self) -> None:
+        """Report the checkpoints left (and, from the file, its hash and count)."""
         while self._next is not None:
             self._orphan(self._next[0], self._next[1])
-            self._advance()
-        self._handle.close()
-        found = self._read.sha256
-        if found != self._manifest.checkpoints_sha256:
-            expected = f"{CHECKPOINTS} with SHA-256 {self._manifest.checkpoints_sha256}"
-            self._report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
-        if self._read.lines != self._manifest.checkpoints:
-            expected = f"{self._manifest.checkpoints} checkpoint lines (the manifest's)"
-            self._report(Finding(None, None, BUNDLE_COUNT, expected, f"{self._read.lines} lines"))
+            self._next = next(self._entries, None)
 
 
-def _checkpoint_from_line(line: bytes) -> tuple[str, int, SignedCheckpoint]:
+def _checkpoint_from_line(line: bytes) -> Checkpoint:
     try:
         return parse_checkpoint_line(line)
     except CheckpointInvalid as exc:
@@ -843,47 +841,115 @@ def verify_bundle(
     manifest = usable_manifest(directory, run)
     trust = run.trust
     checkpoints = (
-        CheckpointReader(directory, manifest, run.finding, thread_id=thread_id)
-        if trust.checkpoint_keys is not None and manifest.checkpoints is not None
+        CheckpointReader(
+            checkpoint_entries(directory, manifest, run.finding), run.finding, thread_id=thread_id
+        )
+        if checks_checkpoints(trust, manifest)
         else None
     )
+    read = Tally()
+    order = ThreadOrder(run.finding)
+    threads = verify_lines(
+        run,
+        manifest,
+        record_lines(directory, read),
+        checkpoints=checkpoints,
+        thread_id=thread_id,
+        group=order.group,
+    )
+    check_records_file(manifest, read, len(threads), run.finding)
+    if checkpoints is not None:
+        checkpoints.finish()
+    finish_bundle(run, manifest, order.seen, thread_id)
+    return run.summary
+
+
+def checks_checkpoints(trust: Trust, manifest: Manifest) -> bool:
+    """Whether a run checks the bundle's checkpoints: when it carries them and the
+    trust holds their public keys."""
+    return trust.checkpoint_keys is not None and manifest.checkpoints is not None
+
+
+def verify_lines(
+    run: Verification,
+    manifest: Manifest,
+    lines: Iterable[tuple[int, bytes]],
+    *,
+    checkpoints: CheckpointReader | None,
+    thread_id: str | None,
+    group: Callable[[str, int], None],
+) -> set[str]:
+    """Verify the numbered ``lines`` of ``records.jsonl`` (all of them, or a worker's
+    part), thread group by thread group, each group's first row told to ``group``
+    before its checks; the threads they hold (``thread_id`` or not).
+
+    Lines that are not rows are reported and skipped; they do not end a group."""
+    threads: set[str] = set()
     current: ThreadVerifier | None = None
-    seen: set[str] = set()
-    for row in read_rows(directory, manifest, run.finding, thread_id=thread_id):
+    for number, line in lines:
+        try:
+            row = row_from_line(line)
+        except LineProblem as problem:
+            run.finding(line_finding(number, problem))
+            continue
+        threads.add(row.thread_id)
+        if thread_id is not None and row.thread_id != thread_id:
+            continue
         if current is None or row.thread_id != current.thread_id:
             if current is not None:
                 current.check_head(head_of(manifest, current.thread_id))
-            if row.thread_id in seen:
-                run.finding(
-                    Finding(
-                        row.thread_id,
-                        row.version,
-                        BUNDLE_ORDER,
-                        "each thread's lines together, in version order",
-                        "the thread's lines resume after another thread's",
-                    )
-                )
-            seen.add(row.thread_id)
+            group(row.thread_id, row.version)
             current = run.thread(row.thread_id)
             if checkpoints is not None:
                 current.expect_checkpoints(checkpoints.take(row.thread_id))
         current.add(row)
     if current is not None:
         current.check_head(head_of(manifest, current.thread_id))
-    if checkpoints is not None:
-        checkpoints.finish()
+    return threads
+
+
+class ThreadOrder:
+    """The order of the thread groups of ``records.jsonl``: each thread's lines
+    together, and the threads in code point order of thread id, as the exporter writes
+    them (the checkpoints are merged in that order). A group out of place is reported."""
+
+    def __init__(self, report: Report) -> None:
+        self._report = report
+        self.seen: set[str] = set()
+        self._last: str | None = None
+
+    def group(self, thread_id: str, version: int) -> None:
+        """The next group begins: ``thread_id``'s, at ``version``."""
+        if thread_id in self.seen:
+            expected = "each thread's lines together, in version order"
+            found = "the thread's lines resume after another thread's"
+            self._report(Finding(thread_id, version, BUNDLE_ORDER, expected, found))
+        elif self._last is not None and thread_id < self._last:
+            expected = "threads in code point order of thread id"
+            found = f"the thread's lines come after those of thread {shown(self._last)}"
+            self._report(Finding(thread_id, version, BUNDLE_ORDER, expected, found))
+        self.seen.add(thread_id)
+        self._last = thread_id
+
+
+def finish_bundle(
+    run: Verification, manifest: Manifest, seen: set[str], thread_id: str | None
+) -> None:
+    """After the records: the manifest's threads with no records, and the kept
+    checkpoints of threads the bundle holds nothing of."""
     if (
         thread_id is not None
         and thread_id not in seen
         and thread_id not in manifest.heads
-        and thread_id not in trust.kept_checkpoints
+        and thread_id not in run.trust.kept_checkpoints
     ):
         raise no_such_thread(thread_id)
     wanted = set(manifest.heads) if thread_id is None else {thread_id}
     for missing in sorted(wanted - seen):
         run.headless(missing, head_of(manifest, missing))
+    for verified in seen:
+        run.saw(verified)
     run.kept_threads_missing(thread_id)
-    return run.summary
 
 
 def head_of(manifest: Manifest, thread_id: str) -> Head | None:

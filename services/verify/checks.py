@@ -139,7 +139,8 @@ CHECKS: dict[str, str] = {
     BUNDLE_HASH: "a bundle file's SHA-256 is not the manifest's",
     BUNDLE_COUNT: "a bundle file's line or thread count is not the manifest's",
     BUNDLE_LINE: "a line of a bundle file that is not what the file holds",
-    BUNDLE_ORDER: "a thread's lines are not together, or checkpoints out of order",
+    BUNDLE_ORDER: "a thread's lines are not together or not in thread id order, "
+    "or checkpoints out of order",
     BUNDLE_CHECKPOINT: "a checkpoint line that is not one",
     BUNDLE_MANIFEST: "the manifest is not the one its signature covers",
 }

@@ -9,11 +9,20 @@ the checks of ``ztate.services.verify.checks`` (``ThreadVerifier``) on it. Findi
 same as a single process finds; only the order in which threads' findings are
 printed may differ.
 
-For a bundle the leader does not parse a line: the thread id and version sit
-at the start of every line the exporter writes, and a line that does not start
-so is parsed by the leader (and reported there if it is no row). Workers are
-forked, so they inherit the trust (keys and policies) without it ever being
-serialised; a worker holds one thread at a time.
+For a bundle nothing passes through the leader either. It cuts ``records.jsonl``
+into ``N`` byte ranges at thread boundaries (between two rows of different threads,
+the second's id the greater), and each worker reads and verifies its own range.
+The leader reads the file once, in large blocks, for what needs all of it: the
+file's hash and line count, and each range's hash and first line number, which it
+hands the range's worker as its read reaches the range. A worker reports the
+SHA-256 of the bytes it read: a file that changed while it was verified is no
+verdict. The leader then checks the order of the thread groups across ranges, and
+streams the checkpoints file to the workers, each checkpoint to the worker whose
+range holds its thread. Findings are those of one process whenever the file's
+threads are in order (as the exporter writes them); a file out of order is a
+``bundle.order`` finding either way. A bundle file that is not a regular file (a
+pipe) cannot be cut: one process reads it. Workers are forked, so they inherit the
+trust (keys and policies) without it ever being serialised.
 
 For a database nothing passes through the leader: it opens the snapshot, exports
 it (``pg_export_snapshot``), cuts the threads into ``N`` ranges of about as many
@@ -43,50 +52,57 @@ for room in its pipe, is stuck: the leader kills every worker and stops the run 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
+import functools
 import gc
+import hashlib
 import itertools
 import multiprocessing
 import os
 import queue
 import re
 import signal
+import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import asyncpg
 
-from ztate.contract.checkpoints import SignedCheckpoint
 from ztate.contract.record import shown
 from ztate.services.verify.bundle import (
+    RECORDS,
+    Checkpoint,
     CheckpointReader,
     LineProblem,
     Manifest,
     Tally,
+    ThreadOrder,
     check_records_file,
-    head_of,
-    line_finding,
-    record_lines,
+    checkpoint_entries,
+    checks_checkpoints,
+    finish_bundle,
+    open_records,
+    read_failed,
     row_from_line,
     usable_manifest,
+    verify_bundle,
+    verify_lines,
 )
 from ztate.services.verify.checks import (
-    BUNDLE_ORDER,
     HEADLESS,
     RANGE_ROWS,
     THREAD_ROWS,
-    Finding,
     Head,
     Report,
     Summary,
-    ThreadVerifier,
     Trust,
     Verification,
     VerifyError,
@@ -97,23 +113,15 @@ from ztate.services.verify.checks import (
     with_stored_policies,
 )
 
-BATCH = 256  # items per message to a worker
-# bundle lines travel as one bytes object per run of consecutive lines of a thread:
-# pickling one large bytes is a copy, pickling a tuple per line is not
-LINES_BYTES = 256 * 1024
+BATCH = 256  # checkpoints per message to a worker
+BLOCK = 1024 * 1024  # bytes of records.jsonl read at a time
 SHOWN_THREADS = 5  # thread ids a failure names before "and N more"
 EXIT_SECONDS = 5.0  # to learn how a worker whose pipe closed ended (it is ending)
 WORKER_TIMEOUT = 300.0  # seconds without progress after which a worker is stuck (default)
 PROGRESS_SECONDS = 0.25  # how often a worker looks whether its counts moved
-# what the exporter writes first on every line (ids are [A-Za-z0-9._:-], 1-128)
-_LINE_START = re.compile(rb'\{"thread_id":"([A-Za-z0-9._:-]{1,128})","version":(-?[0-9]{1,19}),')
-
-# messages to a worker: lists of these items
-#   (_START, thread_id, checkpoints or None)   a thread's group begins
-#   (_LINES, first line number, bytes)         consecutive bundle lines of it
-#   (_END, Head or None)                       the group ends: the source's head
-_START, _LINES, _END = 0, 1, 3
-Item = tuple[Any, ...]
+# what the exporter writes first on every line (ids are [A-Za-z0-9._:-], 1-128): a cut
+# between ranges is looked for only where two such lines name different threads
+_LINE_START = re.compile(rb'\{"thread_id":"([A-Za-z0-9._:-]{1,128})",')
 
 
 def jobs_wanted(jobs: int) -> int:
@@ -217,37 +225,6 @@ def _worker(
     outbox.close()
 
 
-def _work(inbox: Connection, outbox: _Outbox, trust: Trust) -> None:
-    """Verify the thread groups the leader sends, until it sends None."""
-    run = Verification(trust, lambda finding: outbox.put("finding", finding))
-    outbox.watch(run.summary)
-    current: ThreadVerifier | None = None
-    while (batch := inbox.recv()) is not None:
-        for item in batch:
-            kind = item[0]
-            if kind == _LINES:
-                assert current is not None
-                lines = item[2].split(b"\n")
-                if lines[-1] == b"":
-                    lines.pop()  # after the last line's newline
-                for number, line in enumerate(lines, item[1]):
-                    try:
-                        row = row_from_line(line)
-                    except LineProblem as problem:
-                        run.finding(line_finding(number, problem))
-                        continue
-                    current.add(row)
-            elif kind == _START:
-                current = run.thread(item[1])
-                if item[2] is not None:
-                    current.expect_checkpoints(item[2])
-            else:
-                assert current is not None
-                current.check_head(item[1])
-                current = None
-    outbox.put("done", run.summary)
-
-
 # a worker's share of a database: (dsn, snapshot, first thread, end thread, thread)
 _Share = tuple[str, str, str | None, str | None, str | None]
 _SNAPSHOT = re.compile(r"[0-9A-F]+-[0-9A-F]+(?:-[0-9]+)?")  # what pg_export_snapshot returns
@@ -339,24 +316,15 @@ class _Worker:
     process: ForkProcess
     inbox: Connection  # the leader sends work
     answers: Connection  # the worker sends findings, its count, or why it stopped
-    threads: list[str] = field(default_factory=list)  # a bundle's thread groups given
-    share: str | None = None  # a database worker's range, as a failure names it
+    share: str | None = None  # its range of threads, as a failure names it
+    part: Any = None  # what it read of a bundle (``_BundlePart``)
     summary: Summary | None = None
     failed: str | None = None  # why it stopped, in its own words
     heard: float = field(default_factory=time.monotonic)  # its last progress, or work given
     done: tuple[int, int] = (0, 0)  # threads and records verified, as it last reported
 
     def given(self) -> str:
-        if self.share is not None:
-            return self.share
-        if not self.threads:
-            return "the threads it was to be given"
-        named = ", ".join(shown(t) for t in self.threads[:SHOWN_THREADS])
-        more = len(self.threads) - SHOWN_THREADS
-        if more > 0:
-            named += f" and {more} more"
-        count = f"{len(self.threads)} thread" + ("s" if len(self.threads) > 1 else "")
-        return f"the {count} given to it ({named})"
+        return self.share if self.share is not None else "the threads it was to be given"
 
 
 @dataclass
@@ -366,10 +334,10 @@ class _Workers:
     trust: Trust
     report: Report
     jobs: int
-    body: Body = _work
+    body: Body
     timeout: float = WORKER_TIMEOUT  # seconds without progress: the worker is stuck
     workers: list[_Worker] = field(default_factory=list)
-    batches: list[list[Item]] = field(default_factory=list)
+    batches: list[list[Checkpoint]] = field(default_factory=list)
     kept_seen: set[str] = field(default_factory=set)
     # the worker the leader is sending to, and since when: a send that waits
     # ``timeout`` for room in a worker's pipe means the worker reads nothing
@@ -426,18 +394,18 @@ class _Workers:
             self.batches.append([])
         self._next = itertools.cycle(range(self.jobs))
 
-    def assign(self, thread_id: str) -> int:
-        """The worker for the next thread group, ``thread_id``'s."""
-        worker = next(self._next)
-        self.workers[worker].threads.append(thread_id)
-        return worker
-
-    def send(self, worker: int, item: Item, *, now: bool = False) -> None:
-        """Queue ``item`` for ``worker``; send the queue when it is long, or ``now``."""
+    def send(self, worker: int, item: Checkpoint) -> None:
+        """Queue ``item`` for ``worker``; send the queue when it is long."""
         batch = self.batches[worker]
         batch.append(item)
-        if now or len(batch) >= BATCH:
+        if len(batch) >= BATCH:
             self._flush(worker)
+
+    def end(self, worker: int) -> None:
+        """Send what is queued for ``worker``, then the end of what it is sent."""
+        if self.batches[worker]:
+            self._flush(worker)
+        self.post(worker, None)
 
     def _flush(self, worker: int) -> None:
         self.post(worker, self.batches[worker])
@@ -493,6 +461,8 @@ class _Workers:
             self.kept_seen.update(value)
         elif kind == "failed":
             self.workers[worker].failed = value
+        elif kind == "part":
+            self.workers[worker].part = value
         else:
             self.workers[worker].summary = value
 
@@ -539,12 +509,7 @@ class _Workers:
         )
 
     def finish(self) -> Summary:
-        """Send what is left, wait for every worker's count, and add them up."""
-        for worker in range(self.jobs):
-            if self.batches[worker]:
-                self._flush(worker)
-            if self.body is _work:  # a database worker stops after its one share
-                self.post(worker, None)
+        """Wait for every worker's count, and add them up."""
         while any(w.summary is None for w in self.workers):
             self._drain(block=True)
         for w in self.workers:
@@ -566,18 +531,19 @@ class _Workers:
             w.process.join()
 
 
-def _start_of(line: bytes, number: int, report: Report) -> tuple[str, int] | None:
-    """A line's thread id and version, without parsing it when it starts as the
-    exporter writes; None (reported) when it is no row at all."""
-    match = _LINE_START.match(line)
-    if match is not None:
-        return match[1].decode("ascii"), int(match[2])
-    try:
-        row = row_from_line(line)
-    except LineProblem as problem:
-        report(line_finding(number, problem))
-        return None
-    return row.thread_id, row.version
+# a worker's part of records.jsonl: its first byte, its end (None: the file's end) and
+# the number of its first line
+_Range = tuple[int, int | None, int]
+
+
+@dataclass(frozen=True)
+class _BundlePart:
+    """What a worker read of records.jsonl: its thread groups in order (thread id, first
+    version), the threads its rows name, and the SHA-256 of the bytes it read."""
+
+    groups: list[tuple[str, int]]
+    threads: set[str]
+    sha256: str
 
 
 def verify_bundle_parallel(
@@ -589,37 +555,42 @@ def verify_bundle_parallel(
     thread_id: str | None = None,
     worker_timeout: float = WORKER_TIMEOUT,
 ) -> Summary:
-    """``ztate.services.verify.bundle.verify_bundle`` on ``jobs`` worker processes."""
+    """``ztate.services.verify.bundle.verify_bundle`` on ``jobs`` worker processes, each
+    reading and verifying its own range of records.jsonl."""
+    path = directory / RECORDS
+    if not _regular(path):  # a pipe cannot be cut into ranges (nor a missing file read)
+        return verify_bundle(directory, trust, report, thread_id=thread_id)
     leader = Verification(trust, report)  # the leader's own findings and headless threads
     manifest = usable_manifest(directory, leader)
     trust = leader.trust  # with the bundle's policy versions, before the workers fork
-    checkpoints = (
-        CheckpointReader(directory, manifest, leader.finding, thread_id=thread_id)
-        if trust.checkpoint_keys is not None and manifest.checkpoints is not None
-        else None
-    )
-    workers = _Workers(trust, report, jobs, timeout=worker_timeout)
+    fed = checks_checkpoints(trust, manifest)
+    cuts = _cuts(path, jobs)
+    body = functools.partial(_work_bundle, directory, manifest, thread_id, fed)
+    workers = _Workers(trust, report, jobs, body=body, timeout=worker_timeout)
     try:
-        seen = _dispatch(directory, manifest, leader, workers, checkpoints, thread_id)
+        read, hashes = _hand_out(directory, cuts, workers, thread_id)
+        if fed:
+            _feed_checkpoints(directory, manifest, leader, cuts, workers)
         counted = workers.finish()
     except BaseException:
         workers.stop()
         raise
-    if checkpoints is not None:
-        checkpoints.finish()
-    if (
-        thread_id is not None
-        and thread_id not in seen
-        and thread_id not in manifest.heads
-        and thread_id not in trust.kept_checkpoints
-    ):
-        raise no_such_thread(thread_id)
-    wanted = set(manifest.heads) if thread_id is None else {thread_id}
-    for missing in sorted(wanted - seen):
-        leader.headless(missing, head_of(manifest, missing))
-    for verified in seen:
-        leader.saw(verified)
-    leader.kept_threads_missing(thread_id)  # --checkpoints FILE: threads without records
+    order = ThreadOrder(leader.finding)
+    threads: set[str] = set()
+    for number, expected in enumerate(hashes):
+        part = workers.workers[number].part
+        assert isinstance(part, _BundlePart)
+        if part.sha256 != expected:
+            raise VerifyError(
+                f"{path} changed while it was verified (worker {number + 1} of {jobs} read "
+                "other bytes than the leader): the ledger is NOT verified; verify a copy "
+                "nothing writes to"
+            )
+        threads |= part.threads
+        for group in part.groups:  # in file order: the ranges follow each other
+            order.group(*group)
+    check_records_file(manifest, read, len(threads), leader.finding)
+    finish_bundle(leader, manifest, order.seen, thread_id)
     summary = leader.summary
     summary.threads += counted.threads
     summary.records += counted.records
@@ -627,70 +598,210 @@ def verify_bundle_parallel(
     return summary
 
 
-def _dispatch(
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _cuts(path: Path, jobs: int) -> list[tuple[int, str]]:
+    """Where the ranges after the first begin: the offset of a line that starts a
+    thread group at or after an equal share of the file, and its thread; thread ids
+    ascend from cut to cut. Fewer cuts where a share holds no boundary (one long
+    thread); none if the file cannot be read (the leader's read says why)."""
+    cuts: list[tuple[int, str]] = []
+    try:
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            for share in range(1, jobs):
+                start = max(size * share // jobs, cuts[-1][0] + 1 if cuts else 0)
+                cut = _boundary(handle, start, size * (share + 1) // jobs, cuts)
+                if cut is not None:
+                    cuts.append(cut)
+    except OSError:
+        return []
+    return cuts
+
+
+def _boundary(
+    handle: BinaryIO, start: int, limit: int, cuts: list[tuple[int, str]]
+) -> tuple[int, str] | None:
+    """The first line starting in [``start``, ``limit``) (past the line ``start`` falls
+    in) that begins a thread group: it and the line before are rows, and its thread id
+    is greater than theirs and than the last cut's."""
+    handle.seek(start)
+    position = start
+    if start > 0:
+        position += len(handle.readline())
+    previous: bytes | None = None
+    while position < limit:
+        line = handle.readline()
+        if not line:
+            return None
+        if previous is not None:
+            owner = _new_group(previous, line, cuts[-1][1] if cuts else None)
+            if owner is not None:
+                return position, owner
+        previous = line
+        position += len(line)
+    return None
+
+
+def _new_group(previous: bytes, line: bytes, after: str | None) -> str | None:
+    """``line``'s thread id if it begins a new group after ``previous`` (both rows, the
+    thread ids ascending, greater than ``after``), else None."""
+    first, second = _LINE_START.match(previous), _LINE_START.match(line)
+    if first is None or second is None or first[1] >= second[1]:
+        return None
+    try:  # the line's start may hide a line that is no row, or names another thread
+        before, row = row_from_line(previous), row_from_line(line)
+    except LineProblem:
+        return None
+    if before.thread_id >= row.thread_id or (after is not None and row.thread_id <= after):
+        return None
+    return row.thread_id
+
+
+def _hand_out(
+    directory: Path, cuts: list[tuple[int, str]], workers: _Workers, thread_id: str | None
+) -> tuple[Tally, list[str]]:
+    """Read records.jsonl once, in blocks: its hash and lines, and each range's hash. Each
+    worker is sent its range as the read reaches it (with the number of its first line);
+    the workers without a range, None."""
+    starts = [0, *(offset for offset, _ in cuts)]
+    firsts: list[str | None] = [None, *(owner for _, owner in cuts)]
+    read = Tally()
+    hashers = [hashlib.sha256() for _ in starts]
+    for surplus in range(len(starts), workers.jobs):
+        workers.workers[surplus].share = "no thread"
+        workers.post(surplus, None)
+    path = directory / RECORDS
+    handed = position = 0
+
+    def hand_out_reached() -> int:
+        """Send every range that begins where the read is; the ranges sent."""
+        nonlocal handed
+        while handed < len(starts) and starts[handed] <= position:
+            end = starts[handed + 1] if handed + 1 < len(starts) else None
+            last = firsts[handed + 1] if handed + 1 < len(firsts) else None
+            workers.workers[handed].share = _share_text(firsts[handed], last, thread_id)
+            workers.post(handed, (starts[handed], end, read.lines + 1))
+            handed += 1
+        return handed
+
+    with open_records(directory) as handle:
+        while True:
+            try:
+                block = handle.read(BLOCK)
+            except OSError as exc:  # before any range is sent if the first read fails
+                raise read_failed(path, read.lines, exc) from None
+            if not block:
+                break
+            while block:  # the block, cut where ranges begin
+                hand_out_reached()
+                taken = len(block) if handed == len(starts) else starts[handed] - position
+                piece = block if taken >= len(block) else block[:taken]
+                read.block(piece)
+                hashers[handed - 1].update(piece)
+                position += len(piece)
+                block = block[len(piece) :]
+    position = max(starts)  # a file shorter than when it was cut: its ranges read nothing
+    hand_out_reached()
+    return read, [h.hexdigest() for h in hashers]
+
+
+def _feed_checkpoints(
     directory: Path,
     manifest: Manifest,
     leader: Verification,
+    cuts: list[tuple[int, str]],
     workers: _Workers,
-    checkpoints: CheckpointReader | None,
+) -> None:
+    """Stream the checkpoints file to the workers with a range, each checkpoint to the
+    worker whose range holds its thread (the file's own findings are the leader's)."""
+    firsts = [owner for _, owner in cuts]  # the thread each range after the first begins
+    for entry in checkpoint_entries(directory, manifest, leader.finding):
+        workers.send(bisect.bisect_right(firsts, entry[0]), entry)
+    for worker in range(len(cuts) + 1):
+        workers.end(worker)
+
+
+def _work_bundle(
+    directory: Path,
+    manifest: Manifest,
     thread_id: str | None,
-) -> set[str]:
-    """Read ``records.jsonl`` once and hand out its thread groups; the threads seen."""
-    read = Tally()
+    fed: bool,
+    inbox: Connection,
+    outbox: _Outbox,
+    trust: Trust,
+) -> None:
+    """Verify this worker's range of records.jsonl (or nothing, if sent None), taking
+    its threads' checkpoints from the leader when ``fed``."""
+    run = Verification(trust, lambda finding: outbox.put("finding", finding))
+    outbox.watch(run.summary)
+    given: _Range | None = inbox.recv()
+    groups: list[tuple[str, int]] = []
     threads: set[str] = set()
-    seen: set[str] = set()
-    current: str | None = None
-    worker = 0
-    run: list[bytes] = []  # consecutive lines of the current thread, not yet sent
-    run_first = run_bytes = 0
-
-    def send_run() -> None:
-        nonlocal run, run_bytes
-        if run:
-            workers.send(worker, (_LINES, run_first, b"".join(run)), now=True)
-            run, run_bytes = [], 0
-
-    for number, line in record_lines(directory, read):
-        start = _start_of(line, number, leader.finding)
-        if start is None:
-            send_run()  # line numbers in a run are consecutive
-            continue
-        owner, version = start
-        threads.add(owner)
-        if thread_id is not None and owner != thread_id:
-            send_run()
-            continue
-        if owner != current:
-            send_run()
-            if current is not None:
-                workers.send(worker, (_END, head_of(manifest, current)))
-            if owner in seen:
-                leader.finding(
-                    Finding(
-                        owner,
-                        version,
-                        BUNDLE_ORDER,
-                        "each thread's lines together, in version order",
-                        "the thread's lines resume after another thread's",
-                    )
-                )
-            seen.add(owner)
-            current, worker = owner, workers.assign(owner)
-            taken: dict[int, SignedCheckpoint] | None = (
-                checkpoints.take(owner) if checkpoints is not None else None
+    hasher = hashlib.sha256()
+    if given is not None:
+        checkpoints = (
+            CheckpointReader(_fed(inbox), run.finding, thread_id=thread_id) if fed else None
+        )
+        with open_records(directory) as handle:
+            threads = verify_lines(
+                run,
+                manifest,
+                _range_lines(handle, directory / RECORDS, given, hasher),
+                checkpoints=checkpoints,
+                thread_id=thread_id,
+                group=lambda owner, version: groups.append((owner, version)),
             )
-            workers.send(worker, (_START, owner, taken))
-        if not run:
-            run_first = number
-        run.append(line)
-        run_bytes += len(line)
-        if run_bytes >= LINES_BYTES:
-            send_run()
-    send_run()
-    if current is not None:
-        workers.send(worker, (_END, head_of(manifest, current)))
-    check_records_file(manifest, read, len(threads), leader.finding)
-    return seen
+        if checkpoints is not None:
+            checkpoints.finish()
+    outbox.put("part", _BundlePart(groups, threads, hasher.hexdigest()))
+    outbox.put("done", run.summary)
+
+
+def _fed(inbox: Connection) -> Iterator[Checkpoint]:
+    """The checkpoints the leader sends, until it sends None."""
+    while (batch := inbox.recv()) is not None:
+        yield from batch
+
+
+def _range_lines(
+    handle: BinaryIO, path: Path, given: _Range, hasher: Any
+) -> Iterator[tuple[int, bytes]]:
+    """The numbered lines of a range of records.jsonl (without their newlines), its
+    bytes hashed into ``hasher``; ``BundleError`` if a read fails part way."""
+    start, end, number = given
+    handle.seek(start)
+    position = start
+    parts: list[bytes] = []  # the line read so far, when it spans blocks
+    while end is None or position < end:
+        try:
+            block = handle.read(BLOCK if end is None else min(BLOCK, end - position))
+        except OSError as exc:
+            raise read_failed(path, number - 1, exc) from None
+        if not block:
+            break
+        hasher.update(block)
+        position += len(block)
+        lines = block.split(b"\n")
+        if len(lines) == 1:
+            parts.append(block)
+            continue
+        if parts:
+            parts.append(lines[0])
+            lines[0] = b"".join(parts)
+        parts = [lines.pop()] if lines[-1] else []
+        if not parts:
+            lines.pop()
+        for line in lines:
+            yield number, line
+            number += 1
+    if parts:
+        yield number, b"".join(parts)
 
 
 async def verify_database_parallel(

@@ -71,7 +71,8 @@ RISKY = {"target_user_id": OTHER_USER}
 class Chain:
     """Builds one thread's rows the way the transition service writes them."""
 
-    def __init__(self, initial: JsonObject) -> None:
+    def __init__(self, initial: JsonObject, thread_id: str = THREAD) -> None:
+        self.thread_id = thread_id
         self.rows: list[LedgerRow] = []
         self.state: JsonObject = {}
         self._append(KIND_GENESIS, OPERATOR, initial, None)
@@ -92,7 +93,7 @@ class Chain:
         sealed = seal(
             build_record(
                 kind=kind,
-                thread_id=THREAD,
+                thread_id=self.thread_id,
                 version=version,
                 parent_digest=self.rows[-1].digest if self.rows else GENESIS_PARENT,
                 node_id=node_id,
@@ -106,7 +107,7 @@ class Chain:
             KEYRING,
         )
         row = LedgerRow(
-            thread_id=THREAD,
+            thread_id=self.thread_id,
             version=version,
             digest=sealed.digest,
             parent_digest=sealed.record["parent_digest"],
@@ -140,7 +141,7 @@ class Chain:
         """A receipt for ``patch`` as the next transition, as the approval service signs it."""
         base = len(self.rows) - 1
         proposal = build_proposal(
-            thread_id=THREAD,
+            thread_id=self.thread_id,
             base_version=base,
             parent_digest=self.rows[-1].digest,
             node_id=PLANNER,
@@ -152,7 +153,7 @@ class Chain:
         committed_at = T0 + timedelta(minutes=base + 1)
         fields: dict[str, Any] = {
             "transition_digest": sha256_hex(canonical_bytes(proposal)),
-            "thread_id": THREAD,
+            "thread_id": self.thread_id,
             "base_version": base,
             "decision": "approve",
             "reviewers": ["spiffe://ztate.test/reviewer/alice"],
@@ -186,8 +187,8 @@ def where(findings: Sequence[Finding]) -> set[tuple[int | None, str]]:
     return {(f.version, f.check) for f in findings}
 
 
-def honest_chain() -> Chain:
-    chain = Chain(initial())
+def honest_chain(thread_id: str = THREAD) -> Chain:
+    chain = Chain(initial(), thread_id)
     chain.propose({"pending_transition": {"action": "refund", "order_id": "A-42"}})
     chain.propose(RISKY, approved=True)
     chain.propose({"pending_transition": None})

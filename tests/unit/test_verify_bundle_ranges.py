@@ -1,0 +1,232 @@
+"""``ztate verify --bundle --jobs N``: records.jsonl cut into byte ranges at thread
+boundaries, each range read and verified by a worker process of its own.
+
+What must hold: the findings of one process (line numbers, checkpoints, the order
+of thread groups across ranges), a file that changes while the workers read it
+gives no verdict, and threads out of order are a ``bundle.order`` finding either
+way. The workers are real forked processes reading the real file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from tests.unit.test_verify_bundle import (
+    APPROVAL_KEY,
+    KEYRING,
+    POLICIES,
+    T0,
+    Chain,
+    honest_chain,
+)
+from ztate.contract.canonical import sha256_hex
+from ztate.contract.checkpoints import sign_checkpoint
+from ztate.services.verify import parallel
+from ztate.services.verify.bundle import (
+    BUNDLE_ORDER,
+    CHECKPOINTS,
+    MANIFEST,
+    RECORDS,
+    BundleWriter,
+    verify_bundle,
+)
+from ztate.services.verify.checks import Finding, Summary, Trust, VerifyError
+from ztate.services.verify.parallel import verify_bundle_parallel
+
+CHECKPOINT_KEY = Ed25519PrivateKey.generate()
+APPROVALS = {"approval-k1": APPROVAL_KEY.public_key()}
+TRUST = Trust(KEYRING, APPROVALS, POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
+THREADS = [f"t-{number:02d}" for number in range(12)]
+
+
+def write(folder: Path, chains: list[Chain], checkpoints: dict[str, dict[int, str]]) -> Path:
+    """A bundle of ``chains`` (in the order given) and signed heads (thread -> version
+    -> the head digest signed)."""
+    with BundleWriter(folder) as writer:
+        for chain in chains:
+            for row in chain.rows:
+                writer.add(row)
+        for thread_id in sorted(checkpoints):
+            for version, head in sorted(checkpoints[thread_id].items()):
+                signed = sign_checkpoint(
+                    CHECKPOINT_KEY,
+                    "cp-k1",
+                    thread_id=thread_id,
+                    version=version,
+                    head_digest=head,
+                    signed_at=T0,
+                )
+                writer.add_checkpoint(thread_id, version, signed)
+        writer.finish({c.thread_id: (c.rows[-1].version, c.rows[-1].digest) for c in chains})
+    return folder
+
+
+def rewrite(folder: Path, lines: list[bytes]) -> None:
+    """records.jsonl as ``lines``, the manifest's packing list made to match (an
+    attacker who rewrites both)."""
+    data = b"".join(lines)
+    (folder / RECORDS).write_bytes(data)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest.update(records_sha256=sha256_hex(data), records=len(lines))
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def both(folder: Path, jobs: int, trust: Trust = TRUST) -> tuple[list[Finding], list[Finding]]:
+    """The findings of one process and of ``jobs`` workers, with equal summaries."""
+    one: list[Finding] = []
+    alone = verify_bundle(folder, trust, one.append)
+    many: list[Finding] = []
+    together = verify_bundle_parallel(folder, trust, many.append, jobs=jobs)
+    assert together == alone
+    return one, many
+
+
+def ordered(findings: list[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda f: (f.thread_id or "", f.version or -1, f.check, f.found))
+
+
+def tampered_bundle(folder: Path) -> Path:
+    """Twelve threads, with a finding of every kind a range boundary could disturb."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    signed = {
+        "t-01": {3: chains[1].rows[3].digest},  # a signed head the chain passes through
+        "t-04": {1: chains[4].rows[2].digest},  # a signed head of another record
+        "t-05x": {0: chains[5].rows[0].digest},  # a thread with no records at all
+        "t-08": {2: chains[8].rows[2].digest, 9: "0" * 64},  # 9: beyond the last record
+        "t-11": {3: chains[11].rows[3].digest},
+    }
+    write(folder, chains, signed)
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    row = json.loads(lines[9])  # t-02 version 1
+    row["signature"] = "0" * 64
+    lines[9] = json.dumps(row, separators=(",", ":")).encode() + b"\n"
+    lines[26] = lines[26][: lines[26].index(b',"digest"')] + b",broken\n"  # t-06 version 2
+    del lines[37]  # t-09 version 1
+    rewrite(folder, lines)
+    return folder
+
+
+@pytest.mark.parametrize("jobs", [2, 3, 5])
+def test_ranges_find_exactly_what_one_process_finds(tmp_path: Path, jobs: int) -> None:
+    folder = tampered_bundle(tmp_path / "bundle")
+    # the file is cut: every worker has a range
+    assert len(parallel._cuts(folder / RECORDS, jobs)) == jobs - 1
+
+    one, many = both(folder, jobs)
+
+    assert ordered(many) == ordered(one)
+    found = {(f.thread_id, f.version, f.check) for f in one}
+    assert {
+        ("t-02", 1, "signature"),
+        (None, None, "bundle.line"),  # line 27, the file's number in every range
+        ("t-04", 1, "checkpoint"),
+        ("t-05x", 0, "checkpoint"),
+        ("t-08", 9, "checkpoint"),
+        ("t-09", 1, "version"),
+    } <= found
+    assert [f.found for f in many if f.check == "bundle.line"] == ["line 27: not JSON"]
+
+
+def test_an_honest_bundle_in_ranges_verifies(tmp_path: Path) -> None:
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {"t-07": {3: chains[7].rows[3].digest}})
+    one, many = both(folder, 4)
+    assert one == many == []
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_threads_out_of_code_point_order_are_a_bundle_order_finding(
+    tmp_path: Path, jobs: int
+) -> None:
+    """The exporter writes threads in code point order, which the checkpoints are
+    merged by: a thread that comes after a greater one is reported, in one process
+    and across ranges alike."""
+    chains = [honest_chain(thread_id) for thread_id in ("t-00", "t-01", "t-03", "t-02", "t-04")]
+    folder = write(tmp_path / "bundle", chains, {})
+    findings: list[Finding] = []
+    if jobs == 1:
+        verify_bundle(folder, TRUST, findings.append)
+    else:
+        verify_bundle_parallel(folder, TRUST, findings.append, jobs=jobs)
+    assert [(f.thread_id, f.version, f.check, f.found) for f in findings] == [
+        ("t-02", 0, BUNDLE_ORDER, "the thread's lines come after those of thread t-03")
+    ]
+
+
+class Rewriting(Mapping[str, Ed25519PublicKey]):
+    """The approval keys; a worker that looks one up (at its first record with a
+    receipt) first rewrites the last line's signature in place, as a process writing
+    to the bundle while it is verified would."""
+
+    def __init__(self, folder: Path) -> None:
+        self._path, self._leader = folder / RECORDS, os.getpid()
+        data = self._path.read_bytes()
+        self._at = data.rindex(b'"signature":"') + len(b'"signature":"')
+        # every worker writes the same byte, never the one the file held
+        self._byte = b"0" if data[self._at : self._at + 1] != b"0" else b"1"
+
+    def __getitem__(self, key_id: str) -> Ed25519PublicKey:
+        if os.getpid() != self._leader:
+            with self._path.open("r+b") as handle:
+                handle.seek(self._at)
+                handle.write(self._byte)
+        return APPROVALS[key_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(APPROVALS)
+
+    def __len__(self) -> int:
+        return len(APPROVALS)
+
+
+def test_a_bundle_that_changes_while_workers_read_it_gives_no_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader hashed the file before the change (the workers wait for its
+    checkpoints until its read is done); the last range's worker reads the change."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {"t-00": {1: chains[0].rows[1].digest}})
+    monkeypatch.setattr(parallel, "BLOCK", 256)  # workers read lazily, in small blocks
+    trust = Trust(KEYRING, Rewriting(folder), POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
+    findings: list[Finding] = []
+
+    with pytest.raises(VerifyError) as stopped:
+        verify_bundle_parallel(folder, trust, findings.append, jobs=2)
+
+    assert str(stopped.value) == (
+        f"{folder / RECORDS} changed while it was verified (worker 2 of 2 read other "
+        "bytes than the leader): the ledger is NOT verified; verify a copy nothing writes to"
+    )
+
+
+def test_a_range_reads_lines_across_blocks_and_a_last_line_without_newline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 7 bytes cut every line several times; the last line has no newline
+    and a blank line stands between threads: the same findings and counts."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS[:4]]
+    folder = write(tmp_path / "bundle", chains, {})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    lines.insert(8, b"\n")
+    lines[-1] = lines[-1].rstrip(b"\n")
+    rewrite(folder, lines)
+    monkeypatch.setattr(parallel, "BLOCK", 7)
+
+    one, many = both(folder, 3)
+
+    assert ordered(many) == ordered(one)
+    assert [f.found for f in many] == ["line 9: not JSON"]
+
+
+def test_a_summary_counts_every_range(tmp_path: Path) -> None:
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {})
+    summary = verify_bundle_parallel(folder, TRUST, [].append, jobs=3)
+    assert summary == Summary(threads=12, records=48, failures=0)
+    assert (folder / CHECKPOINTS).read_bytes() == b""
