@@ -330,14 +330,14 @@ async def run_verify() -> list[str]:
     machine = describe()
     async with AsyncExitStack() as stack:
         root = stack.enter_context(temporary_folder())
-        keyring = Keyring.load(make_keyring(root), None)
+        keyring_file = make_keyring(root)
         progress("starting Postgres")
         server_dsn, postmaster_pid = stack.enter_context(postgres_server(root))
         database = await stack.enter_async_context(
             bench_database(server_dsn, postmaster_pid, DB_ROLE)
         )
         figures = await measure_verification(
-            database.dsn, root, keyring, progress, database.postmaster_pid
+            database.dsn, root, keyring_file, progress, database.postmaster_pid
         )
     where = "DATABASE_URL" if database.postmaster_pid is None else "embedded"
     return [

@@ -18,9 +18,12 @@ rounds, the best of each counting:
 * both again on worker processes (``ztate verify --jobs 1`` and ``--jobs 2``,
   ``ztate.services.verify.parallel``), the floor staying one core's.
 
-Each measurement reports its wall rate and its CPU per record: of ztate (this
-process and the workers it reaped, ``getrusage``) and of Postgres (the
-postmaster's tree, ``bench.cpu``). On a machine shared with other work the wall
+Each verifier runs in a fresh process (``python -m bench.verify``), as a user runs
+``ztate verify``: forked from this process, which holds the ledger it built, the
+``--jobs`` workers spent up to twice the CPU per record. Each measurement reports its
+wall rate and its CPU per record: of ztate (the verifying process and the workers it
+reaped, ``getrusage``, around the verification alone: not the interpreter's start)
+and of Postgres (the postmaster's tree, ``bench.cpu``). On a machine shared with other work the wall
 rates move with the load; CPU per record hardly does, so the per-core target is
 judged on it: the floor's CPU per record over the verifier's. The CPU the rest of
 the machine used during the rounds is printed with the figures.
@@ -31,10 +34,14 @@ verifier that is fast because it stopped checking is no result.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import hmac
+import json
 import os
 import resource
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import orjson
 
 from bench.cpu import CpuMeter, children_count, children_settled, process_tree, whole_machine
 from bench.workload import (
@@ -53,9 +61,16 @@ from bench.workload import (
     TRUST_DOMAIN,
     receipt_patch,
 )
-from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.contract.canonical import JsonObject, canonical_bytes, orjson_canonical, sha256_hex
 from ztate.contract.keyring import Keyring
-from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, KIND_TRANSITION, build_record, seal
+from ztate.contract.record import (
+    GENESIS_PARENT,
+    KIND_GENESIS,
+    KIND_TRANSITION,
+    build_record,
+    seal,
+    sign_digest,
+)
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime.identity import Identity, Role
@@ -75,9 +90,11 @@ EPOCH = datetime(2026, 11, 1, tzinfo=UTC)
 
 @dataclass(frozen=True)
 class Ledger:
-    """What was loaded: the record bytes (for the floor) and the sizes."""
+    """What was loaded: the record bytes (for the floor), the first ``DESIGN_SAMPLE``
+    state bodies (for the design's floor) and the sizes."""
 
     records: list[bytes]
+    states: list[bytes]
     record_bytes: int
     state_bytes: int
 
@@ -132,6 +149,11 @@ class VerifyFigures:
             f"target: verification >= {TARGET} x the floor per core (CPU per record, "
             f"one process, database and bundle): {per_core:.3f} -> {verdict}"
         )
+        out.append(
+            f"this design's compiled calls alone cost {cpu[DESIGN] * 1e6:.1f} µs a record "
+            f"({DESIGN_SAMPLE:,} records): no verifier of this design, whatever its Python, "
+            f"gets above {floor_cpu / cpu[DESIGN]:.3f} x the floor per core"
+        )
         for source in ("database", "bundle"):
             one, two = f"{source} --jobs 1", f"{source} --jobs 2"
             out.append(
@@ -143,6 +165,8 @@ class VerifyFigures:
 
 
 FLOOR = "floor: sha256 + HMAC"
+DESIGN = "this design's compiled calls"
+DESIGN_SAMPLE = 10_000  # records the design's floor runs over (its state bodies are kept)
 
 
 def _patch(node: str, version: int) -> JsonObject:
@@ -212,6 +236,7 @@ async def load_ledger(dsn: str, keyring: Keyring, policy: Policy) -> Ledger:
     transitions: list[tuple[Any, ...]] = []
     threads: list[tuple[Any, ...]] = []
     records: list[bytes] = []
+    states: list[bytes] = []
     state_total = 0
     for number in range(THREADS):
         thread_id = f"bench-verify-{number:05d}"
@@ -219,6 +244,8 @@ async def load_ledger(dsn: str, keyring: Keyring, policy: Policy) -> Ledger:
         for row, record, state in _thread_rows(thread_id, keyring, policy):
             transitions.append(row)
             records.append(record)
+            if len(states) < DESIGN_SAMPLE:
+                states.append(state)
             state_total += len(state)
             last = row
         threads.append((thread_id, last[1], last[2], last[8], policy.name, policy.digest))
@@ -234,7 +261,7 @@ async def load_ledger(dsn: str, keyring: Keyring, policy: Policy) -> Ledger:
         await conn.execute("ANALYZE ztate.threads; ANALYZE ztate.transitions")
     finally:
         await conn.close()
-    return Ledger(records, sum(len(r) for r in records), state_total)
+    return Ledger(records, states, sum(len(r) for r in records), state_total)
 
 
 def floor_count(records: list[bytes], keyring: Keyring) -> int:
@@ -245,6 +272,27 @@ def floor_count(records: list[bytes], keyring: Keyring) -> int:
     for record in records:
         hmac_digest(key, sha256(record).digest(), "sha256")
     return len(records)
+
+
+def design_calls(records: list[bytes], states: list[bytes], keyring: Keyring) -> Callable[[], int]:
+    """What the verifier's design calls into compiled code for every record, and
+    nothing else (no Python check between the calls): the record's SHA-256 and HMAC,
+    its parse (orjson) and canonical check (orjson writing it again), the replayed
+    state written in canonical form (orjson) and hashed. However fast its Python
+    glue, a verifier of this design costs at least this per record. Over the first
+    ``DESIGN_SAMPLE`` records, their states parsed beforehand."""
+    key = keyring.key(keyring.current)
+    replayed = [orjson.loads(state) for state in states]
+    sample = records[: len(states)]
+
+    def run() -> int:
+        for record, state in zip(sample, replayed, strict=True):
+            sign_digest(key, sha256_hex(record))
+            orjson_canonical(record, orjson.loads(record))
+            sha256_hex(orjson.dumps(state, option=orjson.OPT_SORT_KEYS))
+        return len(sample)
+
+    return run
 
 
 def _refuse(finding: Finding) -> None:
@@ -258,67 +306,108 @@ def _ztate_cpu() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+@dataclass(frozen=True)
+class Timed:
+    """One verification: the records verified, its wall seconds and its CPU seconds
+    (of the verifying process and the workers it reaped)."""
+
+    records: int
+    wall: float
+    cpu: float
+
+
 async def _timed(
-    count: int, postgres: CpuMeter, postmaster: int | None, run: Callable[[], Awaitable[int]]
+    count: int, postgres: CpuMeter, postmaster: int | None, run: Callable[[], Awaitable[Timed]]
 ) -> Round:
     backends = children_count(postmaster) if postmaster is not None else 0
-    cpu, pg, started = _ztate_cpu(), postgres(), time.perf_counter()
-    verified = await run()
-    wall = time.perf_counter() - started
-    if verified != count:
-        raise RuntimeError(f"verified {verified} records of {count}")
+    pg = postgres()
+    timed = await run()
+    if timed.records != count:
+        raise RuntimeError(f"verified {timed.records} records of {count}")
     if postmaster is not None:  # the run's backends counted once they are reaped
         children_settled(postmaster, backends)
-    return Round(count / wall, (_ztate_cpu() - cpu) / count, (postgres() - pg) / count)
+    return Round(count / timed.wall, timed.cpu / count, (postgres() - pg) / count)
+
+
+def verify_here(source: str, location: str, keyring_file: Path, jobs: int) -> Timed:
+    """Verify the benchmark's ledger in this process (``jobs`` 0) or on ``jobs``
+    workers forked from it, as ``ztate verify`` does: ``source`` is ``database`` (a
+    DSN) or ``bundle`` (a folder). Any finding raises."""
+    keyring = Keyring.load(keyring_file, None)
+    trust = Trust(keyring, {}, PolicySet([Policy.load(DEFAULT_POLICY)]))
+    cpu, started = _ztate_cpu(), time.perf_counter()
+    if source == "database" and jobs == 0:
+        summary = asyncio.run(verify_database(location, trust, _refuse))
+    elif source == "database":
+        summary = asyncio.run(verify_database_parallel(location, trust, _refuse, jobs=jobs))
+    elif jobs == 0:
+        summary = verify_bundle(Path(location), trust, _refuse)
+    else:
+        summary = verify_bundle_parallel(Path(location), trust, _refuse, jobs=jobs)
+    return Timed(summary.records, time.perf_counter() - started, _ztate_cpu() - cpu)
+
+
+async def _in_a_process(source: str, location: str, keyring_file: Path, jobs: int) -> Timed:
+    """``verify_here`` in a fresh process, as a user runs ``ztate verify``: its workers
+    fork from a small process, not from this one, which holds the ledger it built
+    (workers forked from it spent up to 2x the CPU per record)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.verify",
+        source,
+        location,
+        str(keyring_file),
+        str(jobs),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"verifying the {source} failed: {err.decode(errors='replace')}")
+    return Timed(**json.loads(out))
 
 
 async def measure_verification(
     dsn: str,
     root: Path,
-    keyring: Keyring,
+    keyring_file: Path,
     progress: Callable[[str], None],
     postmaster: int | None = None,
 ) -> VerifyFigures:
-    """Load the ledger, export it once, then the floor and the verifiers in rounds."""
+    """Load the ledger, export it once, then the floor and the verifiers in rounds,
+    each verifier in a process of its own."""
+    keyring = Keyring.load(keyring_file, None)
     policy = Policy.load(DEFAULT_POLICY)
     progress(f"verify: sealing and loading {THREADS * VERSIONS:,} transitions")
     ledger = await load_ledger(dsn, keyring, policy)
-    trust = Trust(keyring, {}, PolicySet([policy]))
     bundle = root / "verify-bundle"
     progress("verify: exporting the bundle")
     await export_bundle(dsn, bundle)
     count = len(ledger.records)
     meter: CpuMeter = process_tree(postmaster) if postmaster is not None else (lambda: 0.0)
 
-    async def floor() -> int:
-        return floor_count(ledger.records, keyring)
+    def here(run: Callable[[], int]) -> Callable[[], Awaitable[Timed]]:
+        async def timed() -> Timed:
+            cpu, started = _ztate_cpu(), time.perf_counter()
+            records = run()
+            return Timed(records, time.perf_counter() - started, _ztate_cpu() - cpu)
 
-    async def database() -> int:
-        return (await verify_database(dsn, trust, _refuse)).records
+        return timed
 
-    async def bundled() -> int:
-        return verify_bundle(bundle, trust, _refuse).records
+    def verifier(source: str, jobs: int) -> Callable[[], Awaitable[Timed]]:
+        location = dsn if source == "database" else str(bundle)
+        return lambda: _in_a_process(source, location, keyring_file, jobs)
 
-    def database_jobs(jobs: int) -> Callable[[], Awaitable[int]]:
-        async def run() -> int:
-            return (await verify_database_parallel(dsn, trust, _refuse, jobs=jobs)).records
-
-        return run
-
-    def bundle_jobs(jobs: int) -> Callable[[], Awaitable[int]]:
-        async def run() -> int:
-            return verify_bundle_parallel(bundle, trust, _refuse, jobs=jobs).records
-
-        return run
-
-    runs: dict[str, Callable[[], Awaitable[int]]] = {
-        FLOOR: floor,
-        "verify_database": database,
-        "verify_bundle": bundled,
-        "database --jobs 1": database_jobs(1),
-        "database --jobs 2": database_jobs(2),
-        "bundle --jobs 1": bundle_jobs(1),
-        "bundle --jobs 2": bundle_jobs(2),
+    runs: dict[str, Callable[[], Awaitable[Timed]]] = {
+        FLOOR: here(lambda: floor_count(ledger.records, keyring)),
+        DESIGN: here(design_calls(ledger.records, ledger.states, keyring)),
+        "verify_database": verifier("database", 0),
+        "verify_bundle": verifier("bundle", 0),
+        "database --jobs 1": verifier("database", 1),
+        "database --jobs 2": verifier("database", 2),
+        "bundle --jobs 1": verifier("bundle", 1),
+        "bundle --jobs 2": verifier("bundle", 2),
     }
     measured: dict[str, list[Round]] = {name: [] for name in runs}
     machine, ours, started = whole_machine(), _ztate_cpu(), time.perf_counter()
@@ -326,7 +415,8 @@ async def measure_verification(
     for number in range(1, ROUNDS + 1):
         progress(f"verify: round {number} of {ROUNDS}")
         for name, run in runs.items():
-            measured[name].append(await _timed(count, meter, postmaster, run))
+            expected = len(ledger.states) if name == DESIGN else count
+            measured[name].append(await _timed(expected, meter, postmaster, run))
     elapsed = time.perf_counter() - started
     used = (whole_machine() - machine) - (_ztate_cpu() - ours) - (meter() - pg_start)
     return VerifyFigures(
@@ -337,3 +427,9 @@ async def measure_verification(
         max(0.0, used / elapsed),
         os.cpu_count() or 1,
     )
+
+
+if __name__ == "__main__":  # one verification, for _in_a_process: its figures as JSON
+    source, location, keyring_file, jobs = sys.argv[1:]
+    timed = verify_here(source, location, Path(keyring_file), int(jobs))
+    print(json.dumps(dataclasses.asdict(timed)))
