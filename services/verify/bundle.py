@@ -636,21 +636,28 @@ def _blob_in(value: Any, name: str) -> bytes | None:
 Checkpoint = tuple[str, int, SignedCheckpoint]  # thread id, version, the signed head
 
 
-def checkpoint_entries(directory: Path, manifest: Manifest, report: Report) -> Iterator[Checkpoint]:
-    """The bundle's checkpoints in file order, read as they are asked for. A line that
-    is no checkpoint, or comes before the thread it follows, is reported; after the
-    last line, the file's hash and line count are compared with the manifest."""
+def open_checkpoints(directory: Path) -> BinaryIO:
     path = directory / CHECKPOINTS
-    read = Tally()
     try:
-        handle = path.open("rb")
+        return path.open("rb")
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the checkpoints ({exc.strerror})") from None
+
+
+def checkpoint_entries(
+    handle: BinaryIO, path: Path, manifest: Manifest, report: Report, read: Tally | None = None
+) -> Iterator[Checkpoint]:
+    """The checkpoints of ``handle`` (the bundle's ``checkpoints.jsonl``, at ``path``)
+    in file order, read as they are asked for, the handle closed at the end. A line
+    that is no checkpoint, or comes before the thread it follows, is reported; after
+    the last line, the file's hash and line count (taken into ``read``) are compared
+    with the manifest."""
+    read = read if read is not None else Tally()
     last_thread: str | None = None
     with handle:
         for number, line in tallied_lines(handle, path, read):
             try:
-                entry = _checkpoint_from_line(line)
+                entry = checkpoint_from_line(line)
             except LineProblem as problem:
                 found = f"line {number}: {problem}"
                 report(Finding(None, None, BUNDLE_CHECKPOINT, "a checkpoint", found))
@@ -721,7 +728,8 @@ class CheckpointReader:
             self._next = next(self._entries, None)
 
 
-def _checkpoint_from_line(line: bytes) -> Checkpoint:
+def checkpoint_from_line(line: bytes) -> Checkpoint:
+    """The checkpoint one line of ``checkpoints.jsonl`` holds; ``LineProblem`` if none."""
     try:
         return parse_checkpoint_line(line)
     except CheckpointInvalid as exc:
@@ -842,7 +850,11 @@ def verify_bundle(
     trust = run.trust
     checkpoints = (
         CheckpointReader(
-            checkpoint_entries(directory, manifest, run.finding), run.finding, thread_id=thread_id
+            checkpoint_entries(
+                open_checkpoints(directory), directory / CHECKPOINTS, manifest, run.finding
+            ),
+            run.finding,
+            thread_id=thread_id,
         )
         if checks_checkpoints(trust, manifest)
         else None
@@ -916,20 +928,28 @@ class ThreadOrder:
     def __init__(self, report: Report) -> None:
         self._report = report
         self.seen: set[str] = set()
-        self._last: str | None = None
+        self.last: str | None = None  # the thread of the last group
 
     def group(self, thread_id: str, version: int) -> None:
         """The next group begins: ``thread_id``'s, at ``version``."""
         if thread_id in self.seen:
-            expected = "each thread's lines together, in version order"
-            found = "the thread's lines resume after another thread's"
-            self._report(Finding(thread_id, version, BUNDLE_ORDER, expected, found))
-        elif self._last is not None and thread_id < self._last:
-            expected = "threads in code point order of thread id"
-            found = f"the thread's lines come after those of thread {shown(self._last)}"
-            self._report(Finding(thread_id, version, BUNDLE_ORDER, expected, found))
+            self.resumed(thread_id, version)
+        elif self.last is not None and thread_id < self.last:
+            self.after(thread_id, version, self.last)
         self.seen.add(thread_id)
-        self._last = thread_id
+        self.last = thread_id
+
+    def resumed(self, thread_id: str, version: int) -> None:
+        """Report a group of a thread whose lines came before, after another thread's."""
+        expected = "each thread's lines together, in version order"
+        found = "the thread's lines resume after another thread's"
+        self._report(Finding(thread_id, version, BUNDLE_ORDER, expected, found))
+
+    def after(self, thread_id: str, version: int, greater: str) -> None:
+        """Report a group that comes after a group of the ``greater`` thread id."""
+        expected = "threads in code point order of thread id"
+        found = f"the thread's lines come after those of thread {shown(greater)}"
+        self._report(Finding(thread_id, version, BUNDLE_ORDER, expected, found))
 
 
 def finish_bundle(

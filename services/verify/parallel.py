@@ -9,20 +9,23 @@ the checks of ``ztate.services.verify.checks`` (``ThreadVerifier``) on it. Findi
 same as a single process finds; only the order in which threads' findings are
 printed may differ.
 
-For a bundle nothing passes through the leader either. It cuts ``records.jsonl``
-into ``N`` byte ranges at thread boundaries (between two rows of different threads,
-the second's id the greater), and each worker reads and verifies its own range.
-The leader reads the file once, in large blocks, for what needs all of it: the
-file's hash and line count, and each range's hash and first line number, which it
-hands the range's worker as its read reaches the range. A worker reports the
-SHA-256 of the bytes it read: a file that changed while it was verified is no
-verdict. The leader then checks the order of the thread groups across ranges, and
-streams the checkpoints file to the workers, each checkpoint to the worker whose
-range holds its thread. Findings are those of one process whenever the file's
-threads are in order (as the exporter writes them); a file out of order is a
-``bundle.order`` finding either way. A bundle file that is not a regular file (a
-pipe) cannot be cut: one process reads it. Workers are forked, so they inherit the
-trust (keys and policies) without it ever being serialised.
+For a bundle nothing passes through the leader either. It opens the files before
+the workers fork (they read them through the same descriptors, with ``os.pread``),
+cuts ``records.jsonl`` into ``N`` byte ranges at thread boundaries (between two rows
+of different threads, the second's id the greater), and each worker reads and
+verifies its own range, and takes its threads' checkpoints from ``checkpoints.jsonl``
+itself. The leader reads the records once, in large blocks, for what needs all of
+them: the file's hash and line count, and each range's hash and first line number,
+which it hands the range's worker as its read reaches the range; and the
+checkpoints once, for their hash, count and order. A worker reports the SHA-256 of
+the bytes it read and the rows at its range's ends: a file that changed while it
+was verified (other bytes, or a cut no longer between two threads) is no verdict.
+The leader then checks the order of the thread groups across ranges. Findings are
+those of one process whenever the files' threads are in order (as the exporter
+writes them); a file out of order is a ``bundle.order`` finding either way. A
+bundle file that is not a regular file (a pipe) cannot be cut: one process reads
+it. Workers are forked, so they inherit the trust (keys and policies) without it
+ever being serialised.
 
 For a database nothing passes through the leader: it opens the snapshot, exports
 it (``pg_export_snapshot``), cuts the threads into ``N`` ranges of about as many
@@ -52,7 +55,6 @@ for room in its pipe, is stuck: the leader kills every worker and stops the run 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import ctypes
 import functools
 import gc
@@ -78,6 +80,7 @@ import asyncpg
 
 from ztate.contract.record import shown
 from ztate.services.verify.bundle import (
+    CHECKPOINTS,
     RECORDS,
     Checkpoint,
     CheckpointReader,
@@ -87,9 +90,9 @@ from ztate.services.verify.bundle import (
     ThreadOrder,
     check_records_file,
     checkpoint_entries,
+    checkpoint_from_line,
     checks_checkpoints,
     finish_bundle,
-    open_records,
     read_failed,
     row_from_line,
     usable_manifest,
@@ -113,7 +116,7 @@ from ztate.services.verify.checks import (
     with_stored_policies,
 )
 
-BATCH = 256  # checkpoints per message to a worker
+BATCH = 256  # checkpoints the leader reads between two looks at the workers' findings
 BLOCK = 1024 * 1024  # bytes of records.jsonl read at a time
 SHOWN_THREADS = 5  # thread ids a failure names before "and N more"
 EXIT_SECONDS = 5.0  # to learn how a worker whose pipe closed ended (it is ending)
@@ -329,7 +332,7 @@ class _Worker:
 
 @dataclass
 class _Workers:
-    """The leader's side: the worker processes, their batches and their results."""
+    """The leader's side: the worker processes and their results."""
 
     trust: Trust
     report: Report
@@ -337,7 +340,6 @@ class _Workers:
     body: Body
     timeout: float = WORKER_TIMEOUT  # seconds without progress: the worker is stuck
     workers: list[_Worker] = field(default_factory=list)
-    batches: list[list[Checkpoint]] = field(default_factory=list)
     kept_seen: set[str] = field(default_factory=set)
     # the worker the leader is sending to, and since when: a send that waits
     # ``timeout`` for room in a worker's pipe means the worker reads nothing
@@ -391,25 +393,10 @@ class _Workers:
             receive.close()
             answer.close()
             self.workers.append(_Worker(process, send, answers))
-            self.batches.append([])
         self._next = itertools.cycle(range(self.jobs))
 
-    def send(self, worker: int, item: Checkpoint) -> None:
-        """Queue ``item`` for ``worker``; send the queue when it is long."""
-        batch = self.batches[worker]
-        batch.append(item)
-        if len(batch) >= BATCH:
-            self._flush(worker)
-
-    def end(self, worker: int) -> None:
-        """Send what is queued for ``worker``, then the end of what it is sent."""
-        if self.batches[worker]:
-            self._flush(worker)
-        self.post(worker, None)
-
-    def _flush(self, worker: int) -> None:
-        self.post(worker, self.batches[worker])
-        self.batches[worker] = []
+    def poll(self) -> None:
+        """Take what the workers sent so far, without waiting."""
         self._drain(block=False)
 
     def post(self, worker: int, message: Any) -> None:
@@ -531,19 +518,38 @@ class _Workers:
             w.process.join()
 
 
-# a worker's part of records.jsonl: its first byte, its end (None: the file's end) and
-# the number of its first line
-_Range = tuple[int, int | None, int]
+# a worker's part of records.jsonl: its first byte, its end and the number of its first
+# line; and the thread ids its range of threads starts at and ends before (None: open)
+_Range = tuple[int, int, int, str | None, str | None]
 
 
 @dataclass(frozen=True)
 class _BundlePart:
-    """What a worker read of records.jsonl: its thread groups in order (thread id, first
-    version), the threads its rows name, and the SHA-256 of the bytes it read."""
+    """What a worker read of the bundle: the SHA-256 of its range of records.jsonl and
+    (when it took checkpoints) of checkpoints.jsonl; the thread of the row on its first
+    and last line (None: no row there); its first and last thread groups, and the
+    first version of each thread's groups (whose order it checked within its range);
+    and the threads its rows name."""
 
-    groups: list[tuple[str, int]]
-    threads: set[str]
     sha256: str
+    checkpoints_sha256: str | None
+    first_row: str | None
+    last_row: str | None
+    first_group: tuple[str, int] | None
+    last_group: str | None
+    groups: dict[str, int]
+    threads: set[str]
+
+
+@dataclass(frozen=True)
+class _Files:
+    """The bundle's files as the leader opened them, before the workers fork: they read
+    the same files through the same descriptors (``os.pread``), up to these sizes."""
+
+    records: BinaryIO
+    records_size: int
+    checkpoints: BinaryIO | None
+    checkpoints_size: int
 
 
 def verify_bundle_parallel(
@@ -557,38 +563,75 @@ def verify_bundle_parallel(
 ) -> Summary:
     """``ztate.services.verify.bundle.verify_bundle`` on ``jobs`` worker processes, each
     reading and verifying its own range of records.jsonl."""
-    path = directory / RECORDS
-    if not _regular(path):  # a pipe cannot be cut into ranges (nor a missing file read)
+    records = _open_regular(directory / RECORDS)
+    if records is None:  # a pipe cannot be cut into ranges (nor a missing file read)
         return verify_bundle(directory, trust, report, thread_id=thread_id)
-    leader = Verification(trust, report)  # the leader's own findings and headless threads
-    manifest = usable_manifest(directory, leader)
-    trust = leader.trust  # with the bundle's policy versions, before the workers fork
-    fed = checks_checkpoints(trust, manifest)
-    cuts = _cuts(path, jobs)
-    body = functools.partial(_work_bundle, directory, manifest, thread_id, fed)
-    workers = _Workers(trust, report, jobs, body=body, timeout=worker_timeout)
+    with records:
+        leader = Verification(trust, report)  # the leader's own findings, headless threads
+        manifest = usable_manifest(directory, leader)
+        trust = leader.trust  # with the bundle's policy versions, before the workers fork
+        checkpoints: BinaryIO | None = None
+        if checks_checkpoints(trust, manifest):
+            checkpoints = _open_regular(directory / CHECKPOINTS)
+            if checkpoints is None:
+                return verify_bundle(directory, trust, report, thread_id=thread_id)
+        try:
+            files = _Files(records, _size(records), checkpoints, _size(checkpoints))
+            return _verify_ranges(
+                directory, leader, report, manifest, files, jobs, thread_id, worker_timeout
+            )
+        finally:
+            if checkpoints is not None:
+                checkpoints.close()
+
+
+def _verify_ranges(
+    directory: Path,
+    leader: Verification,
+    report: Report,
+    manifest: Manifest,
+    files: _Files,
+    jobs: int,
+    thread_id: str | None,
+    worker_timeout: float,
+) -> Summary:
+    # with --thread, one range: the filter verifies one chain, which no cut may split
+    cuts = _cuts(files.records, files.records_size, jobs) if thread_id is None else []
+    body = functools.partial(_work_bundle, directory, manifest, files, thread_id)
+    workers = _Workers(leader.trust, report, jobs, body=body, timeout=worker_timeout)
     try:
-        read, hashes = _hand_out(directory, cuts, workers, thread_id)
-        if fed:
-            _feed_checkpoints(directory, manifest, leader, cuts, workers)
+        read, hashes = _hand_out(directory, files, cuts, workers, thread_id)
+        checkpoints_sha256 = _check_checkpoints(directory, manifest, leader, files, workers)
         counted = workers.finish()
     except BaseException:
         workers.stop()
         raise
-    order = ThreadOrder(leader.finding)
-    threads: set[str] = set()
+    parts: list[_BundlePart] = []
     for number, expected in enumerate(hashes):
         part = workers.workers[number].part
         assert isinstance(part, _BundlePart)
-        if part.sha256 != expected:
-            raise VerifyError(
-                f"{path} changed while it was verified (worker {number + 1} of {jobs} read "
-                "other bytes than the leader): the ledger is NOT verified; verify a copy "
-                "nothing writes to"
-            )
+        if part.sha256 != expected or part.checkpoints_sha256 != checkpoints_sha256:
+            raise _changed(directory, number, jobs)
+        parts.append(part)
+    for number, (_, owner) in enumerate(cuts, 1):  # each cut still between two threads
+        before, after = parts[number - 1].last_row, parts[number].first_row
+        if before is None or after != owner or before >= owner:
+            raise _changed(directory, number, jobs)
+    order = ThreadOrder(leader.finding)
+    threads: set[str] = set()
+    for part in parts:  # the order of the groups across ranges (each checked its own)
         threads |= part.threads
-        for group in part.groups:  # in file order: the ranges follow each other
-            order.group(*group)
+        if part.first_group is not None:
+            first, version = part.first_group
+            if first in order.seen:
+                order.resumed(first, version)
+            elif order.last is not None and first < order.last:
+                order.after(first, version, order.last)
+            for owner, version in part.groups.items():
+                if owner != first and owner in order.seen:
+                    order.resumed(owner, version)
+            order.seen.update(part.groups)
+            order.last = part.last_group
     check_records_file(manifest, read, len(threads), leader.finding)
     finish_bundle(leader, manifest, order.seen, thread_id)
     summary = leader.summary
@@ -598,27 +641,45 @@ def verify_bundle_parallel(
     return summary
 
 
-def _regular(path: Path) -> bool:
+def _changed(directory: Path, worker: int, jobs: int) -> VerifyError:
+    return VerifyError(
+        f"{directory / RECORDS} changed while it was verified (worker {worker + 1} of {jobs} "
+        "read other bytes than the leader): the ledger is NOT verified; verify a copy "
+        "nothing writes to"
+    )
+
+
+def _open_regular(path: Path) -> BinaryIO | None:
+    """``path`` opened for reading if it is a regular file, else None (then one process
+    reads it: a pipe cannot be cut, and a missing file is its error to report)."""
     try:
-        return stat.S_ISREG(path.stat().st_mode)
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None
+        handle = path.open("rb")
     except OSError:
-        return False
+        return None
+    if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):  # replaced since: one process
+        handle.close()
+        return None
+    return handle
 
 
-def _cuts(path: Path, jobs: int) -> list[tuple[int, str]]:
+def _size(handle: BinaryIO | None) -> int:
+    return os.fstat(handle.fileno()).st_size if handle is not None else 0
+
+
+def _cuts(handle: BinaryIO, size: int, jobs: int) -> list[tuple[int, str]]:
     """Where the ranges after the first begin: the offset of a line that starts a
     thread group at or after an equal share of the file, and its thread; thread ids
     ascend from cut to cut. Fewer cuts where a share holds no boundary (one long
     thread); none if the file cannot be read (the leader's read says why)."""
     cuts: list[tuple[int, str]] = []
     try:
-        with path.open("rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            for share in range(1, jobs):
-                start = max(size * share // jobs, cuts[-1][0] + 1 if cuts else 0)
-                cut = _boundary(handle, start, size * (share + 1) // jobs, cuts)
-                if cut is not None:
-                    cuts.append(cut)
+        for share in range(1, jobs):
+            start = max(size * share // jobs, cuts[-1][0] + 1 if cuts else 0)
+            cut = _boundary(handle, start, size * (share + 1) // jobs, cuts)
+            if cut is not None:
+                cuts.append(cut)
     except OSError:
         return []
     return cuts
@@ -654,22 +715,35 @@ def _new_group(previous: bytes, line: bytes, after: str | None) -> str | None:
     first, second = _LINE_START.match(previous), _LINE_START.match(line)
     if first is None or second is None or first[1] >= second[1]:
         return None
-    try:  # the line's start may hide a line that is no row, or names another thread
-        before, row = row_from_line(previous), row_from_line(line)
+    before, row = _row_thread(previous), _row_thread(line)
+    if before is None or row is None or before >= row or (after is not None and row <= after):
+        return None
+    return row
+
+
+def _row_thread(line: bytes | None) -> str | None:
+    """The thread of the row ``line`` holds; None if it holds none."""
+    if line is None:
+        return None
+    try:
+        return row_from_line(line).thread_id
     except LineProblem:
         return None
-    if before.thread_id >= row.thread_id or (after is not None and row.thread_id <= after):
-        return None
-    return row.thread_id
 
 
 def _hand_out(
-    directory: Path, cuts: list[tuple[int, str]], workers: _Workers, thread_id: str | None
+    directory: Path,
+    files: _Files,
+    cuts: list[tuple[int, str]],
+    workers: _Workers,
+    thread_id: str | None,
 ) -> tuple[Tally, list[str]]:
     """Read records.jsonl once, in blocks: its hash and lines, and each range's hash. Each
     worker is sent its range as the read reaches it (with the number of its first line);
-    the workers without a range, None."""
+    the workers without a range, None. A range must begin at a line's start in the bytes
+    read: a file changed since it was cut gives no verdict."""
     starts = [0, *(offset for offset, _ in cuts)]
+    ends = [*starts[1:], files.records_size]
     firsts: list[str | None] = [None, *(owner for _, owner in cuts)]
     read = Tally()
     hashers = [hashlib.sha256() for _ in starts]
@@ -678,109 +752,164 @@ def _hand_out(
         workers.post(surplus, None)
     path = directory / RECORDS
     handed = position = 0
+    last = b"\n"  # the byte before the read's position
 
-    def hand_out_reached() -> int:
-        """Send every range that begins where the read is; the ranges sent."""
+    def hand_out_reached() -> None:
+        """Send every range that begins where the read is."""
         nonlocal handed
         while handed < len(starts) and starts[handed] <= position:
-            end = starts[handed + 1] if handed + 1 < len(starts) else None
-            last = firsts[handed + 1] if handed + 1 < len(firsts) else None
-            workers.workers[handed].share = _share_text(firsts[handed], last, thread_id)
-            workers.post(handed, (starts[handed], end, read.lines + 1))
+            if handed > 0 and (starts[handed] != position or last != b"\n"):
+                raise _changed(directory, handed, workers.jobs)
+            low = firsts[handed]
+            high = firsts[handed + 1] if handed + 1 < len(firsts) else None
+            workers.workers[handed].share = _share_text(low, high, thread_id)
+            workers.post(handed, (starts[handed], ends[handed], read.lines + 1, low, high))
             handed += 1
-        return handed
 
-    with open_records(directory) as handle:
-        while True:
-            try:
-                block = handle.read(BLOCK)
-            except OSError as exc:  # before any range is sent if the first read fails
-                raise read_failed(path, read.lines, exc) from None
-            if not block:
-                break
-            while block:  # the block, cut where ranges begin
-                hand_out_reached()
-                taken = len(block) if handed == len(starts) else starts[handed] - position
-                piece = block if taken >= len(block) else block[:taken]
-                read.block(piece)
-                hashers[handed - 1].update(piece)
-                position += len(piece)
-                block = block[len(piece) :]
-    position = max(starts)  # a file shorter than when it was cut: its ranges read nothing
-    hand_out_reached()
+    files.records.seek(0)
+    while True:
+        try:
+            block = files.records.read(BLOCK)
+        except OSError as exc:  # before any range is sent if the first read fails
+            raise read_failed(path, read.lines, exc) from None
+        if not block:
+            break
+        while block:  # the block, cut where ranges begin
+            hand_out_reached()
+            taken = len(block) if handed == len(starts) else starts[handed] - position
+            piece = block if taken >= len(block) else block[:taken]
+            read.block(piece)
+            hashers[handed - 1].update(piece)
+            position += len(piece)
+            last = piece[-1:]
+            block = block[len(piece) :]
+        workers.poll()  # take the workers' findings as they come
+    hand_out_reached()  # an empty file's one range
+    if handed < len(starts):  # the file is shorter than when it was cut
+        raise _changed(directory, handed, workers.jobs)
     return read, [h.hexdigest() for h in hashers]
 
 
-def _feed_checkpoints(
-    directory: Path,
-    manifest: Manifest,
-    leader: Verification,
-    cuts: list[tuple[int, str]],
-    workers: _Workers,
-) -> None:
-    """Stream the checkpoints file to the workers with a range, each checkpoint to the
-    worker whose range holds its thread (the file's own findings are the leader's)."""
-    firsts = [owner for _, owner in cuts]  # the thread each range after the first begins
-    for entry in checkpoint_entries(directory, manifest, leader.finding):
-        workers.send(bisect.bisect_right(firsts, entry[0]), entry)
-    for worker in range(len(cuts) + 1):
-        workers.end(worker)
+def _check_checkpoints(
+    directory: Path, manifest: Manifest, leader: Verification, files: _Files, workers: _Workers
+) -> str | None:
+    """Read checkpoints.jsonl for what needs all of it (its hash, count, order and lines
+    that are no checkpoint: the leader's findings); its SHA-256, which every worker must
+    have read too. None when the run takes no checkpoints."""
+    if files.checkpoints is None:
+        return None
+    read = Tally()
+    # the leader's own descriptor, duplicated: checkpoint_entries closes what it reads
+    handle = os.fdopen(os.dup(files.checkpoints.fileno()), "rb")
+    handle.seek(0)
+    path = directory / CHECKPOINTS
+    for number, _ in enumerate(checkpoint_entries(handle, path, manifest, leader.finding, read)):
+        if number % BATCH == 0:
+            workers.poll()  # take the workers' findings as they come
+    return read.sha256
 
 
 def _work_bundle(
     directory: Path,
     manifest: Manifest,
+    files: _Files,
     thread_id: str | None,
-    fed: bool,
     inbox: Connection,
     outbox: _Outbox,
     trust: Trust,
 ) -> None:
-    """Verify this worker's range of records.jsonl (or nothing, if sent None), taking
-    its threads' checkpoints from the leader when ``fed``."""
+    """Verify this worker's range of records.jsonl (or nothing, if sent None), with the
+    checkpoints of its threads when the run takes them."""
     run = Verification(trust, lambda finding: outbox.put("finding", finding))
     outbox.watch(run.summary)
     given: _Range | None = inbox.recv()
-    groups: list[tuple[str, int]] = []
-    threads: set[str] = set()
+    if given is None:
+        outbox.put("done", run.summary)
+        return
+    start, end, number, low, high = given
+    checkpoints: CheckpointReader | None = None
+    checkpoints_hasher = hashlib.sha256()
+    if files.checkpoints is not None:
+        entries = _checkpoints_between(directory, files, low, high, checkpoints_hasher)
+        checkpoints = CheckpointReader(entries, run.finding, thread_id=thread_id)
     hasher = hashlib.sha256()
-    if given is not None:
-        checkpoints = (
-            CheckpointReader(_fed(inbox), run.finding, thread_id=thread_id) if fed else None
-        )
-        with open_records(directory) as handle:
-            threads = verify_lines(
-                run,
-                manifest,
-                _range_lines(handle, directory / RECORDS, given, hasher),
-                checkpoints=checkpoints,
-                thread_id=thread_id,
-                group=lambda owner, version: groups.append((owner, version)),
-            )
-        if checkpoints is not None:
-            checkpoints.finish()
-    outbox.put("part", _BundlePart(groups, threads, hasher.hexdigest()))
+    path = directory / RECORDS
+    lines = _Ends(_range_lines(files.records.fileno(), path, (start, end, number), hasher))
+    order = ThreadOrder(run.finding)  # within the range: across ranges, the leader's
+    groups: dict[str, int] = {}
+    first: list[tuple[str, int]] = []
+
+    def group(owner: str, version: int) -> None:
+        order.group(owner, version)
+        groups.setdefault(owner, version)
+        if not first:
+            first.append((owner, version))
+
+    threads = verify_lines(
+        run, manifest, lines, checkpoints=checkpoints, thread_id=thread_id, group=group
+    )
+    if checkpoints is not None:
+        checkpoints.finish()
+    part = _BundlePart(
+        sha256=hasher.hexdigest(),
+        checkpoints_sha256=checkpoints_hasher.hexdigest() if checkpoints is not None else None,
+        first_row=_row_thread(lines.first),
+        last_row=_row_thread(lines.last),
+        first_group=first[0] if first else None,
+        last_group=order.last,
+        groups=groups,
+        threads=threads,
+    )
+    outbox.put("part", part)
     outbox.put("done", run.summary)
 
 
-def _fed(inbox: Connection) -> Iterator[Checkpoint]:
-    """The checkpoints the leader sends, until it sends None."""
-    while (batch := inbox.recv()) is not None:
-        yield from batch
+def _checkpoints_between(
+    directory: Path, files: _Files, low: str | None, high: str | None, hasher: Any
+) -> Iterator[Checkpoint]:
+    """The checkpoints of threads in [``low``, ``high``) in file order, all of
+    checkpoints.jsonl hashed into ``hasher`` (lines that are no checkpoint are the
+    leader's to report)."""
+    assert files.checkpoints is not None
+    whole = (0, files.checkpoints_size, 1)
+    path = directory / CHECKPOINTS
+    for _, line in _range_lines(files.checkpoints.fileno(), path, whole, hasher):
+        try:
+            entry = checkpoint_from_line(line)
+        except LineProblem:
+            continue
+        if (low is None or entry[0] >= low) and (high is None or entry[0] < high):
+            yield entry
+
+
+class _Ends:
+    """Numbered lines, passed on; the first and the last kept."""
+
+    def __init__(self, lines: Iterator[tuple[int, bytes]]) -> None:
+        self._lines = lines
+        self.first: bytes | None = None
+        self.last: bytes | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        for number, line in self._lines:
+            if self.first is None:
+                self.first = line
+            self.last = line
+            yield number, line
 
 
 def _range_lines(
-    handle: BinaryIO, path: Path, given: _Range, hasher: Any
+    fd: int, path: Path, given: tuple[int, int, int], hasher: Any
 ) -> Iterator[tuple[int, bytes]]:
-    """The numbered lines of a range of records.jsonl (without their newlines), its
-    bytes hashed into ``hasher``; ``BundleError`` if a read fails part way."""
+    """The numbered lines of bytes [start, end) of the file open as ``fd`` (without
+    their newlines), read with ``os.pread`` and hashed into ``hasher``; ``BundleError``
+    if a read fails part way."""
     start, end, number = given
-    handle.seek(start)
     position = start
     parts: list[bytes] = []  # the line read so far, when it spans blocks
-    while end is None or position < end:
+    while position < end:
         try:
-            block = handle.read(BLOCK if end is None else min(BLOCK, end - position))
+            block = os.pread(fd, min(BLOCK, end - position), position)
         except OSError as exc:
             raise read_failed(path, number - 1, exc) from None
         if not block:

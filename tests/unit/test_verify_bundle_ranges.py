@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -87,6 +88,12 @@ def both(folder: Path, jobs: int, trust: Trust = TRUST) -> tuple[list[Finding], 
     return one, many
 
 
+def cuts(folder: Path, jobs: int) -> list[tuple[int, str]]:
+    path = folder / RECORDS
+    with path.open("rb") as handle:
+        return parallel._cuts(handle, path.stat().st_size, jobs)
+
+
 def ordered(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: (f.thread_id or "", f.version or -1, f.check, f.found))
 
@@ -116,7 +123,7 @@ def tampered_bundle(folder: Path) -> Path:
 def test_ranges_find_exactly_what_one_process_finds(tmp_path: Path, jobs: int) -> None:
     folder = tampered_bundle(tmp_path / "bundle")
     # the file is cut: every worker has a range
-    assert len(parallel._cuts(folder / RECORDS, jobs)) == jobs - 1
+    assert len(cuts(folder, jobs)) == jobs - 1
 
     one, many = both(folder, jobs)
 
@@ -161,18 +168,22 @@ def test_threads_out_of_code_point_order_are_a_bundle_order_finding(
 
 class Rewriting(Mapping[str, Ed25519PublicKey]):
     """The approval keys; a worker that looks one up (at its first record with a
-    receipt) first rewrites the last line's signature in place, as a process writing
-    to the bundle while it is verified would."""
+    receipt) waits until the leader has read the whole file (a byte on ``read_done``),
+    then rewrites the last line's signature in place, as a process writing to the
+    bundle while it is verified would."""
 
-    def __init__(self, folder: Path) -> None:
-        self._path, self._leader = folder / RECORDS, os.getpid()
+    def __init__(self, folder: Path, read_done: int) -> None:
+        self._path, self._leader, self._read_done = folder / RECORDS, os.getpid(), read_done
         data = self._path.read_bytes()
         self._at = data.rindex(b'"signature":"') + len(b'"signature":"')
         # every worker writes the same byte, never the one the file held
         self._byte = b"0" if data[self._at : self._at + 1] != b"0" else b"1"
+        self._waited = False
 
     def __getitem__(self, key_id: str) -> Ed25519PublicKey:
-        if os.getpid() != self._leader:
+        if os.getpid() != self._leader and not self._waited:
+            self._waited = True
+            os.read(self._read_done, 1)  # blocks until the leader's read is over
             with self._path.open("r+b") as handle:
                 handle.seek(self._at)
                 handle.write(self._byte)
@@ -188,16 +199,29 @@ class Rewriting(Mapping[str, Ed25519PublicKey]):
 def test_a_bundle_that_changes_while_workers_read_it_gives_no_verdict(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The leader hashed the file before the change (the workers wait for its
-    checkpoints until its read is done); the last range's worker reads the change."""
+    """The leader hashed the file before the change; the last range's worker, reading
+    in small blocks, reads the change."""
     chains = [honest_chain(thread_id) for thread_id in THREADS]
     folder = write(tmp_path / "bundle", chains, {"t-00": {1: chains[0].rows[1].digest}})
     monkeypatch.setattr(parallel, "BLOCK", 256)  # workers read lazily, in small blocks
-    trust = Trust(KEYRING, Rewriting(folder), POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
-    findings: list[Finding] = []
+    read_done, tell = os.pipe()
+    hand_out = parallel._hand_out
 
-    with pytest.raises(VerifyError) as stopped:
-        verify_bundle_parallel(folder, trust, findings.append, jobs=2)
+    def hand_out_then_tell(*args: Any) -> Any:
+        handed = hand_out(*args)
+        os.write(tell, b"xx")  # one byte for each worker
+        return handed
+
+    monkeypatch.setattr(parallel, "_hand_out", hand_out_then_tell)
+    keys = Rewriting(folder, read_done)
+    trust = Trust(KEYRING, keys, POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
+    findings: list[Finding] = []
+    try:
+        with pytest.raises(VerifyError) as stopped:
+            verify_bundle_parallel(folder, trust, findings.append, jobs=2)
+    finally:
+        os.close(read_done)
+        os.close(tell)
 
     assert str(stopped.value) == (
         f"{folder / RECORDS} changed while it was verified (worker 2 of 2 read other "
@@ -230,3 +254,76 @@ def test_a_summary_counts_every_range(tmp_path: Path) -> None:
     summary = verify_bundle_parallel(folder, TRUST, [].append, jobs=3)
     assert summary == Summary(threads=12, records=48, failures=0)
     assert (folder / CHECKPOINTS).read_bytes() == b""
+
+
+def test_one_thread_asked_for_is_one_range_whatever_lies_between_its_lines(
+    tmp_path: Path,
+) -> None:
+    """--thread verifies one chain: one process reads its rows as one group, however
+    other threads' lines interleave, so a cut between its rows would split it (a
+    review found --jobs 5 failing what one process passes)."""
+    first, second = honest_chain("t-00"), honest_chain("t-01")
+    folder = write(tmp_path / "bundle", [first, second], {})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    rewrite(folder, [*lines[0:3], *lines[4:8], lines[3]])  # t-00's version 3 after t-01
+    assert cuts(folder, 5)  # without --thread the file is cut between t-00 and t-01
+
+    one: list[Finding] = []
+    alone = verify_bundle(folder, TRUST, one.append, thread_id="t-00")
+    many: list[Finding] = []
+    together = verify_bundle_parallel(folder, TRUST, many.append, jobs=5, thread_id="t-00")
+
+    assert (alone.failures, many) == (0, one)
+    assert together == alone
+
+
+def test_a_cut_that_is_no_line_start_in_the_bytes_read_gives_no_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file changes between the cut and the read: the newline before the cut
+    becomes a space, so the two rows around it are one line that is no JSON. Both
+    ranges would verify (and hash the same bytes as the leader): the leader must see
+    that its read no longer has a line start there (a review's finding)."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {})
+    found = parallel._cuts
+
+    def cut_then_join(handle: BinaryIO, size: int, jobs: int) -> list[tuple[int, str]]:
+        made = found(handle, size, jobs)
+        with (folder / RECORDS).open("r+b") as records:
+            records.seek(made[0][0] - 1)
+            records.write(b" ")
+        return made
+
+    monkeypatch.setattr(parallel, "_cuts", cut_then_join)
+    findings: list[Finding] = []
+
+    with pytest.raises(VerifyError) as stopped:
+        verify_bundle_parallel(folder, TRUST, findings.append, jobs=2)
+
+    assert str(stopped.value).startswith(f"{folder / RECORDS} changed while it was verified")
+    assert findings == []
+
+
+def test_workers_read_the_file_the_leader_opened_not_what_the_path_names_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """records.jsonl is replaced by a link to /dev/zero once the leader has opened it:
+    workers that opened the path again read an endless line (a review's finding)."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {"t-03": {2: chains[3].rows[2].digest}})
+    found = parallel._cuts
+
+    def cut_then_swap(handle: BinaryIO, size: int, jobs: int) -> list[tuple[int, str]]:
+        (folder / RECORDS).rename(tmp_path / "moved.jsonl")
+        (folder / RECORDS).symlink_to("/dev/zero")
+        (folder / CHECKPOINTS).rename(tmp_path / "moved-checkpoints.jsonl")
+        (folder / CHECKPOINTS).symlink_to("/dev/zero")
+        return found(handle, size, jobs)
+
+    monkeypatch.setattr(parallel, "_cuts", cut_then_swap)
+    findings: list[Finding] = []
+
+    summary = verify_bundle_parallel(folder, TRUST, findings.append, jobs=3)
+
+    assert (summary, findings) == (Summary(threads=12, records=48, failures=0), [])
