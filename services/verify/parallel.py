@@ -40,8 +40,10 @@ on a pipe of its own, which only it holds open: when it dies (killed, crashed, o
 it stopped on an error such as its connection dropping) the leader reads the end
 of that pipe, at once and without polling, and stops the run with ``VerifyError``
 naming the worker, how it ended and the threads it was given (exit code 2), never
-a summary. A worker never blocks on the leader (a thread of its own sends its
-findings), so the leader, which may block sending work, cannot deadlock with it.
+a summary. The leader sends a worker nothing but its share, and takes the workers'
+messages whenever it is not reading the files itself; a worker (a thread of its own
+sends its findings) waits for the leader only when ``OUTBOX`` messages wait already.
+Neither can wait for the other for ever.
 
 A worker that is alive but stuck (a loop, a read from a connection whose server is
 gone, a lock it waits on for ever) closes no pipe. So each worker reports progress:
@@ -55,10 +57,12 @@ for room in its pipe, is stuck: the leader kills every worker and stops the run 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import gc
 import hashlib
+import io
 import itertools
 import multiprocessing
 import os
@@ -122,6 +126,7 @@ SHOWN_THREADS = 5  # thread ids a failure names before "and N more"
 EXIT_SECONDS = 5.0  # to learn how a worker whose pipe closed ended (it is ending)
 WORKER_TIMEOUT = 300.0  # seconds without progress after which a worker is stuck (default)
 PROGRESS_SECONDS = 0.25  # how often a worker looks whether its counts moved
+OUTBOX = 4096  # a worker's messages waiting for the leader, at most
 # what the exporter writes first on every line (ids are [A-Za-z0-9._:-], 1-128): a cut
 # between ranges is looked for only where two such lines name different threads
 _LINE_START = re.compile(rb'\{"thread_id":"([A-Za-z0-9._:-]{1,128})",')
@@ -134,26 +139,30 @@ def jobs_wanted(jobs: int) -> int:
 
 class _Outbox:
     """A worker's messages to the leader, sent by a thread of the worker's own: the
-    worker never blocks on a leader that is busy sending it work. ``close`` sends
-    what is left; the worker's end of the pipe then closes, as it does when the
-    process dies, which is how the leader knows a worker ended."""
+    worker goes on while the leader is busy (it takes the workers' messages between
+    the blocks it reads), and waits only when ``OUTBOX`` messages wait already, so that
+    a flood of findings is held in no worker's memory. ``close`` sends what is left;
+    the worker's end of the pipe then closes, as it does when the process dies, which
+    is how the leader knows a worker ended."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=OUTBOX)
         self._thread = threading.Thread(target=self._send, name="ztate-verify-outbox")
         self._thread.start()
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.scanned = 0
 
     def watch(self, summary: Summary) -> None:
-        """Report progress whenever ``summary``'s counts moved (looked at every
+        """Report progress whenever ``summary``'s counts moved, or ``scanned`` (lines
+        read that are no record: a bundle's checkpoints) did (looked at every
         ``PROGRESS_SECONDS``): a worker stuck anywhere reports none."""
 
         def look() -> None:
-            last = (0, 0, 0)
+            last = (0, 0, 0, 0)
             while not self._closing.wait(PROGRESS_SECONDS):
-                now = (summary.threads, summary.records, summary.failures)
+                now = (summary.threads, summary.records, summary.failures, self.scanned)
                 if now != last:
                     self.put("progress", now[:2])
                     last = now
@@ -354,6 +363,12 @@ class _Workers:
         gc.freeze()
         try:
             self._fork(context)
+        except OSError as exc:  # out of processes, pipes or descriptors: no verdict
+            self.stop()
+            raise VerifyError(
+                f"cannot start {self.jobs} verification workers ({exc.strerror or exc}); "
+                "run with fewer --jobs"
+            ) from None
         finally:
             gc.unfreeze()
         threading.Thread(
@@ -563,26 +578,28 @@ def verify_bundle_parallel(
 ) -> Summary:
     """``ztate.services.verify.bundle.verify_bundle`` on ``jobs`` worker processes, each
     reading and verifying its own range of records.jsonl."""
-    records = _open_regular(directory / RECORDS)
-    if records is None:  # a pipe cannot be cut into ranges (nor a missing file read)
-        return verify_bundle(directory, trust, report, thread_id=thread_id)
-    with records:
-        leader = Verification(trust, report)  # the leader's own findings, headless threads
-        manifest = usable_manifest(directory, leader)
-        trust = leader.trust  # with the bundle's policy versions, before the workers fork
+    # both files opened before anything is reported: a file that is not a regular one
+    # (a pipe) cannot be cut, and one process then verifies the whole bundle
+    with contextlib.ExitStack() as opened:
+        records = _open_regular(directory / RECORDS)
+        if records is None:
+            return verify_bundle(directory, trust, report, thread_id=thread_id)
+        opened.enter_context(records)
         checkpoints: BinaryIO | None = None
-        if checks_checkpoints(trust, manifest):
+        if trust.checkpoint_keys is not None:  # checked if the bundle carries them
             checkpoints = _open_regular(directory / CHECKPOINTS)
             if checkpoints is None:
+                opened.close()
                 return verify_bundle(directory, trust, report, thread_id=thread_id)
-        try:
-            files = _Files(records, _size(records), checkpoints, _size(checkpoints))
-            return _verify_ranges(
-                directory, leader, report, manifest, files, jobs, thread_id, worker_timeout
-            )
-        finally:
-            if checkpoints is not None:
-                checkpoints.close()
+            opened.enter_context(checkpoints)
+        leader = Verification(trust, report)  # the leader's own findings, headless threads
+        manifest = usable_manifest(directory, leader)
+        if not checks_checkpoints(leader.trust, manifest):  # a format 1 bundle
+            checkpoints = None
+        files = _Files(records, _size(records), checkpoints, _size(checkpoints))
+        return _verify_ranges(
+            directory, leader, report, manifest, files, jobs, thread_id, worker_timeout
+        )
 
 
 def _verify_ranges(
@@ -610,13 +627,18 @@ def _verify_ranges(
     for number, expected in enumerate(hashes):
         part = workers.workers[number].part
         assert isinstance(part, _BundlePart)
-        if part.sha256 != expected or part.checkpoints_sha256 != checkpoints_sha256:
-            raise _changed(directory, number, jobs)
+        if part.sha256 != expected:
+            raise _changed(directory / RECORDS, _other_bytes(number, jobs))
+        if part.checkpoints_sha256 != checkpoints_sha256:
+            raise _changed(directory / CHECKPOINTS, _other_bytes(number, jobs))
         parts.append(part)
     for number, (_, owner) in enumerate(cuts, 1):  # each cut still between two threads
         before, after = parts[number - 1].last_row, parts[number].first_row
         if before is None or after != owner or before >= owner:
-            raise _changed(directory, number, jobs)
+            raise _changed(
+                directory / RECORDS,
+                f"the cut before worker {number + 1} of {jobs} is no longer between two threads",
+            )
     order = ThreadOrder(leader.finding)
     threads: set[str] = set()
     for part in parts:  # the order of the groups across ranges (each checked its own)
@@ -641,12 +663,15 @@ def _verify_ranges(
     return summary
 
 
-def _changed(directory: Path, worker: int, jobs: int) -> VerifyError:
+def _changed(path: Path, why: str) -> VerifyError:
     return VerifyError(
-        f"{directory / RECORDS} changed while it was verified (worker {worker + 1} of {jobs} "
-        "read other bytes than the leader): the ledger is NOT verified; verify a copy "
-        "nothing writes to"
+        f"{path} changed while it was verified ({why}): the ledger is NOT verified; "
+        "verify a copy nothing writes to"
     )
+
+
+def _other_bytes(worker: int, jobs: int) -> str:
+    return f"worker {worker + 1} of {jobs} read other bytes than the leader"
 
 
 def _open_regular(path: Path) -> BinaryIO | None:
@@ -688,25 +713,52 @@ def _cuts(handle: BinaryIO, size: int, jobs: int) -> list[tuple[int, str]]:
 def _boundary(
     handle: BinaryIO, start: int, limit: int, cuts: list[tuple[int, str]]
 ) -> tuple[int, str] | None:
-    """The first line starting in [``start``, ``limit``) (past the line ``start`` falls
-    in) that begins a thread group: it and the line before are rows, and its thread id
-    is greater than theirs and than the last cut's."""
-    handle.seek(start)
-    position = start
-    if start > 0:
-        position += len(handle.readline())
+    """The first line starting in [``start``, ``limit``) that begins a thread group:
+    it and the line before are rows, and its thread id is greater than theirs and than
+    the last cut's."""
+    if start > 0 and not _newline_in(handle, start - 1, limit):
+        return None  # no line starts in the share: no cut (and no long line read)
+    position = _line_start(handle, start - 1) if start > 0 else 0
+    handle.seek(position)
     previous: bytes | None = None
     while position < limit:
         line = handle.readline()
         if not line:
             return None
-        if previous is not None:
+        if previous is not None and position >= start:
             owner = _new_group(previous, line, cuts[-1][1] if cuts else None)
             if owner is not None:
                 return position, owner
         previous = line
         position += len(line)
     return None
+
+
+def _newline_in(handle: BinaryIO, start: int, end: int) -> bool:
+    """Whether bytes [``start``, ``end``) of the file hold a newline."""
+    handle.seek(start)
+    while start < end:
+        block = handle.read(min(BLOCK, end - start))
+        if not block:
+            return False
+        if b"\n" in block:
+            return True
+        start += len(block)
+    return False
+
+
+def _line_start(handle: BinaryIO, offset: int) -> int:
+    """Where the line holding byte ``offset`` begins: the scan for a cut reads it
+    whole, as the line before a candidate that begins at ``offset + 1``."""
+    end = offset
+    while end > 0:
+        step = min(BLOCK, end)
+        handle.seek(end - step)
+        at = handle.read(step).rfind(b"\n")
+        if at != -1:
+            return end - step + at + 1
+        end -= step
+    return 0
 
 
 def _new_group(previous: bytes, line: bytes, after: str | None) -> str | None:
@@ -759,7 +811,9 @@ def _hand_out(
         nonlocal handed
         while handed < len(starts) and starts[handed] <= position:
             if handed > 0 and (starts[handed] != position or last != b"\n"):
-                raise _changed(directory, handed, workers.jobs)
+                raise _changed(
+                    path, f"no line starts where worker {handed + 1} of {workers.jobs} was to begin"
+                )
             low = firsts[handed]
             high = firsts[handed + 1] if handed + 1 < len(firsts) else None
             workers.workers[handed].share = _share_text(low, high, thread_id)
@@ -767,9 +821,9 @@ def _hand_out(
             handed += 1
 
     files.records.seek(0)
-    while True:
+    while position < files.records_size:  # what the workers read: no more
         try:
-            block = files.records.read(BLOCK)
+            block = files.records.read(min(BLOCK, files.records_size - position))
         except OSError as exc:  # before any range is sent if the first read fails
             raise read_failed(path, read.lines, exc) from None
         if not block:
@@ -784,10 +838,44 @@ def _hand_out(
             last = piece[-1:]
             block = block[len(piece) :]
         workers.poll()  # take the workers' findings as they come
+    try:  # one more byte: the end of the file must be where it was (and readable)
+        more = files.records.read(1)
+    except OSError as exc:
+        raise read_failed(path, read.lines, exc) from None
+    if more:
+        raise _changed(path, f"more than the {files.records_size} bytes it had when cut")
     hand_out_reached()  # an empty file's one range
-    if handed < len(starts):  # the file is shorter than when it was cut
-        raise _changed(directory, handed, workers.jobs)
+    _same_size(path, files.records, files.records_size)
     return read, [h.hexdigest() for h in hashers]
+
+
+def _same_size(path: Path, handle: BinaryIO, size: int) -> None:
+    """The file still has the size the workers read up to, or the run has no verdict."""
+    now = os.fstat(handle.fileno()).st_size
+    if now != size:
+        raise _changed(path, f"{size} bytes when the run began, {now} bytes now")
+
+
+class _Upto(io.RawIOBase):
+    """The first ``size`` bytes of the file open as ``fd``, read with ``os.pread``
+    (the descriptor's offset, which the workers share, is left alone)."""
+
+    def __init__(self, fd: int, size: int, path: Path) -> None:
+        self._fd, self._size, self._path, self._position = fd, size, path, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self._size - self._position)
+        if want == 0:  # one more byte: the end of the file must be where it was
+            if os.pread(self._fd, 1, self._size):
+                raise _changed(self._path, f"more than the {self._size} bytes it had")
+            return 0
+        data = os.pread(self._fd, want, self._position)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
 
 
 def _check_checkpoints(
@@ -799,13 +887,12 @@ def _check_checkpoints(
     if files.checkpoints is None:
         return None
     read = Tally()
-    # the leader's own descriptor, duplicated: checkpoint_entries closes what it reads
-    handle = os.fdopen(os.dup(files.checkpoints.fileno()), "rb")
-    handle.seek(0)
     path = directory / CHECKPOINTS
+    handle = io.BufferedReader(_Upto(files.checkpoints.fileno(), files.checkpoints_size, path))
     for number, _ in enumerate(checkpoint_entries(handle, path, manifest, leader.finding, read)):
         if number % BATCH == 0:
             workers.poll()  # take the workers' findings as they come
+    _same_size(path, files.checkpoints, files.checkpoints_size)
     return read.sha256
 
 
@@ -830,7 +917,7 @@ def _work_bundle(
     checkpoints: CheckpointReader | None = None
     checkpoints_hasher = hashlib.sha256()
     if files.checkpoints is not None:
-        entries = _checkpoints_between(directory, files, low, high, checkpoints_hasher)
+        entries = _checkpoints_between(directory, files, low, high, checkpoints_hasher, outbox)
         checkpoints = CheckpointReader(entries, run.finding, thread_id=thread_id)
     hasher = hashlib.sha256()
     path = directory / RECORDS
@@ -865,15 +952,21 @@ def _work_bundle(
 
 
 def _checkpoints_between(
-    directory: Path, files: _Files, low: str | None, high: str | None, hasher: Any
+    directory: Path,
+    files: _Files,
+    low: str | None,
+    high: str | None,
+    hasher: Any,
+    outbox: _Outbox,
 ) -> Iterator[Checkpoint]:
     """The checkpoints of threads in [``low``, ``high``) in file order, all of
-    checkpoints.jsonl hashed into ``hasher`` (lines that are no checkpoint are the
-    leader's to report)."""
+    checkpoints.jsonl hashed into ``hasher`` and every line counted as progress (lines
+    that are no checkpoint are the leader's to report)."""
     assert files.checkpoints is not None
     whole = (0, files.checkpoints_size, 1)
     path = directory / CHECKPOINTS
     for _, line in _range_lines(files.checkpoints.fileno(), path, whole, hasher):
+        outbox.scanned += 1
         try:
             entry = checkpoint_from_line(line)
         except LineProblem:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -327,3 +328,75 @@ def test_workers_read_the_file_the_leader_opened_not_what_the_path_names_later(
     summary = verify_bundle_parallel(folder, TRUST, findings.append, jobs=3)
 
     assert (summary, findings) == (Summary(threads=12, records=48, failures=0), [])
+
+
+def test_threads_of_equal_size_are_cut_at_every_share_boundary(tmp_path: Path) -> None:
+    """With one thread a share, every boundary falls exactly where a share begins: the
+    scan for a cut must see it (a review found no cut at all, one worker for all)."""
+    chains = [honest_chain(f"t-{number}") for number in range(4)]  # ids of one length
+    folder = write(tmp_path / "bundle", chains, {})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    sizes = {sum(map(len, lines[n : n + 4])) for n in range(0, 16, 4)}
+    assert len(sizes) == 1  # four threads of equal size: the shares' starts are theirs
+
+    assert [owner for _, owner in cuts(folder, 4)] == ["t-1", "t-2", "t-3"]
+
+
+def test_a_file_that_grows_after_its_cut_is_not_read_past_its_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """records.jsonl grows by 64 MiB of holes once cut: the workers read up to the size
+    the leader took, and so does the leader, which then finds the size changed (a
+    review found it hashing whatever a writer kept adding)."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {})
+    size = (folder / RECORDS).stat().st_size
+    found = parallel._cuts
+
+    def cut_then_grow(handle: BinaryIO, at: int, jobs: int) -> list[tuple[int, str]]:
+        made = found(handle, at, jobs)
+        os.truncate(folder / RECORDS, size + 64 * 1024 * 1024)
+        return made
+
+    monkeypatch.setattr(parallel, "_cuts", cut_then_grow)
+    read: list[int] = []
+    block = parallel.Tally.block
+    monkeypatch.setattr(
+        parallel.Tally, "block", lambda t, data: read.append(len(data)) or block(t, data)
+    )
+
+    with pytest.raises(VerifyError) as stopped:
+        verify_bundle_parallel(folder, TRUST, [].append, jobs=2)
+
+    assert str(stopped.value) == (
+        f"{folder / RECORDS} changed while it was verified (more than the {size} bytes it "
+        "had when cut): the ledger is NOT verified; verify a copy nothing writes to"
+    )
+    assert sum(read) == size  # and one byte more, which says the file grew
+
+
+def test_a_checkpoints_pipe_sends_the_bundle_to_one_process_before_any_finding(
+    tmp_path: Path,
+) -> None:
+    """The fall-back to one process comes before the manifest's findings are reported:
+    a review found them reported twice (by the parallel run, then by one process)."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS[:3]]
+    folder = write(tmp_path / "bundle", chains, {})
+    (folder / "policies.jsonl").write_bytes(b"not a policy\n")  # a finding of the manifest's
+    data = (folder / CHECKPOINTS).read_bytes()
+    (folder / CHECKPOINTS).unlink()
+    os.mkfifo(folder / CHECKPOINTS)
+
+    def feed() -> None:
+        with (folder / CHECKPOINTS).open("wb") as fifo:
+            fifo.write(data)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    findings: list[Finding] = []
+    try:
+        verify_bundle_parallel(folder, TRUST, findings.append, jobs=2)
+    finally:
+        writer.join()
+
+    assert [f.check for f in findings].count("bundle.line") == 1
