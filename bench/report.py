@@ -204,13 +204,20 @@ def _verdicts(report: Report) -> list[str]:
             f"RPC at c={TARGET_CONCURRENCY}: {cpu_ratio:.2f} -> "
             f"{_verdict(cpu_ratio <= TARGET_SERVER_CPU_RATIO)}"
         )
-    langgraph = report.best(LANGGRAPH, TARGET_CONCURRENCY)
     ours = report.best(ZTATE, TARGET_CONCURRENCY)
-    if langgraph is not None and ours is not None:
-        mine, theirs = ours.cpu_per_op_us("postgres"), langgraph.cpu_per_op_us("postgres")
+    mine = ours.cpu_per_op_us("postgres") if ours is not None else None
+    # the target's LangGraph: a saver per worker (d), its fastest; one shared saver (f),
+    # its default wiring, is said beside it
+    for kind, wiring in (
+        (LANGGRAPH, "a saver per worker (d)"),
+        (LANGGRAPH_SHARED, "one shared saver (f)"),
+    ):
+        langgraph = report.best(kind, TARGET_CONCURRENCY)
+        theirs = langgraph.cpu_per_op_us("postgres") if langgraph is not None else None
         if mine is not None and theirs is not None:
+            what = "target" if kind == LANGGRAPH else "beside it"
             lines.append(
-                f"target: Postgres CPU per commit <= LangGraph's per write at "
+                f"{what}: Postgres CPU per commit <= LangGraph's per write, {wiring}, at "
                 f"c={TARGET_CONCURRENCY}: {mine:.0f} vs {theirs:.0f} µs -> "
                 f"{_verdict(mine <= theirs)}"
             )
