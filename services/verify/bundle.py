@@ -515,12 +515,13 @@ class LineProblem(ValueError):
     """A line of the bundle that is not a ledger row; the message says why."""
 
 
-def open_records(directory: Path) -> BinaryIO:
-    path = directory / RECORDS
+def open_file(directory: Path, name: str, what: str) -> BinaryIO:
+    """The bundle file ``name``, opened to read; ``BundleError`` naming ``what`` it holds."""
+    path = directory / name
     try:
         return path.open("rb")
     except OSError as exc:
-        raise BundleError(f"{path}: cannot read the records ({exc.strerror})") from None
+        raise BundleError(f"{path}: cannot read {what} ({exc.strerror})") from None
 
 
 def record_lines(directory: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
@@ -528,7 +529,7 @@ def record_lines(directory: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
     ``BundleError`` if reading fails part way (a disk error, a network share gone): what
     was not read is not verified, and a run must say so rather than end as if the file
     ended there."""
-    with open_records(directory) as handle:
+    with open_file(directory, RECORDS, "the records") as handle:
         yield from tallied_lines(handle, directory / RECORDS, tally)
 
 
@@ -636,14 +637,6 @@ def _blob_in(value: Any, name: str) -> bytes | None:
 Checkpoint = tuple[str, int, SignedCheckpoint]  # thread id, version, the signed head
 
 
-def open_checkpoints(directory: Path) -> BinaryIO:
-    path = directory / CHECKPOINTS
-    try:
-        return path.open("rb")
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot read the checkpoints ({exc.strerror})") from None
-
-
 def checkpoint_entries(
     handle: BinaryIO, path: Path, manifest: Manifest, report: Report, read: Tally | None = None
 ) -> Iterator[Checkpoint]:
@@ -674,13 +667,7 @@ def checkpoint_entries(
                 )
             last_thread = entry[0]
             yield entry
-    found = read.sha256
-    if found != manifest.checkpoints_sha256:
-        expected = f"{CHECKPOINTS} with SHA-256 {manifest.checkpoints_sha256}"
-        report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
-    if read.lines != manifest.checkpoints:
-        expected = f"{manifest.checkpoints} checkpoint lines (the manifest's)"
-        report(Finding(None, None, BUNDLE_COUNT, expected, f"{read.lines} lines"))
+    check_packed(read, CHECKPOINTS, manifest.checkpoints_sha256, manifest.checkpoints, report)
 
 
 class CheckpointReader:
@@ -808,14 +795,22 @@ def read_policies(directory: Path, manifest: Manifest, report: Report) -> list[S
                     report(Finding(None, None, BUNDLE_LINE, "a policy version", found))
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the policies ({exc.strerror})") from None
-    found = read.sha256
-    if found != manifest.policies_sha256:
-        expected = f"{POLICIES} with SHA-256 {manifest.policies_sha256} (the manifest's)"
-        report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
-    if read.lines != manifest.policies:
-        expected = f"{manifest.policies} policy lines (the manifest's)"
-        report(Finding(None, None, BUNDLE_COUNT, expected, f"{read.lines} lines"))
+    check_packed(read, POLICIES, manifest.policies_sha256, manifest.policies, report)
     return versions
+
+
+def check_packed(
+    read: Tally, name: str, sha256: str | None, lines: int | None, report: Report
+) -> None:
+    """Compare what was read of the bundle file ``name`` (checkpoints or policies) with
+    the manifest's packing list: its SHA-256 and its count of lines."""
+    found = read.sha256
+    if found != sha256:
+        expected = f"{name} with SHA-256 {sha256} (the manifest's)"
+        report(Finding(None, None, BUNDLE_HASH, expected, f"SHA-256 {found}"))
+    if read.lines != lines:
+        expected = f"{lines} lines of {name} (the manifest's)"
+        report(Finding(None, None, BUNDLE_COUNT, expected, f"{read.lines} lines"))
 
 
 def too_long(number: int) -> str:
@@ -851,7 +846,10 @@ def verify_bundle(
     checkpoints = (
         CheckpointReader(
             checkpoint_entries(
-                open_checkpoints(directory), directory / CHECKPOINTS, manifest, run.finding
+                open_file(directory, CHECKPOINTS, "the checkpoints"),
+                directory / CHECKPOINTS,
+                manifest,
+                run.finding,
             ),
             run.finding,
             thread_id=thread_id,
