@@ -179,8 +179,8 @@ class GroupCommitter:
         if not self._queue:
             self._waiting_since = None
         due = None
-        if self._queue and self._running and len(self._running) < self._max_in_flight:
-            since = self._waiting_since if self._waiting_since is not None else loop.time()
+        since = self._waiting_since  # set whenever commits wait
+        if since is not None and self._running and len(self._running) < self._max_in_flight:
             # never sooner than a clock tick away: a timer that fires before the grace
             # is seen over would be armed again at once, round after round
             due = max(since + self._grace, loop.time() + CLOCK_SLACK)

@@ -329,7 +329,7 @@ class _Worker:
     inbox: Connection  # the leader sends work
     answers: Connection  # the worker sends findings, its count, or why it stopped
     share: str | None = None  # its range of threads, as a failure names it
-    part: Any = None  # what it read of a bundle (``_BundlePart``)
+    part: _BundlePart | None = None  # what it read of a bundle
     summary: Summary | None = None
     failed: str | None = None  # why it stopped, in its own words
     heard: float = field(default_factory=time.monotonic)  # its last progress, or work given
@@ -626,7 +626,7 @@ def _verify_ranges(
     parts: list[_BundlePart] = []
     for number, expected in enumerate(hashes):
         part = workers.workers[number].part
-        assert isinstance(part, _BundlePart)
+        assert part is not None  # every worker with a range sends its part before its count
         if part.sha256 != expected:
             raise _changed(directory / RECORDS, _other_bytes(number, jobs))
         if part.checkpoints_sha256 != checkpoints_sha256:
@@ -810,7 +810,7 @@ def _hand_out(
         """Send every range that begins where the read is."""
         nonlocal handed
         while handed < len(starts) and starts[handed] <= position:
-            if handed > 0 and (starts[handed] != position or last != b"\n"):
+            if handed > 0 and last != b"\n":  # the read stops at every range's start
                 raise _changed(
                     path, f"no line starts where worker {handed + 1} of {workers.jobs} was to begin"
                 )
@@ -923,14 +923,11 @@ def _work_bundle(
     path = directory / RECORDS
     lines = _Ends(_range_lines(files.records.fileno(), path, (start, end, number), hasher))
     order = ThreadOrder(run.finding)  # within the range: across ranges, the leader's
-    groups: dict[str, int] = {}
-    first: list[tuple[str, int]] = []
+    groups: dict[str, int] = {}  # in the order met: the first is the first group's
 
     def group(owner: str, version: int) -> None:
         order.group(owner, version)
         groups.setdefault(owner, version)
-        if not first:
-            first.append((owner, version))
 
     threads = verify_lines(
         run, manifest, lines, checkpoints=checkpoints, thread_id=thread_id, group=group
@@ -942,7 +939,7 @@ def _work_bundle(
         checkpoints_sha256=checkpoints_hasher.hexdigest() if checkpoints is not None else None,
         first_row=_row_thread(lines.first),
         last_row=_row_thread(lines.last),
-        first_group=first[0] if first else None,
+        first_group=next(iter(groups.items()), None),
         last_group=order.last,
         groups=groups,
         threads=threads,

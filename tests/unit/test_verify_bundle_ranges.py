@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -45,6 +48,7 @@ CHECKPOINT_KEY = Ed25519PrivateKey.generate()
 APPROVALS = {"approval-k1": APPROVAL_KEY.public_key()}
 TRUST = Trust(KEYRING, APPROVALS, POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
 THREADS = [f"t-{number:02d}" for number in range(12)]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(folder: Path, chains: list[Chain], checkpoints: dict[str, dict[int, str]]) -> Path:
@@ -400,3 +404,133 @@ def test_a_checkpoints_pipe_sends_the_bundle_to_one_process_before_any_finding(
         writer.join()
 
     assert [f.check for f in findings].count("bundle.line") == 1
+
+
+def test_a_row_at_a_cut_that_changed_before_the_read_gives_no_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the cut and the read, the row the cut begins at becomes a line of the
+    same length that is no row: the leader and the worker read and hash the same
+    bytes, and a line still starts at the cut, but the cut no longer parts two
+    threads where one process would see a new one."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {})
+    found = parallel._cuts
+
+    def cut_then_blank(handle: BinaryIO, size: int, jobs: int) -> list[tuple[int, str]]:
+        made = found(handle, size, jobs)
+        data = (folder / RECORDS).read_bytes()
+        at = made[0][0]
+        with (folder / RECORDS).open("r+b") as records:
+            records.seek(at)
+            records.write(b"x" * (data.index(b"\n", at) - at))
+        return made
+
+    monkeypatch.setattr(parallel, "_cuts", cut_then_blank)
+    findings: list[Finding] = []
+
+    with pytest.raises(VerifyError) as stopped:
+        verify_bundle_parallel(folder, TRUST, findings.append, jobs=2)
+
+    assert str(stopped.value) == (
+        f"{folder / RECORDS} changed while it was verified (the cut before worker 2 of 2 "
+        "is no longer between two threads): the ledger is NOT verified; verify a copy "
+        "nothing writes to"
+    )
+
+
+class RewritingCheckpoints(Mapping[str, Ed25519PublicKey]):
+    """The approval keys; the first lookup in a worker (at its first record with a
+    receipt, once it has read checkpoints.jsonl, which is smaller than a block)
+    rewrites a byte of checkpoints.jsonl and tells the leader (a byte on ``tell``)."""
+
+    def __init__(self, folder: Path, tell: int) -> None:
+        self._path, self._leader, self._tell = folder / CHECKPOINTS, os.getpid(), tell
+        data = self._path.read_bytes()
+        self._at = data.index(b'"signature":"') + len(b'"signature":"')
+        self._byte = b"0" if data[self._at : self._at + 1] != b"0" else b"1"
+        self._done = False
+
+    def __getitem__(self, key_id: str) -> Ed25519PublicKey:
+        if os.getpid() != self._leader and not self._done:
+            self._done = True
+            with self._path.open("r+b") as handle:
+                handle.seek(self._at)
+                handle.write(self._byte)
+            os.write(self._tell, b"x")
+        return APPROVALS[key_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(APPROVALS)
+
+    def __len__(self) -> int:
+        return len(APPROVALS)
+
+
+def test_checkpoints_that_change_while_workers_read_them_give_no_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker read checkpoints.jsonl before the change, the leader after it: the run
+    names the checkpoints file, and gives no verdict."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS]
+    folder = write(tmp_path / "bundle", chains, {"t-00": {1: chains[0].rows[1].digest}})
+    changed, tell = os.pipe()
+    check = parallel._check_checkpoints
+
+    def after_the_change(*args: Any) -> Any:
+        os.read(changed, 1)  # blocks until a worker changed the file
+        return check(*args)
+
+    monkeypatch.setattr(parallel, "_check_checkpoints", after_the_change)
+    keys = RewritingCheckpoints(folder, tell)
+    trust = Trust(KEYRING, keys, POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
+    try:
+        with pytest.raises(VerifyError) as stopped:
+            verify_bundle_parallel(folder, trust, [].append, jobs=2)
+    finally:
+        os.close(changed)
+        os.close(tell)
+
+    # the worker that read the file before the change: the first, unless the second
+    # changed it before the first had read it
+    assert re.fullmatch(
+        re.escape(f"{folder / CHECKPOINTS} changed while it was verified (worker ")
+        + "[12]"
+        + re.escape(
+            " of 2 read other bytes than the leader): the ledger is NOT verified; "
+            "verify a copy nothing writes to"
+        ),
+        str(stopped.value),
+    )
+
+
+def test_workers_that_cannot_start_stop_the_run_as_unable_to_verify(tmp_path: Path) -> None:
+    """Out of descriptors for 16 workers (a real limit, set in a process of its own):
+    exit 2's VerifyError, not a bare OSError (whose exit code 1 means findings)."""
+    chains = [honest_chain(thread_id) for thread_id in THREADS[:2]]
+    folder = write(tmp_path / "bundle", chains, {})
+    script = (
+        "import resource, sys\n"
+        "from tests.unit.test_verify_bundle_ranges import TRUST\n"
+        "from ztate.services.verify.checks import VerifyError\n"
+        "from ztate.services.verify.parallel import verify_bundle_parallel\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\n"
+        "try:\n"
+        f"    verify_bundle_parallel(__import__('pathlib').Path({str(folder)!r}), TRUST,"
+        " [].append, jobs=16)\n"
+        "except VerifyError as error:\n"
+        "    print(error)\n"
+        "    sys.exit(2)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (
+        2,
+        "cannot start 16 verification workers (Too many open files); run with fewer --jobs\n",
+    ), done.stderr
