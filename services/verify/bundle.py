@@ -524,13 +524,51 @@ def open_file(directory: Path, name: str, what: str) -> BinaryIO:
         raise BundleError(f"{path}: cannot read {what} ({exc.strerror})") from None
 
 
+BLOCK = 1024 * 1024  # bytes of records.jsonl read at a time
+
+
 def record_lines(directory: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
-    """The lines of ``records.jsonl``, numbered, each taken into ``tally``;
-    ``BundleError`` if reading fails part way (a disk error, a network share gone): what
-    was not read is not verified, and a run must say so rather than end as if the file
-    ended there."""
+    """The lines of ``records.jsonl`` (without their newlines), numbered, read in
+    blocks taken into ``tally``; ``BundleError`` if reading fails part way (a disk
+    error, a network share gone): what was not read is not verified, and a run must say
+    so rather than end as if the file ended there."""
+    return block_lines(_record_blocks(directory, tally), 1)
+
+
+def _record_blocks(directory: Path, tally: Tally) -> Iterator[bytes]:
+    path = directory / RECORDS
     with open_file(directory, RECORDS, "the records") as handle:
-        yield from tallied_lines(handle, directory / RECORDS, tally)
+        while True:
+            try:
+                block = handle.read(BLOCK)
+            except OSError as exc:
+                raise read_failed(path, tally.lines, exc) from None
+            if not block:
+                break
+            tally.block(block)
+            yield block
+
+
+def block_lines(blocks: Iterable[bytes], number: int) -> Iterator[tuple[int, bytes]]:
+    """The lines (without their newlines) of a file read as ``blocks``, numbered from
+    ``number``; a last line without its newline is a line."""
+    parts: list[bytes] = []  # the line read so far, when it spans blocks
+    for block in blocks:
+        lines = block.split(b"\n")
+        if len(lines) == 1:
+            parts.append(block)
+            continue
+        if parts:
+            parts.append(lines[0])
+            lines[0] = b"".join(parts)
+        parts = [lines.pop()] if lines[-1] else []
+        if not parts:
+            lines.pop()
+        for line in lines:
+            yield number, line
+            number += 1
+    if parts:
+        yield number, b"".join(parts)
 
 
 def tallied_lines(handle: BinaryIO, path: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
@@ -896,7 +934,15 @@ def verify_lines(
     Lines that are not rows are reported and skipped; they do not end a group."""
     threads: set[str] = set()
     current: ThreadVerifier | None = None
+    lane = run.lane  # the compiled lane: the lines it confirms whole, it takes
+    in_lane = False
     for number, line in lines:
+        if in_lane:
+            if lane.add(line):
+                continue
+            assert current is not None
+            current.lane_take(lane)
+            in_lane = False
         try:
             row = row_from_line(line)
         except LineProblem as problem:
@@ -913,7 +959,11 @@ def verify_lines(
             if checkpoints is not None:
                 current.expect_checkpoints(checkpoints.take(row.thread_id))
         current.add(row)
+        if lane is not None:
+            in_lane = current.lane_start(lane)
     if current is not None:
+        if in_lane:
+            current.lane_take(lane)
         current.check_head(head_of(manifest, current.thread_id))
     return threads
 

@@ -65,6 +65,11 @@ from ztate.services.policy.model import Policy, PolicyError, PolicySet
 from ztate.services.policy.rules import Reads, bind, merge_reads
 from ztate.services.store.policies import StoredPolicy, stored_policy_versions
 
+try:  # the compiled lane, built from _chain.c where a compiler and OpenSSL's headers were
+    from ztate.services.verify import _chain as LANE
+except ImportError:  # pragma: no cover - a build without it: the reference alone
+    LANE = None  # type: ignore[assignment]
+
 EXIT_VERIFIED, EXIT_FAILURES, EXIT_CANNOT_RUN = 0, 1, 2
 
 # The checks, as findings name them: the one table (docs/verification.md, "Check
@@ -392,6 +397,8 @@ class Verification:
         self.risk_memo: dict[tuple[str, bytes], tuple[str, ...]] = {}
         # the threads of the kept checkpoints the source held records of
         self._kept_seen: set[str] = set()
+        # the compiled lane (``_chain.c``), which takes the lines it confirms whole
+        self.lane = compiled_lane(trust)
 
     def finding(self, finding: Finding) -> None:
         self.summary.failures += 1
@@ -498,6 +505,37 @@ class ThreadVerifier:
 
     def _fail(self, version: int | None, check: str, expected: str, found: str) -> None:
         self._run.finding(Finding(self.thread_id, version, check, expected, found))
+
+    # --- the compiled lane ------------------------------------------------------------
+
+    def lane_start(self, lane: Any) -> bool:
+        """Hand the chain to the compiled lane, when it is known (a parent digest and a
+        state to replay on): True if the lane holds it now."""
+        parent, state = self._parent, self._state
+        if parent is None or state is None or not HEX_256.match(parent):
+            return False
+        try:
+            data = canonical_bytes(state)
+        except (ValueError, TypeError, RecursionError):
+            return False
+        # a signed head at a version the lane would reach: the reference checks it
+        stop = min((v for v in self._checkpoints if v >= self._expected), default=-1)
+        thread = self.thread_id.encode("utf-8", "surrogatepass")
+        return bool(lane.start(thread, self._expected, parent, data, self._policy_name, stop))
+
+    def lane_take(self, lane: Any) -> None:
+        """Carry on from what the lane took: exactly where the reference would be had it
+        checked those lines itself (and found nothing, as the lane did)."""
+        records, expected, parent, state, policy_name, earlier, last = lane.take()
+        if not records:
+            return
+        self._run.summary.records += records
+        self._expected, self._parent, self._policy_name = expected, parent, policy_name
+        parsed, _, fast = _parse_canonical(state)  # canonical: the lane wrote it
+        self._state, self._state_fast = parsed, fast
+        self._earlier_states.update(earlier)
+        version, digest, state_digest, kept = last
+        self._last = _Last(version, digest, state_digest, state if kept else None)
 
     # --- one row --------------------------------------------------------------------
 
@@ -613,7 +651,10 @@ class ThreadVerifier:
             return
         digest = row.digest
         signed = digest if digest == recomputed or HEX_256.match(digest) else recomputed
-        if not hmac.compare_digest(sign_digest(key, signed), row.signature):
+        # as bytes: compare_digest refuses str with characters beyond ASCII, which a
+        # hostile signature column may hold
+        found = row.signature.encode("utf-8", "surrogatepass")
+        if not hmac.compare_digest(sign_digest(key, signed).encode(), found):
             self._fail(
                 row.version,
                 SIGNATURE,
@@ -788,12 +829,8 @@ class ThreadVerifier:
         if key is not None and (known := memo.get(key)) is not None:
             return known  # a tuple: shared, not copied
         try:
-            # bound as the transition service binds them (ztate.services.policy.changes.Change.of),
-            # but only what the risk rules read: the invariants are not re-checked here
-            reads = self._trust.risk_reads[policy.digest]
-            bound = bind(reads, values) if reads else None
-            matched = matched_risk_rules(policy, Change(state, old, patch, node, bound))
-        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            matched = risk_rules_matched(self._trust, policy, values)
+        except RISK_FAILURES as exc:
             self._fail(version, RISK_UNCHECKED, "risk rules that evaluate", f"{type(exc).__name__}")
             return None
         if key is None:
@@ -939,6 +976,58 @@ class ThreadVerifier:
                 self._fail(
                     head.version, HEAD_STATE, f"a state hashing to {last.state_digest}", problem
                 )
+
+
+RISK_FAILURES = (ValueError, TypeError, KeyError, RecursionError)
+
+
+def risk_rules_matched(trust: Trust, policy: Policy, values: dict[str, Any]) -> list[str]:
+    """The policy's risk rules that match the change ``values`` (state, old, patch,
+    node); one of ``RISK_FAILURES`` when they cannot be evaluated."""
+    # bound as the transition service binds them (ztate.services.policy.changes.Change.of),
+    # but only what the risk rules read: the invariants are not re-checked here
+    reads = trust.risk_reads[policy.digest]
+    bound = bind(reads, values) if reads else None
+    change = Change(values["state"], values["old"], values["patch"], values["node"], bound)
+    return matched_risk_rules(policy, change)
+
+
+def compiled_lane(trust: Trust) -> Any:
+    """The compiled lane for a run under ``trust`` (None without it). It asks the
+    reference what it does not decide itself: whether a node id has the role a
+    transition needs, and whether a change matches no risk rule."""
+    if LANE is None:
+        return None
+    keyring = trust.keyring
+    keys = None if keyring is None else {kid: keyring.key(kid) for kid in keyring.key_ids}
+    policies = {
+        digest: (
+            policy.name,
+            bool(policy.risk_rules),
+            tuple(
+                (var, None if names is None else tuple(sorted(n.encode() for n in names)))
+                for var, names in trust.risk_inputs[digest].items()
+            ),
+        )
+        for digest, policy in trust.by_digest.items()
+    }
+
+    def role_ok(node_id: str) -> bool:
+        return role_of(node_id) in ROLES_OF_KIND[KIND_TRANSITION]
+
+    def no_risk(digest: str, old: bytes, state: bytes, patch: bytes, node_id: str) -> bool:
+        values = {
+            "state": orjson.loads(state),
+            "old": orjson.loads(old),
+            "patch": orjson.loads(patch),
+            "node": node_id.rsplit("/", 1)[-1],
+        }
+        try:
+            return not risk_rules_matched(trust, trust.by_digest[digest], values)
+        except RISK_FAILURES:
+            return False  # the reference reports it
+
+    return LANE.Lane(keys, policies, role_ok, no_risk)
 
 
 # --- record parsing ---------------------------------------------------------------------
@@ -1165,7 +1254,19 @@ async def verify_rows(
     thread against its head and checkpoints as the database holds them."""
     current: ThreadVerifier | None = None
     head: Head | None = None
+    lane = run.lane  # the compiled lane: the rows it confirms whole, it takes
+    in_lane = False
     async for stored in conn.cursor(query, *args, prefetch=PREFETCH):
+        if in_lane:
+            if lane.add_row(stored):
+                if stored["head_version"] is not None:
+                    head = Head(
+                        stored["head_version"], stored["head_digest"], bytes(stored["head_state"])
+                    )
+                continue
+            assert current is not None
+            current.lane_take(lane)
+            in_lane = False
         if current is None or stored["thread_id"] != current.thread_id:
             if current is not None:
                 current.check_head(head or await head_from_db(conn, current.thread_id))
@@ -1173,9 +1274,13 @@ async def verify_rows(
             if run.trust.checkpoint_keys is not None:
                 current.expect_checkpoints(await checkpoints_from_db(conn, current.thread_id))
         current.add(row_from_db(stored))
+        if lane is not None:
+            in_lane = current.lane_start(lane)
         if stored["head_version"] is not None:
             head = Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
     if current is not None:
+        if in_lane:
+            current.lane_take(lane)
         current.check_head(head or await head_from_db(conn, current.thread_id))
 
 

@@ -84,6 +84,7 @@ import asyncpg
 
 from ztate.contract.record import shown
 from ztate.services.verify.bundle import (
+    BLOCK,
     CHECKPOINTS,
     RECORDS,
     Checkpoint,
@@ -92,6 +93,7 @@ from ztate.services.verify.bundle import (
     Manifest,
     Tally,
     ThreadOrder,
+    block_lines,
     check_records_file,
     checkpoint_entries,
     checkpoint_from_line,
@@ -121,7 +123,6 @@ from ztate.services.verify.checks import (
 )
 
 BATCH = 256  # checkpoints the leader reads between two looks at the workers' findings
-BLOCK = 1024 * 1024  # bytes of records.jsonl read at a time
 SHOWN_THREADS = 5  # thread ids a failure names before "and N more"
 EXIT_SECONDS = 5.0  # to learn how a worker whose pipe closed ended (it is ending)
 WORKER_TIMEOUT = 300.0  # seconds without progress after which a worker is stuck (default)
@@ -995,32 +996,28 @@ def _range_lines(
     their newlines), read with ``os.pread`` and hashed into ``hasher``; ``BundleError``
     if a read fails part way."""
     start, end, number = given
-    position = start
-    parts: list[bytes] = []  # the line read so far, when it spans blocks
+    return block_lines(_range_blocks(fd, path, (start, end), hasher, number), number)
+
+
+def _range_blocks(
+    fd: int, path: Path, span: tuple[int, int], hasher: Any, number: int
+) -> Iterator[bytes]:
+    """The blocks of bytes ``span`` of the file open as ``fd``, each hashed into
+    ``hasher``; ``BundleError`` naming the last whole line read (numbered from
+    ``number``) if a read fails part way."""
+    position, end = span
+    newlines = 0
     while position < end:
         try:
             block = os.pread(fd, min(BLOCK, end - position), position)
         except OSError as exc:
-            raise read_failed(path, number - 1, exc) from None
+            raise read_failed(path, number - 1 + newlines, exc) from None
         if not block:
             break
         hasher.update(block)
+        newlines += block.count(b"\n")
         position += len(block)
-        lines = block.split(b"\n")
-        if len(lines) == 1:
-            parts.append(block)
-            continue
-        if parts:
-            parts.append(lines[0])
-            lines[0] = b"".join(parts)
-        parts = [lines.pop()] if lines[-1] else []
-        if not parts:
-            lines.pop()
-        for line in lines:
-            yield number, line
-            number += 1
-    if parts:
-        yield number, b"".join(parts)
+        yield block
 
 
 async def verify_database_parallel(

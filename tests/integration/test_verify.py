@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import asyncpg
 import grpc
@@ -43,11 +44,13 @@ from tests.harness import (
     new_thread_id,
     with_database,
 )
+from tests.unit.test_verify_lane import LANE_OF, Counting
 from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.keyring import Keyring, generate_signing_key, load_public_keys
 from ztate.contract.record import build_record, seal, sign_digest
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime.config import Settings
+from ztate.services.verify import checks
 from ztate.services.verify.bundle import (
     BUNDLE_HASH,
     MANIFEST,
@@ -142,8 +145,17 @@ class World:
         return row
 
     async def verify(self, thread_id: str | None = None) -> tuple[list[Finding], Summary]:
+        """verify_database's findings and summary, the same (in the same order) with the
+        compiled lane as with the reference alone: whatever the tampering, the lane may
+        only make a run faster."""
         findings: list[Finding] = []
         summary = await verify_database(self.dsn, self.trust, findings.append, thread_id=thread_id)
+        alone: list[Finding] = []
+        with mock.patch.object(checks, "compiled_lane", return_value=None):
+            reference = await verify_database(
+                self.dsn, self.trust, alone.append, thread_id=thread_id
+            )
+        assert (findings, summary) == (alone, reference)
         return findings, summary
 
 
@@ -220,6 +232,23 @@ async def test_a_ledger_written_by_the_service_verifies(world: World, clean: str
     assert (summary.threads, summary.records, summary.exit_code) == (1, VERSIONS, 0)
     approved = await world.row(clean, APPROVED_AT)
     assert approved["receipt"] is not None  # the receipt path was exercised
+
+
+async def test_the_compiled_lane_takes_the_rows_the_service_wrote(world: World, clean: str) -> None:
+    """From the database as from a bundle: the plain transitions (versions 1, 3 and 4:
+    not the genesis, not the one under a receipt) go through the compiled lane."""
+    counters: list[Counting] = []
+
+    def counted(trust: Trust) -> Counting:
+        counters.append(Counting(LANE_OF(trust)))
+        return counters[-1]
+
+    findings: list[Finding] = []
+    with mock.patch.object(checks, "compiled_lane", counted):
+        summary = await verify_database(world.dsn, world.trust, findings.append, thread_id=clean)
+    assert (findings, summary.records) == ([], VERSIONS)
+    (counter,) = counters
+    assert (counter.taken, counter.declined) == (3, 1)  # declined: the receipt's row
 
 
 # --- tampering in the database ----------------------------------------------------------

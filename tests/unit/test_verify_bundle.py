@@ -71,10 +71,15 @@ RISKY = {"target_user_id": OTHER_USER}
 class Chain:
     """Builds one thread's rows the way the transition service writes them."""
 
-    def __init__(self, initial: JsonObject, thread_id: str = THREAD) -> None:
+    def __init__(
+        self, initial: JsonObject, thread_id: str = THREAD, *, carried: bool = False
+    ) -> None:
         self.thread_id = thread_id
         self.rows: list[LedgerRow] = []
         self.state: JsonObject = {}
+        # format 2 records, which carry the risk rules matched (as the service writes
+        # them now), or format 1
+        self.carried = carried
         self._append(KIND_GENESIS, OPERATOR, initial, None)
 
     def _append(
@@ -85,6 +90,7 @@ class Chain:
         receipt: tuple[bytes, str] | None,
         *,
         policy_digest: str = POLICY.digest,
+        rules: Sequence[str] = (),
     ) -> LedgerRow:
         version = len(self.rows)
         state = apply_patch(self.state, patch)
@@ -103,6 +109,7 @@ class Chain:
                 receipt_digest=sha256_hex(receipt[0]) if receipt else None,
                 key_id="k1",
                 committed_at=committed_at,
+                risk_rules=(rules if receipt else ()) if self.carried else None,
             ),
             KEYRING,
         )
@@ -135,7 +142,9 @@ class Chain:
         **receipt_changes: Any,
     ) -> LedgerRow:
         receipt = self.receipt(patch, rules, **receipt_changes) if approved else None
-        return self._append(KIND_TRANSITION, PLANNER, patch, receipt, policy_digest=policy_digest)
+        return self._append(
+            KIND_TRANSITION, PLANNER, patch, receipt, policy_digest=policy_digest, rules=rules
+        )
 
     def receipt(self, patch: JsonObject, rules: Sequence[str], **changes: Any) -> tuple[bytes, str]:
         """A receipt for ``patch`` as the next transition, as the approval service signs it."""
@@ -298,6 +307,17 @@ def test_risk_rules_matched_once_are_shared_by_every_record_with_the_same_inputs
     assert run.summary.failures == 0
     # both transitions read the same risk inputs: one entry, matching no rule
     assert list(run.risk_memo.values()) == [()]
+
+
+def test_a_signature_column_beyond_ascii_is_a_finding_not_a_crash() -> None:
+    """hmac.compare_digest refuses str beyond ASCII: the verifier compares bytes."""
+    chain = honest_chain()
+    for signature in ("é" * 64, chain.rows[1].signature[:-1] + "\u0660", "\ud800"):
+        rows = list(chain.rows)
+        rows[1] = dataclasses.replace(rows[1], signature=signature)
+        findings, summary = verify_rows(rows)
+        assert where(findings) == {(1, "signature")}, findings
+        assert summary.records == len(rows)
 
 
 def test_bytes_that_are_no_record_are_reported_not_raised() -> None:

@@ -1,0 +1,1529 @@
+/* The verifier's compiled lane: a thread's plain transitions, checked in one pass each.
+ *
+ * services/verify/checks.py is the verifier, and the reference. This lane takes a
+ * line of a bundle's records.jsonl only when it can confirm, by itself, everything
+ * the reference would check of it and that the reference would find nothing: then it
+ * advances the thread's chain exactly as the reference would (the next version, the
+ * parent digest, the replayed state, the policy the thread is bound to, the states a
+ * revert may restore, the last record). Anything else (a finding, a form it does not
+ * know, a genesis, a revert, a receipt, a checkpoint at the version, a float, an
+ * escaped object member name...) it declines, changing nothing, and the reference
+ * takes the line. So the lane can only make a run faster, never change its verdict or
+ * its findings: tests/unit/test_verify_lane.py runs the verifier with and without it
+ * over hostile bundles and compares every finding.
+ *
+ * What it confirms of a line (docs/verification.md, "The compiled lane"):
+ *  - the exporter's exact layout: {"thread_id":...,"version":...,...,"committed_at":...}
+ *    with every member, in the exporter's order, no whitespace, the strings valid
+ *    UTF-8 (record and state may hold escapes; the other strings none);
+ *  - the record: canonical RFC 8785 bytes (checked while scanning: no whitespace,
+ *    member names in ascending order, unescaped and inside the Basic Multilingual
+ *    Plane, so that byte order is UTF-16 order; only the escapes RFC 8785 writes;
+ *    integers of at most 15 digits, no floats), a format 1 or 2 transition record of
+ *    the thread at the next version, its digest (SHA-256) and signature (HMAC-SHA256
+ *    under its key id, when a keyring is given), the copies in the line's columns,
+ *    the policy (known, the thread's), the role (asked of the reference once per
+ *    node id), the parent digest;
+ *  - the replay: the previous state's members with the patch's (a member sets its
+ *    key, a null removes it), written in canonical form on the bytes, hashed to the
+ *    record's state_digest, and equal to the kept state body when there is one;
+ *  - the risk rules: none matched (asked of the reference once per distinct input of
+ *    the policy's risk rules, and remembered), no receipt, format 2's risk_rules [].
+ *
+ * SHA-256 and HMAC are OpenSSL's (libcrypto), fetched once.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <datetime.h>
+#include <openssl/evp.h>
+#include <openssl/core_names.h>
+#include <openssl/params.h>
+#include <string.h>
+
+#define MAX_DEPTH 64
+#define MAX_DIGITS 15 /* below 2^53: an integer's canonical form is its digits */
+#define MEMO_SIZE 4096
+
+static EVP_MD *SHA256_MD;
+static EVP_MAC *HMAC_MAC;
+
+/* --- growable buffers and member lists ----------------------------------------- */
+
+typedef struct {
+    unsigned char *p;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int
+buf_reserve(Buf *b, Py_ssize_t more)
+{
+    if (b->len + more <= b->cap)
+        return 1;
+    Py_ssize_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + more) {
+        if (cap > PY_SSIZE_T_MAX / 2)
+            return 0;
+        cap *= 2;
+    }
+    unsigned char *p = PyMem_Realloc(b->p, cap);
+    if (p == NULL)
+        return 0;
+    b->p = p;
+    b->cap = cap;
+    return 1;
+}
+
+static int
+buf_put(Buf *b, const unsigned char *data, Py_ssize_t n)
+{
+    if (!buf_reserve(b, n))
+        return 0;
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+    return 1;
+}
+
+typedef struct {
+    Py_ssize_t key, key_len, value, value_len; /* offsets: the name without quotes */
+} Member;
+
+typedef struct {
+    Member *m;
+    Py_ssize_t n, cap;
+} Members;
+
+static int
+members_add(Members *ms, Member m)
+{
+    if (ms->n == ms->cap) {
+        Py_ssize_t cap = ms->cap ? ms->cap * 2 : 32;
+        Member *p = PyMem_Realloc(ms->m, cap * sizeof(Member));
+        if (p == NULL)
+            return 0;
+        ms->m = p;
+        ms->cap = cap;
+    }
+    ms->m[ms->n++] = m;
+    return 1;
+}
+
+/* --- scanning ------------------------------------------------------------------ */
+
+/* What a byte is inside a JSON string: 0 an ASCII character that stands for itself
+ * (0x20-0x7F but the quote and the backslash), 1 the quote, 2 the backslash, 3 a
+ * control character, 4 a byte of a multi-byte UTF-8 sequence. */
+static unsigned char STRING_BYTE[256];
+
+static void
+init_string_bytes(void)
+{
+    for (int c = 0; c < 256; c++)
+        STRING_BYTE[c] = c < 0x20 ? 3 : c == '"' ? 1 : c == '\\' ? 2 : c < 0x80 ? 0 : 4;
+}
+
+
+/* Past the run of plain ASCII characters at p. */
+static inline const unsigned char *
+skip_plain(const unsigned char *p, const unsigned char *end)
+{
+    while (end - p >= 4 && !(STRING_BYTE[p[0]] | STRING_BYTE[p[1]] | STRING_BYTE[p[2]] |
+                             STRING_BYTE[p[3]]))
+        p += 4;
+    while (p < end && STRING_BYTE[*p] == 0)
+        p++;
+    return p;
+}
+
+/* One UTF-8 sequence at p (first byte >= 0x80), as Python and orjson accept it: no
+ * overlong form, no surrogate, nothing above U+10FFFF. Its length, or 0. */
+static int
+utf8_seq(const unsigned char *p, const unsigned char *end, int *four)
+{
+    unsigned char c = p[0];
+    if (c >= 0xC2 && c <= 0xDF)
+        return (end - p >= 2 && (p[1] & 0xC0) == 0x80) ? 2 : 0;
+    if (c >= 0xE0 && c <= 0xEF) {
+        if (end - p < 3 || (p[1] & 0xC0) != 0x80 || (p[2] & 0xC0) != 0x80)
+            return 0;
+        if (c == 0xE0 && p[1] < 0xA0)
+            return 0;
+        if (c == 0xED && p[1] > 0x9F)
+            return 0; /* a surrogate */
+        return 3;
+    }
+    if (c >= 0xF0 && c <= 0xF4) {
+        if (end - p < 4 || (p[1] & 0xC0) != 0x80 || (p[2] & 0xC0) != 0x80 ||
+            (p[3] & 0xC0) != 0x80)
+            return 0;
+        if (c == 0xF0 && p[1] < 0x90)
+            return 0;
+        if (c == 0xF4 && p[1] > 0x8F)
+            return 0;
+        *four = 1;
+        return 4;
+    }
+    return 0;
+}
+
+static int
+lower_hex(unsigned char c)
+{
+    return (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+}
+
+/* 1 for the lower-case hex digits */
+static unsigned char LOWER_HEX[256];
+
+static void
+init_hex(void)
+{
+    for (int c = 0; c < 256; c++)
+        LOWER_HEX[c] = lower_hex((unsigned char)c) >= 0;
+}
+
+/* A canonical string at *pp (on its opening quote): only the escapes RFC 8785 writes
+ * (\" \\ \b \f \n \r \t, and \u00xx in lower case for the other control characters),
+ * every other character as valid UTF-8. *plain: no escape and no character outside
+ * the BMP (so its bytes order as its UTF-16 code units). 1 if it is one. */
+static int
+scan_string(const unsigned char **pp, const unsigned char *end, int *plain)
+{
+    const unsigned char *p = *pp + 1;
+    int escaped = 0, four = 0;
+    while ((p = skip_plain(p, end)) < end) {
+        unsigned char c = *p;
+        if (c == '"') {
+            *pp = p + 1;
+            *plain = !escaped && !four;
+            return 1;
+        }
+        if (c == '\\') {
+            escaped = 1;
+            if (end - p < 2)
+                return 0;
+            unsigned char e = p[1];
+            if (e == '"' || e == '\\' || e == 'b' || e == 'f' || e == 'n' || e == 'r' ||
+                e == 't') {
+                p += 2;
+                continue;
+            }
+            if (e != 'u' || end - p < 6 || p[2] != '0' || p[3] != '0')
+                return 0;
+            int hi = lower_hex(p[4]), lo = lower_hex(p[5]);
+            if (hi < 0 || lo < 0 || hi > 1)
+                return 0;
+            int code = hi * 16 + lo;
+            if (code == 8 || code == 9 || code == 10 || code == 12 || code == 13)
+                return 0; /* written short */
+            p += 6;
+            continue;
+        }
+        if (c < 0x20)
+            return 0;
+        if (c < 0x80) {
+            p++;
+            continue;
+        }
+        int n = utf8_seq(p, end, &four);
+        if (n == 0)
+            return 0;
+        p += n;
+    }
+    return 0;
+}
+
+static int scan_value(const unsigned char **pp, const unsigned char *end, int depth);
+
+/* The members of a canonical object at *pp (on its '{'), names strictly ascending
+ * and plain; each member's offsets from base taken into out (when not NULL). */
+static int
+scan_object(const unsigned char **pp, const unsigned char *end, int depth,
+            const unsigned char *base, Members *out, int *oom)
+{
+    const unsigned char *p = *pp + 1;
+    const unsigned char *last = NULL;
+    Py_ssize_t last_len = 0;
+    if (depth > MAX_DEPTH)
+        return 0;
+    if (p < end && *p == '}') {
+        *pp = p + 1;
+        return 1;
+    }
+    for (;;) {
+        if (p >= end || *p != '"')
+            return 0;
+        const unsigned char *name = p + 1;
+        int plain = 0;
+        if (!scan_string(&p, end, &plain) || !plain)
+            return 0;
+        Py_ssize_t name_len = (p - 1) - name;
+        if (last != NULL) {
+            Py_ssize_t n = last_len < name_len ? last_len : name_len;
+            int order = memcmp(last, name, n);
+            if (order > 0 || (order == 0 && last_len >= name_len))
+                return 0; /* not ascending, or a repeat */
+        }
+        last = name;
+        last_len = name_len;
+        if (p >= end || *p != ':')
+            return 0;
+        p++;
+        const unsigned char *value = p;
+        if (!scan_value(&p, end, depth + 1))
+            return 0;
+        if (out != NULL) {
+            Member m = {name - base, name_len, value - base, p - value};
+            if (!members_add(out, m)) {
+                *oom = 1;
+                return 0;
+            }
+        }
+        if (p < end && *p == ',') {
+            p++;
+            continue;
+        }
+        if (p < end && *p == '}') {
+            *pp = p + 1;
+            return 1;
+        }
+        return 0;
+    }
+}
+
+static int
+scan_value(const unsigned char **pp, const unsigned char *end, int depth)
+{
+    const unsigned char *p = *pp;
+    int plain, oom = 0;
+    if (p >= end || depth > MAX_DEPTH)
+        return 0;
+    switch (*p) {
+    case '{':
+        return scan_object(pp, end, depth, p, NULL, &oom);
+    case '[':
+        p++;
+        if (p < end && *p == ']') {
+            *pp = p + 1;
+            return 1;
+        }
+        for (;;) {
+            if (!scan_value(&p, end, depth + 1))
+                return 0;
+            if (p < end && *p == ',') {
+                p++;
+                continue;
+            }
+            if (p < end && *p == ']') {
+                *pp = p + 1;
+                return 1;
+            }
+            return 0;
+        }
+    case '"':
+        return scan_string(pp, end, &plain);
+    case 't':
+        if (end - p >= 4 && memcmp(p, "true", 4) == 0) {
+            *pp = p + 4;
+            return 1;
+        }
+        return 0;
+    case 'f':
+        if (end - p >= 5 && memcmp(p, "false", 5) == 0) {
+            *pp = p + 5;
+            return 1;
+        }
+        return 0;
+    case 'n':
+        if (end - p >= 4 && memcmp(p, "null", 4) == 0) {
+            *pp = p + 4;
+            return 1;
+        }
+        return 0;
+    default: {
+        int negative = 0, digits = 0;
+        if (*p == '-') {
+            negative = 1;
+            p++;
+        }
+        if (p >= end || *p < '0' || *p > '9')
+            return 0;
+        if (*p == '0') {
+            if (negative)
+                return 0; /* -0 is written 0 */
+            p++;
+            digits = 1;
+        }
+        else {
+            while (p < end && *p >= '0' && *p <= '9') {
+                p++;
+                digits++;
+            }
+        }
+        if (digits > MAX_DIGITS)
+            return 0;
+        if (p < end && (*p == '.' || *p == 'e' || *p == 'E' || (*p >= '0' && *p <= '9')))
+            return 0; /* a float (the reference's), or a leading zero */
+        *pp = p;
+        return 1;
+    }
+    }
+}
+
+/* A whole buffer that is one canonical object; its members into out. */
+static int
+scan_members(const unsigned char *data, Py_ssize_t len, Members *out, int *oom)
+{
+    const unsigned char *p = data, *end = data + len;
+    out->n = 0;
+    if (len < 2 || *p != '{')
+        return 0;
+    if (!scan_object(&p, end, 1, data, out, oom))
+        return 0;
+    return p == end;
+}
+
+/* --- the line ------------------------------------------------------------------- */
+
+typedef struct {
+    const unsigned char *p;
+    Py_ssize_t len;
+} Span;
+
+/* A JSON string of the line with no escape and no control character, valid UTF-8
+ * (what orjson parses to the same characters): its content. */
+static int
+line_plain(const unsigned char **pp, const unsigned char *end, Span *out)
+{
+    const unsigned char *p = *pp;
+    int four = 0;
+    if (p >= end || *p != '"')
+        return 0;
+    const unsigned char *start = ++p;
+    while ((p = skip_plain(p, end)) < end) {
+        unsigned char c = *p;
+        if (c == '"') {
+            out->p = start;
+            out->len = p - start;
+            *pp = p + 1;
+            return 1;
+        }
+        if (c == '\\' || c < 0x20)
+            return 0;
+        if (c < 0x80) {
+            p++;
+            continue;
+        }
+        int n = utf8_seq(p, end, &four);
+        if (n == 0)
+            return 0;
+        p += n;
+    }
+    return 0;
+}
+
+static int
+hex4(const unsigned char *p)
+{
+    int v = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned char c = p[i];
+        int d = (c >= '0' && c <= '9')   ? c - '0'
+                : (c >= 'a' && c <= 'f') ? c - 'a' + 10
+                : (c >= 'A' && c <= 'F') ? c - 'A' + 10
+                                         : -1;
+        if (d < 0)
+            return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
+/* A JSON string of the line, decoded into out as UTF-8 (what the reference's
+ * str.encode("utf-8", "surrogatepass") gives): any JSON escape but a surrogate. */
+static int
+line_decoded(const unsigned char **pp, const unsigned char *end, Buf *out, int *oom)
+{
+    const unsigned char *p = *pp;
+    int four = 0;
+    out->len = 0;
+    if (p >= end || *p != '"')
+        return 0;
+    p++;
+    /* decoding never lengthens a string: room for all of it, once */
+    if (!buf_reserve(out, end - p)) {
+        *oom = 1;
+        return 0;
+    }
+    unsigned char *o = out->p;
+    while (p < end) {
+        const unsigned char *run = p;
+        while ((p = skip_plain(p, end)) < end && STRING_BYTE[*p] == 4) {
+            int n = utf8_seq(p, end, &four);
+            if (n == 0)
+                return 0;
+            p += n;
+        }
+        memcpy(o, run, p - run);
+        o += p - run;
+        if (p >= end || STRING_BYTE[*p] == 3)
+            return 0;
+        if (*p == '"') {
+            out->len = o - out->p;
+            *pp = p + 1;
+            return 1;
+        }
+        /* an escape */
+        if (end - p < 2)
+            return 0;
+        switch (p[1]) {
+        case '"': *o++ = '"'; break;
+        case '\\': *o++ = '\\'; break;
+        case '/': *o++ = '/'; break;
+        case 'b': *o++ = '\b'; break;
+        case 'f': *o++ = '\f'; break;
+        case 'n': *o++ = '\n'; break;
+        case 'r': *o++ = '\r'; break;
+        case 't': *o++ = '\t'; break;
+        case 'u': {
+            /* six bytes in, at most three out */
+            if (end - p < 6)
+                return 0;
+            int v = hex4(p + 2);
+            if (v < 0 || (v >= 0xD800 && v <= 0xDFFF))
+                return 0; /* surrogates: the reference's */
+            if (v < 0x80)
+                *o++ = (unsigned char)v;
+            else if (v < 0x800) {
+                *o++ = (unsigned char)(0xC0 | (v >> 6));
+                *o++ = (unsigned char)(0x80 | (v & 0x3F));
+            }
+            else {
+                *o++ = (unsigned char)(0xE0 | (v >> 12));
+                *o++ = (unsigned char)(0x80 | ((v >> 6) & 0x3F));
+                *o++ = (unsigned char)(0x80 | (v & 0x3F));
+            }
+            p += 6;
+            continue;
+        }
+        default:
+            return 0;
+        }
+        p += 2;
+    }
+    return 0;
+}
+
+static int
+literal(const unsigned char **pp, const unsigned char *end, const char *text)
+{
+    Py_ssize_t n = (Py_ssize_t)strlen(text);
+    if (end - *pp < n || memcmp(*pp, text, n) != 0)
+        return 0;
+    *pp += n;
+    return 1;
+}
+
+/* Digits of a non-negative integer of at most MAX_DIGITS digits, no leading zero. */
+static int
+line_version(const unsigned char **pp, const unsigned char *end, long long *out)
+{
+    const unsigned char *p = *pp;
+    long long v = 0;
+    int digits = 0;
+    if (p >= end || *p < '0' || *p > '9')
+        return 0;
+    if (*p == '0') {
+        p++;
+        digits = 1;
+    }
+    else
+        while (p < end && *p >= '0' && *p <= '9') {
+            v = v * 10 + (*p++ - '0');
+            if (++digits > MAX_DIGITS)
+                return 0;
+        }
+    if (p < end && (*p == '.' || *p == 'e' || *p == 'E' || (*p >= '0' && *p <= '9')))
+        return 0;
+    *out = v;
+    *pp = p;
+    return 1;
+}
+
+/* --- small checks ---------------------------------------------------------------- */
+
+static int
+is_hex64(const unsigned char *p, Py_ssize_t len)
+{
+    if (len != 64)
+        return 0;
+    unsigned char all = 1;
+    for (int i = 0; i < 64; i++)
+        all &= LOWER_HEX[p[i]];
+    return all;
+}
+
+static int
+same(Span a, const unsigned char *p, Py_ssize_t len)
+{
+    return a.len == len && memcmp(a.p, p, len) == 0;
+}
+
+static int
+digits_at(const unsigned char *p, int n, int *out)
+{
+    int v = 0;
+    for (int i = 0; i < n; i++) {
+        if (p[i] < '0' || p[i] > '9')
+            return 0;
+        v = v * 10 + (p[i] - '0');
+    }
+    *out = v;
+    return 1;
+}
+
+/* A time exactly as format_time writes it, and a real date (what parse_time takes). */
+static int
+is_time(const unsigned char *p, Py_ssize_t len)
+{
+    static const char shape[] = "dddd-dd-ddTdd:dd:dd.ddddddZ";
+    static const int days[] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    if (len != 27)
+        return 0;
+    for (int i = 0; i < 27; i++) {
+        if (shape[i] == 'd') {
+            if (p[i] < '0' || p[i] > '9')
+                return 0;
+        }
+        else if (p[i] != (unsigned char)shape[i])
+            return 0;
+    }
+    int year = 0, month = 0, day = 0, hour = 0, minute = 0, second = 0;
+    digits_at(p, 4, &year);
+    digits_at(p + 5, 2, &month);
+    digits_at(p + 8, 2, &day);
+    digits_at(p + 11, 2, &hour);
+    digits_at(p + 14, 2, &minute);
+    digits_at(p + 17, 2, &second);
+    if (year < 1 || month < 1 || month > 12 || hour > 23 || minute > 59 || second > 59)
+        return 0;
+    int leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    int most = days[month - 1] + (month == 2 && leap);
+    return day >= 1 && day <= most;
+}
+
+static void
+to_hex(const unsigned char *bytes, int n, char *out)
+{
+    static const char digits[] = "0123456789abcdef";
+    for (int i = 0; i < n; i++) {
+        out[2 * i] = digits[bytes[i] >> 4];
+        out[2 * i + 1] = digits[bytes[i] & 15];
+    }
+}
+
+/* --- the lane ---------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject *id; /* bytes: the key id in UTF-8 */
+    EVP_MAC_CTX *mac;
+} Key;
+
+typedef struct {
+    PyObject_HEAD
+    /* the run's */
+    Key *keys;
+    Py_ssize_t nkeys;
+    int keyring; /* HMAC checked */
+    PyObject *policies; /* digest -> (name, has risk rules, inputs) */
+    PyObject *role_ok;  /* node id -> bool, asked once per node id */
+    PyObject *roles;
+    PyObject *derive; /* (policy digest, old, state, patch, node id) -> bool: none matched */
+    PyObject *memo;
+    EVP_MD_CTX *md;
+    Buf record, body, next, state, riskkey;
+    Members members, old, patch;
+    /* the thread's */
+    int active;
+    PyObject *thread_id; /* bytes */
+    long long expected, stop;
+    unsigned char parent[64];
+    PyObject *policy_name; /* str or NULL */
+    PyObject *earlier;     /* list of state digests (str) */
+    long long records;
+    int has_last, last_kept;
+    long long last_version;
+    char last_digest[64], last_state_digest[64];
+} Lane;
+
+static int
+sha256_hex(Lane *self, const unsigned char *data, Py_ssize_t len, char out[64],
+           unsigned char raw[32])
+{
+    unsigned int n = 0;
+    if (!EVP_DigestInit_ex2(self->md, SHA256_MD, NULL) ||
+        !EVP_DigestUpdate(self->md, data, (size_t)len) ||
+        !EVP_DigestFinal_ex(self->md, raw, &n) || n != 32) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL SHA-256 failed");
+        return 0;
+    }
+    to_hex(raw, 32, out);
+    return 1;
+}
+
+static void
+lane_clear_thread(Lane *self)
+{
+    self->active = 0;
+    Py_CLEAR(self->thread_id);
+    Py_CLEAR(self->policy_name);
+    Py_CLEAR(self->earlier);
+}
+
+static void
+Lane_dealloc(Lane *self)
+{
+    lane_clear_thread(self);
+    for (Py_ssize_t i = 0; i < self->nkeys; i++) {
+        Py_XDECREF(self->keys[i].id);
+        EVP_MAC_CTX_free(self->keys[i].mac);
+    }
+    PyMem_Free(self->keys);
+    Py_XDECREF(self->policies);
+    Py_XDECREF(self->role_ok);
+    Py_XDECREF(self->roles);
+    Py_XDECREF(self->derive);
+    Py_XDECREF(self->memo);
+    EVP_MD_CTX_free(self->md);
+    PyMem_Free(self->record.p);
+    PyMem_Free(self->body.p);
+    PyMem_Free(self->next.p);
+    PyMem_Free(self->state.p);
+    PyMem_Free(self->riskkey.p);
+    PyMem_Free(self->members.m);
+    PyMem_Free(self->old.m);
+    PyMem_Free(self->patch.m);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Lane(keys, policies, role_ok, derive): keys maps key id to key (None: no keyring,
+ * no HMAC check); policies maps digest to (name, has risk rules, inputs), inputs a
+ * tuple of (variable, names or None); role_ok(node_id) and derive(...) ask the
+ * reference. */
+static int
+Lane_init(Lane *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *keys, *policies, *role_ok, *derive;
+    static char *names[] = {"keys", "policies", "role_ok", "derive", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OO", names, &keys, &PyDict_Type,
+                                     &policies, &role_ok, &derive))
+        return -1;
+    if (self->md != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Lane is initialised once");
+        return -1;
+    }
+    self->md = EVP_MD_CTX_new();
+    if (self->md == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (keys != Py_None) {
+        if (!PyDict_Check(keys)) {
+            PyErr_SetString(PyExc_TypeError, "keys must be a dict or None");
+            return -1;
+        }
+        self->keyring = 1;
+        Py_ssize_t n = PyDict_Size(keys), pos = 0, i = 0;
+        self->keys = PyMem_Calloc(n ? n : 1, sizeof(Key));
+        if (self->keys == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        PyObject *id, *key;
+        while (PyDict_Next(keys, &pos, &id, &key)) {
+            if (!PyUnicode_Check(id) || !PyBytes_Check(key)) {
+                PyErr_SetString(PyExc_TypeError, "keys maps str to bytes");
+                return -1;
+            }
+            Key *k = &self->keys[i++];
+            self->nkeys = i;
+            k->id = PyUnicode_AsEncodedString(id, "utf-8", "surrogatepass");
+            if (k->id == NULL)
+                return -1;
+            k->mac = EVP_MAC_CTX_new(HMAC_MAC);
+            OSSL_PARAM params[] = {
+                OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, "SHA256", 0),
+                OSSL_PARAM_construct_end()};
+            if (k->mac == NULL ||
+                !EVP_MAC_init(k->mac, (const unsigned char *)PyBytes_AS_STRING(key),
+                              (size_t)PyBytes_GET_SIZE(key), params)) {
+                PyErr_SetString(PyExc_RuntimeError, "OpenSSL HMAC failed");
+                return -1;
+            }
+        }
+    }
+    self->policies = Py_NewRef(policies);
+    self->role_ok = Py_NewRef(role_ok);
+    self->derive = Py_NewRef(derive);
+    self->roles = PyDict_New();
+    self->memo = PyDict_New();
+    if (self->roles == NULL || self->memo == NULL)
+        return -1;
+    return 0;
+}
+
+/* start(thread_id, expected, parent, state, policy_name, stop) -> bool: the chain the
+ * next line continues, as the reference holds it; stop: a version the lane leaves to
+ * the reference (a checkpoint's), or -1. False (and no chain) when the lane cannot
+ * replay on the state (a member name it does not order). */
+static PyObject *
+Lane_start(Lane *self, PyObject *args)
+{
+    PyObject *thread_id, *policy_name;
+    long long expected, stop;
+    const char *parent, *state;
+    Py_ssize_t parent_len, state_len;
+    if (self->md == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Lane is not initialised");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!Ls#y#OL", &PyBytes_Type, &thread_id, &expected, &parent,
+                          &parent_len, &state, &state_len, &policy_name, &stop))
+        return NULL;
+    if (parent_len != 64 || (policy_name != Py_None && !PyUnicode_Check(policy_name))) {
+        PyErr_SetString(PyExc_ValueError, "a 64-digit parent and a policy name or None");
+        return NULL;
+    }
+    lane_clear_thread(self);
+    self->state.len = 0;
+    if (!buf_put(&self->state, (const unsigned char *)state, state_len))
+        return PyErr_NoMemory();
+    int oom = 0;
+    if (!scan_members(self->state.p, self->state.len, &self->old, &oom)) {
+        if (oom)
+            return PyErr_NoMemory();
+        Py_RETURN_FALSE; /* a state the lane cannot replay on: the reference's */
+    }
+    self->earlier = PyList_New(0);
+    if (self->earlier == NULL)
+        return NULL;
+    self->thread_id = Py_NewRef(thread_id);
+    self->policy_name = policy_name == Py_None ? NULL : Py_NewRef(policy_name);
+    self->expected = expected;
+    self->stop = stop;
+    memcpy(self->parent, parent, 64);
+    self->records = 0;
+    self->has_last = 0;
+    self->active = 1;
+    Py_RETURN_TRUE;
+}
+
+static int
+role_allowed(Lane *self, const unsigned char *node, Py_ssize_t len)
+{
+    PyObject *key = PyUnicode_DecodeUTF8((const char *)node, len, "strict");
+    if (key == NULL)
+        return -1;
+    PyObject *known = PyDict_GetItemWithError(self->roles, key);
+    if (known == NULL) {
+        if (PyErr_Occurred()) {
+            Py_DECREF(key);
+            return -1;
+        }
+        known = PyObject_CallOneArg(self->role_ok, key);
+        if (known == NULL || PyDict_SetItem(self->roles, key, known) < 0) {
+            Py_XDECREF(known);
+            Py_DECREF(key);
+            return -1;
+        }
+        Py_DECREF(known); /* the dict holds it */
+    }
+    Py_DECREF(key);
+    return PyObject_IsTrue(known);
+}
+
+static int
+risk_piece(Buf *key, unsigned char tag, const unsigned char *data, Py_ssize_t len)
+{
+    unsigned char head[9];
+    head[0] = tag;
+    for (int i = 0; i < 8; i++)
+        head[1 + i] = (unsigned char)(((unsigned long long)len >> (8 * i)) & 0xFF);
+    return buf_put(key, head, 9) && buf_put(key, data, len);
+}
+
+/* What the policy's risk rules see of the change, as bytes: the same inputs give
+ * the same bytes and no two differ in what they see (each piece tagged and sized). */
+static int
+risk_key(Lane *self, PyObject *inputs, PyObject *digest, const unsigned char *node,
+         Py_ssize_t node_len, const unsigned char *patch, Py_ssize_t patch_len)
+{
+    Buf *key = &self->riskkey;
+    key->len = 0;
+    Py_ssize_t digest_len;
+    const char *d = PyUnicode_AsUTF8AndSize(digest, &digest_len);
+    if (d == NULL || !risk_piece(key, 'p', (const unsigned char *)d, digest_len))
+        return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(inputs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *input = PyTuple_GET_ITEM(inputs, i);
+        const char *var = PyUnicode_AsUTF8(PyTuple_GET_ITEM(input, 0));
+        PyObject *names = PyTuple_GET_ITEM(input, 1);
+        if (var == NULL)
+            return 0;
+        const unsigned char *value;
+        Py_ssize_t value_len;
+        const Members *ms;
+        if (strcmp(var, "node") == 0) {
+            if (!risk_piece(key, 'n', node, node_len))
+                return 0;
+            continue;
+        }
+        if (strcmp(var, "state") == 0) {
+            value = self->next.p, value_len = self->next.len, ms = &self->members;
+        }
+        else if (strcmp(var, "old") == 0) {
+            value = self->state.p, value_len = self->state.len, ms = &self->old;
+        }
+        else if (strcmp(var, "patch") == 0) {
+            value = patch, value_len = patch_len, ms = &self->patch;
+        }
+        else {
+            PyErr_SetString(PyExc_ValueError, "a risk input other than state, old, patch, node");
+            return 0;
+        }
+        if (names == Py_None) {
+            if (!risk_piece(key, 'w', value, value_len))
+                return 0;
+            continue;
+        }
+        Py_ssize_t count = PyTuple_GET_SIZE(names);
+        for (Py_ssize_t j = 0; j < count; j++) {
+            PyObject *name = PyTuple_GET_ITEM(names, j);
+            const unsigned char *want = (const unsigned char *)PyBytes_AS_STRING(name);
+            Py_ssize_t want_len = PyBytes_GET_SIZE(name);
+            const Member *found = NULL;
+            for (Py_ssize_t k = 0; k < ms->n; k++)
+                if (ms->m[k].key_len == want_len &&
+                    memcmp(value + ms->m[k].key, want, want_len) == 0) {
+                    found = &ms->m[k];
+                    break;
+                }
+            if (found == NULL) {
+                if (!risk_piece(key, 'a', want, want_len))
+                    return 0;
+            }
+            else if (!risk_piece(key, 'k', want, want_len) ||
+                     !risk_piece(key, 'v', value + found->value, found->value_len))
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* 1: no risk rule matches; 0: one may (the reference decides); -1: an error. */
+static int
+no_risk(Lane *self, PyObject *policy, PyObject *digest, const unsigned char *node,
+        Py_ssize_t node_len, const unsigned char *patch, Py_ssize_t patch_len)
+{
+    if (!PyObject_IsTrue(PyTuple_GET_ITEM(policy, 1)))
+        return 1; /* the policy has no risk rules */
+    if (!risk_key(self, PyTuple_GET_ITEM(policy, 2), digest, node, node_len, patch, patch_len))
+        return PyErr_Occurred() ? -1 : (PyErr_NoMemory(), -1);
+    PyObject *key = PyBytes_FromStringAndSize((const char *)self->riskkey.p, self->riskkey.len);
+    if (key == NULL)
+        return -1;
+    PyObject *known = PyDict_GetItemWithError(self->memo, key);
+    if (known != NULL) {
+        Py_DECREF(key);
+        return PyObject_IsTrue(known);
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return -1;
+    }
+    PyObject *old = PyBytes_FromStringAndSize((const char *)self->state.p, self->state.len);
+    PyObject *state = PyBytes_FromStringAndSize((const char *)self->next.p, self->next.len);
+    PyObject *patch_bytes = PyBytes_FromStringAndSize((const char *)patch, patch_len);
+    PyObject *node_id = PyUnicode_DecodeUTF8((const char *)node, node_len, "strict");
+    PyObject *answer = NULL;
+    if (old && state && patch_bytes && node_id)
+        answer = PyObject_CallFunctionObjArgs(self->derive, digest, old, state, patch_bytes,
+                                              node_id, NULL);
+    Py_XDECREF(old);
+    Py_XDECREF(state);
+    Py_XDECREF(patch_bytes);
+    Py_XDECREF(node_id);
+    if (answer == NULL) {
+        Py_DECREF(key);
+        return -1;
+    }
+    if (PyDict_Size(self->memo) >= MEMO_SIZE)
+        PyDict_Clear(self->memo);
+    int stored = PyDict_SetItem(self->memo, key, answer);
+    Py_DECREF(key);
+    int none = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    return stored < 0 ? -1 : none;
+}
+
+/* The previous state (self->state, its members in self->old) with the patch applied,
+ * in canonical bytes, into self->next; the new state's members into self->members.
+ * 1, 0 (declined) or -1. */
+static int
+replay(Lane *self, const unsigned char *patch, Py_ssize_t patch_len)
+{
+    int oom = 0;
+    if (!scan_members(patch, patch_len, &self->patch, &oom))
+        return oom ? (PyErr_NoMemory(), -1) : 0;
+    Buf *out = &self->next;
+    out->len = 0;
+    self->members.n = 0;
+    const unsigned char *ob = self->state.p;
+    Py_ssize_t i = 0, j = 0;
+    int first = 1;
+    if (!buf_put(out, (const unsigned char *)"{", 1))
+        return PyErr_NoMemory(), -1;
+    while (i < self->old.n || j < self->patch.n) {
+        const unsigned char *base;
+        const Member *m;
+        int take_patch;
+        if (j >= self->patch.n)
+            take_patch = 0;
+        else if (i >= self->old.n)
+            take_patch = 1;
+        else {
+            const Member *a = &self->old.m[i], *b = &self->patch.m[j];
+            Py_ssize_t n = a->key_len < b->key_len ? a->key_len : b->key_len;
+            int order = memcmp(ob + a->key, patch + b->key, n);
+            if (order == 0)
+                order = (a->key_len > b->key_len) - (a->key_len < b->key_len);
+            if (order == 0)
+                i++; /* the patch's member replaces (or removes) the old one */
+            take_patch = order >= 0;
+        }
+        if (take_patch) {
+            base = patch;
+            m = &self->patch.m[j++];
+            if (m->value_len == 4 && memcmp(base + m->value, "null", 4) == 0)
+                continue; /* a null removes its key */
+        }
+        else {
+            base = ob;
+            m = &self->old.m[i++];
+        }
+        Py_ssize_t at = out->len + (first ? 0 : 1);
+        if ((!first && !buf_put(out, (const unsigned char *)",", 1)) ||
+            !buf_put(out, (const unsigned char *)"\"", 1) ||
+            !buf_put(out, base + m->key, m->key_len) ||
+            !buf_put(out, (const unsigned char *)"\":", 2) ||
+            !buf_put(out, base + m->value, m->value_len))
+            return PyErr_NoMemory(), -1;
+        Member placed = {at + 1, m->key_len, at + 1 + m->key_len + 2, m->value_len};
+        if (!members_add(&self->members, placed))
+            return PyErr_NoMemory(), -1;
+        first = 0;
+    }
+    if (!buf_put(out, (const unsigned char *)"}", 1))
+        return PyErr_NoMemory(), -1;
+    return 1;
+}
+
+typedef struct {
+    Span thread, digest, parent, node, key_id, signature;
+    Span committed; /* p NULL: the column is null */
+    long long version;
+    const unsigned char *record, *body; /* body NULL: no kept state */
+    Py_ssize_t record_len, body_len;
+} Row;
+
+/* The checks of one row, whatever it was read from: 1 taken (the chain advanced), 0
+ * declined (nothing changed), -1 an error. */
+static int
+lane_row(Lane *self, const Row *row)
+{
+    int oom = 0, failed = 0;
+    PyObject *result = Py_False;
+    Span thread = row->thread, digest = row->digest, parent = row->parent, node = row->node,
+         key_id = row->key_id, signature = row->signature, committed = row->committed;
+    long long version = row->version;
+    int has_state = row->body != NULL;
+
+    /* the row's place in the chain */
+    if (!same(thread, (const unsigned char *)PyBytes_AS_STRING(self->thread_id),
+              PyBytes_GET_SIZE(self->thread_id)) ||
+        version != self->expected || version < 1 || version == self->stop)
+        goto done;
+
+    /* the record: canonical, and a plain transition */
+    const unsigned char *rec = row->record;
+    Py_ssize_t rec_len = row->record_len;
+    if (!scan_members(rec, rec_len, &self->members, &oom))
+        goto done;
+    static const char *format1[] = {"committed_at", "format", "key_id", "kind", "node_id",
+                                    "parent_digest", "patch", "policy_digest",
+                                    "receipt_digest", "state_digest", "thread_id",
+                                    "version", NULL};
+    static const char *format2[] = {"committed_at", "format", "key_id", "kind", "node_id",
+                                    "parent_digest", "patch", "policy_digest",
+                                    "receipt_digest", "risk_rules", "state_digest",
+                                    "thread_id", "version", NULL};
+    Members *ms = &self->members;
+    const char **names = ms->n == 12 ? format1 : ms->n == 13 ? format2 : NULL;
+    if (names == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < ms->n; i++) {
+        Py_ssize_t n = (Py_ssize_t)strlen(names[i]);
+        if (ms->m[i].key_len != n || memcmp(rec + ms->m[i].key, names[i], n) != 0)
+            goto done;
+    }
+#define VALUE(i) (rec + ms->m[i].value)
+#define VALUE_LEN(i) (ms->m[i].value_len)
+/* a string member's content, when it holds no escape */
+#define STRING(i, span)                                                              \
+    do {                                                                             \
+        if (VALUE_LEN(i) < 2 || VALUE(i)[0] != '"' ||                                \
+            memchr(VALUE(i), '\\', VALUE_LEN(i)) != NULL)                            \
+            goto done;                                                               \
+        (span).p = VALUE(i) + 1;                                                     \
+        (span).len = VALUE_LEN(i) - 2;                                               \
+    } while (0)
+    int v2 = ms->n == 13, at = 0;
+    Span r_committed, r_key_id, r_kind, r_node, r_parent, r_policy, r_state_digest, r_thread;
+    STRING(at, r_committed);
+    at++;
+    if (!(VALUE_LEN(at) == 1 && VALUE(at)[0] == (v2 ? '2' : '1')))
+        goto done;
+    at++;
+    STRING(at, r_key_id);
+    at++;
+    STRING(at, r_kind);
+    at++;
+    STRING(at, r_node);
+    at++;
+    STRING(at, r_parent);
+    at++;
+    const unsigned char *patch = VALUE(at);
+    Py_ssize_t patch_len = VALUE_LEN(at);
+    if (patch[0] != '{')
+        goto done;
+    at++;
+    STRING(at, r_policy);
+    at++;
+    if (!(VALUE_LEN(at) == 4 && memcmp(VALUE(at), "null", 4) == 0))
+        goto done; /* a receipt: the reference's */
+    at++;
+    if (v2) {
+        if (!(VALUE_LEN(at) == 2 && memcmp(VALUE(at), "[]", 2) == 0))
+            goto done; /* carried risk rules: the reference's */
+        at++;
+    }
+    STRING(at, r_state_digest);
+    at++;
+    STRING(at, r_thread);
+    at++;
+    long long r_version;
+    const unsigned char *vp = VALUE(at);
+    if (!line_version(&vp, vp + VALUE_LEN(at), &r_version) || vp != VALUE(at) + VALUE_LEN(at))
+        goto done;
+#undef STRING
+#undef VALUE
+#undef VALUE_LEN
+    if (!same(r_kind, (const unsigned char *)"transition", 10) || r_version != version ||
+        !same(r_thread, thread.p, thread.len) || !is_hex64(r_parent.p, r_parent.len) ||
+        !is_hex64(r_state_digest.p, r_state_digest.len) ||
+        !is_time(r_committed.p, r_committed.len))
+        goto done;
+    /* the columns the line copies, and the chain */
+    if (!same(parent, r_parent.p, r_parent.len) || !same(node, r_node.p, r_node.len) ||
+        !same(key_id, r_key_id.p, r_key_id.len) ||
+        (committed.p != NULL && !same(committed, r_committed.p, r_committed.len)) ||
+        memcmp(r_parent.p, self->parent, 64) != 0)
+        goto done;
+
+    /* digest and signature */
+    char hex[64];
+    unsigned char raw[32];
+    if (!sha256_hex(self, rec, rec_len, hex, raw)) {
+        failed = 1;
+        goto done;
+    }
+    if (!same(digest, (const unsigned char *)hex, 64))
+        goto done;
+    if (self->keyring) {
+        Key *key = NULL;
+        for (Py_ssize_t i = 0; i < self->nkeys; i++)
+            if (same(key_id, (const unsigned char *)PyBytes_AS_STRING(self->keys[i].id),
+                     PyBytes_GET_SIZE(self->keys[i].id))) {
+                key = &self->keys[i];
+                break;
+            }
+        if (key == NULL)
+            goto done;
+        unsigned char mac[32];
+        size_t mac_len = 0;
+        char mac_hex[64];
+        if (!EVP_MAC_init(key->mac, NULL, 0, NULL) || !EVP_MAC_update(key->mac, raw, 32) ||
+            !EVP_MAC_final(key->mac, mac, &mac_len, sizeof(mac)) || mac_len != 32) {
+            PyErr_SetString(PyExc_RuntimeError, "OpenSSL HMAC failed");
+            failed = 1;
+            goto done;
+        }
+        to_hex(mac, 32, mac_hex);
+        if (!same(signature, (const unsigned char *)mac_hex, 64))
+            goto done;
+    }
+
+    /* the role and the policy */
+    int role = role_allowed(self, r_node.p, r_node.len);
+    if (role < 0) {
+        failed = 1;
+        goto done;
+    }
+    if (!role)
+        goto done;
+    PyObject *policy_digest =
+        PyUnicode_DecodeUTF8((const char *)r_policy.p, r_policy.len, "strict");
+    if (policy_digest == NULL) {
+        failed = 1;
+        goto done;
+    }
+    PyObject *policy = PyDict_GetItemWithError(self->policies, policy_digest);
+    if (policy == NULL || !PyTuple_Check(policy) || PyTuple_GET_SIZE(policy) != 3) {
+        failed = PyErr_Occurred() != NULL;
+        Py_DECREF(policy_digest);
+        goto done;
+    }
+    PyObject *name = PyTuple_GET_ITEM(policy, 0);
+    if (self->policy_name != NULL) {
+        int equal = PyUnicode_Compare(self->policy_name, name);
+        if (equal != 0) {
+            failed = PyErr_Occurred() != NULL;
+            Py_DECREF(policy_digest);
+            goto done;
+        }
+    }
+
+    /* the replay, and the kept state body */
+    int replayed = replay(self, patch, patch_len);
+    if (replayed <= 0) {
+        failed = replayed < 0;
+        Py_DECREF(policy_digest);
+        goto done;
+    }
+    char state_hex[64];
+    unsigned char state_raw[32];
+    if (!sha256_hex(self, self->next.p, self->next.len, state_hex, state_raw)) {
+        failed = 1;
+        Py_DECREF(policy_digest);
+        goto done;
+    }
+    if (!same(r_state_digest, (const unsigned char *)state_hex, 64) ||
+        (has_state &&
+         (row->body_len != self->next.len ||
+          memcmp(row->body, self->next.p, self->next.len) != 0))) {
+        Py_DECREF(policy_digest);
+        goto done;
+    }
+
+    /* the risk rules: none may match a transition without a receipt */
+    int none = no_risk(self, policy, policy_digest, r_node.p, r_node.len, patch, patch_len);
+    Py_DECREF(policy_digest);
+    if (none <= 0) {
+        failed = none < 0;
+        goto done;
+    }
+
+    /* taken: the chain advances as the reference's would */
+    PyObject *earlier = PyUnicode_FromStringAndSize(state_hex, 64);
+    if (earlier == NULL || PyList_Append(self->earlier, earlier) < 0) {
+        Py_XDECREF(earlier);
+        failed = 1;
+        goto done;
+    }
+    Py_DECREF(earlier);
+    if (self->policy_name == NULL)
+        self->policy_name = Py_NewRef(name);
+    Buf swap = self->state;
+    self->state = self->next;
+    self->next = swap;
+    Members swap_members = self->old;
+    self->old = self->members;
+    self->members = swap_members;
+    memcpy(self->parent, hex, 64);
+    self->expected = version + 1;
+    self->records++;
+    self->has_last = 1;
+    self->last_version = version;
+    memcpy(self->last_digest, hex, 64);
+    memcpy(self->last_state_digest, state_hex, 64);
+    self->last_kept = has_state;
+    result = Py_True;
+
+done:
+    if (failed || oom) {
+        if (oom && !PyErr_Occurred())
+            PyErr_NoMemory();
+        return -1;
+    }
+    return result == Py_True;
+}
+
+/* add(line) -> bool: True when the line was a plain transition of the thread at the
+ * next version that the lane confirmed and took (the chain advanced), False when it
+ * left the line to the reference (nothing changed). */
+static PyObject *
+Lane_add(Lane *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "no chain started");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *p = view.buf, *end = p + view.len;
+    int oom = 0, taken = 0;
+    Row row = {0};
+    Span optional;
+
+    /* the line: the exporter's layout */
+    if (end > p && end[-1] == '\n')
+        end--;
+    if (!(literal(&p, end, "{\"thread_id\":") && line_plain(&p, end, &row.thread) &&
+          literal(&p, end, ",\"version\":") && line_version(&p, end, &row.version) &&
+          literal(&p, end, ",\"digest\":") && line_plain(&p, end, &row.digest) &&
+          literal(&p, end, ",\"parent_digest\":") && line_plain(&p, end, &row.parent) &&
+          literal(&p, end, ",\"node_id\":") && line_plain(&p, end, &row.node) &&
+          literal(&p, end, ",\"key_id\":") && line_plain(&p, end, &row.key_id) &&
+          literal(&p, end, ",\"signature\":") && line_plain(&p, end, &row.signature) &&
+          literal(&p, end, ",\"record\":") && line_decoded(&p, end, &self->record, &oom) &&
+          literal(&p, end, ",\"state\":")))
+        goto done;
+    if (!literal(&p, end, "null")) {
+        if (!line_decoded(&p, end, &self->body, &oom))
+            goto done;
+        row.body = self->body.p;
+        row.body_len = self->body.len;
+    }
+    if (!literal(&p, end, ",\"receipt\":null,\"receipt_signature\":"))
+        goto done;
+    if (!literal(&p, end, "null") && !line_plain(&p, end, &optional))
+        goto done;
+    if (!literal(&p, end, ",\"receipt_key_id\":"))
+        goto done;
+    if (!literal(&p, end, "null") && !line_plain(&p, end, &optional))
+        goto done;
+    if (!literal(&p, end, ",\"committed_at\":"))
+        goto done;
+    if (!literal(&p, end, "null") && !line_plain(&p, end, &row.committed))
+        goto done;
+    if (!literal(&p, end, "}") || p != end)
+        goto done;
+    row.record = self->record.p;
+    row.record_len = self->record.len;
+    taken = lane_row(self, &row);
+
+done:
+    PyBuffer_Release(&view);
+    if (oom && !PyErr_Occurred())
+        PyErr_NoMemory();
+    if (oom || taken < 0)
+        return NULL;
+    return PyBool_FromLong(taken);
+}
+
+/* A text column as UTF-8 (anything else, or text with a lone surrogate: 0, the
+ * reference's). */
+static int
+column_text(PyObject *value, Span *out)
+{
+    if (!PyUnicode_Check(value))
+        return 0;
+    Py_ssize_t len;
+    const char *text = PyUnicode_AsUTF8AndSize(value, &len);
+    if (text == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    out->p = (const unsigned char *)text;
+    out->len = len;
+    return 1;
+}
+
+/* A bytea column (bytes), or None when it may be null (then *p is NULL). */
+static int
+column_bytes(PyObject *value, const unsigned char **p, Py_ssize_t *len, int nullable)
+{
+    if (value == Py_None && nullable) {
+        *p = NULL;
+        *len = 0;
+        return 1;
+    }
+    if (!PyBytes_Check(value))
+        return 0;
+    *p = (const unsigned char *)PyBytes_AS_STRING(value);
+    *len = PyBytes_GET_SIZE(value);
+    return 1;
+}
+
+/* add_row(row) -> bool: add() for a ledger row read from the database, a sequence of
+ * the first columns of checks.ROWS in its order (thread_id, version, digest,
+ * parent_digest, node_id, key_id, signature, record, state, receipt,
+ * receipt_signature, receipt_key_id, committed_at: an aware datetime in UTC, compared
+ * as format_time writes it). */
+static PyObject *
+Lane_add_row(Lane *self, PyObject *arg)
+{
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "no chain started");
+        return NULL;
+    }
+    PyObject *columns[13];
+    int got = 0, taken = 0;
+    Row row = {0};
+    char time[32];
+    for (; got < 13; got++) {
+        columns[got] = PySequence_GetItem(arg, got);
+        if (columns[got] == NULL)
+            goto done;
+    }
+    PyObject *when = columns[12];
+    if (!(column_text(columns[0], &row.thread) && PyLong_CheckExact(columns[1]) &&
+          column_text(columns[2], &row.digest) && column_text(columns[3], &row.parent) &&
+          column_text(columns[4], &row.node) && column_text(columns[5], &row.key_id) &&
+          column_text(columns[6], &row.signature) &&
+          column_bytes(columns[7], &row.record, &row.record_len, 0) &&
+          column_bytes(columns[8], &row.body, &row.body_len, 1) && columns[9] == Py_None))
+        goto done;
+    int overflow = 0;
+    row.version = PyLong_AsLongLongAndOverflow(columns[1], &overflow);
+    if (overflow || (row.version == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        goto done;
+    }
+    if (when != Py_None) {
+        /* format_time's form; a year below 1000 (strftime's) the reference's */
+        if (!PyDateTime_Check(when) ||
+            PyDateTime_DATE_GET_TZINFO(when) != PyDateTime_TimeZone_UTC ||
+            PyDateTime_GET_YEAR(when) < 1000)
+            goto done;
+        int n = snprintf(time, sizeof(time), "%04d-%02d-%02dT%02d:%02d:%02d.%06dZ",
+                         PyDateTime_GET_YEAR(when), PyDateTime_GET_MONTH(when),
+                         PyDateTime_GET_DAY(when), PyDateTime_DATE_GET_HOUR(when),
+                         PyDateTime_DATE_GET_MINUTE(when), PyDateTime_DATE_GET_SECOND(when),
+                         PyDateTime_DATE_GET_MICROSECOND(when));
+        if (n != 27)
+            goto done;
+        row.committed.p = (const unsigned char *)time;
+        row.committed.len = 27;
+    }
+    taken = lane_row(self, &row);
+
+done:
+    for (int i = 0; i < got; i++)
+        Py_DECREF(columns[i]);
+    if (got < 13 || taken < 0)
+        return NULL;
+    return PyBool_FromLong(taken);
+}
+
+/* take() -> (records, expected, parent, state, policy_name, earlier, last): what the
+ * lane took since start, for the reference to carry on from; last is (version,
+ * digest, state_digest, kept) or None. The lane holds no chain after it. */
+static PyObject *
+Lane_take(Lane *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "no chain started");
+        return NULL;
+    }
+    PyObject *last;
+    if (self->has_last)
+        last = Py_BuildValue("(Ls#s#O)", self->last_version, self->last_digest,
+                             (Py_ssize_t)64, self->last_state_digest, (Py_ssize_t)64,
+                             self->last_kept ? Py_True : Py_False);
+    else
+        last = Py_NewRef(Py_None);
+    if (last == NULL)
+        return NULL;
+    PyObject *out = Py_BuildValue(
+        "(LLs#y#OON)", self->records, self->expected, (const char *)self->parent,
+        (Py_ssize_t)64, (const char *)self->state.p, self->state.len,
+        self->policy_name ? self->policy_name : Py_None, self->earlier, last);
+    if (out != NULL)
+        lane_clear_thread(self);
+    return out;
+}
+
+static PyMethodDef Lane_methods[] = {
+    {"start", (PyCFunction)Lane_start, METH_VARARGS, NULL},
+    {"add", (PyCFunction)Lane_add, METH_O, NULL},
+    {"add_row", (PyCFunction)Lane_add_row, METH_O, NULL},
+    {"take", (PyCFunction)Lane_take, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ztate.services.verify._chain.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Lane_init,
+    .tp_dealloc = (destructor)Lane_dealloc,
+    .tp_methods = Lane_methods,
+};
+
+/* canonical(data) -> bool: whether the lane's scanner takes data as a canonical
+ * object (for the tests that hold it to the reference). */
+static PyObject *
+canonical(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    Py_buffer view;
+    Members ms = {NULL, 0, 0};
+    int oom = 0;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int ok = scan_members(view.buf, view.len, &ms, &oom);
+    PyBuffer_Release(&view);
+    PyMem_Free(ms.m);
+    if (oom)
+        return PyErr_NoMemory();
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"canonical", canonical, METH_O, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_chain", NULL, -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__chain(void)
+{
+    init_string_bytes();
+    init_hex();
+    PyDateTime_IMPORT;
+    if (PyDateTimeAPI == NULL)
+        return NULL;
+    if (SHA256_MD == NULL)
+        SHA256_MD = EVP_MD_fetch(NULL, "SHA256", NULL);
+    if (HMAC_MAC == NULL)
+        HMAC_MAC = EVP_MAC_fetch(NULL, "HMAC", NULL);
+    if (SHA256_MD == NULL || HMAC_MAC == NULL) {
+        PyErr_SetString(PyExc_ImportError, "OpenSSL has no SHA-256 or HMAC");
+        return NULL;
+    }
+    if (PyType_Ready(&LaneType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

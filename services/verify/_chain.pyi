@@ -1,0 +1,30 @@
+"""The verifier's compiled lane (_chain.c): the lines it confirms whole, it takes."""
+
+from collections.abc import Callable, Sequence
+
+Policies = dict[str, tuple[str, bool, tuple[tuple[str, tuple[bytes, ...] | None], ...]]]
+Last = tuple[int, str, str, bool]
+
+class Lane:
+    def __init__(
+        self,
+        keys: dict[str, bytes] | None,
+        policies: Policies,
+        role_ok: Callable[[str], bool],
+        derive: Callable[[str, bytes, bytes, bytes, str], bool],
+    ) -> None: ...
+    def start(
+        self,
+        thread_id: bytes,
+        expected: int,
+        parent: str,
+        state: bytes,
+        policy_name: str | None,
+        stop: int,
+        /,
+    ) -> bool: ...
+    def add(self, line: bytes, /) -> bool: ...
+    def add_row(self, row: Sequence[object], /) -> bool: ...
+    def take(self) -> tuple[int, int, str, bytes, str | None, list[str], Last | None]: ...
+
+def canonical(data: bytes, /) -> bool: ...

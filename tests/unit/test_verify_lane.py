@@ -1,0 +1,427 @@
+"""The verifier's compiled lane (services/verify/_chain.c) against the reference.
+
+The lane takes a line of records.jsonl only when it confirms, by itself, that the
+reference (services/verify/checks.py) would find nothing in it, and carries the chain on
+as the reference would. So whatever a bundle holds, a run with the lane must report
+exactly what a run without it reports: the same findings in the same order, the same
+summary. These tests hold it to that over honest bundles (where it must take nearly
+every line: else it makes nothing faster) and over thousands of hostile edits, and hold
+its canonical-JSON scanner to RFC 8785 (it may refuse canonical bytes, never accept
+others).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.test_verify_bundle import POLICIES, RISKY, Chain, initial
+from tests.unit.test_verify_bundle_ranges import TRUST, rewrite, write
+from ztate.contract.canonical import canonical_bytes
+from ztate.contract.keyring import Keyring
+from ztate.services.verify import checks
+from ztate.services.verify.bundle import RECORDS, verify_bundle
+from ztate.services.verify.checks import SIGNATURE, Finding, Summary, Trust
+from ztate.services.verify.parallel import verify_bundle_parallel
+
+pytestmark = pytest.mark.unit
+
+if checks.LANE is None:  # pragma: no cover - the build always has a compiler here
+    pytest.fail("the compiled lane was not built (services/verify/_chain.c: gcc, libssl-dev)")
+LANE = checks.LANE
+
+
+class Counting:
+    """The run's lane, counting the lines it took."""
+
+    def __init__(self, lane: Any) -> None:
+        self._lane = lane
+        self.taken = 0
+        self.declined = 0
+
+    def start(self, *args: Any) -> bool:
+        return bool(self._lane.start(*args))
+
+    def add(self, line: bytes) -> bool:
+        took = bool(self._lane.add(line))
+        self.taken += took
+        self.declined += not took
+        return took
+
+    def add_row(self, row: Any) -> bool:
+        took = bool(self._lane.add_row(row))
+        self.taken += took
+        self.declined += not took
+        return took
+
+    def take(self) -> Any:
+        return self._lane.take()
+
+
+def run(
+    folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    lane: bool,
+    trust: Trust = TRUST,
+    jobs: int = 1,
+) -> tuple[list[dict[str, Any]], Summary, list[Counting]]:
+    """The findings (as JSON, in order) and the summary of a run with or without the lane."""
+    counters: list[Counting] = []
+
+    def counted(trust: Trust) -> Any:
+        if not lane:
+            return None
+        counter = Counting(LANE_OF(trust))
+        counters.append(counter)
+        return counter
+
+    monkeypatch.setattr(checks, "compiled_lane", counted)
+    findings: list[Finding] = []
+    if jobs == 1:
+        summary = verify_bundle(folder, trust, findings.append)
+    else:
+        summary = verify_bundle_parallel(folder, trust, findings.append, jobs=jobs)
+    return [f.as_json() for f in findings], summary, counters
+
+
+LANE_OF = checks.compiled_lane
+
+
+def rich_chains(carried: bool) -> list[Chain]:
+    """Threads whose patches add, replace and remove members (nulls), in and out of
+    order, with values of every JSON type, escapes and characters of every plane (the
+    member names inside the BMP, so the lane orders them), and one risky transition
+    under a receipt."""
+    chains = []
+    for number in range(6):
+        chain = Chain(initial(), f"lane-{number:02d}", carried=carried)
+        for version in range(1, 30):
+            patch: dict[str, Any] = {
+                "pending_transition": {"action": "refund", "order_id": f"A-{version}"},
+                f"note_{version % 7}": [version, -version, True, None, {"z": "a\tb\u0001"}],
+                "é_ünïcode": 'snowman ☃, clef 𝄞, quote " and backslash \\',
+                "zz_last": version,
+                "aa_first": None if version % 3 == 0 else {"n": version},
+            }
+            if version % 5 == 0:
+                patch["pending_transition"] = None
+            if version == 17 and number % 2 == 0:
+                chain.propose(RISKY, approved=True)  # a receipt: the reference's line
+                continue
+            chain.propose(patch)
+        chains.append(chain)
+    return chains
+
+
+@pytest.mark.parametrize("carried", [False, True], ids=["format-1", "format-2"])
+def test_the_lane_takes_every_plain_transition_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, carried: bool
+) -> None:
+    chains = rich_chains(carried)
+    folder = write(tmp_path / "bundle", chains, {"lane-01": {12: chains[1].rows[12].digest}})
+    with_lane, summary, counters = run(folder, monkeypatch, lane=True)
+    without, reference, _ = run(folder, monkeypatch, lane=False)
+    assert with_lane == without == []
+    assert summary == reference
+    assert summary.records == 6 * 30
+    # every line but each genesis, the three receipts and the line at the checkpoint
+    # (and each thread's first line after the lane, which ends its chain)
+    (counter,) = counters
+    assert counter.taken == 6 * 30 - 6 - 3 - 1
+
+
+def test_the_lane_changes_nothing_on_worker_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = write(tmp_path / "bundle", rich_chains(True), {})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    row = json.loads(lines[40])
+    row["state"] = row["state"].replace("refund", "refunt")  # a kept body that is not the state
+    lines[40] = json.dumps(row, separators=(",", ":")).encode() + b"\n"
+    rewrite(folder, lines)
+    with_lane, summary, _ = run(folder, monkeypatch, lane=True, jobs=2)
+    without, reference, _ = run(folder, monkeypatch, lane=False, jobs=2)
+    assert with_lane == without != []
+    assert summary == reference
+
+
+def test_a_run_without_a_keyring_takes_the_lane_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Public-only verification checks no HMAC: neither does the lane."""
+    folder = write(tmp_path / "bundle", rich_chains(True), {})
+    trust = Trust(None, TRUST.approval_keys, POLICIES, TRUST.checkpoint_keys)
+    with_lane, summary, counters = run(folder, monkeypatch, lane=True, trust=trust)
+    without, reference, _ = run(folder, monkeypatch, lane=False, trust=trust)
+    assert with_lane == without
+    assert summary == reference
+    assert counters[0].taken > 100
+
+
+# --- hostile edits ------------------------------------------------------------------
+
+# What an attacker (or a disk) may do to a line: each keeps the line's JSON readable
+# often enough that the checks behind the parse are reached.
+HEX = "0123456789abcdef"
+
+
+def mutations(line: bytes, rng: random.Random) -> Iterator[bytes]:
+    """Edits of one line of records.jsonl."""
+    text = line.decode("utf-8", "surrogatepass")
+    at = rng.randrange(len(line))
+    yield line[:at] + bytes([rng.randrange(256)]) + line[at + 1 :]  # any byte
+    yield line[:at] + line[at + 1 :]  # a byte dropped
+    # one character of the line's text changed for another, JSON text still
+    at = rng.randrange(len(text))
+    for other in ("0", "a", "f", "1", " ", "\\\\", '\\"', "\\u0041", "é", "𝄞", ","):
+        yield (text[:at] + other + text[at + 1 :]).encode("utf-8", "surrogatepass")
+    row = json.loads(line)
+    record = row["record"]
+    for old, new in (
+        ('"version":', '"version": '),
+        ('"format":1', '"format":2'),
+        ('"format":2', '"format":1'),
+        ('"receipt_digest":null', '"receipt_digest":"' + "0" * 64 + '"'),
+        ('"kind":"transition"', '"kind":"revert"'),
+        ('"kind":"transition"', '"kind":"genesis"'),
+        ("transition", "Transition"),
+        ("planner", "reviewer"),
+        ("node/", "operator/"),
+        ('"zz_last":', '"zz_last":1.0,"zz_lasu":'),
+        ('"aa_first":null', '"aa_first":{}'),
+        ("}", ',"risk_rules":[]}'),
+        ('"risk_rules":[]', '"risk_rules":["target-user-change"]'),
+        ("\\u0001", "\\u0001\\u001F"),
+        ("\\t", "\\u0009"),
+        ("☃", "\\u2603"),
+        ('"é_ünïcode"', '"\\u00e9_ünïcode"'),
+        ("A-", "A\\/"),
+        ("2026-", "2027-"),
+        ("T00:", "T24:"),
+    ):
+        if old in record:
+            yield (
+                json.dumps(
+                    {**row, "record": record.replace(old, new, 1)}, separators=(",", ":")
+                ).encode()
+                + b"\n"
+            )
+    for name in ("digest", "parent_digest", "signature"):
+        value = row[name]
+        spot = rng.randrange(len(value))
+        changed = value[:spot] + rng.choice(HEX.replace(value[spot], "")) + value[spot + 1 :]
+        yield json.dumps({**row, name: changed}, separators=(",", ":")).encode() + b"\n"
+    for name, value in (
+        ("state", None),
+        ("state", (row["state"] or "")[:-1]),
+        ("committed_at", None),
+        ("committed_at", "2026-01-01T00:00:00.000000Z"),
+        ("receipt_signature", "x"),
+        ("receipt_key_id", "approval-k1"),
+        ("node_id", "spiffe://ztate.test/node/planner\u0000"),
+        ("key_id", "k2"),
+        ("version", row["version"] + 1),
+        ("thread_id", row["thread_id"] + "x"),
+        ("record", {"base64": "e30="}),
+    ):
+        yield json.dumps({**row, name: value}, separators=(",", ":")).encode() + b"\n"
+    # the line written with escapes where the exporter writes none: the same row
+    yield json.dumps(row, separators=(",", ":"), ensure_ascii=True).encode() + b"\n"
+    yield json.dumps(row).encode() + b"\n"  # with spaces
+
+
+def test_every_hostile_edit_is_found_alike_with_and_without_the_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chains = rich_chains(True)[:1]
+    folder = write(tmp_path / "bundle", chains, {})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    rng = random.Random(19)
+    cases = taken = 0
+    for index in range(len(lines)):
+        for edited in mutations(lines[index], rng):
+            changed = [*lines]
+            changed[index] = edited if edited.endswith(b"\n") else edited + b"\n"
+            rewrite(folder, changed)  # the manifest made to match: the rows are checked
+            with_lane, summary, counters = run(folder, monkeypatch, lane=True)
+            without, reference, _ = run(folder, monkeypatch, lane=False)
+            assert with_lane == without, (index, edited)
+            assert summary == reference, (index, edited)
+            cases += 1
+            taken += counters[0].taken
+    assert cases > 1300
+    assert taken > cases * 20  # the lane ran: it took the lines around each edit
+
+
+def test_lines_moved_and_repeated_are_found_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = write(tmp_path / "bundle", rich_chains(False)[:2], {})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    rng = random.Random(8785)
+    for _ in range(150):
+        changed = [*lines]
+        a, b = rng.randrange(len(lines)), rng.randrange(len(lines))
+        choice = rng.randrange(3)
+        if choice == 0:
+            changed[a], changed[b] = changed[b], changed[a]
+        elif choice == 1:
+            changed.insert(a, lines[b])
+        else:
+            del changed[a]
+        rewrite(folder, changed)
+        with_lane, summary, _ = run(folder, monkeypatch, lane=True)
+        without, reference, _ = run(folder, monkeypatch, lane=False)
+        assert with_lane == without
+        assert summary == reference
+
+
+# --- the canonical scanner ------------------------------------------------------------
+
+names = st.text(st.characters(max_codepoint=0xFFFF, blacklist_categories=("Cs",)), max_size=6)
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**15) + 1, 10**15 - 1)
+    | st.text(st.characters(blacklist_categories=("Cs",)), max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(names, inner, max_size=4),
+    max_leaves=12,
+)
+objects = st.dictionaries(names, json_values, max_size=5)
+
+
+def plain_names(value: Any) -> bool:
+    """Whether every member name is one the lane orders (nothing it escapes)."""
+    if isinstance(value, dict):
+        return all(
+            not any(c in '"\\' or ord(c) < 0x20 for c in k) and plain_names(v)
+            for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return all(plain_names(v) for v in value)
+    return True
+
+
+@settings(max_examples=400, deadline=None)
+@given(objects)
+def test_the_scanner_takes_canonical_objects_with_plain_names(value: dict[str, Any]) -> None:
+    assert LANE.canonical(canonical_bytes(value)) == plain_names(value)
+
+
+# what an edit puts in: JSON's punctuation, escapes, numbers' characters, bytes of
+# every UTF-8 form (a surrogate and an overlong among them)
+PIECES = [b"", b" ", b"0", b"-", b".", b"e", b'"', b"\\", b",", b":", b"{", b"}", b"[", b"]"]
+PIECES += [b"\\u00", b"\\/", b"\x7f", b"\xc3", b"\xa9", b"\xed\xa0\x80", b"\xc0\xaf"]
+PIECES += [b"\xf0\x9d\x84\x9e", b"null", b"1", b"a", b'"a":1,', b"\\u001f", b"\\n"]
+
+
+@settings(max_examples=800, deadline=None)
+@given(objects, st.data())
+def test_the_scanner_takes_nothing_that_is_not_canonical(value: Any, data: st.DataObject) -> None:
+    """Whatever bytes it takes are canonical JSON of an object: an edit of canonical
+    bytes is taken only when the edited bytes are their own RFC 8785 form too."""
+    encoded = bytearray(canonical_bytes(value))
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(encoded)))
+        piece = data.draw(st.sampled_from(PIECES))
+        cut = data.draw(st.integers(0, 2))
+        encoded[at : at + cut] = piece
+    candidate = bytes(encoded)
+    if LANE.canonical(candidate):
+        parsed = orjson.loads(candidate)
+        assert isinstance(parsed, dict)
+        assert canonical_bytes(parsed) == candidate
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"a":1.0}',
+        b'{"a":1e2}',
+        b'{"a":-0}',
+        b'{"a":01}',
+        b'{"a":1234567890123456}',
+        b'{"b":1,"a":2}',
+        b'{"a":1,"a":1}',
+        b'{ "a":1}',
+        b'{"a":1}\n',
+        b'{"a":"\\/"}',
+        b'{"a":"\\u001F"}',
+        b'{"a":"\\u0008"}',
+        b'{"a":"\\u0041"}',
+        b'{"a":"\\ud834\\udd1e"}',
+        b'{"\\u00e9":1}',
+        b'{"\xf0\x9d\x84\x9e":1}',
+        b'{"a":"\xed\xa0\x80"}',
+        b'{"a":"\xc0\xaf"}',
+        b'{"a":"\x01"}',
+        b'{"a":tru}',
+        b"[1]",
+        b'{"a":' + b"[" * 70 + b"]" * 70 + b"}",
+    ],
+)
+def test_the_scanner_refuses(data: bytes) -> None:
+    assert LANE.canonical(data) is False
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"{}",
+        b'{"":0,"a":-1,"b":[true,false,null,{}],"\xc3\xa9":"\\u001f\\b\x7f\xf0\x9d\x84\x9e"}',
+        b'{"a":123456789012345}',
+        b'{"a":"\\"\\\\\\n\\r\\t\\f"}',
+    ],
+)
+def test_the_scanner_takes(data: bytes) -> None:
+    assert LANE.canonical(data) is True
+    assert canonical_bytes(orjson.loads(data)) == data
+
+
+# --- the lane's own contract ------------------------------------------------------------
+
+
+def test_a_lane_refuses_to_add_without_a_chain_and_a_state_it_cannot_order() -> None:
+    lane = LANE_OF(TRUST)
+    with pytest.raises(RuntimeError, match="no chain started"):
+        lane.add(b"{}")
+    with pytest.raises(RuntimeError, match="no chain started"):
+        lane.take()
+    # a member name with an escape: the lane cannot order it, the reference replays
+    assert lane.start(b"t", 1, "0" * 64, b'{"a\\"b":1}', None, -1) is False
+    with pytest.raises(RuntimeError, match="no chain started"):
+        lane.add(b"{}")
+    assert lane.start(b"t", 1, "0" * 64, b"{}", None, -1) is True
+    assert lane.add(b"not a line") is False
+    assert lane.take() == (0, 1, "0" * 64, b"{}", None, [], None)
+
+
+def test_a_signature_under_another_key_is_found_on_every_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lane checks each HMAC under the run's key: a keyring whose k1 is another
+    key finds every signature bad, with the lane as without it."""
+    folder = write(tmp_path / "bundle", rich_chains(True)[:1], {})
+    other = {"current": "k1", "keys": {"k1": base64.b64encode(b"\x11" * 32).decode()}}
+    wrong = Trust(
+        Keyring.from_json(json.dumps(other), source="test"),
+        TRUST.approval_keys,
+        POLICIES,
+        TRUST.checkpoint_keys,
+    )
+    with_lane, summary, counters = run(folder, monkeypatch, lane=True, trust=wrong)
+    without, reference, _ = run(folder, monkeypatch, lane=False, trust=wrong)
+    assert with_lane == without
+    assert summary == reference
+    assert [f["check"] for f in with_lane] == [SIGNATURE] * 30
+    assert counters[0].taken == 0
