@@ -272,6 +272,9 @@ class Trust:
     kept_checkpoints: Mapping[str, Mapping[int, SignedCheckpoint]] = field(default_factory=dict)
     # a bundle without a signed manifest (manifest.sig) is a finding
     require_signed_manifest: bool = False
+    # every record checked by the reference (this module) alone, none by the compiled
+    # lane (``ztate verify --reference-only``): the same verdict and findings, slower
+    reference_only: bool = False
     # the versions the verified source keeps (``ztate.policies``, a bundle's
     # policies.jsonl) whose body hashes to their digest (``with_versions``)
     stored: tuple[Policy, ...] = ()
@@ -996,7 +999,7 @@ def compiled_lane(trust: Trust) -> Any:
     """The compiled lane for a run under ``trust`` (None without it). It asks the
     reference what it does not decide itself: whether a node id has the role a
     transition needs, and whether a change matches no risk rule."""
-    if LANE is None:
+    if LANE is None or trust.reference_only:
         return None
     keyring = trust.keyring
     keys = None if keyring is None else {kid: keyring.key(kid) for kid in keyring.key_ids}

@@ -658,6 +658,8 @@ async def test_the_command_exits_0_clean_1_tampered_2_unable(
     }
     assert lines[-1]["type"] == "summary"
     assert lines[-1]["failures"] == 1
+    # the reference alone, no compiled lane: the same lines
+    assert await ztate(own, "verify", "--json", "--reference-only") == (code, lines, "")
 
     code, _, err = await ztate(own, "ledger", "export", "--out", str(tmp_path / "export"))
     assert code == 0, err

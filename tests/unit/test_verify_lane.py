@@ -13,6 +13,7 @@ others).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import random
 from collections.abc import Iterator
@@ -389,6 +390,11 @@ def test_the_scanner_takes(data: bytes) -> None:
 
 
 # --- the lane's own contract ------------------------------------------------------------
+
+
+def test_a_reference_only_run_has_no_lane() -> None:
+    assert LANE_OF(TRUST) is not None
+    assert LANE_OF(dataclasses.replace(TRUST, reference_only=True)) is None
 
 
 def test_a_lane_refuses_to_add_without_a_chain_and_a_state_it_cannot_order() -> None:
