@@ -43,6 +43,8 @@
 #define MAX_DEPTH 64
 #define MAX_DIGITS 15 /* below 2^53: an integer's canonical form is its digits */
 #define MEMO_SIZE 4096
+#define NODES 16     /* node ids whose role the lane remembers */
+#define NODE_MAX 256 /* the longest it remembers */
 
 static EVP_MD *SHA256_MD;
 static EVP_MAC *HMAC_MAC;
@@ -648,7 +650,19 @@ typedef struct {
     long long expected, stop;
     unsigned char parent[64];
     PyObject *policy_name; /* str or NULL */
-    PyObject *earlier;     /* list of state digests (str) */
+    Buf earlier;           /* the state digests taken, 64 hex digits each */
+    /* what was asked of the reference, for the rows that follow: node ids (whether
+     * each has the role a transition needs), the last policy digest, and the last
+     * risk rules' input (whether it matched none) */
+    struct {
+        unsigned char node[NODE_MAX];
+        Py_ssize_t len;
+        int allowed;
+    } nodes[NODES];
+    int nodes_known, nodes_next;
+    PyObject *policy_digest, *policy; /* the last policy digest (str) and its entry */
+    Buf risk_seen;                    /* the last risk key asked; risk_none its answer */
+    int risk_known, risk_none;
     long long records;
     int has_last, last_kept;
     long long last_version;
@@ -676,7 +690,7 @@ lane_clear_thread(Lane *self)
     self->active = 0;
     Py_CLEAR(self->thread_id);
     Py_CLEAR(self->policy_name);
-    Py_CLEAR(self->earlier);
+    self->earlier.len = 0;
 }
 
 static void
@@ -699,6 +713,10 @@ Lane_dealloc(Lane *self)
     PyMem_Free(self->next.p);
     PyMem_Free(self->state.p);
     PyMem_Free(self->riskkey.p);
+    PyMem_Free(self->earlier.p);
+    PyMem_Free(self->risk_seen.p);
+    Py_XDECREF(self->policy_digest);
+    Py_XDECREF(self->policy);
     PyMem_Free(self->members.m);
     PyMem_Free(self->old.m);
     PyMem_Free(self->patch.m);
@@ -803,9 +821,7 @@ Lane_start(Lane *self, PyObject *args)
             return PyErr_NoMemory();
         Py_RETURN_FALSE; /* a state the lane cannot replay on: the reference's */
     }
-    self->earlier = PyList_New(0);
-    if (self->earlier == NULL)
-        return NULL;
+    self->earlier.len = 0;
     self->thread_id = Py_NewRef(thread_id);
     self->policy_name = policy_name == Py_None ? NULL : Py_NewRef(policy_name);
     self->expected = expected;
@@ -818,7 +834,30 @@ Lane_start(Lane *self, PyObject *args)
 }
 
 static int
+role_asked(Lane *self, const unsigned char *node, Py_ssize_t len);
+
+static int
 role_allowed(Lane *self, const unsigned char *node, Py_ssize_t len)
+{
+    for (int i = 0; i < self->nodes_known; i++)
+        if (self->nodes[i].len == len && memcmp(self->nodes[i].node, node, len) == 0)
+            return self->nodes[i].allowed;
+    int allowed = role_asked(self, node, len);
+    if (allowed >= 0 && len <= NODE_MAX) {
+        int at = self->nodes_next;
+        self->nodes_next = (at + 1) % NODES;
+        if (self->nodes_known < NODES)
+            self->nodes_known++;
+        memcpy(self->nodes[at].node, node, len);
+        self->nodes[at].len = len;
+        self->nodes[at].allowed = allowed;
+    }
+    return allowed;
+}
+
+/* Whether a node id has the role a transition needs, as the reference says. */
+static int
+role_asked(Lane *self, const unsigned char *node, Py_ssize_t len)
 {
     PyObject *key = PyUnicode_DecodeUTF8((const char *)node, len, "strict");
     if (key == NULL)
@@ -920,6 +959,9 @@ risk_key(Lane *self, PyObject *inputs, PyObject *digest, const unsigned char *no
     return 1;
 }
 
+static int risk_memo(Lane *self, PyObject *digest, const unsigned char *node,
+                     Py_ssize_t node_len, const unsigned char *patch, Py_ssize_t patch_len);
+
 /* 1: no risk rule matches; 0: one may (the reference decides); -1: an error. */
 static int
 no_risk(Lane *self, PyObject *policy, PyObject *digest, const unsigned char *node,
@@ -929,6 +971,25 @@ no_risk(Lane *self, PyObject *policy, PyObject *digest, const unsigned char *nod
         return 1; /* the policy has no risk rules */
     if (!risk_key(self, PyTuple_GET_ITEM(policy, 2), digest, node, node_len, patch, patch_len))
         return PyErr_Occurred() ? -1 : (PyErr_NoMemory(), -1);
+    if (self->risk_known && self->risk_seen.len == self->riskkey.len &&
+        memcmp(self->risk_seen.p, self->riskkey.p, self->riskkey.len) == 0)
+        return self->risk_none; /* the input of the row before */
+    int none = risk_memo(self, digest, node, node_len, patch, patch_len);
+    if (none >= 0) {
+        self->risk_seen.len = 0;
+        if (!buf_put(&self->risk_seen, self->riskkey.p, self->riskkey.len))
+            return PyErr_NoMemory(), -1;
+        self->risk_known = 1;
+        self->risk_none = none;
+    }
+    return none;
+}
+
+/* no_risk's answer from the memo, or from the reference (then remembered). */
+static int
+risk_memo(Lane *self, PyObject *digest, const unsigned char *node, Py_ssize_t node_len,
+          const unsigned char *patch, Py_ssize_t patch_len)
+{
     PyObject *key = PyBytes_FromStringAndSize((const char *)self->riskkey.p, self->riskkey.len);
     if (key == NULL)
         return -1;
@@ -1181,17 +1242,29 @@ lane_row(Lane *self, const Row *row)
     }
     if (!role)
         goto done;
-    PyObject *policy_digest =
-        PyUnicode_DecodeUTF8((const char *)r_policy.p, r_policy.len, "strict");
-    if (policy_digest == NULL) {
-        failed = 1;
-        goto done;
+    PyObject *policy_digest, *policy;
+    Py_ssize_t cached_len = 0;
+    const char *cached = self->policy_digest == NULL
+                             ? NULL
+                             : PyUnicode_AsUTF8AndSize(self->policy_digest, &cached_len);
+    if (cached != NULL && same(r_policy, (const unsigned char *)cached, cached_len)) {
+        policy_digest = Py_NewRef(self->policy_digest);
+        policy = self->policy;
     }
-    PyObject *policy = PyDict_GetItemWithError(self->policies, policy_digest);
-    if (policy == NULL || !PyTuple_Check(policy) || PyTuple_GET_SIZE(policy) != 3) {
-        failed = PyErr_Occurred() != NULL;
-        Py_DECREF(policy_digest);
-        goto done;
+    else {
+        policy_digest = PyUnicode_DecodeUTF8((const char *)r_policy.p, r_policy.len, "strict");
+        if (policy_digest == NULL) {
+            failed = 1;
+            goto done;
+        }
+        policy = PyDict_GetItemWithError(self->policies, policy_digest);
+        if (policy == NULL || !PyTuple_Check(policy) || PyTuple_GET_SIZE(policy) != 3) {
+            failed = PyErr_Occurred() != NULL;
+            Py_DECREF(policy_digest);
+            goto done;
+        }
+        Py_XSETREF(self->policy_digest, Py_NewRef(policy_digest));
+        Py_XSETREF(self->policy, Py_NewRef(policy));
     }
     PyObject *name = PyTuple_GET_ITEM(policy, 0);
     if (self->policy_name != NULL) {
@@ -1234,13 +1307,10 @@ lane_row(Lane *self, const Row *row)
     }
 
     /* taken: the chain advances as the reference's would */
-    PyObject *earlier = PyUnicode_FromStringAndSize(state_hex, 64);
-    if (earlier == NULL || PyList_Append(self->earlier, earlier) < 0) {
-        Py_XDECREF(earlier);
-        failed = 1;
+    if (!buf_put(&self->earlier, (const unsigned char *)state_hex, 64)) {
+        oom = 1;
         goto done;
     }
-    Py_DECREF(earlier);
     if (self->policy_name == NULL)
         self->policy_name = Py_NewRef(name);
     Buf swap = self->state;
@@ -1268,25 +1338,15 @@ done:
     return result == Py_True;
 }
 
-/* add(line) -> bool: True when the line was a plain transition of the thread at the
- * next version that the lane confirmed and took (the chain advanced), False when it
- * left the line to the reference (nothing changed). */
-static PyObject *
-Lane_add(Lane *self, PyObject *arg)
+/* One line of records.jsonl (its newline, if any, at its end): the exporter's layout,
+ * then the row's checks. 1 taken, 0 declined, -1 an error. */
+static int
+lane_line(Lane *self, const unsigned char *p, const unsigned char *end)
 {
-    Py_buffer view;
-    if (!self->active) {
-        PyErr_SetString(PyExc_RuntimeError, "no chain started");
-        return NULL;
-    }
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    const unsigned char *p = view.buf, *end = p + view.len;
     int oom = 0, taken = 0;
     Row row = {0};
     Span optional;
 
-    /* the line: the exporter's layout */
     if (end > p && end[-1] == '\n')
         end--;
     if (!(literal(&p, end, "{\"thread_id\":") && line_plain(&p, end, &row.thread) &&
@@ -1324,12 +1384,73 @@ Lane_add(Lane *self, PyObject *arg)
     taken = lane_row(self, &row);
 
 done:
+    if (oom) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return -1;
+    }
+    return taken;
+}
+
+/* add(line) -> bool: True when the line was a plain transition of the thread at the
+ * next version that the lane confirmed and took (the chain advanced), False when it
+ * left the line to the reference (nothing changed). */
+static PyObject *
+Lane_add(Lane *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "no chain started");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *p = view.buf;
+    int taken = lane_line(self, p, p + view.len);
     PyBuffer_Release(&view);
-    if (oom && !PyErr_Occurred())
-        PyErr_NoMemory();
-    if (oom || taken < 0)
+    if (taken < 0)
         return NULL;
     return PyBool_FromLong(taken);
+}
+
+/* feed(block, pos) -> (pos, taken, last): add() for each whole line of block from
+ * offset pos on (each ended by a newline in block), while the lane takes them. pos:
+ * where it stopped (the line it declined, or one block does not end); taken: how
+ * many lines it took; last: where the last of them begins (-1: none). */
+static PyObject *
+Lane_feed(Lane *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t pos, taken = 0, last = -1;
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "no chain started");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "y*n", &view, &pos))
+        return NULL;
+    const unsigned char *data = view.buf;
+    if (pos < 0 || pos > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "pos outside the block");
+        return NULL;
+    }
+    while (pos < view.len) {
+        const unsigned char *newline = memchr(data + pos, '\n', view.len - pos);
+        if (newline == NULL)
+            break;
+        int took = lane_line(self, data + pos, newline);
+        if (took < 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        if (!took)
+            break;
+        last = pos;
+        pos = newline - data + 1;
+        taken++;
+    }
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(nnn)", pos, taken, last);
 }
 
 /* A text column as UTF-8 (anything else, or text with a lone surrogate: 0, the
@@ -1366,26 +1487,32 @@ column_bytes(PyObject *value, const unsigned char **p, Py_ssize_t *len, int null
     return 1;
 }
 
-/* add_row(row) -> bool: add() for a ledger row read from the database, a sequence of
- * the first columns of checks.ROWS in its order (thread_id, version, digest,
- * parent_digest, node_id, key_id, signature, record, state, receipt,
- * receipt_signature, receipt_key_id, committed_at: an aware datetime in UTC, compared
- * as format_time writes it). */
-static PyObject *
-Lane_add_row(Lane *self, PyObject *arg)
+/* Two digits of a time, as format_time writes them. */
+static void
+two(char *out, int value)
 {
-    if (!self->active) {
-        PyErr_SetString(PyExc_RuntimeError, "no chain started");
-        return NULL;
-    }
+    out[0] = (char)('0' + value / 10);
+    out[1] = (char)('0' + value % 10);
+}
+
+/* The checks of a database row, a sequence of the first columns of checks.ROWS in its
+ * order (thread_id, version, digest, parent_digest, node_id, key_id, signature,
+ * record, state, receipt, receipt_signature, receipt_key_id, committed_at: an aware
+ * datetime in UTC, compared as format_time writes it). 1 taken, 0 declined, -1 an
+ * error. */
+static int
+lane_db_row(Lane *self, PyObject *arg)
+{
     PyObject *columns[13];
     int got = 0, taken = 0;
     Row row = {0};
-    char time[32];
+    char time[27];
     for (; got < 13; got++) {
         columns[got] = PySequence_GetItem(arg, got);
-        if (columns[got] == NULL)
+        if (columns[got] == NULL) {
+            taken = -1;
             goto done;
+        }
     }
     PyObject *when = columns[12];
     if (!(column_text(columns[0], &row.thread) && PyLong_CheckExact(columns[1]) &&
@@ -1407,13 +1534,24 @@ Lane_add_row(Lane *self, PyObject *arg)
             PyDateTime_DATE_GET_TZINFO(when) != PyDateTime_TimeZone_UTC ||
             PyDateTime_GET_YEAR(when) < 1000)
             goto done;
-        int n = snprintf(time, sizeof(time), "%04d-%02d-%02dT%02d:%02d:%02d.%06dZ",
-                         PyDateTime_GET_YEAR(when), PyDateTime_GET_MONTH(when),
-                         PyDateTime_GET_DAY(when), PyDateTime_DATE_GET_HOUR(when),
-                         PyDateTime_DATE_GET_MINUTE(when), PyDateTime_DATE_GET_SECOND(when),
-                         PyDateTime_DATE_GET_MICROSECOND(when));
-        if (n != 27)
-            goto done;
+        int year = PyDateTime_GET_YEAR(when), micro = PyDateTime_DATE_GET_MICROSECOND(when);
+        two(time, year / 100);
+        two(time + 2, year % 100);
+        time[4] = '-';
+        two(time + 5, PyDateTime_GET_MONTH(when));
+        time[7] = '-';
+        two(time + 8, PyDateTime_GET_DAY(when));
+        time[10] = 'T';
+        two(time + 11, PyDateTime_DATE_GET_HOUR(when));
+        time[13] = ':';
+        two(time + 14, PyDateTime_DATE_GET_MINUTE(when));
+        time[16] = ':';
+        two(time + 17, PyDateTime_DATE_GET_SECOND(when));
+        time[19] = '.';
+        two(time + 20, micro / 10000);
+        two(time + 22, micro / 100 % 100);
+        two(time + 24, micro % 100);
+        time[26] = 'Z';
         row.committed.p = (const unsigned char *)time;
         row.committed.len = 27;
     }
@@ -1422,9 +1560,57 @@ Lane_add_row(Lane *self, PyObject *arg)
 done:
     for (int i = 0; i < got; i++)
         Py_DECREF(columns[i]);
-    if (got < 13 || taken < 0)
+    return taken;
+}
+
+/* add_row(row) -> bool: add() for a ledger row read from the database (lane_db_row). */
+static PyObject *
+Lane_add_row(Lane *self, PyObject *arg)
+{
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "no chain started");
+        return NULL;
+    }
+    int taken = lane_db_row(self, arg);
+    if (taken < 0)
         return NULL;
     return PyBool_FromLong(taken);
+}
+
+/* add_rows(rows, start) -> (next, taken, head): add_row() for rows[start],
+ * rows[start + 1], ... (a list) while the lane takes them. next: the first row it did
+ * not take (or len(rows)); taken: how many it took; head: the index of the last row
+ * taken whose head_version (its 14th column) is not null, or -1. */
+static PyObject *
+Lane_add_rows(Lane *self, PyObject *args)
+{
+    PyObject *rows;
+    Py_ssize_t at, taken = 0, head = -1;
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "no chain started");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &rows, &at))
+        return NULL;
+    if (at < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must not be negative");
+        return NULL;
+    }
+    for (; at < PyList_GET_SIZE(rows); at++) {
+        PyObject *row = Py_NewRef(PyList_GET_ITEM(rows, at));
+        int took = lane_db_row(self, row);
+        PyObject *head_version = took > 0 ? PySequence_GetItem(row, 13) : NULL;
+        Py_DECREF(row);
+        if (took < 0 || (took > 0 && head_version == NULL))
+            return NULL;
+        if (!took)
+            break;
+        if (head_version != Py_None)
+            head = at;
+        Py_DECREF(head_version);
+        taken++;
+    }
+    return Py_BuildValue("(nnn)", at, taken, head);
 }
 
 /* take() -> (records, expected, parent, state, policy_name, earlier, last): what the
@@ -1446,10 +1632,26 @@ Lane_take(Lane *self, PyObject *Py_UNUSED(ignored))
         last = Py_NewRef(Py_None);
     if (last == NULL)
         return NULL;
+    Py_ssize_t count = self->earlier.len / 64;
+    PyObject *earlier = PyList_New(count);
+    if (earlier == NULL) {
+        Py_DECREF(last);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *digest =
+            PyUnicode_FromStringAndSize((const char *)self->earlier.p + 64 * i, 64);
+        if (digest == NULL) {
+            Py_DECREF(earlier);
+            Py_DECREF(last);
+            return NULL;
+        }
+        PyList_SET_ITEM(earlier, i, digest);
+    }
     PyObject *out = Py_BuildValue(
-        "(LLs#y#OON)", self->records, self->expected, (const char *)self->parent,
+        "(LLs#y#ONN)", self->records, self->expected, (const char *)self->parent,
         (Py_ssize_t)64, (const char *)self->state.p, self->state.len,
-        self->policy_name ? self->policy_name : Py_None, self->earlier, last);
+        self->policy_name ? self->policy_name : Py_None, earlier, last);
     if (out != NULL)
         lane_clear_thread(self);
     return out;
@@ -1459,6 +1661,8 @@ static PyMethodDef Lane_methods[] = {
     {"start", (PyCFunction)Lane_start, METH_VARARGS, NULL},
     {"add", (PyCFunction)Lane_add, METH_O, NULL},
     {"add_row", (PyCFunction)Lane_add_row, METH_O, NULL},
+    {"feed", (PyCFunction)Lane_feed, METH_VARARGS, NULL},
+    {"add_rows", (PyCFunction)Lane_add_rows, METH_VARARGS, NULL},
     {"take", (PyCFunction)Lane_take, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

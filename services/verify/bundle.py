@@ -40,7 +40,7 @@ import hashlib
 import operator
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -154,6 +154,15 @@ class Tally:
     def rest(self, part: bytes) -> None:
         """Hash more of the line last counted."""
         self._hasher.update(part)
+
+    def hashed(self, data: bytes) -> None:
+        """Hash the next bytes of a file whose lines a ``LineReader`` counts (then
+        ``lines_cut``)."""
+        self._hasher.update(data)
+
+    def lines_cut(self, lines: int) -> None:
+        """The count of the lines of a file taken in by ``hashed``, once all read."""
+        self.lines = lines
 
     def block(self, data: bytes) -> None:
         """Count and hash the next bytes of the file, whatever lines they cut: a last
@@ -527,48 +536,99 @@ def open_file(directory: Path, name: str, what: str) -> BinaryIO:
 BLOCK = 1024 * 1024  # bytes of records.jsonl read at a time
 
 
-def record_lines(directory: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
-    """The lines of ``records.jsonl`` (without their newlines), numbered, read in
-    blocks taken into ``tally``; ``BundleError`` if reading fails part way (a disk
-    error, a network share gone): what was not read is not verified, and a run must say
-    so rather than end as if the file ended there."""
-    return block_lines(_record_blocks(directory, tally), 1)
+def record_lines(directory: Path, tally: Tally) -> LineReader:
+    """The lines of ``records.jsonl``, read in blocks hashed into ``tally`` (whose line
+    count is the reader's: ``Tally.lines_cut`` once read). A read that fails part way
+    (a disk error, a network share gone) is ``BundleError``: what was not read is not
+    verified, and a run must say so rather than end as if the file ended there."""
+    handle = open_file(directory, RECORDS, "the records")
+    return LineReader(_blocks(handle), 1, directory / RECORDS, tally.hashed)
 
 
-def _record_blocks(directory: Path, tally: Tally) -> Iterator[bytes]:
-    path = directory / RECORDS
-    with open_file(directory, RECORDS, "the records") as handle:
-        while True:
-            try:
-                block = handle.read(BLOCK)
-            except OSError as exc:
-                raise read_failed(path, tally.lines, exc) from None
-            if not block:
-                break
-            tally.block(block)
+def _blocks(handle: BinaryIO) -> Iterator[bytes]:
+    with handle:
+        while block := handle.read(BLOCK):
             yield block
 
 
-def block_lines(blocks: Iterable[bytes], number: int) -> Iterator[tuple[int, bytes]]:
-    """The lines (without their newlines) of a file read as ``blocks``, numbered from
-    ``number``; a last line without its newline is a line."""
-    parts: list[bytes] = []  # the line read so far, when it spans blocks
-    for block in blocks:
-        lines = block.split(b"\n")
-        if len(lines) == 1:
-            parts.append(block)
-            continue
-        if parts:
-            parts.append(lines[0])
-            lines[0] = b"".join(parts)
-        parts = [lines.pop()] if lines[-1] else []
-        if not parts:
-            lines.pop()
-        for line in lines:
-            yield number, line
-            number += 1
-    if parts:
-        yield number, b"".join(parts)
+class LineReader:
+    """The numbered lines (without their newlines) of a file read as blocks: each line
+    handed out in turn, or taken whole from its block by the compiled lane (``feed``).
+    A last line without its newline is a line. Keeps the first and the last line, and
+    how many there were; a read that fails part way is ``BundleError``."""
+
+    def __init__(
+        self,
+        blocks: Iterator[bytes],
+        number: int,
+        path: Path,
+        seen: Callable[[bytes], object] | None = None,
+    ) -> None:
+        self._blocks = blocks
+        self._path = path
+        self._seen = seen  # each block, as read (a hash)
+        self._block = b""
+        self._pos = 0
+        self._first_number = number
+        self.number = number  # the next line's
+        self.first: bytes | None = None
+        self._last: bytes | tuple[bytes, int, int] | None = None
+
+    @property
+    def count(self) -> int:
+        """The lines handed out or taken so far."""
+        return self.number - self._first_number
+
+    @property
+    def last(self) -> bytes | None:
+        if isinstance(self._last, tuple):
+            block, start, end = self._last
+            self._last = block[start:end]
+        return self._last
+
+    def feed(self, lane: Any) -> None:
+        """Let ``lane`` take the whole lines of the current block it confirms."""
+        pos, taken, last = lane.feed(self._block, self._pos)
+        if taken:
+            if self.first is None:
+                self.first = self._block[self._pos : self._block.index(b"\n", self._pos)]
+            self._last = (self._block, last, pos - 1)
+            self._pos = pos
+            self.number += taken
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        return self
+
+    def __next__(self) -> tuple[int, bytes]:
+        parts: list[bytes] = []  # the line read so far, when it spans blocks
+        while True:
+            end = self._block.find(b"\n", self._pos)
+            if end >= 0:
+                piece = self._block[self._pos : end]
+                self._pos = end + 1
+                return self._line(b"".join((*parts, piece)) if parts else piece)
+            if self._pos < len(self._block):
+                parts.append(self._block[self._pos :])
+            self._block, self._pos = b"", 0
+            try:
+                block = next(self._blocks, b"")
+            except OSError as exc:
+                raise read_failed(self._path, self.number - 1, exc) from None
+            if not block:
+                if parts:
+                    return self._line(b"".join(parts))
+                raise StopIteration
+            if self._seen is not None:
+                self._seen(block)
+            self._block = block
+
+    def _line(self, line: bytes) -> tuple[int, bytes]:
+        number = self.number
+        self.number += 1
+        if self.first is None:
+            self.first = line
+        self._last = line
+        return number, line
 
 
 def tallied_lines(handle: BinaryIO, path: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
@@ -897,14 +957,11 @@ def verify_bundle(
     )
     read = Tally()
     order = ThreadOrder(run.finding)
+    lines = record_lines(directory, read)
     threads = verify_lines(
-        run,
-        manifest,
-        record_lines(directory, read),
-        checkpoints=checkpoints,
-        thread_id=thread_id,
-        group=order.group,
+        run, manifest, lines, checkpoints=checkpoints, thread_id=thread_id, group=order.group
     )
+    read.lines_cut(lines.count)
     check_records_file(manifest, read, len(threads), run.finding)
     if checkpoints is not None:
         checkpoints.finish()
@@ -921,7 +978,7 @@ def checks_checkpoints(trust: Trust, manifest: Manifest) -> bool:
 def verify_lines(
     run: Verification,
     manifest: Manifest,
-    lines: Iterable[tuple[int, bytes]],
+    lines: LineReader,
     *,
     checkpoints: CheckpointReader | None,
     thread_id: str | None,
@@ -938,7 +995,8 @@ def verify_lines(
     in_lane = False
     for number, line in lines:
         if in_lane:
-            if lane.add(line):
+            if lane.add(line):  # the first line of a block
+                lines.feed(lane)
                 continue
             assert current is not None
             current.lane_take(lane)
@@ -959,8 +1017,9 @@ def verify_lines(
             if checkpoints is not None:
                 current.expect_checkpoints(checkpoints.take(row.thread_id))
         current.add(row)
-        if lane is not None:
-            in_lane = current.lane_start(lane)
+        if lane is not None and current.lane_start(lane):
+            in_lane = True
+            lines.feed(lane)
     if current is not None:
         if in_lane:
             current.lane_take(lane)

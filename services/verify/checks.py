@@ -1259,32 +1259,42 @@ async def verify_rows(
     head: Head | None = None
     lane = run.lane  # the compiled lane: the rows it confirms whole, it takes
     in_lane = False
-    async for stored in conn.cursor(query, *args, prefetch=PREFETCH):
-        if in_lane:
-            if lane.add_row(stored):
-                if stored["head_version"] is not None:
-                    head = Head(
-                        stored["head_version"], stored["head_digest"], bytes(stored["head_state"])
-                    )
-                continue
-            assert current is not None
-            current.lane_take(lane)
-            in_lane = False
-        if current is None or stored["thread_id"] != current.thread_id:
-            if current is not None:
-                current.check_head(head or await head_from_db(conn, current.thread_id))
-            current, head = run.thread(stored["thread_id"]), None
-            if run.trust.checkpoint_keys is not None:
-                current.expect_checkpoints(await checkpoints_from_db(conn, current.thread_id))
-        current.add(row_from_db(stored))
-        if lane is not None:
-            in_lane = current.lane_start(lane)
-        if stored["head_version"] is not None:
-            head = Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
+    cursor = await conn.cursor(query, *args)
+    while rows := await cursor.fetch(PREFETCH):
+        at = 0
+        while at < len(rows):
+            if in_lane:
+                at, _, head_at = lane.add_rows(rows, at)
+                if head_at >= 0:
+                    head = _head_of(rows[head_at])
+                if at == len(rows):
+                    break
+                assert current is not None
+                current.lane_take(lane)
+                in_lane = False
+            stored = rows[at]
+            at += 1
+            if current is None or stored["thread_id"] != current.thread_id:
+                if current is not None:
+                    current.check_head(head or await head_from_db(conn, current.thread_id))
+                current, head = run.thread(stored["thread_id"]), None
+                if run.trust.checkpoint_keys is not None:
+                    checkpoints = await checkpoints_from_db(conn, current.thread_id)
+                    current.expect_checkpoints(checkpoints)
+            current.add(row_from_db(stored))
+            if stored["head_version"] is not None:
+                head = _head_of(stored)
+            if lane is not None:
+                in_lane = current.lane_start(lane)
     if current is not None:
         if in_lane:
             current.lane_take(lane)
         current.check_head(head or await head_from_db(conn, current.thread_id))
+
+
+def _head_of(stored: asyncpg.Record) -> Head:
+    """The thread's head, carried by the row at its version."""
+    return Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
 
 
 def no_such_thread(thread_id: str) -> VerifyError:

@@ -90,10 +90,10 @@ from ztate.services.verify.bundle import (
     Checkpoint,
     CheckpointReader,
     LineProblem,
+    LineReader,
     Manifest,
     Tally,
     ThreadOrder,
-    block_lines,
     check_records_file,
     checkpoint_entries,
     checkpoint_from_line,
@@ -922,7 +922,7 @@ def _work_bundle(
         checkpoints = CheckpointReader(entries, run.finding, thread_id=thread_id)
     hasher = hashlib.sha256()
     path = directory / RECORDS
-    lines = _Ends(_range_lines(files.records.fileno(), path, (start, end, number), hasher))
+    lines = _range_lines(files.records.fileno(), path, (start, end, number), hasher)
     order = ThreadOrder(run.finding)  # within the range: across ranges, the leader's
     groups: dict[str, int] = {}  # in the order met: the first is the first group's
 
@@ -973,49 +973,20 @@ def _checkpoints_between(
             yield entry
 
 
-class _Ends:
-    """Numbered lines, passed on; the first and the last kept."""
-
-    def __init__(self, lines: Iterator[tuple[int, bytes]]) -> None:
-        self._lines = lines
-        self.first: bytes | None = None
-        self.last: bytes | None = None
-
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        for number, line in self._lines:
-            if self.first is None:
-                self.first = line
-            self.last = line
-            yield number, line
-
-
-def _range_lines(
-    fd: int, path: Path, given: tuple[int, int, int], hasher: Any
-) -> Iterator[tuple[int, bytes]]:
+def _range_lines(fd: int, path: Path, given: tuple[int, int, int], hasher: Any) -> LineReader:
     """The numbered lines of bytes [start, end) of the file open as ``fd`` (without
     their newlines), read with ``os.pread`` and hashed into ``hasher``; ``BundleError``
     if a read fails part way."""
     start, end, number = given
-    return block_lines(_range_blocks(fd, path, (start, end), hasher, number), number)
+    return LineReader(_range_blocks(fd, (start, end)), number, path, hasher.update)
 
 
-def _range_blocks(
-    fd: int, path: Path, span: tuple[int, int], hasher: Any, number: int
-) -> Iterator[bytes]:
-    """The blocks of bytes ``span`` of the file open as ``fd``, each hashed into
-    ``hasher``; ``BundleError`` naming the last whole line read (numbered from
-    ``number``) if a read fails part way."""
+def _range_blocks(fd: int, span: tuple[int, int]) -> Iterator[bytes]:
     position, end = span
-    newlines = 0
     while position < end:
-        try:
-            block = os.pread(fd, min(BLOCK, end - position), position)
-        except OSError as exc:
-            raise read_failed(path, number - 1 + newlines, exc) from None
+        block = os.pread(fd, min(BLOCK, end - position), position)
         if not block:
             break
-        hasher.update(block)
-        newlines += block.count(b"\n")
         position += len(block)
         yield block
 

@@ -64,6 +64,19 @@ class Counting:
         self.declined += not took
         return took
 
+    def add_rows(self, rows: list[Any], start: int) -> tuple[int, int, int]:
+        at, taken, head = self._lane.add_rows(rows, start)
+        self.taken += taken
+        self.declined += at < len(rows)  # it stopped before a row: it declined it
+        return at, taken, head
+
+    def feed(self, block: bytes, pos: int) -> tuple[int, int, int]:
+        pos, taken, last = self._lane.feed(block, pos)
+        self.taken += taken
+        # the lane stopped before a whole line: it declined it
+        self.declined += block.find(b"\n", pos) >= 0
+        return pos, taken, last
+
     def take(self) -> Any:
         return self._lane.take()
 
