@@ -657,7 +657,7 @@ typedef struct {
     struct {
         unsigned char node[NODE_MAX];
         Py_ssize_t len;
-        int allowed;
+        int genesis, allowed;
     } nodes[NODES];
     int nodes_known, nodes_next;
     PyObject *policy_digest, *policy; /* the last policy digest (str) and its entry */
@@ -834,15 +834,17 @@ Lane_start(Lane *self, PyObject *args)
 }
 
 static int
-role_asked(Lane *self, const unsigned char *node, Py_ssize_t len);
+role_asked(Lane *self, int genesis, const unsigned char *node, Py_ssize_t len);
 
+/* Whether the node id has the role its record's kind needs (a genesis's: genesis). */
 static int
-role_allowed(Lane *self, const unsigned char *node, Py_ssize_t len)
+role_allowed(Lane *self, int genesis, const unsigned char *node, Py_ssize_t len)
 {
     for (int i = 0; i < self->nodes_known; i++)
-        if (self->nodes[i].len == len && memcmp(self->nodes[i].node, node, len) == 0)
+        if (self->nodes[i].genesis == genesis && self->nodes[i].len == len &&
+            memcmp(self->nodes[i].node, node, len) == 0)
             return self->nodes[i].allowed;
-    int allowed = role_asked(self, node, len);
+    int allowed = role_asked(self, genesis, node, len);
     if (allowed >= 0 && len <= NODE_MAX) {
         int at = self->nodes_next;
         self->nodes_next = (at + 1) % NODES;
@@ -850,16 +852,24 @@ role_allowed(Lane *self, const unsigned char *node, Py_ssize_t len)
             self->nodes_known++;
         memcpy(self->nodes[at].node, node, len);
         self->nodes[at].len = len;
+        self->nodes[at].genesis = genesis;
         self->nodes[at].allowed = allowed;
     }
     return allowed;
 }
 
-/* Whether a node id has the role a transition needs, as the reference says. */
+/* Whether a node id has the role a record of the kind needs, as the reference says
+ * (remembered by kind and node id). */
 static int
-role_asked(Lane *self, const unsigned char *node, Py_ssize_t len)
+role_asked(Lane *self, int genesis, const unsigned char *node, Py_ssize_t len)
 {
-    PyObject *key = PyUnicode_DecodeUTF8((const char *)node, len, "strict");
+    PyObject *node_id = PyUnicode_DecodeUTF8((const char *)node, len, "strict");
+    if (node_id == NULL)
+        return -1;
+    PyObject *kind = PyUnicode_FromString(genesis ? "genesis" : "transition");
+    PyObject *key = kind == NULL ? NULL : PyTuple_Pack(2, kind, node_id);
+    Py_XDECREF(kind);
+    Py_DECREF(node_id);
     if (key == NULL)
         return -1;
     PyObject *known = PyDict_GetItemWithError(self->roles, key);
@@ -868,7 +878,7 @@ role_asked(Lane *self, const unsigned char *node, Py_ssize_t len)
             Py_DECREF(key);
             return -1;
         }
-        known = PyObject_CallOneArg(self->role_ok, key);
+        known = PyObject_Call(self->role_ok, key, NULL);
         if (known == NULL || PyDict_SetItem(self->roles, key, known) < 0) {
             Py_XDECREF(known);
             Py_DECREF(key);
@@ -1112,7 +1122,7 @@ lane_row(Lane *self, const Row *row)
     /* the row's place in the chain */
     if (!same(thread, (const unsigned char *)PyBytes_AS_STRING(self->thread_id),
               PyBytes_GET_SIZE(self->thread_id)) ||
-        version != self->expected || version < 1 || version == self->stop)
+        version != self->expected || version == self->stop)
         goto done;
 
     /* the record: canonical, and a plain transition */
@@ -1189,7 +1199,12 @@ lane_row(Lane *self, const Row *row)
 #undef STRING
 #undef VALUE
 #undef VALUE_LEN
-    if (!same(r_kind, (const unsigned char *)"transition", 10) || r_version != version ||
+    /* a genesis at version 0 (its parent the 64 zeros the chain starts from), a
+     * transition after it */
+    int genesis = version == 0;
+    if (!(genesis ? same(r_kind, (const unsigned char *)"genesis", 7)
+                  : same(r_kind, (const unsigned char *)"transition", 10)) ||
+        r_version != version ||
         !same(r_thread, thread.p, thread.len) || !is_hex64(r_parent.p, r_parent.len) ||
         !is_hex64(r_state_digest.p, r_state_digest.len) ||
         !is_time(r_committed.p, r_committed.len))
@@ -1235,7 +1250,7 @@ lane_row(Lane *self, const Row *row)
     }
 
     /* the role and the policy */
-    int role = role_allowed(self, r_node.p, r_node.len);
+    int role = role_allowed(self, genesis, r_node.p, r_node.len);
     if (role < 0) {
         failed = 1;
         goto done;
@@ -1267,7 +1282,7 @@ lane_row(Lane *self, const Row *row)
         Py_XSETREF(self->policy, Py_NewRef(policy));
     }
     PyObject *name = PyTuple_GET_ITEM(policy, 0);
-    if (self->policy_name != NULL) {
+    if (self->policy_name != NULL && !genesis) { /* a genesis binds the thread */
         int equal = PyUnicode_Compare(self->policy_name, name);
         if (equal != 0) {
             failed = PyErr_Occurred() != NULL;
@@ -1299,7 +1314,8 @@ lane_row(Lane *self, const Row *row)
     }
 
     /* the risk rules: none may match a transition without a receipt */
-    int none = no_risk(self, policy, policy_digest, r_node.p, r_node.len, patch, patch_len);
+    int none =
+        genesis ? 1 : no_risk(self, policy, policy_digest, r_node.p, r_node.len, patch, patch_len);
     Py_DECREF(policy_digest);
     if (none <= 0) {
         failed = none < 0;
@@ -1311,8 +1327,8 @@ lane_row(Lane *self, const Row *row)
         oom = 1;
         goto done;
     }
-    if (self->policy_name == NULL)
-        self->policy_name = Py_NewRef(name);
+    if (self->policy_name == NULL || genesis)
+        Py_XSETREF(self->policy_name, Py_NewRef(name));
     Buf swap = self->state;
     self->state = self->next;
     self->next = swap;

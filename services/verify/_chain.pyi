@@ -11,7 +11,7 @@ class Lane:
         self,
         keys: dict[str, bytes] | None,
         policies: Policies,
-        role_ok: Callable[[str], bool],
+        role_ok: Callable[[str, str], bool],
         derive: Callable[[str, bytes, bytes, bytes, str], bool],
     ) -> None: ...
     def start(

@@ -1016,6 +1016,12 @@ def verify_lines(
             current = run.thread(row.thread_id)
             if checkpoints is not None:
                 current.expect_checkpoints(checkpoints.take(row.thread_id))
+            if lane is not None and current.lane_start(lane):  # the lane from genesis
+                if lane.add(line):
+                    in_lane = True
+                    lines.feed(lane)
+                    continue
+                current.lane_take(lane)
         current.add(row)
         if lane is not None and current.lane_start(lane):
             in_lane = True

@@ -1015,8 +1015,8 @@ def compiled_lane(trust: Trust) -> Any:
         for digest, policy in trust.by_digest.items()
     }
 
-    def role_ok(node_id: str) -> bool:
-        return role_of(node_id) in ROLES_OF_KIND[KIND_TRANSITION]
+    def role_ok(kind: str, node_id: str) -> bool:
+        return role_of(node_id) in ROLES_OF_KIND[kind]
 
     def no_risk(digest: str, old: bytes, state: bytes, patch: bytes, node_id: str) -> bool:
         values = {
@@ -1281,6 +1281,17 @@ async def verify_rows(
                 if run.trust.checkpoint_keys is not None:
                     checkpoints = await checkpoints_from_db(conn, current.thread_id)
                     current.expect_checkpoints(checkpoints)
+                if lane is not None and current.lane_start(lane):  # the lane from genesis
+                    took, _, head_at = lane.add_rows(rows, at - 1)
+                    if took >= at:
+                        at = took
+                        if head_at >= 0:
+                            head = _head_of(rows[head_at])
+                        in_lane = at == len(rows)
+                        if not in_lane:  # it declined rows[at]: the reference's
+                            current.lane_take(lane)
+                        continue
+                    current.lane_take(lane)
             current.add(row_from_db(stored))
             if stored["head_version"] is not None:
                 head = _head_of(stored)
