@@ -38,6 +38,7 @@
 #include <openssl/evp.h>
 #include <openssl/core_names.h>
 #include <openssl/params.h>
+#include <stdint.h>
 #include <string.h>
 
 #define MAX_DEPTH 64
@@ -124,13 +125,34 @@ init_string_bytes(void)
 }
 
 
+/* The bytes of the 8 at w (in memory order, little-endian) that are not plain: a
+ * control character, the quote, the backslash, or 0x80 and above; a flag in the high
+ * bit of each such byte, exact from the lowest (borrows only run upwards). */
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+static inline uint64_t
+not_plain(uint64_t w)
+{
+    uint64_t quote = w ^ (ONES * '"'), backslash = w ^ (ONES * '\\');
+    return (((w - ONES * 0x20) & ~w) | ((quote - ONES) & ~quote) |
+            ((backslash - ONES) & ~backslash) | w) &
+           HIGHS;
+}
+
 /* Past the run of plain ASCII characters at p. */
 static inline const unsigned char *
 skip_plain(const unsigned char *p, const unsigned char *end)
 {
-    while (end - p >= 4 && !(STRING_BYTE[p[0]] | STRING_BYTE[p[1]] | STRING_BYTE[p[2]] |
-                             STRING_BYTE[p[3]]))
-        p += 4;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    while (end - p >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        uint64_t special = not_plain(w);
+        if (special)
+            return p + (__builtin_ctzll(special) >> 3);
+        p += 8;
+    }
+#endif
     while (p < end && STRING_BYTE[*p] == 0)
         p++;
     return p;
