@@ -7,7 +7,8 @@ PROTOS := $(wildcard proto/ztate/v1/*.proto)
 
 .PHONY: run test test-unit test-citus dist proto proto-check lint typecheck-tree deploy-check bench clean demo
 
-$(STAMP): pyproject.toml worker_sdk/pyproject.toml
+# the C extensions (services/*/_*.c) are built by the install: a changed one reinstalls
+$(STAMP): pyproject.toml worker_sdk/pyproject.toml $(wildcard services/*/_*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e './worker_sdk[langgraph]' -e '.[dev]'
