@@ -79,6 +79,8 @@ buf_reserve(Buf *b, Py_ssize_t more)
 static int
 buf_put(Buf *b, const unsigned char *data, Py_ssize_t n)
 {
+    if (n == 0)
+        return 1;
     if (!buf_reserve(b, n))
         return 0;
     memcpy(b->p + b->len, data, n);
@@ -658,6 +660,7 @@ typedef struct {
     Key *keys;
     Py_ssize_t nkeys;
     int keyring; /* HMAC checked */
+    int ready;   /* __init__ completed */
     PyObject *policies; /* digest -> (name, has risk rules, inputs) */
     PyObject *role_ok;  /* node id -> bool, asked once per node id */
     PyObject *roles;
@@ -745,10 +748,12 @@ Lane_dealloc(Lane *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static int policies_well_formed(PyObject *policies);
+
 /* Lane(keys, policies, role_ok, derive): keys maps key id to key (None: no keyring,
  * no HMAC check); policies maps digest to (name, has risk rules, inputs), inputs a
- * tuple of (variable, names or None); role_ok(node_id) and derive(...) ask the
- * reference. */
+ * tuple of (variable, names or None); role_ok(kind, node_id) and derive(...) ask
+ * the reference. */
 static int
 Lane_init(Lane *self, PyObject *args, PyObject *kwds)
 {
@@ -759,6 +764,11 @@ Lane_init(Lane *self, PyObject *args, PyObject *kwds)
         return -1;
     if (self->md != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Lane is initialised once");
+        return -1;
+    }
+    if (!policies_well_formed(policies)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "policies maps str to (str, bool, ((str, (bytes, ...) or None), ...))");
         return -1;
     }
     self->md = EVP_MD_CTX_new();
@@ -808,7 +818,40 @@ Lane_init(Lane *self, PyObject *args, PyObject *kwds)
     self->memo = PyDict_New();
     if (self->roles == NULL || self->memo == NULL)
         return -1;
+    self->ready = 1;
     return 0;
+}
+
+/* Each policy (name, has risk rules, inputs), each input (variable, names or None),
+ * each name bytes: what risk_key reads without checking again. */
+static int
+policies_well_formed(PyObject *policies)
+{
+    Py_ssize_t pos = 0;
+    PyObject *digest, *policy;
+    while (PyDict_Next(policies, &pos, &digest, &policy)) {
+        if (!PyUnicode_Check(digest) || !PyTuple_Check(policy) || PyTuple_GET_SIZE(policy) != 3 ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(policy, 0)) ||
+            !PyBool_Check(PyTuple_GET_ITEM(policy, 1)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(policy, 2)))
+            return 0;
+        PyObject *inputs = PyTuple_GET_ITEM(policy, 2);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); i++) {
+            PyObject *input = PyTuple_GET_ITEM(inputs, i);
+            if (!PyTuple_Check(input) || PyTuple_GET_SIZE(input) != 2 ||
+                !PyUnicode_Check(PyTuple_GET_ITEM(input, 0)))
+                return 0;
+            PyObject *names = PyTuple_GET_ITEM(input, 1);
+            if (names == Py_None)
+                continue;
+            if (!PyTuple_Check(names))
+                return 0;
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(names); j++)
+                if (!PyBytes_Check(PyTuple_GET_ITEM(names, j)))
+                    return 0;
+        }
+    }
+    return 1;
 }
 
 /* start(thread_id, expected, parent, state, policy_name, stop) -> bool: the chain the
@@ -822,7 +865,7 @@ Lane_start(Lane *self, PyObject *args)
     long long expected, stop;
     const char *parent, *state;
     Py_ssize_t parent_len, state_len;
-    if (self->md == NULL) {
+    if (!self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "Lane is not initialised");
         return NULL;
     }
@@ -901,6 +944,8 @@ role_asked(Lane *self, int genesis, const unsigned char *node, Py_ssize_t len)
             return -1;
         }
         known = PyObject_Call(self->role_ok, key, NULL);
+        if (known != NULL && PyDict_Size(self->roles) >= MEMO_SIZE)
+            PyDict_Clear(self->roles); /* bounded, as the risk memo */
         if (known == NULL || PyDict_SetItem(self->roles, key, known) < 0) {
             Py_XDECREF(known);
             Py_DECREF(key);
@@ -1566,8 +1611,9 @@ lane_db_row(Lane *self, PyObject *arg)
         PyErr_Clear();
         goto done;
     }
-    if (when != Py_None) {
-        /* format_time's form; a year below 1000 (strftime's) the reference's */
+    {
+        /* format_time's form; a year below 1000 (strftime's), and a null column (a
+         * database's committed_at is never null), the reference's */
         if (!PyDateTime_Check(when) ||
             PyDateTime_DATE_GET_TZINFO(when) != PyDateTime_TimeZone_UTC ||
             PyDateTime_GET_YEAR(when) < 1000)

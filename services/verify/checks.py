@@ -400,12 +400,19 @@ class Verification:
         self.risk_memo: dict[tuple[str, bytes], tuple[str, ...]] = {}
         # the threads of the kept checkpoints the source held records of
         self._kept_seen: set[str] = set()
-        # the compiled lane (``_chain.c``), which takes the lines it confirms whole
-        self.lane = compiled_lane(trust)
+        self._lane: tuple[Trust, Any] | None = None
 
     def finding(self, finding: Finding) -> None:
         self.summary.failures += 1
         self._report(finding)
+
+    @property
+    def lane(self) -> Any:
+        """The compiled lane (``_chain.c``), which takes the rows it confirms whole, for
+        the run's trust as it stands (the source's stored policy versions admitted)."""
+        if self._lane is None or self._lane[0] is not self.trust:
+            self._lane = (self.trust, compiled_lane(self.trust))
+        return self._lane[1]
 
     def thread(self, thread_id: str) -> ThreadVerifier:
         self.summary.threads += 1
@@ -517,12 +524,16 @@ class ThreadVerifier:
         parent, state = self._parent, self._state
         if parent is None or state is None or not HEX_256.match(parent):
             return False
+        if not 0 <= self._expected <= LANE_VERSIONS:
+            return False  # a version beyond the lane's (a hostile one): the reference's
         try:
             data = canonical_bytes(state)
         except (ValueError, TypeError, RecursionError):
             return False
         # a signed head at a version the lane would reach: the reference checks it
         stop = min((v for v in self._checkpoints if v >= self._expected), default=-1)
+        if stop > LANE_VERSIONS:
+            stop = -1  # beyond any version the lane takes
         thread = self.thread_id.encode("utf-8", "surrogatepass")
         return bool(lane.start(thread, self._expected, parent, data, self._policy_name, stop))
 
@@ -982,6 +993,8 @@ class ThreadVerifier:
 
 
 RISK_FAILURES = (ValueError, TypeError, KeyError, RecursionError)
+# the versions the compiled lane takes: at most 15 digits (it declines the others)
+LANE_VERSIONS = 10**15 - 1
 
 
 def risk_rules_matched(trust: Trust, policy: Policy, values: dict[str, Any]) -> list[str]:
@@ -1148,22 +1161,33 @@ async def connect(dsn: str) -> asyncpg.Connection:
 
 
 def row_from_db(record: asyncpg.Record) -> LedgerRow:
-    committed_at: datetime = record["committed_at"]
+    """The ledger row of a database row. The schema makes these columns NOT NULL, but a
+    database is not trusted: a null (a constraint dropped) is ``NULL``, which no record
+    says (a digest, a node id, a time...), so that it is a finding, never a crash."""
+    committed_at: datetime | None = record["committed_at"]
+    stored = record["record"]
     return LedgerRow(
         thread_id=record["thread_id"],
         version=record["version"],
-        digest=record["digest"],
-        parent_digest=record["parent_digest"],
-        node_id=record["node_id"],
-        key_id=record["key_id"],
-        signature=record["signature"],
-        record=bytes(record["record"]),
+        digest=_text(record["digest"]),
+        parent_digest=_text(record["parent_digest"]),
+        node_id=_text(record["node_id"]),
+        key_id=_text(record["key_id"]),
+        signature=_text(record["signature"]),
+        record=b"" if stored is None else bytes(stored),
         state=_bytes_or_none(record["state"]),
         receipt=_bytes_or_none(record["receipt"]),
         receipt_signature=record["receipt_signature"],
         receipt_key_id=record["receipt_key_id"],
-        committed_at=format_time(committed_at),
+        committed_at=NULL if committed_at is None else format_time(committed_at),
     )
+
+
+NULL = "NULL"  # what a null NOT NULL column reads as (``row_from_db``)
+
+
+def _text(value: str | None) -> str:
+    return NULL if value is None else value
 
 
 def _bytes_or_none(value: bytes | None) -> bytes | None:

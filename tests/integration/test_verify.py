@@ -287,6 +287,23 @@ async def test_a_changed_node_id_is_pinpointed(world: World, clean: str) -> None
     assert await tampered_findings(world, thread_id, clean) == {(1, "column.node_id")}
 
 
+async def test_null_columns_are_findings_not_crashes(world: World, clean: str) -> None:
+    """The schema's NOT NULL is the database's word: dropped, and the columns emptied,
+    each is a finding of its row (with the compiled lane as without it)."""
+    thread_id = await world.thread()
+    await world.tamper(
+        thread_id,
+        ("ALTER TABLE ztate.transitions ALTER COLUMN committed_at DROP NOT NULL", ()),
+        ("ALTER TABLE ztate.transitions ALTER COLUMN signature DROP NOT NULL", ()),
+        update("committed_at", None, thread_id, 1),
+        update("signature", None, thread_id, 3),
+    )
+    assert await tampered_findings(world, thread_id, clean) == {
+        (1, "column.committed_at"),
+        (3, "signature"),
+    }
+
+
 async def test_a_changed_signature_is_pinpointed(world: World, clean: str) -> None:
     thread_id = await world.thread()
     signature = (await world.row(thread_id, 4))["signature"]

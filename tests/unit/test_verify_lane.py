@@ -25,12 +25,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_verify_bundle import POLICIES, RISKY, Chain, initial
+from tests.unit.test_verify_bundle import KEYRING, POLICIES, RISKY, Chain, initial
 from tests.unit.test_verify_bundle_ranges import TRUST, rewrite, write
-from ztate.contract.canonical import canonical_bytes
+from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.keyring import Keyring
+from ztate.contract.record import sign_digest
 from ztate.services.verify import checks
-from ztate.services.verify.bundle import RECORDS, verify_bundle
+from ztate.services.verify.bundle import CHECKPOINTS, MANIFEST, RECORDS, verify_bundle
 from ztate.services.verify.checks import SIGNATURE, Finding, Summary, Trust
 from ztate.services.verify.parallel import verify_bundle_parallel
 
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.unit
 if checks.LANE is None:  # pragma: no cover - the build always has a compiler here
     pytest.fail("the compiled lane was not built (services/verify/_chain.c: gcc, libssl-dev)")
 LANE = checks.LANE
+KEY = KEYRING.key("k1")
 
 
 class Counting:
@@ -299,6 +301,38 @@ def test_lines_moved_and_repeated_are_found_alike(
         assert summary == reference
 
 
+@pytest.mark.parametrize("jobs", [1, 2], ids=["one-process", "two-workers"])
+def test_versions_beyond_the_lane_are_the_references(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, jobs: int
+) -> None:
+    """A version of 20 digits (a bundle line's, spelled 1e19 in its record, which the
+    reference re-synchronises on) and a checkpoint at version 2^64: the lane takes no
+    version above 15 digits, and must not stop the run over one (a review found it
+    raised OverflowError out of ztate verify)."""
+    chain = Chain(initial(), "t-huge")
+    row = chain.propose({"pending_transition": {"action": "refund", "order_id": "A-1"}})
+    record = row.record.replace(b'"version":1', b'"version":1e19')
+    digest = sha256_hex(record)
+    chain.rows[1] = dataclasses.replace(
+        row, version=10**19, record=record, digest=digest, signature=sign_digest(KEY, digest)
+    )
+    for version in range(2, 6):
+        chain.propose({"pending_transition": {"action": "refund", "order_id": f"A-{version}"}})
+    folder = write(tmp_path / "bundle", [chain], {"t-huge": {3: chain.rows[3].digest}})
+    path = folder / CHECKPOINTS
+    huge = path.read_bytes().replace(b'"version":3', b'"version":' + str(2**64).encode())
+    path.write_bytes(huge)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest.update(checkpoints_sha256=sha256_hex(huge))
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with_lane, summary, _ = run(folder, monkeypatch, lane=True, jobs=jobs)
+    without, reference, _ = run(folder, monkeypatch, lane=False, jobs=jobs)
+    assert with_lane == without
+    assert summary == reference
+    checks_found = {(f["version"], f["check"]) for f in with_lane}
+    assert {(10**19, "canonical"), (2**64, "checkpoint")} <= checks_found, checks_found
+
+
 # --- the canonical scanner ------------------------------------------------------------
 
 names = st.text(st.characters(max_codepoint=0xFFFF, blacklist_categories=("Cs",)), max_size=6)
@@ -407,6 +441,19 @@ def test_the_scanner_takes(data: bytes) -> None:
 def test_a_reference_only_run_has_no_lane() -> None:
     assert LANE_OF(TRUST) is not None
     assert LANE_OF(dataclasses.replace(TRUST, reference_only=True)) is None
+
+
+def test_a_lane_built_wrong_refuses_to_run() -> None:
+    """Misuse of the type, not ledger input: a TypeError, then no chain, never a crash."""
+    with pytest.raises(TypeError, match="keys maps str to bytes"):
+        LANE.Lane({"k1": "not bytes"}, {}, print, print)
+    with pytest.raises(TypeError, match="policies maps str to"):
+        LANE.Lane(None, {"d": ("name", True, (("state", ("not bytes",)),))}, print, print)
+    half = LANE.Lane.__new__(LANE.Lane)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        half.start(b"t", 0, "0" * 64, b"{}", None, -1)
+    with pytest.raises(RuntimeError, match="no chain started"):
+        half.add(b"{}")
 
 
 def test_a_lane_refuses_to_add_without_a_chain_and_a_state_it_cannot_order() -> None:
