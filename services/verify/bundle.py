@@ -80,6 +80,7 @@ from ztate.services.verify.checks import (
     VerifyError,
     admit_policy_versions,
     check_policies_named,
+    collector_frozen,
     connect,
     no_such_thread,
     row_from_db,
@@ -958,9 +959,10 @@ def verify_bundle(
     read = Tally()
     order = ThreadOrder(run.finding)
     lines = record_lines(directory, read)
-    threads = verify_lines(
-        run, manifest, lines, checkpoints=checkpoints, thread_id=thread_id, group=order.group
-    )
+    with collector_frozen():
+        threads = verify_lines(
+            run, manifest, lines, checkpoints=checkpoints, thread_id=thread_id, group=order.group
+        )
     read.lines_cut(lines.count)
     check_records_file(manifest, read, len(threads), run.finding)
     if checkpoints is not None:

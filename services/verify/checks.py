@@ -25,10 +25,12 @@ Two properties shape the code:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hmac
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -992,6 +994,24 @@ class ThreadVerifier:
                 )
 
 
+@contextlib.contextmanager
+def collector_frozen() -> Iterator[None]:
+    """For a run: what the process held when it began (its modules, the trust, the
+    policies) in the collector's permanent generation, so that the collections the
+    run's allocations set off walk only what the run made (they took about 5 % of a
+    one-process run's CPU, walking the whole heap). Nothing is frozen, or unfrozen,
+    in a process that froze objects already (a ``--jobs`` worker, an application's
+    own freeze)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 RISK_FAILURES = (ValueError, TypeError, KeyError, RecursionError)
 # the versions the compiled lane takes: at most 15 digits (it declines the others)
 LANE_VERSIONS = 10**15 - 1
@@ -1202,7 +1222,8 @@ async def verify_database(
     conn = await connect(dsn)
     try:
         async with conn.transaction(readonly=True, isolation="repeatable_read"):
-            return await _verify_snapshot(conn, trust, report, thread_id)
+            with collector_frozen():
+                return await _verify_snapshot(conn, trust, report, thread_id)
     except asyncpg.UndefinedTableError:
         raise VerifyError("the database holds no ztate ledger (schema ztate is missing)") from None
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import gc
 import json
 import random
 from collections.abc import Iterator
@@ -331,6 +332,31 @@ def test_versions_beyond_the_lane_are_the_references(
     assert summary == reference
     checks_found = {(f["version"], f["check"]) for f in with_lane}
     assert {(10**19, "canonical"), (2**64, "checkpoint")} <= checks_found, checks_found
+
+
+def test_a_run_freezes_what_the_process_held_and_leaves_the_collector_as_it_was(
+    tmp_path: Path,
+) -> None:
+    folder = write(tmp_path / "bundle", rich_chains(True)[:1], {})
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    rewrite(folder, [*lines[:5], *lines[6:]])  # a gap: a finding, reported mid-run
+    during: list[int] = []
+
+    def report(finding: Finding) -> None:
+        during.append(gc.get_freeze_count())
+
+    assert gc.get_freeze_count() == 0
+    verify_bundle(folder, TRUST, report)
+    assert during
+    assert all(count > 0 for count in during)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # an application's own freeze: the run leaves it alone
+    try:
+        frozen = gc.get_freeze_count()
+        verify_bundle(folder, TRUST, report)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 # --- the canonical scanner ------------------------------------------------------------
