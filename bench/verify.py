@@ -17,6 +17,8 @@ rounds, the best of each counting:
   with ``ztate.services.verify.bundle.export_bundle`` (no database);
 * both as ``ztate verify`` runs them (the compiled lane, ``services/verify/_chain.c``,
   taking the rows it confirms) and with the reference alone (``--reference-only``);
+* **database rows fetched**: verify_database's query read and decoded by asyncpg,
+  nothing checked: what the database source costs before any check;
 * both again on worker processes (``ztate verify --jobs 1`` and ``--jobs 2``,
   ``ztate.services.verify.parallel``), the floor staying one core's.
 
@@ -77,7 +79,14 @@ from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import Policy, PolicySet
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.verify.bundle import export_bundle, verify_bundle
-from ztate.services.verify.checks import Finding, Trust, verify_database
+from ztate.services.verify.checks import (
+    ALL_ROWS,
+    PREFETCH,
+    Finding,
+    Summary,
+    Trust,
+    verify_database,
+)
 from ztate.services.verify.parallel import verify_bundle_parallel, verify_database_parallel
 
 THREADS = 1_000
@@ -161,6 +170,12 @@ class VerifyFigures:
             f"({DESIGN_SAMPLE:,} records), so the reference, whatever its Python, gets no "
             f"higher than {floor_cpu / cpu[DESIGN]:.3f} x the floor per core"
         )
+        fetched, checked = cpu[FETCH], cpu["verify_database"] - cpu[FETCH]
+        out.append(
+            f"from a database, asyncpg reading the rows alone costs {fetched * 1e6:.1f} µs a "
+            f"record ({floor_cpu / fetched:.2f} x the floor's CPU), the checks "
+            f"{checked * 1e6:.1f} more; a bundle's whole run {cpu['verify_bundle'] * 1e6:.1f}"
+        )
         for source in ("database", "bundle"):
             one, two = f"{source} --jobs 1", f"{source} --jobs 2"
             out.append(
@@ -174,6 +189,7 @@ class VerifyFigures:
 FLOOR = "floor: sha256 + HMAC"
 DESIGN = "the reference's compiled calls"
 REFERENCE = "--reference-only"
+FETCH = "database rows fetched, nothing checked"
 DESIGN_SAMPLE = 10_000  # records the design's floor runs over (its state bodies are kept)
 
 
@@ -349,7 +365,9 @@ def verify_here(
     policies = PolicySet([Policy.load(DEFAULT_POLICY)])
     trust = Trust(keyring, {}, policies, reference_only=reference_only)
     cpu, started = _ztate_cpu(), time.perf_counter()
-    if source == "database" and jobs == 0:
+    if source == FETCH:
+        summary = Summary(records=asyncio.run(fetch_rows(location)))
+    elif source == "database" and jobs == 0:
         summary = asyncio.run(verify_database(location, trust, _refuse))
     elif source == "database":
         summary = asyncio.run(verify_database_parallel(location, trust, _refuse, jobs=jobs))
@@ -358,6 +376,21 @@ def verify_here(
     else:
         summary = verify_bundle_parallel(Path(location), trust, _refuse, jobs=jobs)
     return Timed(summary.records, time.perf_counter() - started, _ztate_cpu() - cpu)
+
+
+async def fetch_rows(dsn: str) -> int:
+    """What verify_database reads, and nothing more: its query, in its snapshot and its
+    batches, each row decoded by asyncpg and dropped; the rows read."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        count = 0
+        async with conn.transaction(readonly=True, isolation="repeatable_read"):
+            cursor = await conn.cursor(ALL_ROWS)
+            while rows := await cursor.fetch(PREFETCH):
+                count += len(rows)
+        return count
+    finally:
+        await conn.close()
 
 
 async def _in_a_process(
@@ -414,7 +447,7 @@ async def measure_verification(
     def verifier(
         source: str, jobs: int, reference_only: bool = False
     ) -> Callable[[], Awaitable[Timed]]:
-        location = dsn if source == "database" else str(bundle)
+        location = str(bundle) if source == "bundle" else dsn
         return lambda: _in_a_process(source, location, keyring_file, jobs, reference_only)
 
     runs: dict[str, Callable[[], Awaitable[Timed]]] = {
@@ -424,6 +457,7 @@ async def measure_verification(
         "verify_bundle": verifier("bundle", 0),
         f"verify_database {REFERENCE}": verifier("database", 0, reference_only=True),
         f"verify_bundle {REFERENCE}": verifier("bundle", 0, reference_only=True),
+        FETCH: verifier(FETCH, 0),
         "database --jobs 1": verifier("database", 1),
         "database --jobs 2": verifier("database", 2),
         "bundle --jobs 1": verifier("bundle", 1),
