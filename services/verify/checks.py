@@ -526,6 +526,8 @@ class ThreadVerifier:
         parent, state = self._parent, self._state
         if parent is None or state is None or not HEX_256.match(parent):
             return False
+        if not isinstance(self.thread_id, str):
+            return False  # a null thread_id (a database's primary key dropped)
         if not 0 <= self._expected <= LANE_VERSIONS:
             return False  # a version beyond the lane's (a hostile one): the reference's
         try:
@@ -1350,7 +1352,7 @@ async def verify_rows(
 
 def _head_of(stored: asyncpg.Record) -> Head:
     """The thread's head, carried by the row at its version."""
-    return Head(stored["head_version"], stored["head_digest"], bytes(stored["head_state"]))
+    return Head(stored["head_version"], stored["head_digest"], _bytes_or_none(stored["head_state"]))
 
 
 def no_such_thread(thread_id: str) -> VerifyError:
@@ -1363,7 +1365,7 @@ async def head_from_db(conn: asyncpg.Connection, thread_id: str) -> Head | None:
     row = await conn.fetchrow(HEAD_OF, thread_id)
     if row is None:
         return None
-    return Head(row["version"], row["head_digest"], bytes(row["state"]))
+    return Head(row["version"], row["head_digest"], _bytes_or_none(row["state"]))
 
 
 async def checkpoints_from_db(

@@ -33,7 +33,7 @@ from ztate.contract.keyring import Keyring
 from ztate.contract.record import sign_digest
 from ztate.services.verify import checks
 from ztate.services.verify.bundle import CHECKPOINTS, MANIFEST, RECORDS, verify_bundle
-from ztate.services.verify.checks import SIGNATURE, Finding, Summary, Trust
+from ztate.services.verify.checks import SIGNATURE, Finding, Summary, Trust, Verification
 from ztate.services.verify.parallel import verify_bundle_parallel
 
 pytestmark = pytest.mark.unit
@@ -480,6 +480,17 @@ def test_a_lane_built_wrong_refuses_to_run() -> None:
         half.start(b"t", 0, "0" * 64, b"{}", None, -1)
     with pytest.raises(RuntimeError, match="no chain started"):
         half.add(b"{}")
+
+
+def test_a_thread_without_an_id_stays_the_references() -> None:
+    """A null thread_id (a database whose primary key was dropped): the lane takes no
+    part of it (a review found lane_start raised AttributeError on it)."""
+    run = Verification(TRUST, print)
+    lane = run.lane
+    assert lane is not None
+    thread = run.thread(None)  # type: ignore[arg-type]
+    assert thread.lane_start(lane) is False
+    assert run.thread("t").lane_start(lane) is True
 
 
 def test_a_lane_refuses_to_add_without_a_chain_and_a_state_it_cannot_order() -> None:
