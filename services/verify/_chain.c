@@ -475,24 +475,45 @@ line_decoded(const unsigned char **pp, const unsigned char *end, Buf *out, int *
     if (p >= end || *p != '"')
         return 0;
     p++;
-    /* decoding never lengthens a string: room for all of it, once */
-    if (!buf_reserve(out, end - p)) {
+    /* decoding never lengthens a string: room for all of it, once, and for the 8
+     * bytes a word copied ahead may write past it */
+    if (!buf_reserve(out, end - p + 8)) {
         *oom = 1;
         return 0;
     }
     unsigned char *o = out->p;
     while (p < end) {
-        const unsigned char *run = p;
-        while ((p = skip_plain(p, end)) < end && STRING_BYTE[*p] == 4) {
+        /* plain characters, copied as they are scanned: 8 at a time (a word written
+         * whole, then kept up to its first byte that is not plain), then one by one */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        while (end - p >= 8) {
+            uint64_t w;
+            memcpy(&w, p, 8);
+            memcpy(o, &w, 8);
+            uint64_t special = not_plain(w);
+            if (special) {
+                int k = __builtin_ctzll(special) >> 3;
+                p += k;
+                o += k;
+                break;
+            }
+            p += 8;
+            o += 8;
+        }
+#endif
+        while (p < end && STRING_BYTE[*p] == 0)
+            *o++ = *p++;
+        if (p >= end || STRING_BYTE[*p] == 3)
+            return 0;
+        if (STRING_BYTE[*p] == 4) {
             int n = utf8_seq(p, end, &four);
             if (n == 0)
                 return 0;
+            memcpy(o, p, n);
+            o += n;
             p += n;
+            continue;
         }
-        memcpy(o, run, p - run);
-        o += p - run;
-        if (p >= end || STRING_BYTE[*p] == 3)
-            return 0;
         if (*p == '"') {
             out->len = o - out->p;
             *pp = p + 1;
