@@ -105,7 +105,7 @@ def add_verify_commands(subparsers: Subparsers[argparse.ArgumentParser]) -> None
         "--reference-only",
         action="store_true",
         help="check every record with the reference verifier (Python) alone, none with the "
-        "compiled lane: the same verdict and findings, about 3 times slower",
+        "compiled lane: the same verdict and findings, 5 to 7 times slower",
     )
     verify.add_argument("--json", action="store_true", help="one JSON object per line")
     verify.set_defaults(func=cmd_verify)
