@@ -260,6 +260,28 @@ scan_string(const unsigned char **pp, const unsigned char *end, int *plain)
 
 static int scan_value(const unsigned char **pp, const unsigned char *end, int depth);
 
+/* ``text`` at *pp (then *pp past it), or 0. */
+static int
+literal(const unsigned char **pp, const unsigned char *end, const char *text)
+{
+    Py_ssize_t n = (Py_ssize_t)strlen(text);
+    if (end - *pp < n || memcmp(*pp, text, n) != 0)
+        return 0;
+    *pp += n;
+    return 1;
+}
+
+/* After an item of an object or an array: a comma (1: another item follows, *pp past
+ * it), the closing bracket (2: *pp past it), or anything else (0). */
+static int
+after_item(const unsigned char **pp, const unsigned char *end, unsigned char closing)
+{
+    if (*pp < end && (**pp == ',' || **pp == closing)) {
+        return *(*pp)++ == ',' ? 1 : 2;
+    }
+    return 0;
+}
+
 /* The members of a canonical object at *pp (on its '{'), names strictly ascending
  * and plain; each member's offsets from base taken into out (when not NULL). */
 static int
@@ -304,15 +326,11 @@ scan_object(const unsigned char **pp, const unsigned char *end, int depth,
                 return 0;
             }
         }
-        if (p < end && *p == ',') {
-            p++;
-            continue;
+        int next = after_item(&p, end, '}');
+        if (next != 1) {
+            *pp = p;
+            return next == 2;
         }
-        if (p < end && *p == '}') {
-            *pp = p + 1;
-            return 1;
-        }
-        return 0;
     }
 }
 
@@ -335,36 +353,20 @@ scan_value(const unsigned char **pp, const unsigned char *end, int depth)
         for (;;) {
             if (!scan_value(&p, end, depth + 1))
                 return 0;
-            if (p < end && *p == ',') {
-                p++;
-                continue;
+            int next = after_item(&p, end, ']');
+            if (next != 1) {
+                *pp = p;
+                return next == 2;
             }
-            if (p < end && *p == ']') {
-                *pp = p + 1;
-                return 1;
-            }
-            return 0;
         }
     case '"':
         return scan_string(pp, end, &plain);
     case 't':
-        if (end - p >= 4 && memcmp(p, "true", 4) == 0) {
-            *pp = p + 4;
-            return 1;
-        }
-        return 0;
+        return literal(pp, end, "true");
     case 'f':
-        if (end - p >= 5 && memcmp(p, "false", 5) == 0) {
-            *pp = p + 5;
-            return 1;
-        }
-        return 0;
+        return literal(pp, end, "false");
     case 'n':
-        if (end - p >= 4 && memcmp(p, "null", 4) == 0) {
-            *pp = p + 4;
-            return 1;
-        }
-        return 0;
+        return literal(pp, end, "null");
     default: {
         int negative = 0, digits = 0;
         if (*p == '-') {
@@ -560,16 +562,6 @@ line_decoded(const unsigned char **pp, const unsigned char *end, Buf *out, int *
     return 0;
 }
 
-static int
-literal(const unsigned char **pp, const unsigned char *end, const char *text)
-{
-    Py_ssize_t n = (Py_ssize_t)strlen(text);
-    if (end - *pp < n || memcmp(*pp, text, n) != 0)
-        return 0;
-    *pp += n;
-    return 1;
-}
-
 /* Digits of a non-negative integer of at most MAX_DIGITS digits, no leading zero. */
 static int
 line_version(const unsigned char **pp, const unsigned char *end, long long *out)
@@ -710,7 +702,7 @@ typedef struct {
     Buf risk_seen;                    /* the last risk key asked; risk_none its answer */
     int risk_known, risk_none;
     long long records;
-    int has_last, last_kept;
+    int last_kept; /* the last record taken (any, once records > 0) */
     long long last_version;
     char last_digest[64], last_state_digest[64];
 } Lane;
@@ -914,7 +906,6 @@ Lane_start(Lane *self, PyObject *args)
     self->stop = stop;
     memcpy(self->parent, parent, 64);
     self->records = 0;
-    self->has_last = 0;
     self->active = 1;
     Py_RETURN_TRUE;
 }
@@ -1426,7 +1417,6 @@ lane_row(Lane *self, const Row *row)
     memcpy(self->parent, hex, 64);
     self->expected = version + 1;
     self->records++;
-    self->has_last = 1;
     self->last_version = version;
     memcpy(self->last_digest, hex, 64);
     memcpy(self->last_state_digest, state_hex, 64);
@@ -1668,21 +1658,7 @@ done:
     return taken;
 }
 
-/* add_row(row) -> bool: add() for a ledger row read from the database (lane_db_row). */
-static PyObject *
-Lane_add_row(Lane *self, PyObject *arg)
-{
-    if (!self->active) {
-        PyErr_SetString(PyExc_RuntimeError, "no chain started");
-        return NULL;
-    }
-    int taken = lane_db_row(self, arg);
-    if (taken < 0)
-        return NULL;
-    return PyBool_FromLong(taken);
-}
-
-/* add_rows(rows, start) -> (next, taken, head): add_row() for rows[start],
+/* add_rows(rows, start) -> (next, taken, head): lane_db_row() for rows[start],
  * rows[start + 1], ... (a list) while the lane takes them. next: the first row it did
  * not take (or len(rows)); taken: how many it took; head: the index of the last row
  * taken whose head_version (its 14th column) is not null, or -1. */
@@ -1729,7 +1705,7 @@ Lane_take(Lane *self, PyObject *Py_UNUSED(ignored))
         return NULL;
     }
     PyObject *last;
-    if (self->has_last)
+    if (self->records > 0)
         last = Py_BuildValue("(Ls#s#O)", self->last_version, self->last_digest,
                              (Py_ssize_t)64, self->last_state_digest, (Py_ssize_t)64,
                              self->last_kept ? Py_True : Py_False);
@@ -1765,7 +1741,6 @@ Lane_take(Lane *self, PyObject *Py_UNUSED(ignored))
 static PyMethodDef Lane_methods[] = {
     {"start", (PyCFunction)Lane_start, METH_VARARGS, NULL},
     {"add", (PyCFunction)Lane_add, METH_O, NULL},
-    {"add_row", (PyCFunction)Lane_add_row, METH_O, NULL},
     {"feed", (PyCFunction)Lane_feed, METH_VARARGS, NULL},
     {"add_rows", (PyCFunction)Lane_add_rows, METH_VARARGS, NULL},
     {"take", (PyCFunction)Lane_take, METH_NOARGS, NULL},

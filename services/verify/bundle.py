@@ -587,8 +587,10 @@ class LineReader:
             self._last = block[start:end]
         return self._last
 
-    def feed(self, lane: Any) -> None:
-        """Let ``lane`` take the whole lines of the current block it confirms."""
+    def feed(self, lane: Any) -> bool:
+        """Let ``lane`` take the whole lines of the current block it confirms. False
+        when it declined one (the next line handed out), True when it stopped at the
+        end of the block (the next line may continue the chain)."""
         pos, taken, last = lane.feed(self._block, self._pos)
         if taken:
             if self.first is None:
@@ -596,6 +598,7 @@ class LineReader:
             self._last = (self._block, last, pos - 1)
             self._pos = pos
             self.number += taken
+        return self._block.find(b"\n", pos) < 0
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         return self
@@ -630,16 +633,6 @@ class LineReader:
             self.first = line
         self._last = line
         return number, line
-
-
-def tallied_lines(handle: BinaryIO, path: Path, tally: Tally) -> Iterator[tuple[int, bytes]]:
-    """The lines of ``handle``, each taken into ``tally``, with its number: a read that
-    fails is ``BundleError`` naming the file and the last line read."""
-    try:
-        for line in handle:
-            yield tally.line(line), line
-    except OSError as exc:
-        raise read_failed(path, tally.lines, exc) from None
 
 
 def read_failed(path: Path, lines: int, exc: OSError) -> BundleError:
@@ -746,8 +739,9 @@ def checkpoint_entries(
     with the manifest."""
     read = read if read is not None else Tally()
     last_thread: str | None = None
+    lines = LineReader(_blocks(handle), 1, path, read.hashed)
     with handle:
-        for number, line in tallied_lines(handle, path, read):
+        for number, line in lines:
             try:
                 entry = checkpoint_from_line(line)
             except LineProblem as problem:
@@ -766,6 +760,7 @@ def checkpoint_entries(
                 )
             last_thread = entry[0]
             yield entry
+    read.lines_cut(lines.count)
     check_packed(read, CHECKPOINTS, manifest.checkpoints_sha256, manifest.checkpoints, report)
 
 
@@ -995,12 +990,22 @@ def verify_lines(
     current: ThreadVerifier | None = None
     lane = run.lane  # the compiled lane: the lines it confirms whole, it takes
     in_lane = False
+
+    def fed(thread: ThreadVerifier) -> bool:
+        """The rest of the block to the lane, which holds ``thread``'s chain: whether it
+        still does (False: it declined a line, the next one read, and the reference has
+        the chain back, so that no line is offered to the lane twice)."""
+        if lines.feed(lane):
+            return True
+        thread.lane_take(lane)
+        return False
+
     for number, line in lines:
         if in_lane:
-            if lane.add(line):  # the first line of a block
-                lines.feed(lane)
-                continue
             assert current is not None
+            if lane.add(line):  # the first line of a block, or one across two
+                in_lane = fed(current)
+                continue
             current.lane_take(lane)
             in_lane = False
         try:
@@ -1020,14 +1025,12 @@ def verify_lines(
                 current.expect_checkpoints(checkpoints.take(row.thread_id))
             if lane is not None and current.lane_start(lane):  # the lane from genesis
                 if lane.add(line):
-                    in_lane = True
-                    lines.feed(lane)
+                    in_lane = fed(current)
                     continue
                 current.lane_take(lane)
         current.add(row)
         if lane is not None and current.lane_start(lane):
-            in_lane = True
-            lines.feed(lane)
+            in_lane = fed(current)
     if current is not None:
         if in_lane:
             current.lane_take(lane)

@@ -1329,16 +1329,8 @@ async def verify_rows(
                     checkpoints = await checkpoints_from_db(conn, current.thread_id)
                     current.expect_checkpoints(checkpoints)
                 if lane is not None and current.lane_start(lane):  # the lane from genesis
-                    took, _, head_at = lane.add_rows(rows, at - 1)
-                    if took >= at:
-                        at = took
-                        if head_at >= 0:
-                            head = _head_of(rows[head_at])
-                        in_lane = at == len(rows)
-                        if not in_lane:  # it declined rows[at]: the reference's
-                            current.lane_take(lane)
-                        continue
-                    current.lane_take(lane)
+                    at, in_lane = at - 1, True
+                    continue
             current.add(row_from_db(stored))
             if stored["head_version"] is not None:
                 head = _head_of(stored)

@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -171,27 +171,36 @@ def test_threads_out_of_code_point_order_are_a_bundle_order_finding(
     ]
 
 
-class Rewriting(Mapping[str, Ed25519PublicKey]):
-    """The approval keys; a worker that looks one up (at its first record with a
-    receipt) waits until the leader has read the whole file (a byte on ``read_done``),
-    then rewrites the last line's signature in place, as a process writing to the
-    bundle while it is verified would."""
+class RewrittenInAWorker(Mapping[str, Ed25519PublicKey]):
+    """The approval keys; the first lookup in a worker (at its first record with a
+    receipt) changes one byte of a signature in ``path`` in place (the first
+    signature, or the ``last``), as a process writing to the bundle while it is
+    verified would: ``before`` runs first, ``after`` once the byte is written."""
 
-    def __init__(self, folder: Path, read_done: int) -> None:
-        self._path, self._leader, self._read_done = folder / RECORDS, os.getpid(), read_done
-        data = self._path.read_bytes()
-        self._at = data.rindex(b'"signature":"') + len(b'"signature":"')
+    def __init__(
+        self,
+        path: Path,
+        *,
+        last: bool = False,
+        before: Callable[[], object] = lambda: None,
+        after: Callable[[], object] = lambda: None,
+    ) -> None:
+        self._path, self._leader, self._before, self._after = path, os.getpid(), before, after
+        data = path.read_bytes()
+        find = data.rindex if last else data.index
+        self._at = find(b'"signature":"') + len(b'"signature":"')
         # every worker writes the same byte, never the one the file held
         self._byte = b"0" if data[self._at : self._at + 1] != b"0" else b"1"
-        self._waited = False
+        self._done = False
 
     def __getitem__(self, key_id: str) -> Ed25519PublicKey:
-        if os.getpid() != self._leader and not self._waited:
-            self._waited = True
-            os.read(self._read_done, 1)  # blocks until the leader's read is over
+        if os.getpid() != self._leader and not self._done:
+            self._done = True
+            self._before()
             with self._path.open("r+b") as handle:
                 handle.seek(self._at)
                 handle.write(self._byte)
+            self._after()
         return APPROVALS[key_id]
 
     def __iter__(self) -> Iterator[str]:
@@ -218,7 +227,9 @@ def test_a_bundle_that_changes_while_workers_read_it_gives_no_verdict(
         return handed
 
     monkeypatch.setattr(parallel, "_hand_out", hand_out_then_tell)
-    keys = Rewriting(folder, read_done)
+    # the last line's signature, once the leader has read the whole file (a byte on
+    # read_done)
+    keys = RewrittenInAWorker(folder / RECORDS, last=True, before=lambda: os.read(read_done, 1))
     trust = Trust(KEYRING, keys, POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
     findings: list[Finding] = []
     try:
@@ -439,34 +450,6 @@ def test_a_row_at_a_cut_that_changed_before_the_read_gives_no_verdict(
     )
 
 
-class RewritingCheckpoints(Mapping[str, Ed25519PublicKey]):
-    """The approval keys; the first lookup in a worker (at its first record with a
-    receipt, once it has read checkpoints.jsonl, which is smaller than a block)
-    rewrites a byte of checkpoints.jsonl and tells the leader (a byte on ``tell``)."""
-
-    def __init__(self, folder: Path, tell: int) -> None:
-        self._path, self._leader, self._tell = folder / CHECKPOINTS, os.getpid(), tell
-        data = self._path.read_bytes()
-        self._at = data.index(b'"signature":"') + len(b'"signature":"')
-        self._byte = b"0" if data[self._at : self._at + 1] != b"0" else b"1"
-        self._done = False
-
-    def __getitem__(self, key_id: str) -> Ed25519PublicKey:
-        if os.getpid() != self._leader and not self._done:
-            self._done = True
-            with self._path.open("r+b") as handle:
-                handle.seek(self._at)
-                handle.write(self._byte)
-            os.write(self._tell, b"x")
-        return APPROVALS[key_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(APPROVALS)
-
-    def __len__(self) -> int:
-        return len(APPROVALS)
-
-
 def test_checkpoints_that_change_while_workers_read_them_give_no_verdict(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -482,7 +465,9 @@ def test_checkpoints_that_change_while_workers_read_them_give_no_verdict(
         return check(*args)
 
     monkeypatch.setattr(parallel, "_check_checkpoints", after_the_change)
-    keys = RewritingCheckpoints(folder, tell)
+    # once the worker has read checkpoints.jsonl (smaller than a block): then the
+    # leader is told (a byte on tell)
+    keys = RewrittenInAWorker(folder / CHECKPOINTS, after=lambda: os.write(tell, b"x"))
     trust = Trust(KEYRING, keys, POLICIES, {"cp-k1": CHECKPOINT_KEY.public_key()})
     try:
         with pytest.raises(VerifyError) as stopped:

@@ -61,12 +61,6 @@ class Counting:
         self.declined += not took
         return took
 
-    def add_row(self, row: Any) -> bool:
-        took = bool(self._lane.add_row(row))
-        self.taken += took
-        self.declined += not took
-        return took
-
     def add_rows(self, rows: list[Any], start: int) -> tuple[int, int, int]:
         at, taken, head = self._lane.add_rows(rows, start)
         self.taken += taken
@@ -154,6 +148,9 @@ def test_the_lane_takes_every_plain_transition_and_changes_nothing(
     # every line but the three under a receipt and the one at the checkpoint
     (counter,) = counters
     assert counter.taken == 6 * 30 - 3 - 1
+    # each line declined once (those four, and the first line of each thread after the
+    # first, met while the lane held the thread before): none offered twice
+    assert counter.declined == 3 + 1 + 5
 
 
 def test_the_lane_changes_nothing_on_worker_processes(
