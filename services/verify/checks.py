@@ -252,7 +252,7 @@ class LedgerRow:
 class Head:
     """What the source claims is a thread's head; ``state`` None when it keeps none."""
 
-    version: int
+    version: int | None  # None: a null column (a database whose constraint was dropped)
     digest: str
     state: bytes | None
 
@@ -456,7 +456,9 @@ class Verification:
         if head is None:
             self.finding(Finding(thread_id, None, HEAD, expected, "no head and no records"))
         else:
-            found = f"a head at version {head.version} ({head.digest}) but no records"
+            found = (
+                f"a head at version {_version_text(head.version)} ({head.digest}) but no records"
+            )
             self.finding(Finding(thread_id, head.version, HEAD, expected, found))
 
 
@@ -556,6 +558,13 @@ class ThreadVerifier:
         self._last = _Last(version, digest, state_digest, state if kept else None)
 
     # --- one row --------------------------------------------------------------------
+
+    def add_unversioned(self) -> None:
+        """A database row whose version is null (its primary key dropped): it has no
+        place in the chain, which stays as it was (the version it should have had is
+        then missing, or there twice, and reported so)."""
+        self._run.summary.records += 1
+        self._fail(None, VERSION, "a version", "none: a record with a null version column")
 
     def add(self, row: LedgerRow) -> None:
         self._run.summary.records += 1
@@ -980,9 +989,9 @@ class ThreadVerifier:
             return
         if (head.version, head.digest) != (last.version, last.digest):
             self._fail(
-                max(head.version, last.version),
+                last.version if head.version is None else max(head.version, last.version),
                 HEAD,
-                f"version {head.version}, digest {head.digest} (the head)",
+                f"version {_version_text(head.version)}, digest {head.digest} (the head)",
                 f"version {last.version}, digest {last.digest} (the last record)",
             )
             return
@@ -1097,6 +1106,10 @@ def _parse_canonical(data: bytes) -> tuple[JsonObject | None, str, bool]:
             False,
         )
     return parsed, "", False
+
+
+def _version_text(version: int | None) -> str:
+    return "none (a null column)" if version is None else str(version)
 
 
 def _state_digest(record: JsonObject | None) -> str | None:
@@ -1331,7 +1344,10 @@ async def verify_rows(
                 if lane is not None and current.lane_start(lane):  # the lane from genesis
                     at, in_lane = at - 1, True
                     continue
-            current.add(row_from_db(stored))
+            if stored["version"] is None:
+                current.add_unversioned()
+            else:
+                current.add(row_from_db(stored))
             if stored["head_version"] is not None:
                 head = _head_of(stored)
             if lane is not None:

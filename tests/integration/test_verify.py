@@ -304,6 +304,46 @@ async def test_null_columns_are_findings_not_crashes(world: World, clean: str) -
     }
 
 
+async def test_null_versions_are_findings_not_crashes(
+    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
+) -> None:
+    """With the primary keys' NOT NULL gone, a record with no version and a head with
+    no version are findings of their thread, never a crash (one process and two, with
+    the compiled lane as without it). A ledger of its own: the service needs its keys."""
+    own = await open_world(
+        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
+    )
+    try:
+        records, head = await own.thread(), await own.thread()
+    finally:
+        await own.service.stop(grace=1.0)
+    await own.tamper(
+        records,
+        ("ALTER TABLE ztate.transitions DROP CONSTRAINT transitions_pkey CASCADE", ()),
+        ("ALTER TABLE ztate.transitions ALTER COLUMN version DROP NOT NULL", ()),
+        update("version", None, records, 3),
+        ("ALTER TABLE ztate.threads ALTER COLUMN version DROP NOT NULL", ()),
+        ("UPDATE ztate.threads SET version = NULL WHERE thread_id = $1", (head,)),
+    )
+    findings, summary = await own.verify()
+    head_digest = (await own.row(head, VERSIONS - 1))["digest"]
+    assert {(f.thread_id, f.version, f.check, f.expected, f.found) for f in findings} == {
+        (records, 3, "version", "version 3", "version 4: version 3 is missing"),
+        (records, None, "version", "a version", "none: a record with a null version column"),
+        (
+            head,
+            VERSIONS - 1,
+            "head",
+            f"version none (a null column), digest {head_digest} (the head)",
+            f"version {VERSIONS - 1}, digest {head_digest} (the last record)",
+        ),
+    }
+    assert (summary.threads, summary.records, summary.failures) == (2, 2 * VERSIONS, 3)
+    parallel: list[Finding] = []
+    two = await verify_database_parallel(own.dsn, own.trust, parallel.append, jobs=2)
+    assert (sorted(map(str, parallel)), two) == (sorted(map(str, findings)), summary)
+
+
 async def test_a_changed_signature_is_pinpointed(world: World, clean: str) -> None:
     thread_id = await world.thread()
     signature = (await world.row(thread_id, 4))["signature"]
