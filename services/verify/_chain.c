@@ -260,16 +260,19 @@ scan_string(const unsigned char **pp, const unsigned char *end, int *plain)
 
 static int scan_value(const unsigned char **pp, const unsigned char *end, int depth);
 
-/* ``text`` at *pp (then *pp past it), or 0. */
-static int
-literal(const unsigned char **pp, const unsigned char *end, const char *text)
+/* The n bytes of text at *pp (then *pp past them), or 0. */
+static inline int
+literal_n(const unsigned char **pp, const unsigned char *end, const char *text, Py_ssize_t n)
 {
-    Py_ssize_t n = (Py_ssize_t)strlen(text);
-    if (end - *pp < n || memcmp(*pp, text, n) != 0)
+    if (end - *pp < n || memcmp(*pp, text, (size_t)n) != 0)
         return 0;
     *pp += n;
     return 1;
 }
+
+/* A string literal at *pp: its length known when compiled, so that the comparison
+ * is inlined (a line has about fifteen of them). */
+#define literal(pp, end, text) literal_n((pp), (end), "" text, (Py_ssize_t)sizeof(text) - 1)
 
 /* After an item of an object or an array: a comma (1: another item follows, *pp past
  * it), the closing bracket (2: *pp past it), or anything else (0). */
@@ -493,19 +496,36 @@ line_decoded(const unsigned char **pp, const unsigned char *end, Buf *out, int *
             memcpy(&w, p, 8);
             memcpy(o, &w, 8);
             uint64_t special = not_plain(w);
-            if (special) {
-                int k = __builtin_ctzll(special) >> 3;
-                p += k;
-                o += k;
-                break;
+            if (!special) {
+                p += 8;
+                o += 8;
+                continue;
             }
-            p += 8;
-            o += 8;
+            int k = __builtin_ctzll(special) >> 3;
+            p += k;
+            o += k;
+            /* an escaped quote inside the word, taken from the word (a record
+             * embedded in a line has one every dozen bytes or so) */
+            if (k < 7 && ((w >> (8 * k)) & 0xFFFF) == ('\\' | ('"' << 8))) {
+                *o++ = '"';
+                p += 2;
+                continue;
+            }
+            break;
         }
 #endif
         while (p < end && STRING_BYTE[*p] == 0)
             *o++ = *p++;
-        if (p >= end || STRING_BYTE[*p] == 3)
+        if (p >= end)
+            return 0;
+        /* the escaped quote first: a record embedded in a line has one every dozen
+         * bytes or so */
+        if (*p == '\\' && end - p >= 2 && p[1] == '"') {
+            *o++ = '"';
+            p += 2;
+            continue;
+        }
+        if (STRING_BYTE[*p] == 3)
             return 0;
         if (STRING_BYTE[*p] == 4) {
             int n = utf8_seq(p, end, &four);
@@ -521,7 +541,7 @@ line_decoded(const unsigned char **pp, const unsigned char *end, Buf *out, int *
             *pp = p + 1;
             return 1;
         }
-        /* an escape */
+        /* another escape */
         if (end - p < 2)
             return 0;
         switch (p[1]) {
@@ -1432,6 +1452,51 @@ done:
     return result == Py_True;
 }
 
+/* One line of records.jsonl from p on, in the exporter's layout, parsed into row up
+ * to its closing brace (*after: just past it; what follows is the caller's to
+ * check). A line that is not in that layout: 0 (a JSON string holds no raw control
+ * character, so a line parsed never runs on past its newline). */
+static int
+line_row(Lane *self, const unsigned char *p, const unsigned char *end, Row *row,
+         const unsigned char **after, int *oom)
+{
+    Span optional;
+    if (!(literal(&p, end, "{\"thread_id\":") && line_plain(&p, end, &row->thread) &&
+          literal(&p, end, ",\"version\":") && line_version(&p, end, &row->version) &&
+          literal(&p, end, ",\"digest\":") && line_plain(&p, end, &row->digest) &&
+          literal(&p, end, ",\"parent_digest\":") && line_plain(&p, end, &row->parent) &&
+          literal(&p, end, ",\"node_id\":") && line_plain(&p, end, &row->node) &&
+          literal(&p, end, ",\"key_id\":") && line_plain(&p, end, &row->key_id) &&
+          literal(&p, end, ",\"signature\":") && line_plain(&p, end, &row->signature) &&
+          literal(&p, end, ",\"record\":") && line_decoded(&p, end, &self->record, oom) &&
+          literal(&p, end, ",\"state\":")))
+        return 0;
+    if (!literal(&p, end, "null")) {
+        if (!line_decoded(&p, end, &self->body, oom))
+            return 0;
+        row->body = self->body.p;
+        row->body_len = self->body.len;
+    }
+    if (!literal(&p, end, ",\"receipt\":null,\"receipt_signature\":"))
+        return 0;
+    if (!literal(&p, end, "null") && !line_plain(&p, end, &optional))
+        return 0;
+    if (!literal(&p, end, ",\"receipt_key_id\":"))
+        return 0;
+    if (!literal(&p, end, "null") && !line_plain(&p, end, &optional))
+        return 0;
+    if (!literal(&p, end, ",\"committed_at\":"))
+        return 0;
+    if (!literal(&p, end, "null") && !line_plain(&p, end, &row->committed))
+        return 0;
+    if (!literal(&p, end, "}"))
+        return 0;
+    row->record = self->record.p;
+    row->record_len = self->record.len;
+    *after = p;
+    return 1;
+}
+
 /* One line of records.jsonl (its newline, if any, at its end): the exporter's layout,
  * then the row's checks. 1 taken, 0 declined, -1 an error. */
 static int
@@ -1439,45 +1504,11 @@ lane_line(Lane *self, const unsigned char *p, const unsigned char *end)
 {
     int oom = 0, taken = 0;
     Row row = {0};
-    Span optional;
-
+    const unsigned char *after = NULL;
     if (end > p && end[-1] == '\n')
         end--;
-    if (!(literal(&p, end, "{\"thread_id\":") && line_plain(&p, end, &row.thread) &&
-          literal(&p, end, ",\"version\":") && line_version(&p, end, &row.version) &&
-          literal(&p, end, ",\"digest\":") && line_plain(&p, end, &row.digest) &&
-          literal(&p, end, ",\"parent_digest\":") && line_plain(&p, end, &row.parent) &&
-          literal(&p, end, ",\"node_id\":") && line_plain(&p, end, &row.node) &&
-          literal(&p, end, ",\"key_id\":") && line_plain(&p, end, &row.key_id) &&
-          literal(&p, end, ",\"signature\":") && line_plain(&p, end, &row.signature) &&
-          literal(&p, end, ",\"record\":") && line_decoded(&p, end, &self->record, &oom) &&
-          literal(&p, end, ",\"state\":")))
-        goto done;
-    if (!literal(&p, end, "null")) {
-        if (!line_decoded(&p, end, &self->body, &oom))
-            goto done;
-        row.body = self->body.p;
-        row.body_len = self->body.len;
-    }
-    if (!literal(&p, end, ",\"receipt\":null,\"receipt_signature\":"))
-        goto done;
-    if (!literal(&p, end, "null") && !line_plain(&p, end, &optional))
-        goto done;
-    if (!literal(&p, end, ",\"receipt_key_id\":"))
-        goto done;
-    if (!literal(&p, end, "null") && !line_plain(&p, end, &optional))
-        goto done;
-    if (!literal(&p, end, ",\"committed_at\":"))
-        goto done;
-    if (!literal(&p, end, "null") && !line_plain(&p, end, &row.committed))
-        goto done;
-    if (!literal(&p, end, "}") || p != end)
-        goto done;
-    row.record = self->record.p;
-    row.record_len = self->record.len;
-    taken = lane_row(self, &row);
-
-done:
+    if (line_row(self, p, end, &row, &after, &oom) && after == end)
+        taken = lane_row(self, &row);
     if (oom) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
@@ -1528,19 +1559,26 @@ Lane_feed(Lane *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "pos outside the block");
         return NULL;
     }
+    const unsigned char *block_end = data + view.len;
     while (pos < view.len) {
-        const unsigned char *newline = memchr(data + pos, '\n', view.len - pos);
-        if (newline == NULL)
-            break;
-        int took = lane_line(self, data + pos, newline);
-        if (took < 0) {
+        /* parsed first, its newline checked after (no search for it): a line that
+         * does not parse, or does not end in the block, is where the lane stops */
+        Row row = {0};
+        const unsigned char *after = NULL;
+        int oom = 0, took = 0;
+        if (line_row(self, data + pos, block_end, &row, &after, &oom) && after < block_end &&
+            *after == '\n')
+            took = lane_row(self, &row);
+        if (oom || took < 0) {
+            if (oom && !PyErr_Occurred())
+                PyErr_NoMemory();
             PyBuffer_Release(&view);
             return NULL;
         }
         if (!took)
             break;
         last = pos;
-        pos = newline - data + 1;
+        pos = after - data + 1;
         taken++;
     }
     PyBuffer_Release(&view);

@@ -32,7 +32,7 @@ from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.keyring import Keyring
 from ztate.contract.record import sign_digest
 from ztate.services.verify import checks
-from ztate.services.verify.bundle import CHECKPOINTS, MANIFEST, RECORDS, verify_bundle
+from ztate.services.verify.bundle import CHECKPOINTS, MANIFEST, RECORDS, _line, verify_bundle
 from ztate.services.verify.checks import SIGNATURE, Finding, Summary, Trust, Verification
 from ztate.services.verify.parallel import verify_bundle_parallel
 
@@ -524,3 +524,30 @@ def test_a_signature_under_another_key_is_found_on_every_line(
     assert summary == reference
     assert [f["check"] for f in with_lane] == [SIGNATURE] * 30
     assert counters[0].taken == 0
+
+
+def test_feed_takes_a_line_only_when_its_newline_follows_it_in_the_block() -> None:
+    """Lane.feed parses a line before it looks for its newline: the line must end,
+    right after its closing brace, with a newline inside the block. A line cut at the
+    block's end, ended by a carriage return first, or run into the next line is not
+    taken (nothing changes); taken again whole, it is."""
+    chain = rich_chains(True)[0]
+    lines = [orjson.dumps(_line(row)) + b"\n" for row in chain.rows[:4]]
+    thread = chain.thread_id.encode()
+
+    def started() -> Any:
+        lane = LANE_OF(TRUST)
+        assert lane.start(thread, 0, "0" * 64, b"{}", None, -1) is True
+        return lane
+
+    lane = started()
+    assert lane.feed(lines[0] + lines[1], 0) == (len(lines[0] + lines[1]), 2, len(lines[0]))
+    for cut in (lines[2][:-1], lines[2][:-1] + b"\r\n", lines[2][:-1] + lines[3]):
+        assert lane.feed(cut, 0) == (0, 0, -1)
+    assert lane.feed(lines[2] + lines[3], 0) == (len(lines[2] + lines[3]), 2, len(lines[2]))
+    records, expected, parent, *_ = lane.take()
+    assert (records, expected, parent) == (4, 4, chain.rows[3].digest)
+    # a line with its newline, fed at an offset: the same as add()
+    lane = started()
+    block = b"x" * 7 + lines[0]
+    assert lane.feed(block, 7) == (len(block), 1, 7)
