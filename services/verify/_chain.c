@@ -258,6 +258,42 @@ scan_string(const unsigned char **pp, const unsigned char *end, int *plain)
     return 0;
 }
 
+/* Whether the n bytes at a and b are equal: inline for the short spans a row is made
+ * of (names, ids, digests), without a call. */
+static inline int
+bytes_equal(const unsigned char *a, const unsigned char *b, Py_ssize_t n)
+{
+    uint64_t x, y, diff = 0;
+    Py_ssize_t i = 0;
+    for (; n - i >= 8; i += 8) {
+        memcpy(&x, a + i, 8);
+        memcpy(&y, b + i, 8);
+        diff |= x ^ y;
+    }
+    if (i < n && n >= 8) { /* the last word, overlapping the one before */
+        memcpy(&x, a + n - 8, 8);
+        memcpy(&y, b + n - 8, 8);
+        diff |= x ^ y;
+    }
+    else
+        for (; i < n; i++)
+            diff |= (uint64_t)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
+/* The order of two member names (memcmp's sign, then the shorter first). */
+static inline int
+name_order(const unsigned char *a, Py_ssize_t a_len, const unsigned char *b, Py_ssize_t b_len)
+{
+    if (a_len > 0 && b_len > 0 && a[0] != b[0])
+        return a[0] < b[0] ? -1 : 1; /* most names differ at once: no call */
+    Py_ssize_t n = a_len < b_len ? a_len : b_len;
+    int order = memcmp(a, b, (size_t)n);
+    if (order == 0)
+        order = (a_len > b_len) - (a_len < b_len);
+    return order;
+}
+
 static int scan_value(const unsigned char **pp, const unsigned char *end, int depth);
 
 /* The n bytes of text at *pp (then *pp past them), or 0. */
@@ -308,12 +344,8 @@ scan_object(const unsigned char **pp, const unsigned char *end, int depth,
         if (!scan_string(&p, end, &plain) || !plain)
             return 0;
         Py_ssize_t name_len = (p - 1) - name;
-        if (last != NULL) {
-            Py_ssize_t n = last_len < name_len ? last_len : name_len;
-            int order = memcmp(last, name, n);
-            if (order > 0 || (order == 0 && last_len >= name_len))
-                return 0; /* not ascending, or a repeat */
-        }
+        if (last != NULL && name_order(last, last_len, name, name_len) >= 0)
+            return 0; /* not ascending, or a repeat */
         last = name;
         last_len = name_len;
         if (p >= end || *p != ':')
@@ -621,10 +653,10 @@ is_hex64(const unsigned char *p, Py_ssize_t len)
     return all;
 }
 
-static int
+static inline int
 same(Span a, const unsigned char *p, Py_ssize_t len)
 {
-    return a.len == len && memcmp(a.p, p, len) == 0;
+    return a.len == len && bytes_equal(a.p, p, len);
 }
 
 static int
@@ -1163,10 +1195,7 @@ replay(Lane *self, const unsigned char *patch, Py_ssize_t patch_len)
             take_patch = 1;
         else {
             const Member *a = &self->old.m[i], *b = &self->patch.m[j];
-            Py_ssize_t n = a->key_len < b->key_len ? a->key_len : b->key_len;
-            int order = memcmp(ob + a->key, patch + b->key, n);
-            if (order == 0)
-                order = (a->key_len > b->key_len) - (a->key_len < b->key_len);
+            int order = name_order(ob + a->key, a->key_len, patch + b->key, b->key_len);
             if (order == 0)
                 i++; /* the patch's member replaces (or removes) the old one */
             take_patch = order >= 0;
@@ -1242,8 +1271,8 @@ lane_row(Lane *self, const Row *row)
     if (names == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < ms->n; i++) {
-        Py_ssize_t n = (Py_ssize_t)strlen(names[i]);
-        if (ms->m[i].key_len != n || memcmp(rec + ms->m[i].key, names[i], n) != 0)
+        Span name = {rec + ms->m[i].key, ms->m[i].key_len};
+        if (!same(name, (const unsigned char *)names[i], (Py_ssize_t)strlen(names[i])))
             goto done;
     }
 #define VALUE(i) (rec + ms->m[i].value)
