@@ -47,6 +47,7 @@ tables were small would otherwise read whole tables on every batch as the ledger
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -203,7 +204,7 @@ class GroupCommitter:
             return False
         task = asyncio.get_running_loop().create_task(self._send(batch))
         self._running[task] = len(batch)
-        task.add_done_callback(self._sent)
+        task.add_done_callback(functools.partial(self._sent, batch))
         return True
 
     def _take(self) -> list[_Waiting]:
@@ -230,8 +231,13 @@ class GroupCommitter:
         self._queue = later
         return batch
 
-    def _sent(self, task: asyncio.Task[None]) -> None:
+    def _sent(self, batch: list[_Waiting], task: asyncio.Task[None]) -> None:
         del self._running[task]
+        if task.cancelled():
+            # cancelled before its first step (the service stopping), _send never ran
+            # to answer its callers: they are cancelled too, not left waiting
+            for waiting in batch:
+                waiting.answer.cancel()
         if self._queue:
             self._dispatch()
 

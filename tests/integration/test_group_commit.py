@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+import pytest
 import pytest_asyncio
 import uvloop
 
@@ -27,6 +28,7 @@ from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.store.group_commit import CommitArgs, GroupCommitter, Outcome, _Waiting
 from ztate.services.store.interface import Commit, LeaseClaim
 from ztate.services.store.migrate import migrate
 from ztate.services.store.transitions import PostgresTransitionStore, keep_session
@@ -713,6 +715,32 @@ async def test_a_full_batch_waiting_takes_the_free_slot_at_once(
     finally:
         await heads.close()
         await admin.close()
+
+
+async def test_a_send_cancelled_before_its_first_step_cancels_its_callers(
+    pools: list[asyncpg.Pool],
+) -> None:
+    """A statement's task cancelled before it ran at all (the service stopping) never
+    reached the code that answers its callers: they waited forever. Its callers are
+    now cancelled with it, and the committer is left with nothing running or
+    queued."""
+
+    async def never(args: CommitArgs) -> Outcome:
+        raise AssertionError("the cancelled statement ran")
+
+    committer = GroupCommitter(pools[0], never, max_in_flight=1, max_batch=4)
+    answers = [asyncio.get_running_loop().create_future() for _ in range(2)]
+    for number, answer in enumerate(answers):
+        args = (f"thread-{number}",) + (None,) * 15  # two threads, no lease: one batch
+        committer._queue.append(_Waiting(args, answer))
+    committer._dispatch()  # the batch's task is created, not yet started
+    ((task, rows),) = committer._running.items()
+    assert rows == 2
+    task.cancel()
+    for answer in answers:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(answer, timeout=10)
+    assert (committer._running, committer._queue) == ({}, [])
 
 
 STEPS = 6  # each writer's proposals in the uvloop test
