@@ -535,6 +535,17 @@ def open_file(directory: Path, name: str, what: str) -> BinaryIO:
 
 
 BLOCK = 1024 * 1024  # bytes of records.jsonl read at a time
+# The longest line of records.jsonl or checkpoints.jsonl read: above any line of a ledger
+# within the service's limits (a 64 MiB state whose every byte the line escapes to 7,
+# a 4 MiB patch alike, a receipt). A longer one is hashed and counted, never held.
+MAX_LINE = 512 * 1024 * 1024
+
+
+class _TooLong(bytes):
+    """The line a ``LineReader`` hands out for one over its bound (never held)."""
+
+
+TOO_LONG = _TooLong()
 
 
 def record_lines(directory: Path, tally: Tally) -> LineReader:
@@ -566,6 +577,7 @@ class LineReader:
         seen: Callable[[bytes], object] | None = None,
     ) -> None:
         self._blocks = blocks
+        self._max_line = MAX_LINE
         self._path = path
         self._seen = seen  # each block, as read (a hash)
         self._block = b""
@@ -604,21 +616,33 @@ class LineReader:
         return self
 
     def __next__(self) -> tuple[int, bytes]:
+        """The next line, or ``TOO_LONG`` for one over ``MAX_LINE`` bytes: read to its
+        end (and hashed) but never held, so that a file that is one endless line
+        costs no more memory than a line may."""
         parts: list[bytes] = []  # the line read so far, when it spans blocks
+        held = 0  # its length (counted on past max_line, when parts are dropped)
         while True:
             end = self._block.find(b"\n", self._pos)
             if end >= 0:
                 piece = self._block[self._pos : end]
                 self._pos = end + 1
+                if held + len(piece) > self._max_line:
+                    return self._line(TOO_LONG)
                 return self._line(b"".join((*parts, piece)) if parts else piece)
             if self._pos < len(self._block):
-                parts.append(self._block[self._pos :])
+                held += len(self._block) - self._pos
+                if held <= self._max_line:
+                    parts.append(self._block[self._pos :])
+                else:
+                    parts.clear()
             self._block, self._pos = b"", 0
             try:
                 block = next(self._blocks, b"")
             except OSError as exc:
                 raise read_failed(self._path, self.number - 1, exc) from None
             if not block:
+                if held > self._max_line:
+                    return self._line(TOO_LONG)
                 if parts:
                     return self._line(b"".join(parts))
                 raise StopIteration
@@ -675,6 +699,8 @@ def check_records_file(manifest: Manifest, read: Tally, threads: int, report: Re
 
 def row_from_line(line: bytes) -> LedgerRow:
     """The ledger row one line of ``records.jsonl`` holds; ``LineProblem`` if none."""
+    if line is TOO_LONG:
+        raise LineProblem(f"too long (over {MAX_LINE} bytes): not read")
     try:
         doc = orjson.loads(line)
     except orjson.JSONDecodeError:
@@ -811,6 +837,8 @@ class CheckpointReader:
 
 def checkpoint_from_line(line: bytes) -> Checkpoint:
     """The checkpoint one line of ``checkpoints.jsonl`` holds; ``LineProblem`` if none."""
+    if line is TOO_LONG:
+        raise LineProblem(f"too long (over {MAX_LINE} bytes): not read")
     try:
         return parse_checkpoint_line(line)
     except CheckpointInvalid as exc:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import json
+import tracemalloc
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -36,6 +38,7 @@ from ztate.contract.record import (
 )
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import PolicySet
+from ztate.services.verify import bundle, parallel
 from ztate.services.verify.bundle import (
     BUNDLE_COUNT,
     BUNDLE_HASH,
@@ -43,8 +46,10 @@ from ztate.services.verify.bundle import (
     BUNDLE_ORDER,
     MANIFEST,
     RECORDS,
+    TOO_LONG,
     BundleError,
     BundleWriter,
+    LineReader,
     verify_bundle,
 )
 from ztate.services.verify.checks import Finding, LedgerRow, Summary, Trust, Verification
@@ -427,6 +432,52 @@ def test_an_unusable_manifest_means_verification_cannot_run(tmp_path: Path) -> N
         check(folder)
     with pytest.raises(BundleError):
         check(tmp_path / "missing")
+
+
+def test_a_line_too_long_is_reported_and_never_held(
+    tmp_path: Path, jobs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line over ``bundle.MAX_LINE`` (512 MiB; here 4 KiB, read in 1 KiB blocks) is
+    hashed and counted but not read: one ``bundle.line`` finding, and the chain goes on
+    as after any line that is no row (before, it was held whole, however long: here it
+    is a valid row padded with blanks, which verified)."""
+    monkeypatch.setattr(bundle, "MAX_LINE", 4096)
+    monkeypatch.setattr(bundle, "BLOCK", 1024)
+    monkeypatch.setattr(parallel, "BLOCK", 1024)
+    folder = write(tmp_path, honest_chain().rows)
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)
+    assert max(map(len, lines)) < 4096
+    lines[2] = lines[2][:-1] + b" " * 5000 + b"\n"
+    rewrite(folder, lines, fix_manifest=True)
+    findings = check(folder, jobs)[0]
+    assert [f.found for f in findings if f.check == BUNDLE_LINE] == [
+        "line 3: too long (over 4096 bytes): not read"
+    ]
+    assert where(findings) == {(None, BUNDLE_LINE), (2, "version")}  # 2 missing, 3 found
+
+
+def test_a_reader_holds_no_more_of_an_endless_line_than_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """100 MiB without a newline (a records.jsonl that is one line, or a device that
+    never ends one): the reader hashes all of it and hands out ``TOO_LONG``, holding
+    at most ``MAX_LINE`` (here 64 KiB) of it at any time."""
+    monkeypatch.setattr(bundle, "MAX_LINE", 64 * 1024)
+    blocks = (b"x" * 65536 for _ in range(1600))
+    hashed = hashlib.sha256()
+    tracemalloc.start()
+    try:
+        reader = LineReader(blocks, 1, Path("records.jsonl"), hashed.update)
+        number, line = next(reader)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (number, line) == (1, b"")
+    assert line is TOO_LONG
+    assert peak < 1024 * 1024
+    assert hashed.hexdigest() == hashlib.sha256(b"x" * 65536 * 1600).hexdigest()
+    with pytest.raises(StopIteration):
+        next(reader)
 
 
 def test_a_broken_line_inside_a_thread_is_reported_with_its_line_number(
