@@ -512,10 +512,18 @@ class ThreadVerifier:
         self._kept = self._trust.kept_checkpoints.get(thread_id, {})
         self._checkpoints: dict[int, SignedCheckpoint] = dict(self._kept)
 
-    def expect_checkpoints(self, checkpoints: dict[int, SignedCheckpoint]) -> None:
+    def expect_checkpoints(
+        self,
+        checkpoints: Mapping[int, SignedCheckpoint] | Mapping[int | None, SignedCheckpoint],
+    ) -> None:
         """Signed heads the chain must pass through (version -> checkpoint), the
-        source's own and those kept elsewhere (which win at the same version)."""
-        self._checkpoints = {**checkpoints, **self._kept}
+        source's own and those kept elsewhere (which win at the same version). One
+        with no version (a database's null column: its primary key dropped) is a
+        finding: the chain cannot be held to it."""
+        if None in checkpoints:
+            self._fail(None, CHECKPOINT, "a signed head at a version", "one with a null version")
+        versioned = {v: c for v, c in checkpoints.items() if v is not None}
+        self._checkpoints = {**versioned, **self._kept}
 
     def _fail(self, version: int | None, check: str, expected: str, found: str) -> None:
         self._run.finding(Finding(self.thread_id, version, check, expected, found))
@@ -1378,7 +1386,7 @@ async def head_from_db(conn: asyncpg.Connection, thread_id: str) -> Head | None:
 
 async def checkpoints_from_db(
     conn: asyncpg.Connection, thread_id: str
-) -> dict[int, SignedCheckpoint]:
+) -> dict[int | None, SignedCheckpoint]:
     rows = await conn.fetch(
         "SELECT version, checkpoint, signature, key_id FROM ztate.checkpoints WHERE thread_id = $1",
         thread_id,

@@ -15,6 +15,7 @@ its own, so no other test's data is ever touched.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -339,6 +340,23 @@ async def test_null_versions_are_findings_not_crashes(
         ),
     }
     assert (summary.threads, summary.records, summary.failures) == (2, 2 * VERSIONS, 3)
+    # a signed head with no version: a finding too, once the run checks signed heads
+    await own.tamper(
+        records,
+        ("ALTER TABLE ztate.checkpoints DROP CONSTRAINT checkpoints_pkey", ()),
+        ("ALTER TABLE ztate.checkpoints ALTER COLUMN version DROP NOT NULL", ()),
+        (
+            "INSERT INTO ztate.checkpoints (thread_id, version, head_digest, checkpoint, "
+            "signature, key_id, signed_at) VALUES ($1, NULL, $2, '{}', 'x', 'k', now())",
+            (records, head_digest),
+        ),
+    )
+    signed = dataclasses.replace(own, trust=dataclasses.replace(own.trust, checkpoint_keys={}))
+    with_heads, counted = await signed.verify()
+    assert {(f.thread_id, f.version, f.check, f.found) for f in with_heads} == {
+        (f.thread_id, f.version, f.check, f.found) for f in findings
+    } | {(records, None, "checkpoint", "one with a null version")}
+    assert counted.failures == 4
     parallel: list[Finding] = []
     two = await verify_database_parallel(own.dsn, own.trust, parallel.append, jobs=2)
     assert (sorted(map(str, parallel)), two) == (sorted(map(str, findings)), summary)
