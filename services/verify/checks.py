@@ -1392,6 +1392,9 @@ async def checkpoints_from_db(
         thread_id,
     )
     return {
-        row["version"]: SignedCheckpoint(bytes(row["checkpoint"]), row["signature"], row["key_id"])
+        # a null column (its NOT NULL dropped) is what no checkpoint says, as in row_from_db
+        row["version"]: SignedCheckpoint(
+            _bytes_or_none(row["checkpoint"]) or b"", _text(row["signature"]), _text(row["key_id"])
+        )
         for row in rows
     }

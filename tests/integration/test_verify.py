@@ -340,14 +340,18 @@ async def test_null_versions_are_findings_not_crashes(
         ),
     }
     assert (summary.threads, summary.records, summary.failures) == (2, 2 * VERSIONS, 3)
-    # a signed head with no version: a finding too, once the run checks signed heads
+    # signed heads with no version, or null columns: findings too, once the run checks them
     await own.tamper(
         records,
         ("ALTER TABLE ztate.checkpoints DROP CONSTRAINT checkpoints_pkey", ()),
         ("ALTER TABLE ztate.checkpoints ALTER COLUMN version DROP NOT NULL", ()),
+        ("ALTER TABLE ztate.checkpoints ALTER COLUMN checkpoint DROP NOT NULL", ()),
+        ("ALTER TABLE ztate.checkpoints ALTER COLUMN signature DROP NOT NULL", ()),
+        ("ALTER TABLE ztate.checkpoints ALTER COLUMN key_id DROP NOT NULL", ()),
         (
             "INSERT INTO ztate.checkpoints (thread_id, version, head_digest, checkpoint, "
-            "signature, key_id, signed_at) VALUES ($1, NULL, $2, '{}', 'x', 'k', now())",
+            "signature, key_id, signed_at) VALUES ($1, NULL, $2, '{}', 'x', 'k', now()), "
+            "($1, 1, $2, NULL, NULL, NULL, now())",
             (records, head_digest),
         ),
     )
@@ -355,8 +359,11 @@ async def test_null_versions_are_findings_not_crashes(
     with_heads, counted = await signed.verify()
     assert {(f.thread_id, f.version, f.check, f.found) for f in with_heads} == {
         (f.thread_id, f.version, f.check, f.found) for f in findings
-    } | {(records, None, "checkpoint", "one with a null version")}
-    assert counted.failures == 4
+    } | {
+        (records, None, "checkpoint", "one with a null version"),
+        (records, 1, "checkpoint", "no checkpoint public key has id NULL"),
+    }
+    assert counted.failures == 5
     parallel: list[Finding] = []
     two = await verify_database_parallel(own.dsn, own.trust, parallel.append, jobs=2)
     assert (sorted(map(str, parallel)), two) == (sorted(map(str, findings)), summary)
