@@ -1182,6 +1182,9 @@ RANGE_ROWS = (
     ROWS + " WHERE ($1::text IS NULL OR t.thread_id >= $1) AND ($2::text IS NULL OR "
     "t.thread_id < $2) ORDER BY t.thread_id, t.version"
 )
+# the rows of no thread (a null thread_id: the primary key dropped), which ALL_ROWS
+# orders last and no range of thread ids holds: the last range's worker reads them
+NULL_THREAD_ROWS = ROWS + " WHERE t.thread_id IS NULL ORDER BY t.version"
 HEAD_OF = "SELECT version, head_digest, state FROM ztate.threads WHERE thread_id = $1"
 HEADLESS = """
 SELECT h.thread_id, h.version, h.head_digest

@@ -83,6 +83,7 @@ from typing import Any, BinaryIO
 import asyncpg
 
 from ztate.contract.record import shown
+from ztate.services.verify import bundle
 from ztate.services.verify.bundle import (
     BLOCK,
     CHECKPOINTS,
@@ -107,6 +108,7 @@ from ztate.services.verify.bundle import (
 )
 from ztate.services.verify.checks import (
     HEADLESS,
+    NULL_THREAD_ROWS,
     RANGE_ROWS,
     THREAD_ROWS,
     Head,
@@ -244,7 +246,8 @@ _SNAPSHOT = re.compile(r"[0-9A-F]+-[0-9A-F]+(?:-[0-9]+)?")  # what pg_export_sna
 # the first thread id of each of $1 ranges of about as many threads, in thread order
 RANGE_STARTS = """
 SELECT min(thread_id) AS first
-  FROM (SELECT thread_id, ntile($1) OVER (ORDER BY thread_id) AS part FROM ztate.threads) s
+  FROM (SELECT thread_id, ntile($1) OVER (ORDER BY thread_id) AS part FROM ztate.threads
+         WHERE thread_id IS NOT NULL) s
  GROUP BY part ORDER BY first
 """
 
@@ -296,6 +299,9 @@ async def _verify_share(run: Verification, share: _Share) -> None:
             (THREAD_ROWS, (thread_id,)) if thread_id is not None else (RANGE_ROWS, (first, end))
         )
         await verify_rows(conn, run, query, args)
+        if thread_id is None and first is not None and end is None:
+            # the last of several ranges: then the rows of no thread, which none holds
+            await verify_rows(conn, run, NULL_THREAD_ROWS, ())
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise VerifyError(f"reading the ledger failed: {type(exc).__name__}: {exc}") from None
     finally:
@@ -723,16 +729,28 @@ def _boundary(
     handle.seek(position)
     previous: bytes | None = None
     while position < limit:
-        line = handle.readline()
-        if not line:
+        line, length = _bounded_line(handle)
+        if not length:
             return None
-        if previous is not None and position >= start:
+        if previous is not None and line is not None and position >= start:
             owner = _new_group(previous, line, cuts[-1][1] if cuts else None)
             if owner is not None:
                 return position, owner
         previous = line
-        position += len(line)
+        position += length
     return None
+
+
+def _bounded_line(handle: BinaryIO) -> tuple[bytes | None, int]:
+    """The line at the handle's position and its length; None for a line over
+    ``MAX_LINE`` bytes (no row), read past in blocks, never held."""
+    line = handle.readline(bundle.MAX_LINE + 1)
+    if len(line) <= bundle.MAX_LINE or line.endswith(b"\n"):
+        return line, len(line)
+    length = len(line)
+    while (rest := handle.readline(BLOCK)) and not rest.endswith(b"\n"):
+        length += len(rest)
+    return None, length + len(rest)
 
 
 def _newline_in(handle: BinaryIO, start: int, end: int) -> bool:

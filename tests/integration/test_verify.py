@@ -369,6 +369,50 @@ async def test_null_versions_are_findings_not_crashes(
     assert (sorted(map(str, parallel)), two) == (sorted(map(str, findings)), summary)
 
 
+async def test_rows_and_heads_of_no_thread_are_verified_alike_on_workers(
+    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
+) -> None:
+    """With the primary keys dropped, a record with a null thread_id and a head with a
+    null thread_id: the workers (--jobs 2 and 3) report exactly what one process does.
+    Before, no range of thread ids held the record (its findings were lost), and a
+    range starting at the null head's tile took the whole ledger again."""
+    own = await open_world(
+        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
+    )
+    try:
+        a, _clean, c = await own.thread(), await own.thread(), await own.thread()
+    finally:
+        await own.service.stop(grace=1.0)
+    await own.tamper(
+        a,
+        ("ALTER TABLE ztate.transitions DROP CONSTRAINT transitions_pkey CASCADE", ()),
+        ("ALTER TABLE ztate.threads DROP CONSTRAINT threads_pkey CASCADE", ()),
+        ("ALTER TABLE ztate.transitions ALTER COLUMN thread_id DROP NOT NULL", ()),
+        ("ALTER TABLE ztate.threads ALTER COLUMN thread_id DROP NOT NULL", ()),
+        (
+            "UPDATE ztate.transitions SET thread_id = NULL WHERE thread_id = $1 AND version = 3",
+            (a,),
+        ),
+        ("UPDATE ztate.threads SET thread_id = NULL WHERE thread_id = $1", (c,)),
+    )
+    findings, summary = await own.verify()
+    last = VERSIONS - 1
+    assert sorted((f.thread_id or "", f.version or 0, f.check) for f in findings) == sorted(
+        [
+            (a, 3, "version"),  # missing where it was
+            (c, last, "head"),  # c's head row is no longer c's
+            ("", 0, "version"),  # the rows of no thread: versions 0-2 missing
+            ("", 3, "thread_id"),  # its record names thread a
+            ("", 3, "head"),  # no head of no thread for it
+            ("", last, "head"),  # a head of no thread, without records
+        ]
+    )
+    for jobs in (2, 3):
+        parallel: list[Finding] = []
+        counted = await verify_database_parallel(own.dsn, own.trust, parallel.append, jobs=jobs)
+        assert (sorted(map(str, parallel)), counted) == (sorted(map(str, findings)), summary)
+
+
 async def test_a_changed_signature_is_pinpointed(world: World, clean: str) -> None:
     thread_id = await world.thread()
     signature = (await world.row(thread_id, 4))["signature"]

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,7 +33,7 @@ from tests.unit.test_verify_bundle import (
 )
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.checkpoints import sign_checkpoint
-from ztate.services.verify import parallel
+from ztate.services.verify import bundle, parallel
 from ztate.services.verify.bundle import (
     BUNDLE_ORDER,
     CHECKPOINTS,
@@ -519,3 +520,25 @@ def test_workers_that_cannot_start_stop_the_run_as_unable_to_verify(tmp_path: Pa
         2,
         "cannot start 16 verification workers (Too many open files); run with fewer --jobs\n",
     ), done.stderr
+
+
+def test_the_cut_search_holds_no_more_of_a_long_line_than_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's search for where a worker's range begins reads the lines around an
+    equal share of the file: a line over bundle.MAX_LINE (here 4 KiB, read in blocks of
+    4 KiB) is read past in blocks, not held (it is no row, so no cut is made there).
+    Before, it was read whole: one endless line took all the memory."""
+    monkeypatch.setattr(bundle, "MAX_LINE", 4096)
+    monkeypatch.setattr(parallel, "BLOCK", 4096)
+    path = tmp_path / RECORDS
+    path.write_bytes(b"a\n" + b"x" * 1_000_000 + b"\n" + b"b\n")
+    with path.open("rb") as handle:
+        tracemalloc.start()
+        try:
+            cuts = parallel._cuts(handle, path.stat().st_size, 2)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert cuts == []
+    assert peak < 64 * 1024
