@@ -161,7 +161,7 @@ def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -
 def cmd_verify(args: argparse.Namespace) -> int:
     from ztate.services.runtime.telemetry import Telemetry
     from ztate.services.verify.bundle import verify_bundle
-    from ztate.services.verify.checks import VerifyError, counted, no_such_thread
+    from ztate.services.verify.checks import VerifyError, counted, no_such_thread, printable
     from ztate.services.verify.parallel import verify_bundle_parallel
 
     jobs, worker_timeout = _workers(args)
@@ -194,7 +194,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         ):
             raise no_such_thread(args.thread)
     except VerifyError as exc:
-        print(f"ztate verify: cannot verify: {exc}", file=sys.stderr)
+        print(f"ztate verify: cannot verify: {printable(str(exc))}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     finally:
         ticking.set()
@@ -426,7 +426,7 @@ def cmd_ledger_export(args: argparse.Namespace) -> int:
     import asyncio
 
     from ztate.services.verify.bundle import export_bundle
-    from ztate.services.verify.checks import VerifyError
+    from ztate.services.verify.checks import VerifyError, printable
 
     try:
         settings = _settings()
@@ -434,7 +434,7 @@ def cmd_ledger_export(args: argparse.Namespace) -> int:
         dsn, _embedded = _database(settings)
         manifest = asyncio.run(export_bundle(dsn, args.out, args.thread, signer=signer))
     except VerifyError as exc:
-        print(f"ztate ledger export: {exc}", file=sys.stderr)
+        print(f"ztate ledger export: {printable(str(exc))}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     signed = (
         f"manifest signed with checkpoint key {signer[0]!r}"

@@ -217,13 +217,28 @@ class Finding:
         }
 
     def __str__(self) -> str:
+        """The finding as a line of text for a terminal: what the source chose (a thread
+        id, a value in expected or found) shown with its control and format characters
+        escaped, so that no ledger can move the cursor or write a line of its own."""
         if self.thread_id is not None:
-            where = f"thread {self.thread_id}"
+            where = f"thread {printable(self.thread_id)}"
         else:
             where = "bundle" if self.check.startswith("bundle.") else "ledger"
         if self.version is not None:
             where += f" version {self.version}"
-        return f"{where}: {self.check}: expected {self.expected}; found {self.found}"
+        expected, found = printable(self.expected), printable(self.found)
+        return f"{where}: {self.check}: expected {expected}; found {found}"
+
+
+def printable(value: object) -> str:
+    """``value`` as text with every character Python does not call printable (controls
+    such as ESC, format characters such as a right-to-left override, line and
+    paragraph separators) written as its escape: for a terminal, whatever the source
+    held (a None where a thread id was null reads None, as it did)."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1166,12 +1181,20 @@ def _risk_key(digest: str, inputs: Reads, values: dict[str, Any]) -> tuple[str, 
 # Each row carries the thread's head when it is the head's version. Joining on the
 # thread alone lets Postgres merge two primary-key scans with no sort; a thread whose
 # head names no stored version gets its head read separately (a failure, so rare).
+# Every column is cast to the schema's type: a database is not trusted, and a column
+# whose type was altered must reach the checks as the type they read (or fail to
+# convert: "reading the ledger failed"), never as another Python type. A cast to the
+# column's own type is no cast: the plan is the same.
 ROWS = """
-SELECT t.thread_id, t.version, t.digest, t.parent_digest, t.node_id, t.key_id, t.signature,
-       t.record, t.state, t.receipt, t.receipt_signature, t.receipt_key_id, t.committed_at,
-       CASE WHEN h.version = t.version THEN h.version END AS head_version,
-       CASE WHEN h.version = t.version THEN h.head_digest END AS head_digest,
-       CASE WHEN h.version = t.version THEN h.state END AS head_state
+SELECT t.thread_id::text AS thread_id, t.version::bigint AS version,
+       t.digest::text AS digest, t.parent_digest::text AS parent_digest,
+       t.node_id::text AS node_id, t.key_id::text AS key_id, t.signature::text AS signature,
+       t.record::bytea AS record, t.state::bytea AS state, t.receipt::bytea AS receipt,
+       t.receipt_signature::text AS receipt_signature, t.receipt_key_id::text AS receipt_key_id,
+       t.committed_at::timestamptz AS committed_at,
+       CASE WHEN h.version = t.version THEN h.version::bigint END AS head_version,
+       CASE WHEN h.version = t.version THEN h.head_digest::text END AS head_digest,
+       CASE WHEN h.version = t.version THEN h.state::bytea END AS head_state
   FROM ztate.transitions t
   LEFT JOIN ztate.threads h ON h.thread_id = t.thread_id
 """
@@ -1185,9 +1208,13 @@ RANGE_ROWS = (
 # the rows of no thread (a null thread_id: the primary key dropped), which ALL_ROWS
 # orders last and no range of thread ids holds: the last range's worker reads them
 NULL_THREAD_ROWS = ROWS + " WHERE t.thread_id IS NULL ORDER BY t.version"
-HEAD_OF = "SELECT version, head_digest, state FROM ztate.threads WHERE thread_id = $1"
+HEAD_OF = (
+    "SELECT version::bigint AS version, head_digest::text AS head_digest, "
+    "state::bytea AS state FROM ztate.threads WHERE thread_id = $1"
+)
 HEADLESS = """
-SELECT h.thread_id, h.version, h.head_digest
+SELECT h.thread_id::text AS thread_id, h.version::bigint AS version,
+       h.head_digest::text AS head_digest
   FROM ztate.threads h
  WHERE ($1::text IS NULL OR h.thread_id = $1)
    AND NOT EXISTS (SELECT 1 FROM ztate.transitions t WHERE t.thread_id = h.thread_id)
@@ -1391,7 +1418,9 @@ async def checkpoints_from_db(
     conn: asyncpg.Connection, thread_id: str
 ) -> dict[int | None, SignedCheckpoint]:
     rows = await conn.fetch(
-        "SELECT version, checkpoint, signature, key_id FROM ztate.checkpoints WHERE thread_id = $1",
+        "SELECT version::bigint AS version, checkpoint::bytea AS checkpoint, "
+        "signature::text AS signature, key_id::text AS key_id "
+        "FROM ztate.checkpoints WHERE thread_id = $1",
         thread_id,
     )
     return {

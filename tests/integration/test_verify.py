@@ -413,6 +413,50 @@ async def test_rows_and_heads_of_no_thread_are_verified_alike_on_workers(
         assert (sorted(map(str, parallel)), counted) == (sorted(map(str, findings)), summary)
 
 
+async def test_columns_of_another_type_reach_the_checks_as_the_schemas(
+    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
+) -> None:
+    """A column whose type was altered (committed_at to text, signature to varchar): read
+    cast to the schema's type, the ledger verifies as before (the values are those
+    the service wrote). A value that does not convert stops the run with exit 2,
+    'reading the ledger failed', the value's control characters escaped on the
+    terminal. Before, the checks got a str and crashed (AttributeError, TypeError)."""
+    own = await open_world(
+        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
+    )
+    try:
+        thread_id = await own.thread()
+    finally:
+        await own.service.stop(grace=1.0)
+    await own.tamper(
+        thread_id,
+        ("ALTER TABLE ztate.transitions ALTER COLUMN committed_at TYPE text", ()),
+        ("ALTER TABLE ztate.transitions ALTER COLUMN signature TYPE varchar(80)", ()),
+    )
+    findings, summary = await own.verify()
+    assert (findings, summary.records, summary.exit_code) == ([], VERSIONS, 0)
+
+    await own.tamper(thread_id, update("committed_at", "\x1b[2J\x1b[32mOK", thread_id, 1))
+    with pytest.raises(VerifyError, match="reading the ledger failed: InvalidDatetimeFormatError"):
+        await verify_database(own.dsn, own.trust, findings.append)
+    assert findings == []
+    code, _, err = await ztate(own, "verify")
+    assert code == 2
+    assert "\x1b" not in err
+    assert 'timestamp with time zone: "\\x1b[2J\\x1b[32mOK"' in err
+
+
+def test_a_finding_shows_the_sources_text_escaped() -> None:
+    """A thread id, expected or found holding a terminal's control sequence, a
+    right-to-left override or a line separator: the text line escapes them (the JSON
+    line escapes them by JSON's rules)."""
+    finding = Finding("t\x1b[2J", 3, "thread_id", "a\u202eb", "line\u2028two\nthree")
+    assert str(finding) == (
+        "thread t\\x1b[2J version 3: thread_id: expected a\\u202eb; found line\\u2028two\\nthree"
+    )
+    assert str(finding).isprintable()
+
+
 async def test_a_changed_signature_is_pinpointed(world: World, clean: str) -> None:
     thread_id = await world.thread()
     signature = (await world.row(thread_id, 4))["signature"]
