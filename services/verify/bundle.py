@@ -215,14 +215,25 @@ class Manifest:
 
 # --- export -----------------------------------------------------------------------------
 
+# Each column cast to the schema's type, as the verifier reads them (checks.ROWS): a
+# column whose type was altered is exported as the type the bundle format holds, or
+# the export fails ("reading the ledger failed"); a cast to the own type is no cast.
 EXPORT_ROWS = """
-SELECT thread_id, version, digest, parent_digest, node_id, key_id, signature, record, state,
-       receipt, receipt_signature, receipt_key_id, committed_at
+SELECT thread_id::text AS thread_id, version::bigint AS version, digest::text AS digest,
+       parent_digest::text AS parent_digest, node_id::text AS node_id,
+       key_id::text AS key_id, signature::text AS signature, record::bytea AS record,
+       state::bytea AS state, receipt::bytea AS receipt,
+       receipt_signature::text AS receipt_signature, receipt_key_id::text AS receipt_key_id,
+       committed_at::timestamptz AS committed_at
   FROM ztate.transitions
 """
-EXPORT_HEADS = "SELECT thread_id, version, head_digest FROM ztate.threads"
+EXPORT_HEADS = (
+    "SELECT thread_id::text AS thread_id, version::bigint AS version, "
+    "head_digest::text AS head_digest FROM ztate.threads"
+)
 EXPORT_CHECKPOINTS = """
-SELECT thread_id, version, checkpoint, signature, key_id
+SELECT thread_id::text AS thread_id, version::bigint AS version,
+       checkpoint::bytea AS checkpoint, signature::text AS signature, key_id::text AS key_id
   FROM ztate.checkpoints
 """
 # code point order, which Python's string comparison shares: the verifier merges

@@ -420,7 +420,8 @@ async def test_columns_of_another_type_reach_the_checks_as_the_schemas(
     cast to the schema's type, the ledger verifies as before (the values are those
     the service wrote). A value that does not convert stops the run with exit 2,
     'reading the ledger failed', the value's control characters escaped on the
-    terminal. Before, the checks got a str and crashed (AttributeError, TypeError)."""
+    terminal. A bundle exported from it verifies. Before, the checks and the export
+    got a str and crashed (AttributeError)."""
     own = await open_world(
         await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
     )
@@ -435,6 +436,9 @@ async def test_columns_of_another_type_reach_the_checks_as_the_schemas(
     )
     findings, summary = await own.verify()
     assert (findings, summary.records, summary.exit_code) == ([], VERSIONS, 0)
+    await export_bundle(own.dsn, tmp_path / "bundle")  # exported as the types it holds
+    exported = verify_bundle(tmp_path / "bundle", own.trust, findings.append)
+    assert (findings, exported.records) == ([], VERSIONS)
 
     await own.tamper(thread_id, update("committed_at", "\x1b[2J\x1b[32mOK", thread_id, 1))
     with pytest.raises(VerifyError, match="reading the ledger failed: InvalidDatetimeFormatError"):
