@@ -89,6 +89,18 @@ def shown(value: object) -> str:
     return text if len(text) <= SHOWN_MAX else text[:SHOWN_MAX] + "..."
 
 
+def printable(value: object) -> str:
+    """``value`` as text for a terminal line, whole: every character Python does not
+    call printable (controls such as ESC, format characters such as a right-to-left
+    override, line and paragraph separators) written as its escape, the rest as it is
+    (``shown`` escapes all but ASCII and bounds the length: for a value inside a
+    message). A None reads None."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def format_time(moment: datetime) -> str:
     """RFC 3339 in UTC with microseconds and a ``Z``, as records, receipts and
     checkpoints carry it."""

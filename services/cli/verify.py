@@ -159,9 +159,10 @@ def add_export_command(ledger_subparsers: Subparsers[argparse.ArgumentParser]) -
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from ztate.contract.record import printable
     from ztate.services.runtime.telemetry import Telemetry
     from ztate.services.verify.bundle import verify_bundle
-    from ztate.services.verify.checks import VerifyError, counted, no_such_thread, printable
+    from ztate.services.verify.checks import VerifyError, counted, no_such_thread
     from ztate.services.verify.parallel import verify_bundle_parallel
 
     jobs, worker_timeout = _workers(args)
@@ -425,8 +426,9 @@ def _database(settings: Settings) -> tuple[str, Any]:
 def cmd_ledger_export(args: argparse.Namespace) -> int:
     import asyncio
 
+    from ztate.contract.record import printable
     from ztate.services.verify.bundle import export_bundle
-    from ztate.services.verify.checks import VerifyError, printable
+    from ztate.services.verify.checks import VerifyError
 
     try:
         settings = _settings()

@@ -588,7 +588,6 @@ class LineReader:
         seen: Callable[[bytes], object] | None = None,
     ) -> None:
         self._blocks = blocks
-        self._max_line = MAX_LINE
         self._path = path
         self._seen = seen  # each block, as read (a hash)
         self._block = b""
@@ -631,18 +630,18 @@ class LineReader:
         end (and hashed) but never held, so that a file that is one endless line
         costs no more memory than a line may."""
         parts: list[bytes] = []  # the line read so far, when it spans blocks
-        held = 0  # its length (counted on past max_line, when parts are dropped)
+        held = 0  # its length (counted on past MAX_LINE, when parts are dropped)
         while True:
             end = self._block.find(b"\n", self._pos)
             if end >= 0:
                 piece = self._block[self._pos : end]
                 self._pos = end + 1
-                if held + len(piece) > self._max_line:
+                if held + len(piece) > MAX_LINE:
                     return self._line(TOO_LONG)
                 return self._line(b"".join((*parts, piece)) if parts else piece)
             if self._pos < len(self._block):
                 held += len(self._block) - self._pos
-                if held <= self._max_line:
+                if held <= MAX_LINE:
                     parts.append(self._block[self._pos :])
                 else:
                     parts.clear()
@@ -652,7 +651,7 @@ class LineReader:
             except OSError as exc:
                 raise read_failed(self._path, self.number - 1, exc) from None
             if not block:
-                if held > self._max_line:
+                if held > MAX_LINE:
                     return self._line(TOO_LONG)
                 if parts:
                     return self._line(b"".join(parts))
@@ -708,10 +707,14 @@ def check_records_file(manifest: Manifest, read: Tally, threads: int, report: Re
         )
 
 
+def _too_long() -> LineProblem:
+    return LineProblem(f"too long (over {MAX_LINE} bytes): not read")
+
+
 def row_from_line(line: bytes) -> LedgerRow:
     """The ledger row one line of ``records.jsonl`` holds; ``LineProblem`` if none."""
     if line is TOO_LONG:
-        raise LineProblem(f"too long (over {MAX_LINE} bytes): not read")
+        raise _too_long()
     try:
         doc = orjson.loads(line)
     except orjson.JSONDecodeError:
@@ -849,7 +852,7 @@ class CheckpointReader:
 def checkpoint_from_line(line: bytes) -> Checkpoint:
     """The checkpoint one line of ``checkpoints.jsonl`` holds; ``LineProblem`` if none."""
     if line is TOO_LONG:
-        raise LineProblem(f"too long (over {MAX_LINE} bytes): not read")
+        raise _too_long()
     try:
         return parse_checkpoint_line(line)
     except CheckpointInvalid as exc:

@@ -53,6 +53,7 @@ from ztate.contract.record import (
     KIND_REVERT,
     KIND_TRANSITION,
     format_time,
+    printable,
     record_problems,
     record_risk_rules,
     shown,
@@ -228,17 +229,6 @@ class Finding:
             where += f" version {self.version}"
         expected, found = printable(self.expected), printable(self.found)
         return f"{where}: {self.check}: expected {expected}; found {found}"
-
-
-def printable(value: object) -> str:
-    """``value`` as text with every character Python does not call printable (controls
-    such as ESC, format characters such as a right-to-left override, line and
-    paragraph separators) written as its escape: for a terminal, whatever the source
-    held (a None where a thread id was null reads None, as it did)."""
-    text = value if isinstance(value, str) else str(value)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 @dataclass(frozen=True, slots=True)

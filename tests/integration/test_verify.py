@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -208,6 +208,28 @@ async def clean(world: World) -> str:
     return await world.thread()
 
 
+OwnLedger = Callable[[int], Awaitable[tuple[World, list[str]]]]
+
+
+@pytest_asyncio.fixture
+def own_ledger(
+    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
+) -> OwnLedger:
+    """A ledger of its own with ``n`` threads written, its service stopped (verification
+    needs none): for a test that changes the schema, which the module's world shares."""
+
+    async def written(n: int) -> tuple[World, list[str]]:
+        own = await open_world(
+            await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
+        )
+        try:
+            return own, [await own.thread() for _ in range(n)]
+        finally:
+            await own.service.stop(grace=1.0)
+
+    return written
+
+
 async def tampered_findings(
     world: World, thread_id: str, clean: str
 ) -> set[tuple[int | None, str]]:
@@ -305,19 +327,11 @@ async def test_null_columns_are_findings_not_crashes(world: World, clean: str) -
     }
 
 
-async def test_null_versions_are_findings_not_crashes(
-    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
-) -> None:
+async def test_null_versions_are_findings_not_crashes(own_ledger: OwnLedger) -> None:
     """With the primary keys' NOT NULL gone, a record with no version and a head with
     no version are findings of their thread, never a crash (one process and two, with
     the compiled lane as without it). A ledger of its own: the service needs its keys."""
-    own = await open_world(
-        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
-    )
-    try:
-        records, head = await own.thread(), await own.thread()
-    finally:
-        await own.service.stop(grace=1.0)
+    own, (records, head) = await own_ledger(2)
     await own.tamper(
         records,
         ("ALTER TABLE ztate.transitions DROP CONSTRAINT transitions_pkey CASCADE", ()),
@@ -370,19 +384,13 @@ async def test_null_versions_are_findings_not_crashes(
 
 
 async def test_rows_and_heads_of_no_thread_are_verified_alike_on_workers(
-    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
+    own_ledger: OwnLedger,
 ) -> None:
     """With the primary keys dropped, a record with a null thread_id and a head with a
     null thread_id: the workers (--jobs 2 and 3) report exactly what one process does.
     Before, no range of thread ids held the record (its findings were lost), and a
     range starting at the null head's tile took the whole ledger again."""
-    own = await open_world(
-        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
-    )
-    try:
-        a, _clean, c = await own.thread(), await own.thread(), await own.thread()
-    finally:
-        await own.service.stop(grace=1.0)
+    own, (a, _clean, c) = await own_ledger(3)
     await own.tamper(
         a,
         ("ALTER TABLE ztate.transitions DROP CONSTRAINT transitions_pkey CASCADE", ()),
@@ -414,7 +422,7 @@ async def test_rows_and_heads_of_no_thread_are_verified_alike_on_workers(
 
 
 async def test_columns_of_another_type_reach_the_checks_as_the_schemas(
-    postgres_server_dsn: str, pki: Pki, keyring_file: Path, policy_dir: Path, tmp_path: Path
+    own_ledger: OwnLedger, tmp_path: Path
 ) -> None:
     """A column whose type was altered (committed_at to text, signature to varchar): read
     cast to the schema's type, the ledger verifies as before (the values are those
@@ -422,13 +430,7 @@ async def test_columns_of_another_type_reach_the_checks_as_the_schemas(
     'reading the ledger failed', the value's control characters escaped on the
     terminal. A bundle exported from it verifies. Before, the checks and the export
     got a str and crashed (AttributeError)."""
-    own = await open_world(
-        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
-    )
-    try:
-        thread_id = await own.thread()
-    finally:
-        await own.service.stop(grace=1.0)
+    own, (thread_id,) = await own_ledger(1)
     await own.tamper(
         thread_id,
         ("ALTER TABLE ztate.transitions ALTER COLUMN committed_at TYPE text", ()),
@@ -796,20 +798,9 @@ async def ztate(
 
 
 async def test_the_command_exits_0_clean_1_tampered_2_unable(
-    postgres_server_dsn: str,
-    pki: Pki,
-    keyring_file: Path,
-    policy_dir: Path,
-    tmp_path: Path,
+    own_ledger: OwnLedger, postgres_server_dsn: str, tmp_path: Path
 ) -> None:
-    own = await open_world(
-        await fresh_database(postgres_server_dsn), pki, keyring_file, policy_dir, tmp_path
-    )
-    try:
-        thread_id = await own.thread()
-        await own.thread()
-    finally:
-        await own.service.stop(grace=1.0)  # verification needs no running service
+    own, (thread_id, _) = await own_ledger(2)
 
     code, lines, _ = await ztate(own, "verify", "--json")
     assert code == 0
