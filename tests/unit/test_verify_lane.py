@@ -551,3 +551,64 @@ def test_feed_takes_a_line_only_when_its_newline_follows_it_in_the_block() -> No
     lane = started()
     block = b"x" * 7 + lines[0]
     assert lane.feed(block, 7) == (len(block), 1, 7)
+
+
+# Text whose escaped form in a line is dense with escapes: quotes and backslashes (the
+# record embedded in a line escapes every quote of its own), control characters, and
+# characters beyond ASCII, which stop the decoder's 16-byte packed runs.
+escape_dense = st.text(
+    alphabet=st.sampled_from(['"', "\\", "a", "/", "\n", "\u0001", "\u001f", "é", "☃", "𝄞"]),
+    max_size=48,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 31), escape_dense), min_size=1, max_size=6))
+def test_the_lane_takes_escapes_at_every_place_in_a_line(
+    values: list[tuple[int, str]],
+) -> None:
+    """The line decoder packs runs of plain bytes and escaped quotes 16 at a time and
+    leaves every other byte to its word loop: whatever place an escape, a control
+    character or a multi-byte character falls at against those blocks (a padding of 0
+    to 31 bytes moves it), the record and state decode to the bytes hashed, so an honest
+    line is taken. (A decoded byte wrong would decline it: its digest or its state
+    would not match.)"""
+    chain = Chain(initial(), "escapes")
+    for pad, text in values:
+        chain.propose({"pad": "p" * pad, "text": text, "quoted": f'"{text}"\\'})
+    lines = b"".join(orjson.dumps(_line(row)) + b"\n" for row in chain.rows)
+    lane = LANE_OF(TRUST)
+    assert lane.start(chain.thread_id.encode(), 0, "0" * 64, b"{}", None, -1) is True
+    assert lane.feed(lines, 0)[:2] == (len(lines), len(chain.rows))
+    records, expected, parent, *_ = lane.take()
+    assert (records, expected, parent) == (len(chain.rows), len(chain.rows), chain.rows[-1].digest)
+
+
+class _OneKey:
+    """A keyring of one key of any length, as compiled_lane reads a keyring."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self.key_ids = ("k1",)
+
+    def key(self, key_id: str) -> bytes:
+        assert key_id == "k1"
+        return self._key
+
+
+@pytest.mark.parametrize("length", [0, 1, 31, 32, 63, 64, 65, 200])
+def test_the_lanes_hmac_is_rfc_2104_for_keys_of_every_length(length: int) -> None:
+    """The lane builds HMAC-SHA256 on OpenSSL's SHA-256 (each key's padded states
+    hashed once): a line signed by Python's hmac under a key shorter than, equal to or
+    longer than SHA-256's 64-byte block (hashed first) is taken, and the same line
+    under a key one bit away is not."""
+    key = bytes((7 * i + length) % 256 for i in range(length))
+    chain = rich_chains(True)[0]
+    rows = [{**_line(row), "signature": sign_digest(key, row.digest)} for row in chain.rows[:8]]
+    lines = b"".join(orjson.dumps(row) + b"\n" for row in rows)
+    thread = chain.thread_id.encode()
+    other = bytes([key[0] ^ 1]) + key[1:] if key else b"\x01"  # one bit away (or one byte)
+    for signed_by, taken in ((key, 8), (other, 0)):
+        lane = LANE_OF(dataclasses.replace(TRUST, keyring=_OneKey(signed_by)))
+        assert lane.start(thread, 0, "0" * 64, b"{}", None, -1) is True
+        assert lane.feed(lines, 0)[1] == taken
