@@ -1881,8 +1881,9 @@ Lane_add_rows(Lane *self, PyObject *args)
 }
 
 /* take() -> (records, expected, parent, state, policy_name, earlier, last): what the
- * lane took since start, for the reference to carry on from; last is (version,
- * digest, state_digest, kept) or None. The lane holds no chain after it. */
+ * lane took since start, for the reference to carry on from; earlier is the state
+ * digests taken, 64 hex digits each, one after the other in one str; last is
+ * (version, digest, state_digest, kept) or None. The lane holds no chain after it. */
 static PyObject *
 Lane_take(Lane *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1899,21 +1900,12 @@ Lane_take(Lane *self, PyObject *Py_UNUSED(ignored))
         last = Py_NewRef(Py_None);
     if (last == NULL)
         return NULL;
-    Py_ssize_t count = self->earlier.len / 64;
-    PyObject *earlier = PyList_New(count);
+    /* the digests as one string: the reference reads them only at a revert */
+    PyObject *earlier =
+        PyUnicode_FromStringAndSize((const char *)self->earlier.p, self->earlier.len);
     if (earlier == NULL) {
         Py_DECREF(last);
         return NULL;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *digest =
-            PyUnicode_FromStringAndSize((const char *)self->earlier.p + 64 * i, 64);
-        if (digest == NULL) {
-            Py_DECREF(earlier);
-            Py_DECREF(last);
-            return NULL;
-        }
-        PyList_SET_ITEM(earlier, i, digest);
     }
     PyObject *out = Py_BuildValue(
         "(LLs#y#ONN)", self->records, self->expected, (const char *)self->parent,

@@ -509,9 +509,15 @@ class ThreadVerifier:
         # is orjson's, with no walk of the value (the empty state, and what replays
         # fast-path patches onto it)
         self._state_fast = True
+        # the state as the compiled lane handed it back, canonical bytes: parsed only
+        # when the reference needs the value (a thread the lane took to its end, the
+        # common case, never does); while set, it is the state and _state is not
+        self._state_data: bytes | None = None
         self._policy_name: str | None = None
         # the state digests of the versions seen so far: what a revert may restore
         self._earlier_states: set[str] = set()
+        # and those the lane took, 64 hex digits each run together: read at a revert
+        self._earlier_taken: list[str] = []
         self._last: _Last | None = None
         # only read (merged into a dict of its own below, which pops): no copy
         self._kept = self._trust.kept_checkpoints.get(thread_id, {})
@@ -538,17 +544,18 @@ class ThreadVerifier:
     def lane_start(self, lane: Any) -> bool:
         """Hand the chain to the compiled lane, when it is known (a parent digest and a
         state to replay on): True if the lane holds it now."""
-        parent, state = self._parent, self._state
-        if parent is None or state is None or not HEX_256.match(parent):
+        parent, state, data = self._parent, self._state, self._state_data
+        if parent is None or (state is None and data is None) or not HEX_256.match(parent):
             return False
         if not isinstance(self.thread_id, str):
             return False  # a null thread_id (a database's primary key dropped)
         if not 0 <= self._expected <= LANE_VERSIONS:
             return False  # a version beyond the lane's (a hostile one): the reference's
-        try:
-            data = canonical_bytes(state)
-        except (ValueError, TypeError, RecursionError):
-            return False
+        if data is None:
+            try:
+                data = canonical_bytes(state)
+            except (ValueError, TypeError, RecursionError):
+                return False
         # a signed head at a version the lane would reach: the reference checks it
         stop = min((v for v in self._checkpoints if v >= self._expected), default=-1)
         if stop > LANE_VERSIONS:
@@ -564,9 +571,9 @@ class ThreadVerifier:
             return
         self._run.summary.records += records
         self._expected, self._parent, self._policy_name = expected, parent, policy_name
-        parsed, _, fast = _parse_canonical(state)  # canonical: the lane wrote it
-        self._state, self._state_fast = parsed, fast
-        self._earlier_states.update(earlier)
+        self._state, self._state_data = None, state  # canonical: the lane wrote it
+        if earlier:
+            self._earlier_taken.append(earlier)
         version, digest, state_digest, kept = last
         self._last = _Last(version, digest, state_digest, state if kept else None)
 
@@ -637,7 +644,15 @@ class ThreadVerifier:
     def _lose_track(self) -> None:
         """The previous record is missing or misplaced: re-synchronise on the next one."""
         self._parent = None
-        self._state = None
+        self._state, self._state_data = None, None
+
+    def _current_state(self) -> JsonObject | None:
+        """The state after the previous record (None: unknown), parsed from the bytes
+        the lane handed back the first time the reference needs it."""
+        if self._state_data is not None:
+            parsed, _, fast = _parse_canonical(self._state_data)
+            self._state, self._state_fast, self._state_data = parsed, fast, None
+        return self._state
 
     def _check_alone(self, row: LedgerRow) -> _Parsed | None:
         """Steps 1-5 and the columns: what holds of a record wherever it stands
@@ -768,7 +783,7 @@ class ThreadVerifier:
     def _replay(self, parsed: _Parsed) -> _Replay | None:
         """The previous state with the record's patch applied, in canonical bytes;
         None when the previous state is unknown."""
-        old = self._state
+        old = self._current_state()
         if old is None:
             return None
         state = apply_patch(old, parsed.record["patch"])
@@ -794,7 +809,7 @@ class ThreadVerifier:
             )
             self._fail(version, PARENT, expected, f"{record['parent_digest']}")
         policy = self._trust.by_digest.get(record["policy_digest"])
-        old, state, state_fast = self._state, None, False
+        old, state, state_fast = self._current_state(), None, False
         if replay is not None:
             state, state_fast = replay.state, replay.fast
             if body_verified and replay.data == row.state:
@@ -829,6 +844,7 @@ class ThreadVerifier:
             self._state, self._state_fast = state, state_fast
         else:
             self._state, self._state_fast = _kept_state(row.state, record)
+        self._state_data = None
 
     def _check_carried_rules(
         self, version: int, record: JsonObject, carried: list[str], derived: Matched | None
@@ -848,6 +864,9 @@ class ThreadVerifier:
     def _check_revert(self, version: int, record: JsonObject) -> None:
         """What a revert must restore (docs/ledger-format.md): a state the thread had at
         an earlier version (that it is an operator's is the ``role`` check's)."""
+        for taken in self._earlier_taken:
+            self._earlier_states.update(taken[at : at + 64] for at in range(0, len(taken), 64))
+        self._earlier_taken.clear()
         if record["state_digest"] not in self._earlier_states:
             self._fail(
                 version,

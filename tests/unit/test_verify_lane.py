@@ -26,11 +26,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_verify_bundle import KEYRING, POLICIES, RISKY, Chain, initial
+from tests.unit.test_verify_bundle import KEYRING, OPERATOR, POLICIES, RISKY, Chain, initial
 from tests.unit.test_verify_bundle_ranges import TRUST, rewrite, write
 from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.contract.keyring import Keyring
-from ztate.contract.record import sign_digest
+from ztate.contract.record import KIND_REVERT, sign_digest
 from ztate.services.verify import checks
 from ztate.services.verify.bundle import CHECKPOINTS, MANIFEST, RECORDS, _line, verify_bundle
 from ztate.services.verify.checks import SIGNATURE, Finding, Summary, Trust, Verification
@@ -502,7 +502,7 @@ def test_a_lane_refuses_to_add_without_a_chain_and_a_state_it_cannot_order() -> 
         lane.add(b"{}")
     assert lane.start(b"t", 1, "0" * 64, b"{}", None, -1) is True
     assert lane.add(b"not a line") is False
-    assert lane.take() == (0, 1, "0" * 64, b"{}", None, [], None)
+    assert lane.take() == (0, 1, "0" * 64, b"{}", None, "", None)
 
 
 def test_a_signature_under_another_key_is_found_on_every_line(
@@ -612,3 +612,34 @@ def test_the_lanes_hmac_is_rfc_2104_for_keys_of_every_length(length: int) -> Non
         lane = LANE_OF(dataclasses.replace(TRUST, keyring=_OneKey(signed_by)))
         assert lane.start(thread, 0, "0" * 64, b"{}", None, -1) is True
         assert lane.feed(lines, 0)[1] == taken
+
+
+def test_a_revert_restores_a_state_the_lane_took_and_no_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lane hands back the state digests it took as one string, which the
+    reference reads only at a revert: a revert to a state of a version the lane took
+    verifies, a revert to a state the thread never had is the one finding, with the
+    lane and without it; and the state the lane handed back, parsed only then, is
+    what the revert's patch replays on."""
+    chain = Chain(initial(), "reverted")
+    states = [dict(chain.state)]
+    for version in range(1, 12):
+        chain.propose({"step": version, f"key_{version % 3}": {"at": version}})
+        states.append(dict(chain.state))
+
+    def revert_to(target: dict[str, Any]) -> None:
+        patch = {**{name: None for name in chain.state if name not in target}, **target}
+        chain._append(KIND_REVERT, OPERATOR, patch, None)
+
+    revert_to(states[4])
+    for version in range(13, 16):
+        chain.propose({"step": version})
+    revert_to({**states[2], "never": True})
+    folder = write(tmp_path / "bundle", [chain], {})
+    with_lane, summary, counters = run(folder, monkeypatch, lane=True)
+    without, reference, _ = run(folder, monkeypatch, lane=False)
+    assert with_lane == without
+    assert summary == reference
+    assert [(f["version"], f["check"]) for f in with_lane] == [(16, "revert")]
+    assert counters[0].taken == 1 + 11 + 3  # the genesis and every transition, no revert
