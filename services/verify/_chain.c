@@ -1078,7 +1078,10 @@ Lane_start(Lane *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!Ls#y#OL", &PyBytes_Type, &thread_id, &expected, &parent,
                           &parent_len, &state, &state_len, &policy_name, &stop))
         return NULL;
-    if (parent_len != 64 || (policy_name != Py_None && !PyUnicode_Check(policy_name))) {
+    /* the parent is 64 lower-case hex digits, as every digest the lane computes: a row's
+     * parent_digest equal to it is one too, with no check of its own */
+    if (!is_hex64((const unsigned char *)parent, parent_len) ||
+        (policy_name != Py_None && !PyUnicode_Check(policy_name))) {
         PyErr_SetString(PyExc_ValueError, "a 64-digit parent and a policy name or None");
         return NULL;
     }
@@ -1474,11 +1477,12 @@ lane_row(Lane *self, const Row *row)
     if (!(genesis ? same(r_kind, (const unsigned char *)"genesis", 7)
                   : same(r_kind, (const unsigned char *)"transition", 10)) ||
         r_version != version ||
-        !same(r_thread, thread.p, thread.len) || !is_hex64(r_parent.p, r_parent.len) ||
-        !is_hex64(r_state_digest.p, r_state_digest.len) ||
+        !same(r_thread, thread.p, thread.len) || r_parent.len != 64 ||
         !is_time(r_committed.p, r_committed.len))
         goto done;
-    /* the columns the line copies, and the chain */
+    /* the columns the line copies, and the chain (the record's parent_digest equal to
+     * the chain's, and its state_digest below to the replay's, each is 64 lower-case
+     * hex digits with no check of its own) */
     if (!same(parent, r_parent.p, r_parent.len) || !same(node, r_node.p, r_node.len) ||
         !same(key_id, r_key_id.p, r_key_id.len) ||
         (committed.p != NULL && !same(committed, r_committed.p, r_committed.len)) ||
