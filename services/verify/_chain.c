@@ -898,6 +898,9 @@ hmac_key(Key *k, const unsigned char *key, size_t len)
     if (len > SHA256_CBLOCK) {
         SHA256_CTX c;
         ok = SHA256_Init(&c) && SHA256_Update(&c, key, len) && SHA256_Final(block, &c);
+        /* SHA256_Final clears the block it buffered, not the chaining words: they
+         * are SHA-256(key), the key HMAC uses */
+        OPENSSL_cleanse(&c, sizeof(c));
     }
     else if (len > 0)
         memcpy(block, key, len);
