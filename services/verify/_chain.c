@@ -516,7 +516,10 @@ line_plain(const unsigned char **pp, const unsigned char *end, Span *out)
  * backslashes are packed to the output by a byte shuffle chosen by the backslash
  * mask, 8 at a time. A block may end in a backslash when the next opens with its quote.
  * Any other block (the closing quote, another escape, a control character, a byte of
- * 0x80 and above) stops the run where it is, for the word loop to go on. */
+ * 0x80 and above) stops the run where it is, for the word loop to go on. A byte of 0x80
+ * and above must stop it: the word loop checks a UTF-8 sequence whole, from its first
+ * byte (packed, a sequence cut at a block's end would reach it as a lone continuation
+ * byte; the escape property test fails so). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define PACKED_RUNS 1
