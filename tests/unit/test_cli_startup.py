@@ -35,8 +35,10 @@ def cpu_seconds_of(*args: str) -> float:
 
 
 def test_help_costs_under_150_ms_of_cpu() -> None:
-    """The best of five runs (CPU time, not wall time: the machine may be busy)."""
-    best = min(cpu_seconds_of("--help") for _ in range(5))
+    """The best of ten runs (CPU time, not wall time: the machine may be busy; a shared
+    machine's neighbour once held all of five runs above the budget, 163 ms best,
+    where the same build then took 90 to 130)."""
+    best = min(cpu_seconds_of("--help") for _ in range(10))
     assert best < HELP_CPU_BUDGET_SECONDS, f"ztate --help took {best * 1000:.0f} ms of CPU"
 
 
