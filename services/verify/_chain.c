@@ -145,6 +145,16 @@ not_plain(uint64_t w)
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+
+/* The bytes of the 16 at v that are a control character or 0x80 and above: bit i for
+ * byte i (what no plain run holds besides the quote and the backslash). */
+static inline unsigned
+control_or_high(__m128i v)
+{
+    const __m128i controls = _mm_set1_epi8(0x1F);
+    return (unsigned)(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_max_epu8(v, controls), controls)) |
+                      _mm_movemask_epi8(v));
+}
 #endif
 
 /* Past the run of plain ASCII characters at p: 16 bytes at a time where SSE2 is (every
@@ -153,15 +163,12 @@ static inline const unsigned char *
 skip_plain(const unsigned char *p, const unsigned char *end)
 {
 #if defined(__SSE2__)
-    const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8('\\'),
-                  controls = _mm_set1_epi8(0x1F);
+    const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8('\\');
     while (end - p >= 16) {
         __m128i v = _mm_loadu_si128((const __m128i *)p);
-        __m128i special = _mm_or_si128(
-            _mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash)),
-            _mm_cmpeq_epi8(_mm_max_epu8(v, controls), controls));
-        /* the high bit of each byte: 0x80 and above */
-        unsigned mask = (unsigned)(_mm_movemask_epi8(special) | _mm_movemask_epi8(v));
+        unsigned mask = (unsigned)_mm_movemask_epi8(
+                            _mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, backslash))) |
+                        control_or_high(v);
         if (mask)
             return p + __builtin_ctz(mask);
         p += 16;
@@ -561,7 +568,6 @@ __attribute__((target("ssse3"))) static const unsigned char *
 packed_run(const unsigned char *p, const unsigned char *end, unsigned char **o)
 {
     const __m128i quote = _mm_set1_epi8('"'), backslash = _mm_set1_epi8('\\'),
-                  controls = _mm_set1_epi8(0x1F),
                   high_half = _mm_set_epi64x(0x0808080808080808LL, 0);
     unsigned char *out = *o;
     unsigned carried = 0; /* the last block ended in a backslash: this one must open
@@ -570,10 +576,7 @@ packed_run(const unsigned char *p, const unsigned char *end, unsigned char **o)
         __m128i v = _mm_loadu_si128((const __m128i *)p);
         unsigned bs = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(v, backslash));
         unsigned q = (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(v, quote));
-        unsigned other = (unsigned)_mm_movemask_epi8(v) | /* 0x80 and above */
-                         (unsigned)_mm_movemask_epi8(
-                             _mm_cmpeq_epi8(_mm_max_epu8(v, controls), controls));
-        if (other || q != (((bs << 1) | carried) & 0xFFFF))
+        if (control_or_high(v) || q != (((bs << 1) | carried) & 0xFFFF))
             break;
         __m128i order = _mm_add_epi8(
             _mm_set_epi64x((long long)PACK[bs >> 8], (long long)PACK[bs & 0xFF]), high_half);
@@ -1088,7 +1091,8 @@ Lane_start(Lane *self, PyObject *args)
      * parent_digest equal to it is one too, with no check of its own */
     if (!is_hex64((const unsigned char *)parent, parent_len) ||
         (policy_name != Py_None && !PyUnicode_Check(policy_name))) {
-        PyErr_SetString(PyExc_ValueError, "a 64-digit parent and a policy name or None");
+        PyErr_SetString(PyExc_ValueError,
+                        "a parent of 64 lower-case hex digits and a policy name or None");
         return NULL;
     }
     lane_clear_thread(self);

@@ -844,7 +844,6 @@ class ThreadVerifier:
             self._state, self._state_fast = state, state_fast
         else:
             self._state, self._state_fast = _kept_state(row.state, record)
-        self._state_data = None
 
     def _check_carried_rules(
         self, version: int, record: JsonObject, carried: list[str], derived: Matched | None

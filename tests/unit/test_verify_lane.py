@@ -503,7 +503,7 @@ def test_a_lane_refuses_to_add_without_a_chain_and_a_state_it_cannot_order() -> 
     # a parent that is not 64 lower-case hex digits: the lane compares a row's
     # parent_digest with it and checks nothing more of it, so it starts from none
     for parent in ("A" * 64, "0" * 63, "0" * 63 + "g", "0" * 65):
-        with pytest.raises(ValueError, match="a 64-digit parent"):
+        with pytest.raises(ValueError, match="a parent of 64 lower-case hex digits"):
             lane.start(b"t", 1, parent, b"{}", None, -1)
     assert lane.start(b"t", 1, "0" * 64, b"{}", None, -1) is True
     assert lane.add(b"not a line") is False
