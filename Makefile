@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml worker_sdk/pyproject.toml $(wildcard services/*/_*.c)
 run: $(STAMP)
 	$(VENV)/bin/ztate run
 
-## test: the whole test suite on real Postgres, real gRPC and real certificates
+## test: the whole test suite on real Postgres, real gRPC and real certificates, one pytest
+## worker per core (at most 4), each with its own embedded Postgres and services
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --numprocesses=$(TEST_WORKERS) --maxprocesses=4
 
 ## test-unit: the lane that needs no database (seconds): pure functions, vectors, configs
 test-unit: $(STAMP)

@@ -73,6 +73,23 @@ def bundled_migrations() -> list[Migration]:
     return TRANSITION_MIGRATIONS.bundled()
 
 
+async def _create_role_if_missing(conn: asyncpg.Connection, role: str) -> None:
+    """Roles belong to the cluster, not the database: the advisory lock serialises the
+    migrations of one database only, so another database's migration (a second
+    deployment on the cluster) may create the same role between the check and the
+    CREATE. Theirs is then the role; the CREATE is undone by its savepoint alone."""
+    if await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
+        return
+    try:
+        async with conn.transaction():
+            await conn.execute(f"CREATE ROLE {_quote_ident(role)} NOLOGIN")
+    except (asyncpg.DuplicateObjectError, asyncpg.UniqueViolationError):
+        # created and committed meanwhile (42710), or committed while ours waited on
+        # the catalog's unique index (23505)
+        if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
+            raise
+
+
 def _quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -95,8 +112,7 @@ async def apply_migrations(
                    applied_at timestamptz NOT NULL DEFAULT now())"""
         )
         for role in roles.values():
-            if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
-                await conn.execute(f"CREATE ROLE {_quote_ident(role)} NOLOGIN")
+            await _create_role_if_missing(conn, role)
         done = {
             row["number"]: row["checksum"]
             for row in await conn.fetch(

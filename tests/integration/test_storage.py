@@ -3,6 +3,7 @@ least privilege for the service role, idempotent numbered migrations."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ import pytest_asyncio
 
 from tests.harness import Ledger, Pki, act, client, fresh_database, new_thread_id, with_database
 from tests.integration.test_store_conformance import new_thread, pending, sealed
+from tests.integration.test_watch_limits import eventually
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.keyring import Keyring
 from ztate.contract.record import GENESIS_PARENT
@@ -425,6 +427,56 @@ async def test_an_invalid_index_of_the_approval_outbox_fails_its_migration(
         ]
     finally:
         await conn.close()
+
+
+async def test_two_databases_migrating_at_once_share_the_roles_one_creates(
+    postgres_server_dsn: str,
+) -> None:
+    """Roles are the cluster's: a second deployment's migration on another database may
+    create the service's role while this one's CREATE waits on the catalog. This
+    migration then uses that role and applies every migration, instead of failing with a
+    unique violation (seen as two test workers on one server)."""
+    role = f"ztate_race_{uuid.uuid4().hex[:12]}"
+    roles = {":service_role": role, ":reader_role": role, ":pruner_role": role}
+    other = await asyncpg.connect(await fresh_database(postgres_server_dsn))
+    conn = await asyncpg.connect(await fresh_database(postgres_server_dsn))
+    watcher = await asyncpg.connect(postgres_server_dsn)
+    migrating: asyncio.Task[list[str]] | None = None
+    try:
+        creator = other.transaction()
+        await creator.start()
+        await other.execute(f'CREATE ROLE "{role}" NOLOGIN')  # not committed yet
+        pid = conn.get_server_pid()
+        migrating = asyncio.create_task(
+            migrations.apply_migrations(conn, migrations.TRANSITION_MIGRATIONS, roles)
+        )
+
+        async def waits_on_the_role() -> bool:
+            # from outside the creator's transaction, whose statistics snapshot is fixed
+            return bool(
+                await watcher.fetchval(
+                    "SELECT wait_event_type = 'Lock' AND query LIKE 'CREATE ROLE%' "
+                    "FROM pg_stat_activity WHERE pid = $1",
+                    pid,
+                )
+            )
+
+        await eventually(waits_on_the_role)
+        await creator.commit()
+        applied = await migrating
+        assert applied == [
+            f"{m.number:04d}_{m.name}" for m in migrations.TRANSITION_MIGRATIONS.bundled()
+        ]
+        assert await conn.fetchval("SELECT count(*) FROM pg_roles WHERE rolname = $1", role) == 1
+        assert await conn.fetchval(
+            "SELECT has_table_privilege($1, 'ztate.transitions', 'SELECT')", role
+        )
+    finally:
+        if migrating is not None and not migrating.done():
+            migrating.cancel()
+        await other.close()
+        await conn.close()
+        await watcher.close()
 
 
 ROLES = {
