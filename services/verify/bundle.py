@@ -94,6 +94,8 @@ CHECKPOINTS = "checkpoints.jsonl"
 POLICIES = "policies.jsonl"
 MANIFEST = "manifest.json"
 MANIFEST_SIG = "manifest.sig"  # the checkpoint key's signature over the manifest's SHA-256
+# manifest.sig is one line of about 400 bytes; a longer file is read no further
+MAX_MANIFEST_SIG = 64 * 1024
 POLICY_MEMBERS = ("policy_digest", "policy_name", "body")
 # a policies.jsonl line longer than this holds no body the verifier reads (escaping may
 # double a body's length; checks.MAX_POLICY_BODY bounds the body itself)
@@ -467,11 +469,15 @@ def _policy_digest(record: bytes) -> str | None:
 # --- reading ----------------------------------------------------------------------------
 
 
-def read_manifest(directory: Path) -> Manifest:
-    """The manifest of the bundle in ``directory``; ``BundleError`` if unusable."""
+def read_manifest(directory: Path) -> tuple[Manifest, str]:
+    """The manifest of the bundle in ``directory`` and the SHA-256 of the bytes it was
+    read from (read once: the signature is checked over the bytes verified, never over a
+    second read another file system could answer differently); ``BundleError`` if
+    unusable."""
     path = directory / MANIFEST
     try:
-        doc = orjson.loads(path.read_bytes())
+        raw = path.read_bytes()
+        doc = orjson.loads(raw)
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the manifest ({exc.strerror})") from None
     except orjson.JSONDecodeError:
@@ -485,7 +491,7 @@ def read_manifest(directory: Path) -> Manifest:
         formats = " or ".join(str(f) for f in READABLE_FORMATS)
         raise BundleError(f"{path}: not a format {formats} {BUNDLE_KIND} manifest")
     try:
-        return _manifest_from(doc)
+        return _manifest_from(doc), hashlib.sha256(raw).hexdigest()
     except (KeyError, TypeError, ValueError) as exc:
         raise BundleError(f"{path}: malformed manifest ({exc})") from None
 
@@ -865,13 +871,13 @@ def checkpoint_from_line(line: bytes) -> Checkpoint:
 def usable_manifest(directory: Path, run: Verification) -> Manifest:
     """The bundle's manifest, if the bundle can be verified with ``run.trust`` at all;
     ``run.trust`` then knows the policy versions the bundle carries."""
-    manifest = read_manifest(directory)
+    manifest, manifest_sha256 = read_manifest(directory)
     if run.trust.keyring is None and manifest.checkpoints is None:
         raise BundleError(
             f"{directory}: a format 1 bundle carries no checkpoints, which public-only "
             "verification needs; export it again"
         )
-    check_manifest_signature(directory, run)
+    check_manifest_signature(directory, manifest_sha256, run)
     if manifest.policies is not None:
         stored = read_policies(directory, manifest, run.finding)
         run.trust = admit_policy_versions(run.trust, stored, run.finding)
@@ -880,14 +886,16 @@ def usable_manifest(directory: Path, run: Verification) -> Manifest:
     return manifest
 
 
-def check_manifest_signature(directory: Path, run: Verification) -> None:
-    """A ``manifest.sig`` must verify under a checkpoint key and name the manifest's
-    SHA-256 (checked whenever the checkpoint keys are at hand); its absence is a finding
-    only when the verifier requires one (``--signed-manifest``)."""
+def check_manifest_signature(directory: Path, manifest_sha256: str, run: Verification) -> None:
+    """A ``manifest.sig`` must verify under a checkpoint key and name ``manifest_sha256``,
+    the SHA-256 of the manifest bytes verified (checked whenever the checkpoint keys are
+    at hand); its absence is a finding only when the verifier requires one
+    (``--signed-manifest``)."""
     expected = f"a {MANIFEST} whose SHA-256 a checkpoint key signed ({MANIFEST_SIG})"
     path = directory / MANIFEST_SIG
     try:
-        signature = path.read_bytes()
+        with path.open("rb") as handle:
+            signature = handle.read(MAX_MANIFEST_SIG + 1)  # never more in memory
     except FileNotFoundError:
         if run.trust.require_signed_manifest:
             run.finding(Finding(None, None, BUNDLE_MANIFEST, expected, f"no {MANIFEST_SIG}"))
@@ -897,10 +905,10 @@ def check_manifest_signature(directory: Path, run: Verification) -> None:
     keys = run.trust.checkpoint_keys
     if keys is None:
         return
-    try:
-        manifest_sha256 = hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
-    except OSError as exc:
-        raise BundleError(f"{directory / MANIFEST}: cannot read ({exc.strerror})") from None
+    if len(signature) > MAX_MANIFEST_SIG:
+        found = f"a {MANIFEST_SIG} longer than {MAX_MANIFEST_SIG:,} bytes"
+        run.finding(Finding(None, None, BUNDLE_MANIFEST, expected, found))
+        return
     try:
         verify_manifest_signature(signature, manifest_sha256, dict(keys))
     except CheckpointInvalid as exc:

@@ -13,6 +13,8 @@ import base64
 import dataclasses
 import hashlib
 import json
+import os
+import threading
 import tracemalloc
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -43,8 +45,11 @@ from ztate.services.verify.bundle import (
     BUNDLE_COUNT,
     BUNDLE_HASH,
     BUNDLE_LINE,
+    BUNDLE_MANIFEST,
     BUNDLE_ORDER,
     MANIFEST,
+    MANIFEST_SIG,
+    MAX_MANIFEST_SIG,
     RECORDS,
     TOO_LONG,
     BundleError,
@@ -423,6 +428,100 @@ def test_a_bundle_edited_without_its_manifest_fails_the_file_hash(
         (None, BUNDLE_COUNT),
         (3, "head"),
     }
+
+
+CHECKPOINT_KEY = Ed25519PrivateKey.generate()
+SIGNED_TRUST = dataclasses.replace(TRUST, checkpoint_keys={"cp-1": CHECKPOINT_KEY.public_key()})
+SIGNED = f"a {MANIFEST} whose SHA-256 a checkpoint key signed ({MANIFEST_SIG})"
+
+
+def signed_check(folder: Path, jobs: int) -> tuple[list[Finding], Summary]:
+    findings: list[Finding] = []
+    if jobs == 1:
+        summary = verify_bundle(folder, SIGNED_TRUST, findings.append)
+    else:
+        summary = verify_bundle_parallel(folder, SIGNED_TRUST, findings.append, jobs=jobs)
+    return findings, summary
+
+
+def test_the_manifest_signature_covers_the_manifest_bytes_verified_not_a_second_read(
+    tmp_path: Path, jobs: int
+) -> None:
+    """manifest.json answers its first read with a forged manifest (the head record
+    removed from records.jsonl, the manifest's hash, count and head rewritten to match)
+    and any later read with the genuine, signed one: a file system the bundle's editor
+    serves (a share, a FUSE mount) can do so. The signature must be checked over the
+    bytes verified: before, the manifest was read again to hash it, and the truncated
+    ledger verified clean under a valid signature."""
+    chain = honest_chain()
+    folder = tmp_path / "bundle"
+    with BundleWriter(folder) as writer:
+        for row in chain.rows:
+            writer.add(row)
+        writer.finish(
+            {THREAD: (chain.rows[-1].version, chain.rows[-1].digest)},
+            signer=("cp-1", CHECKPOINT_KEY),
+        )
+    genuine = (folder / MANIFEST).read_bytes()
+    assert signed_check(folder, jobs)[0] == []  # as exported: its signature verifies
+    lines = (folder / RECORDS).read_bytes().splitlines(keepends=True)[:-1]
+    (folder / RECORDS).write_bytes(b"".join(lines))
+    doc = json.loads(genuine)
+    doc["records"], doc["records_sha256"] = 3, sha256_hex(b"".join(lines))
+    doc["heads"] = {THREAD: [chain.rows[-2].version, chain.rows[-2].digest]}
+    forged = json.dumps(doc).encode()
+    (tmp_path / "genuine.json").write_bytes(genuine)
+    (folder / MANIFEST).unlink()
+    os.mkfifo(folder / MANIFEST)
+
+    def serve() -> None:
+        with (folder / MANIFEST).open("wb") as pipe:  # waits for the first read's open
+            # the path names the genuine manifest from now on; the first read, which
+            # holds the pipe, gets the forged one
+            (tmp_path / "genuine.json").replace(folder / MANIFEST)
+            pipe.write(forged)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        findings, summary = signed_check(folder, jobs)
+    finally:
+        server.join()
+
+    assert findings == [
+        Finding(
+            None,
+            None,
+            BUNDLE_MANIFEST,
+            SIGNED,
+            f"the signature covers a manifest with SHA-256 {sha256_hex(genuine)}, "
+            f"not this one ({sha256_hex(forged)})",
+        )
+    ]
+    assert (summary.records, summary.exit_code) == (3, 1)
+
+
+def test_a_manifest_signature_too_long_to_be_one_is_read_no_further(
+    tmp_path: Path, jobs: int
+) -> None:
+    """A manifest.sig of 64 KiB and more is no signature: one finding, and at most one
+    byte past the bound is read (a bundle's editor could make it endless)."""
+    folder = write(tmp_path / "bundle", honest_chain().rows)
+    (folder / MANIFEST_SIG).write_bytes(b" " * (MAX_MANIFEST_SIG + 1))
+    findings, summary = signed_check(folder, jobs)
+    assert findings == [
+        Finding(
+            None,
+            None,
+            BUNDLE_MANIFEST,
+            SIGNED,
+            f"a {MANIFEST_SIG} longer than {MAX_MANIFEST_SIG:,} bytes",
+        )
+    ]
+    assert summary.exit_code == 1
+    (folder / MANIFEST_SIG).unlink()
+    (folder / MANIFEST_SIG).symlink_to("/dev/zero")  # endless: the same finding
+    assert signed_check(folder, jobs)[0] == findings
 
 
 def test_an_unusable_manifest_means_verification_cannot_run(tmp_path: Path) -> None:
