@@ -342,9 +342,11 @@ def _checkpoint_keys(
     from ztate.contract.keyring import load_public_keys
     from ztate.services.verify.checks import VerifyError
 
-    path = args.checkpoint_keys or settings.checkpoint_public_keys_file
-    if path is not None and Path(path).exists():
-        return load_public_keys(Path(path))
+    if args.checkpoint_keys is not None:  # given: they load, or the run cannot go on
+        return load_public_keys(Path(args.checkpoint_keys))
+    default = settings.checkpoint_public_keys_file  # configured: may not exist yet
+    if default is not None and Path(default).exists():
+        return load_public_keys(Path(default))
     if args.public_only:
         raise VerifyError("--public-only needs the checkpoint public keys (--checkpoint-keys)")
     return None

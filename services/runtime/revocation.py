@@ -121,11 +121,15 @@ class RevocationList:
         return cls(tuple(_entry(raw, f"{where}, entry {i}") for i, raw in enumerate(entries)))
 
     @classmethod
-    def load(cls, path: Path) -> RevocationList:
-        """The list in ``path``; a file that does not exist revokes nothing."""
+    def load(cls, path: Path, *, missing_revokes_nothing: bool = True) -> RevocationList:
+        """The list in ``path``; a file that does not exist revokes nothing, or raises
+        ``FileNotFoundError`` when ``missing_revokes_nothing`` is False (one open: a
+        file removed after a check of its existence is never read as an empty list)."""
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            if not missing_revokes_nothing:
+                raise
             return cls()
         return cls.parse(data, str(path))
 
@@ -176,9 +180,7 @@ class Revocations:
 
     def __init__(self, path: Path) -> None:
         def build() -> RevocationList:
-            if not path.exists() and self._started:
-                raise FileNotFoundError(path)
-            return RevocationList.load(path)
+            return RevocationList.load(path, missing_revokes_nothing=not self._started)
 
         self._started = False
         self._files = WatchedFiles(f"revocation list {path}", (path,), build)

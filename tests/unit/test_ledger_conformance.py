@@ -117,3 +117,42 @@ def test_the_generator_rebuilds_every_byte(tmp_path: Path) -> None:
     assert sorted(p.relative_to(rebuilt) for p in rebuilt.rglob("*") if p.is_file()) == committed
     for path in committed:
         assert (rebuilt / path).read_bytes() == (SUITE / path).read_bytes(), path
+
+
+def dangling(path: Path) -> None:
+    path.symlink_to(path.parent / "nowhere")
+
+
+def looping(path: Path) -> None:
+    path.symlink_to(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        pytest.param(None, "No such file or directory", id="missing"),
+        pytest.param(dangling, "No such file or directory", id="dangling-link"),
+        pytest.param(looping, "Too many levels of symbolic links", id="loop"),
+    ],
+)
+def test_checkpoint_keys_given_but_unreadable_stop_the_run_instead_of_going_unchecked(
+    make: Any, reason: str, tmp_path: Path, isolated: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped ``--checkpoint-keys`` path was taken for no keys at all: checkpoints and
+    manifest.sig went unchecked, and a ledger rewritten with the HMAC key, which only the
+    checkpoints reveal, verified OK (exit 0). Keys that are given must load: exit 2,
+    naming the file, and no verdict."""
+    from ztate.services.cli.verify import main
+
+    assert EXPECTED["rewrite-with-key"]["exit"] == 1  # with the keys
+    given = tmp_path / "checkpoint-public.json"
+    if make is not None:
+        make(given)
+    args = arguments("rewrite-with-key")
+    args[args.index("--checkpoint-keys") + 1] = str(given)
+
+    code = main(args)
+
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (2, "")
+    assert f"{given}: cannot read public keys ({reason})" in captured.err

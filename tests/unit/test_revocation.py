@@ -109,3 +109,31 @@ def test_a_service_starts_without_a_list_and_refuses_on_a_broken_one(tmp_path: P
     path.write_bytes(b"{")
     with pytest.raises(RevocationListError, match="not JSON"):
         Revocations(path)
+
+
+def test_a_list_removed_while_it_is_read_again_forgives_no_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The list changes, and is removed just as the service opens it to read it again
+    (an operator's ``rm``, a config map swapped). Before, the service had checked that
+    the file existed, then read a missing file as an empty list: every revoked identity
+    was accepted until the file came back. The last list read stays."""
+    path = tmp_path / "revocations.json"
+    path.write_bytes(document({"spiffe_id": PLANNER, "revoked_at": "2026-11-26T00:00:00Z"}))
+    revocations = Revocations(path)
+    with pytest.raises(IdentityRevoked):
+        revocations.check(PLANNER, 1)
+    path.write_bytes(document({"serial": "0A", "revoked_at": "2026-11-26T00:00:01Z"}) + b" ")
+    read = Path.read_bytes
+
+    def removed_as_opened(self: Path) -> bytes:
+        if self == path:
+            path.unlink()
+        return read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", removed_as_opened)
+    with pytest.raises(IdentityRevoked, match=f"identity {PLANNER} is revoked"):
+        revocations.check(PLANNER, 1)
+    monkeypatch.undo()
+    with pytest.raises(IdentityRevoked):  # still gone: still the last list
+        revocations.check(PLANNER, 1)
