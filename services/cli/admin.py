@@ -104,7 +104,7 @@ def cmd_ca_renew(args: argparse.Namespace) -> int:
     ttl = _ttl(args)
     try:
         paths = ca.renew(Path(args.ca_dir), cert, ttl=ttl)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         print(f"ztate: cannot renew: {exc}", file=sys.stderr)
         return 1
     _print_issued(ca.Issued.read(paths.cert).uris, paths)

@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -202,6 +203,10 @@ def _trust(bundle: Path, ca_cert: x509.Certificate) -> None:
     write_atomically(bundle, pem, 0o644)
 
 
+class NotIssuedHere(ValueError):
+    """A certificate the CA asked to renew it did not sign."""
+
+
 @dataclass(frozen=True)
 class Issued:
     """What an issued certificate says, as renewal reads it back."""
@@ -216,7 +221,10 @@ class Issued:
 
     @classmethod
     def read(cls, cert_path: Path) -> Issued:
-        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        return cls.of(x509.load_pem_x509_certificate(cert_path.read_bytes()), cert_path.stem)
+
+    @classmethod
+    def of(cls, cert: x509.Certificate, stem: str) -> Issued:
         try:
             sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         except x509.ExtensionNotFound:
@@ -226,7 +234,7 @@ class Issued:
             uris=tuple(sans.get_values_for_type(x509.UniformResourceIdentifier)),
             dns_names=tuple(sans.get_values_for_type(x509.DNSName)),
             ip_addresses=tuple(str(ip) for ip in sans.get_values_for_type(x509.IPAddress)),
-            common_name=str(names[0].value) if names else cert_path.stem,
+            common_name=str(names[0].value) if names else stem,
             not_before=cert.not_valid_before_utc,
             not_after=cert.not_valid_after_utc,
             serial=cert.serial_number,
@@ -247,8 +255,21 @@ def renew(ca_dir: Path, cert_path: Path, *, ttl: timedelta | None = None) -> Iss
     """Issue the identity of ``cert_path`` again (the same SANs and name) with a new key
     pair, for ``ttl`` or the old certificate's lifetime; ``<stem>.key`` beside it is
     replaced too. Both files are replaced atomically; processes watching them take the
-    new pair at their next handshake or call."""
-    old = Issued.read(cert_path)
+    new pair at their next handshake or call.
+
+    Only a certificate this CA issued is renewed (``NotIssuedHere`` otherwise): its
+    identities are copied, so a certificate anyone could write into the folder (made
+    with their own key, naming another identity) must not become a genuine one."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
+    try:
+        cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature):
+        raise NotIssuedHere(
+            f"{cert_path} was not issued by the CA in {ca_dir}: not renewed (issue the "
+            "identity with ztate ca issue)"
+        ) from None
+    old = Issued.of(cert, cert_path.stem)
     return issue_for_uris(
         ca_dir,
         old.uris,

@@ -7,6 +7,7 @@ are kept, so a second run reuses the same identities, keys and data; certificate
 
 from __future__ import annotations
 
+import logging
 import shutil
 from dataclasses import dataclass
 from importlib import resources
@@ -17,6 +18,8 @@ from ztate.services.cli import ca
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime.config import ApprovalSettings, Settings
 from ztate.services.runtime.identity import Identity, Role
+
+log = logging.getLogger(__name__)
 
 OPERATOR_NAME = "admin"
 REVIEWERS = ("alice", "bob")
@@ -89,9 +92,17 @@ def renew_near_expiry(ca_dir: Path, certs: Path) -> list[Path]:
     for cert in sorted(certs.glob("*.crt")):
         if cert.name == ca.CA_CERT or not cert.with_suffix(".key").exists():
             continue
-        if ca.Issued.read(cert).near_expiry():
+        try:
+            if not ca.Issued.read(cert).near_expiry():
+                continue
             ca.renew(ca_dir, cert)
-            renewed.append(cert)
+        except ca.NotIssuedHere:  # someone else's file, never made genuine: left as it is
+            log.warning("%s was not issued by the development CA: not renewed", cert.name)
+            continue
+        except (OSError, ValueError) as failure:  # the others are still renewed
+            log.warning("cannot renew %s (%s)", cert.name, type(failure).__name__)
+            continue
+        renewed.append(cert)
     return renewed
 
 

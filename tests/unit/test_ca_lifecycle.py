@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from ztate.services.cli import ca
 from ztate.services.cli.devsetup import renew_near_expiry
@@ -131,6 +134,97 @@ def test_the_development_layout_renews_what_is_near_expiry(ca_dir: Path, tmp_pat
     assert not ca.Issued.read(old.cert).near_expiry()
     assert ca.Issued.read(fresh.cert).serial == fresh_serial
     assert renew_near_expiry(ca_dir, certs) == []
+
+
+ADMIN = Identity(DOMAIN, Role.OPERATOR, "admin")
+
+
+def forged_certificate(folder: Path, stem: str, signer: ec.EllipticCurvePrivateKey | None) -> Path:
+    """A certificate naming the operator identity ``ADMIN``, near expiry, signed with
+    ``signer`` (its own key when None: self-signed), and its key, as anyone who can write
+    into the certificate folder could leave them there."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, stem)])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(read(folder.parent / "ca" / ca.CA_CERT).subject)  # the CA's name, too
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(hours=23))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(ADMIN.spiffe_id)]),
+            critical=False,
+        )
+        .sign(signer or key, hashes.SHA256())
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    (folder / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return folder / f"{stem}.crt"
+
+
+@pytest.mark.parametrize("signer", ["self-signed", "another-ca"])
+def test_renewing_a_certificate_the_ca_did_not_issue_is_refused_and_changes_nothing(
+    ca_dir: Path, tmp_path: Path, signer: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Renewal copies a certificate's identities into a new one the CA signs: a
+    certificate someone wrote into the folder with their own key (or another CA's),
+    naming the operator identity, became a genuine operator certificate."""
+    other = None
+    if signer == "another-ca":
+        ca.init_ca(tmp_path / "other-ca", DOMAIN)
+        other = serialization.load_pem_private_key(
+            (tmp_path / "other-ca" / ca.CA_KEY).read_bytes(), password=None
+        )
+        assert isinstance(other, ec.EllipticCurvePrivateKey)
+    certs = tmp_path / "certs"
+    forged = forged_certificate(certs, "operator-admin", other)
+    before = {p.name: p.read_bytes() for p in certs.iterdir()}
+
+    code = ztate(["ca", "renew", "--cert", str(forged), "--ca-dir", str(ca_dir)])
+
+    assert code == 1
+    assert capsys.readouterr().err == (
+        f"ztate: cannot renew: {forged} was not issued by the CA in {ca_dir}: not renewed "
+        "(issue the identity with ztate ca issue)\n"
+    )
+    assert {p.name: p.read_bytes() for p in certs.iterdir()} == before
+
+
+def test_the_development_renewal_skips_a_foreign_certificate_and_renews_the_rest(
+    ca_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ztate run`` renews every certificate of its folder near expiry: a forged one is
+    left as it is (logged by name), a file that is no certificate too, and its own are
+    still renewed."""
+    certs = tmp_path / "certs"
+    now = datetime.now(UTC)
+    own = ca.issue(ca_dir, PLANNER, certs, not_before=now - timedelta(hours=20),
+                   not_after=now + timedelta(hours=4))  # fmt: skip
+    own_serial = ca.Issued.read(own.cert).serial
+    forged = forged_certificate(certs, "operator-admin", None)
+    forged_bytes = forged.read_bytes()
+    (certs / "broken.crt").write_bytes(b"not a certificate")
+    (certs / "broken.key").write_bytes(b"")
+
+    with caplog.at_level("WARNING", logger="ztate.services.cli.devsetup"):
+        assert renew_near_expiry(ca_dir, certs) == [own.cert]
+
+    assert ca.Issued.read(own.cert).serial != own_serial
+    assert forged.read_bytes() == forged_bytes
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot renew broken.crt (ValueError)",
+        "operator-admin.crt was not issued by the development CA: not renewed",
+    ]
 
 
 def test_watched_files_rebuild_on_change_and_keep_the_last_good_value(tmp_path: Path) -> None:
