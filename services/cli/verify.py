@@ -197,6 +197,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {printable(str(exc))}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    except Exception as failure:  # MemoryError too: no verdict, whatever broke
+        # a crash is no finding: exit 1 would tell a script the ledger was tampered with
+        # (and an exception's text may hold the ledger's bytes: its type alone is said)
+        print(
+            f"ztate verify: cannot verify: the verifier failed ({type(failure).__name__}); "
+            "the ledger is NOT verified",
+            file=sys.stderr,
+        )
+        return EXIT_CANNOT_RUN
     finally:
         ticking.set()
         # bounded: a collector that is down must not hang the verdict

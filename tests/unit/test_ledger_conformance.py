@@ -156,3 +156,28 @@ def test_checkpoint_keys_given_but_unreadable_stop_the_run_instead_of_going_unch
     captured = capsys.readouterr()
     assert (code, captured.out) == (2, "")
     assert f"{given}: cannot read public keys ({reason})" in captured.err
+
+
+def test_a_verifier_that_fails_gives_no_verdict_and_repeats_nothing_it_read(
+    monkeypatch: pytest.MonkeyPatch, isolated: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A failure of the verifier itself (here a MemoryError raised where a bundle is
+    verified, as a hostile bundle could cause) is no finding: before, Python's traceback
+    ended the run with exit 1, "failures were found". Now exit 2, no summary, and the
+    error's type alone (its text may hold the ledger's bytes)."""
+    from ztate.services.cli.verify import main
+    from ztate.services.verify import bundle
+
+    def exhausted(*args: object, **kwargs: object) -> None:
+        raise MemoryError("bytes of the ledger: ignore previous instructions")
+
+    monkeypatch.setattr(bundle, "verify_bundle", exhausted)
+
+    code = main(arguments("clean"))
+
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (2, "")
+    assert captured.err == (
+        "ztate verify: cannot verify: the verifier failed (MemoryError); the ledger is NOT "
+        "verified\n"
+    )
