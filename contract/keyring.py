@@ -27,9 +27,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ztate.contract.errors import KeyFileError, KeyringError
+from ztate.contract.files import FileTooLarge, read_bounded
 
 KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 MIN_KEY_BYTES = 32
+# a keyring, a public key file or a PEM key is a few hundred bytes a key: a file over
+# 1 MiB (ten thousand keys) is refused, read no further
+MAX_KEY_FILE_BYTES = 1024 * 1024
 PublicKeys = dict[str, Ed25519PublicKey]
 
 
@@ -91,9 +95,13 @@ class Keyring:
         if path is None:
             raise KeyringError("no HMAC keyring: set ZTATE_HMAC_KEYRING or ZTATE_HMAC_KEYRING_FILE")
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_bounded(path, MAX_KEY_FILE_BYTES, "a keyring").decode("utf-8")
         except OSError as exc:
             raise KeyringError(f"{path}: cannot read the keyring ({exc.strerror})") from None
+        except FileTooLarge as exc:
+            raise KeyringError(str(exc)) from None
+        except UnicodeDecodeError:
+            raise KeyringError(f"{path}: the keyring is not UTF-8") from None
         return cls.from_json(text, source=str(path))
 
 
@@ -206,9 +214,12 @@ def add_signing_key(private_path: Path, public_path: Path, key_id: str) -> None:
 def load_signing_key(path: Path) -> Ed25519PrivateKey:
     """An Ed25519 private key from a PEM file; ``KeyFileError`` naming what is wrong."""
     try:
-        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        pem = read_bounded(path, MAX_KEY_FILE_BYTES, "a signing key")
+        key = serialization.load_pem_private_key(pem, password=None)
     except OSError as exc:
         raise KeyFileError(f"{path}: cannot read the signing key ({exc.strerror})") from None
+    except FileTooLarge as exc:
+        raise KeyFileError(str(exc)) from None
     except (ValueError, TypeError):
         raise KeyFileError(f"{path}: not an unencrypted PEM private key") from None
     except UnsupportedAlgorithm:  # a key of a curve or type cryptography lacks: not Ed25519
@@ -222,9 +233,11 @@ def load_public_keys(path: str | Path) -> PublicKeys:
     """A public keyring file: ``{"<key id>": "<base64 of the raw 32-byte Ed25519 key>"}``,
     non-empty; ``KeyFileError`` naming what is wrong."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        doc = json.loads(read_bounded(path, MAX_KEY_FILE_BYTES, "public keys"))
     except OSError as exc:
         raise KeyFileError(f"{path}: cannot read public keys ({exc.strerror})") from None
+    except FileTooLarge as exc:
+        raise KeyFileError(str(exc)) from None
     except ValueError:
         raise KeyFileError(f"{path}: public keys must be a JSON object") from None
     if not isinstance(doc, dict) or not doc:

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from ztate.services.runtime.config import Settings
     from ztate.services.verify.checks import Finding, Report, Summary, Trust
 
+# a checkpoint line is under 2 KB (a thread id of at most 128 characters, digests, a
+# signature); the journal may come from the party audited: a longer line stops the run
+MAX_CHECKPOINT_LINE = 64 * 1024
 EXIT_CANNOT_RUN = 2  # services.verify.checks.EXIT_CANNOT_RUN (a test holds them equal)
 MAX_JOBS = 256
 MAX_WORKER_TIMEOUT = 86_400.0  # seconds: a day
@@ -332,7 +335,14 @@ def _kept_checkpoints(
     kept: dict[str, dict[int, SignedCheckpoint]] = {}
     try:
         with path.open("rb") as handle:
-            for number, line in enumerate(handle, start=1):
+            number = 0
+            while line := handle.readline(MAX_CHECKPOINT_LINE + 1):  # never more held
+                number += 1
+                if len(line) > MAX_CHECKPOINT_LINE:
+                    raise VerifyError(
+                        f"{path}: line {number}: longer than {MAX_CHECKPOINT_LINE:,} bytes, "
+                        "which no checkpoint is"
+                    )
                 try:
                     thread_id, version, signed = parse_checkpoint_line(line)
                 except CheckpointInvalid as exc:

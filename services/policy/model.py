@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from ztate.contract.canonical import canonical_bytes, parse_object, sha256_hex
 from ztate.contract.errors import ContractError
+from ztate.contract.files import FileTooLarge, read_bounded
 from ztate.services.policy.rules import Expression, ExpressionError, bind, merge_reads
 from ztate.services.policy.schema import (
     MAX_TYPE_DEPTH,
@@ -44,6 +45,8 @@ from ztate.services.policy.schema import (
 from ztate.services.runtime.identity import NAME
 
 POLICY_FORMAT = 1
+# a policy file is a few KB of YAML; one over 4 MiB is refused, read no further
+MAX_POLICY_FILE = 4 * 1024 * 1024
 KeyName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
 NodeName = Annotated[str, StringConstraints(pattern=NAME.pattern)]
 RuleName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
@@ -479,9 +482,13 @@ class Policy:
     def load(cls, path: Path) -> Policy:
         """Load and validate a policy file (.yaml, .yml or .json)."""
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_bounded(path, MAX_POLICY_FILE, "a policy file").decode("utf-8")
         except OSError as exc:
             raise PolicyError(f"{path}: cannot read policy ({exc.strerror})") from None
+        except FileTooLarge as exc:
+            raise PolicyError(str(exc)) from None
+        except UnicodeDecodeError:
+            raise PolicyError(f"{path}: not UTF-8") from None
         lines: yaml.Node | None = None
         try:
             if path.suffix == ".json":

@@ -58,6 +58,7 @@ from ztate.contract.checkpoints import (
     verify_manifest_signature,
 )
 from ztate.contract.errors import CheckpointInvalid
+from ztate.contract.files import FileTooLarge, read_bounded
 from ztate.contract.record import format_time, shown
 from ztate.services.store.policies import StoredPolicy, stored_policy_versions
 from ztate.services.verify.checks import (
@@ -96,6 +97,9 @@ MANIFEST = "manifest.json"
 MANIFEST_SIG = "manifest.sig"  # the checkpoint key's signature over the manifest's SHA-256
 # manifest.sig is one line of about 400 bytes; a longer file is read no further
 MAX_MANIFEST_SIG = 64 * 1024
+# manifest.json grows by about 100 bytes a thread (its head): 1 GiB is ten million
+# threads; a larger one is refused, read no further
+MAX_MANIFEST = 1024 * 1024 * 1024
 POLICY_MEMBERS = ("policy_digest", "policy_name", "body")
 # a policies.jsonl line longer than this holds no body the verifier reads (escaping may
 # double a body's length; checks.MAX_POLICY_BODY bounds the body itself)
@@ -476,10 +480,12 @@ def read_manifest(directory: Path) -> tuple[Manifest, str]:
     unusable."""
     path = directory / MANIFEST
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, MAX_MANIFEST, "a manifest")
         doc = orjson.loads(raw)
     except OSError as exc:
         raise BundleError(f"{path}: cannot read the manifest ({exc.strerror})") from None
+    except FileTooLarge as exc:
+        raise BundleError(str(exc)) from None
     except orjson.JSONDecodeError:
         raise BundleError(f"{path}: the manifest is not JSON") from None
     if (

@@ -236,7 +236,7 @@ async def test_a_bundle_verifies_with_public_keys_alone(
     thread_id, public, checkpointer = signed
     await checkpointer.run_once()
     folder = await _exported(database_dsn, tmp_path / "bundle", thread_id)
-    manifest = read_manifest(folder)
+    manifest, _ = read_manifest(folder)
     assert manifest.checkpoints is not None
     assert manifest.checkpoints >= 1
     assert _verify_bundle(folder, thread_id, public_trust(public)) == []

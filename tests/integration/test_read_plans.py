@@ -446,6 +446,7 @@ async def test_the_reviews_reads_and_closes_read_only_the_reviews_they_touch(
         # the read again, which finds the entries of both versions: 5); a page, the
         # reviews it returns (the thread t's approved: 2, 3 and the three just closed)
         expiry = found.pop("expire_open")["ztate_approval.reviews"]
+        approved = found.pop("approved, of a thread")
         assert {
             name: {table: (r.seq_scans, r.rows) for table, r in f.items()}
             for name, f in found.items()
@@ -455,11 +456,16 @@ async def test_the_reviews_reads_and_closes_read_only_the_reviews_they_touch(
                 "ztate_approval.reviews": (0, 10 * RUNS),
                 "ztate_approval.receipts": (0, 0),
             },
-            "approved, of a thread": {
-                "ztate_approval.reviews": (0, 5 * RUNS),
-                "ztate_approval.receipts": (0, 0),
-            },
         }
+        # the thread t's approved: 2, 3 and the three just closed; the first run may also
+        # read the three closed reviews' entries of their open versions once, before
+        # Postgres marks them dead (a CI run read 18): never any of the 4,000 others
+        assert (
+            approved["ztate_approval.receipts"].seq_scans,
+            approved["ztate_approval.receipts"].rows,
+        ) == (0, 0)
+        assert approved["ztate_approval.reviews"].seq_scans == 0
+        assert 5 * RUNS <= approved["ztate_approval.reviews"].rows <= 5 * RUNS + 3
         # the first expiry pass reads the two overdue reviews and expires them; the next
         # may read their index entries once more before Postgres marks them dead
         assert expiry.seq_scans == 0

@@ -181,3 +181,54 @@ def test_a_verifier_that_fails_gives_no_verdict_and_repeats_nothing_it_read(
         "ztate verify: cannot verify: the verifier failed (MemoryError); the ledger is NOT "
         "verified\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--keyring", "more than 1,048,576 bytes, too large for a keyring"),
+        ("--checkpoint-keys", "more than 1,048,576 bytes, too large for public keys"),
+        ("--approval-keys", "more than 1,048,576 bytes, too large for public keys"),
+        ("--policy", "more than 4,194,304 bytes, too large for a policy file"),
+        ("--checkpoints", "line 1: longer than 65,536 bytes, which no checkpoint is"),
+        ("manifest.json", "more than 1,048,576 bytes, too large for a manifest"),
+    ],
+)
+def test_an_endless_file_given_to_the_verifier_is_read_no_further_than_its_kind_needs(
+    option: str,
+    message: str,
+    tmp_path: Path,
+    isolated: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each file the verifier reads whole has a natural bound; a link to /dev/zero in its
+    place (a key file, a policy, the checkpoint journal, which may come from the party
+    audited, or the bundle's manifest, which the bundle's editor writes) was read until
+    memory ran out. Now exit 2 naming the file and the bound, nothing verified."""
+    from ztate.services.cli.verify import main
+    from ztate.services.verify import bundle
+
+    monkeypatch.setattr(bundle, "MAX_MANIFEST", 1024 * 1024)  # 1 GiB in use: quicker here
+    endless = tmp_path / ("policy.yaml" if option == "--policy" else "endless.json")
+    endless.symlink_to("/dev/zero")
+    args = arguments("clean")
+    if option == "manifest.json":
+        folder = tmp_path / "bundle"
+        folder.mkdir()
+        for part in (SUITE / "cases" / "clean").iterdir():
+            (folder / part.name).write_bytes(part.read_bytes())
+        (folder / "manifest.json").unlink()
+        (folder / "manifest.json").symlink_to("/dev/zero")
+        args[args.index("--bundle") + 1] = str(folder)
+        endless = folder / "manifest.json"
+    elif option in args:
+        args[args.index(option) + 1] = str(endless)
+    else:
+        args += [option, str(endless)]
+
+    code = main(args)
+
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (2, "")
+    assert captured.err == f"ztate verify: cannot verify: {endless}: {message}\n"
