@@ -138,7 +138,14 @@ class WorkStream:
 
     @property
     def room(self) -> int:
-        return 0 if self.closed else self.capacity - len(self.held)
+        # a stream with items still waiting to be sent is granted nothing more until it
+        # takes them: one that stops reading holds at most one round's grants, and once
+        # their leases lapse they go to the node's other processes (before, it was
+        # granted its threads again every lease period, a copy of each head queued each
+        # time, without bound)
+        if self.closed or not self.items.empty():
+            return 0
+        return self.capacity - len(self.held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +392,10 @@ class WorkDispatcher:
                 item = await asyncio.wait_for(stream.items.get(), min(left, 1.0))
             except TimeoutError:
                 continue  # checks for the end of the stream; no database query
+            if stream.items.empty():
+                self._wake.set()  # drained: it has room again (none while items wait)
+            if (item.thread_id, item.epoch) not in stream.held:
+                continue  # its lease lapsed (or ended) before it was sent: it is lost
             yield item
 
 

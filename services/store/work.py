@@ -110,22 +110,31 @@ UPDATE ztate.node_work
 RETURNING epoch, wake_version, expires_at
 """
 
+# A grant holds the lease while its row names it (epoch, a holder) and it has not
+# lapsed: a lapsed grant is lost even before another process takes the row
+# (docs/work.md, "Leases"). The commit and the park fence the same way (migration 0028).
 RENEW = """
 UPDATE ztate.node_work SET expires_at = now() + make_interval(secs => $4)
  WHERE thread_id = $1 AND node = $2 AND epoch = $3 AND holder IS NOT NULL
+   AND expires_at >= now()
 RETURNING expires_at
 """
 
+# handled_version counts no further than the version that last woke the node: a worker
+# claiming a later one (2^63 - 1) would otherwise silence every later wake for good
 RELEASE = """
 UPDATE ztate.node_work
-   SET holder = NULL, expires_at = NULL, handled_version = greatest(handled_version, $4)
+   SET holder = NULL, expires_at = NULL,
+       handled_version = greatest(handled_version, least($4, wake_version))
  WHERE thread_id = $1 AND node = $2 AND epoch = $3 AND holder IS NOT NULL
+   AND expires_at >= now()
 RETURNING wake_version > handled_version AS more
 """
 
 HOLDS = """
 SELECT 1 FROM ztate.node_work
  WHERE thread_id = $1 AND node = $2 AND epoch = $3 AND holder IS NOT NULL
+   AND expires_at >= now()
 """
 
 CHANGES = """

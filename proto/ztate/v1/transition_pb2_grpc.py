@@ -212,7 +212,9 @@ class TransitionServiceServicer:
         At most max_in_flight leases are held through one stream at once. Node
         identities only (others: PERMISSION_DENIED, ROLE_FORBIDDEN); a node whose
         policy declares no wake: FAILED_PRECONDITION (NO_WAKE_DECLARED). Streams
-        count against the WatchThread limits and end as WatchThread streams do.
+        have limits of the WatchThread limits' sizes (ZTATE_WATCH_MAX_STREAMS and
+        _PER_IDENTITY, counted apart from WatchThread streams) and end as WatchThread
+        streams do. A stream with items waiting to be sent is granted no more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -220,7 +222,7 @@ class TransitionServiceServicer:
 
     def RenewLease(self, request, context):
         """RenewLease extends a lease grant the caller's node holds. A grant that no
-        longer holds its thread (lapsed and taken over, or released), of another
+        longer holds its thread (lapsed, whether taken over or not, or released), of another
         node, or on a thread that does not exist: FAILED_PRECONDITION (LEASE_LOST),
         the same answer for each.
         """

@@ -1,0 +1,200 @@
+"""Leases at their edges (a review of work dispatch): a lapsed lease is lost before
+anyone takes it again, a release never marks versions handled that have not woken the
+node, and a stream that stops reading is granted nothing more. One ``ztate`` service in
+this process on a database of its own, real gRPC, mTLS and Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import asyncpg
+import pytest
+import pytest_asyncio
+
+from tests.harness import INITIAL, Pki, client, fresh_database, new_thread_id, secure_channel
+from tests.integration.test_watch_limits import eventually
+from ztate.services.runtime.config import Settings
+from ztate.transition_service.app import RunningService, start
+from ztate.v1 import transition_pb2, transition_pb2_grpc
+from ztate.worker_sdk import LeaseLost
+
+PATCH = {"requested_action": {"action": "lookup", "order_id": "A-1"}}
+LEASE_SECONDS = 0.5
+
+
+@pytest_asyncio.fixture
+async def own_dsn(postgres_server_dsn: str) -> str:
+    return await fresh_database(postgres_server_dsn)
+
+
+@pytest_asyncio.fixture
+async def service(settings: Settings, own_dsn: str) -> AsyncIterator[RunningService]:
+    running = await start(
+        settings.model_copy(
+            update={"work_poll_seconds": 0.05, "work_lease_seconds": LEASE_SECONDS}
+        ),
+        dsn=own_dsn,
+    )
+    yield running
+    await running.stop(grace=1.0)
+
+
+async def work_row(dsn: str, thread_id: str, node: str) -> asyncpg.Record:
+    conn = await asyncpg.connect(dsn)
+    try:
+        row: asyncpg.Record = await conn.fetchrow(
+            "SELECT epoch, holder, wake_version, handled_version FROM ztate.node_work "
+            "WHERE thread_id = $1 AND node = $2",
+            thread_id,
+            node,
+        )
+        return row
+    finally:
+        await conn.close()
+
+
+async def test_a_lapsed_lease_no_one_took_again_is_lost(
+    service: RunningService, own_dsn: str, pki: Pki
+) -> None:
+    """The grant's lease lapses (its expiry moved into the past, as the database's clock
+    would) and no process takes the row again. Before, the grant still renewed (live
+    again, beyond its stream's max_in_flight), committed and released. Now each is
+    refused LEASE_LOST, and nothing is committed."""
+    target = f"localhost:{service.port}"
+    thread_id = new_thread_id()
+    async with (
+        client(target, pki.operator()) as operator,
+        client(target, pki.node("input-parser")) as parser,
+    ):
+        await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        stream = parser.subscribe_work(max_in_flight=1)
+        item = await anext(stream)
+        await stream.aclose()  # its leases stay (until released or lapsed); no new grant
+        assert item.thread_id == thread_id
+        admin = await asyncpg.connect(own_dsn)
+        try:
+            await admin.execute(
+                "UPDATE ztate.node_work SET expires_at = now() - interval '1 second' "
+                "WHERE thread_id = $1 AND node = 'input-parser'",
+                thread_id,
+            )
+        finally:
+            await admin.close()
+
+        for call in (
+            parser.renew_lease(thread_id, item.lease_epoch),
+            parser.propose(thread_id, item.version, PATCH, lease_epoch=item.lease_epoch),
+            parser.release_lease(thread_id, item.lease_epoch, item.version),
+        ):
+            with pytest.raises(LeaseLost) as refused:
+                await call
+            assert refused.value.reason == "LEASE_LOST"
+
+    row = await work_row(own_dsn, thread_id, "input-parser")
+    assert (row["epoch"], row["holder"] is not None, row["handled_version"]) == (
+        item.lease_epoch,
+        True,
+        -1,
+    )
+    conn = await asyncpg.connect(own_dsn)
+    try:
+        assert (
+            await conn.fetchval("SELECT version FROM ztate.threads WHERE thread_id = $1", thread_id)
+            == 0
+        )
+    finally:
+        await conn.close()
+
+
+async def test_a_release_marks_no_version_handled_beyond_the_one_that_woke_the_node(
+    service: RunningService, own_dsn: str, pki: Pki
+) -> None:
+    """A release claiming 2^63 - 1 handled used to switch the node's work on the thread
+    off for good: no later version ever counted as new. It now counts up to the version
+    that woke the node, and the next wake is offered."""
+    target = f"localhost:{service.port}"
+    thread_id = new_thread_id()
+    async with (
+        client(target, pki.operator()) as operator,
+        client(target, pki.node("input-parser")) as parser,
+        client(target, pki.node("planner")) as planner,
+    ):
+        await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        await parser.propose(thread_id, 0, PATCH)  # version 1 wakes the planner
+        stream = planner.subscribe_work(max_in_flight=1)
+        try:
+            first = await anext(stream)
+            assert (first.thread_id, first.version) == (thread_id, 1)
+            await planner.release_lease(thread_id, first.lease_epoch, 2**63 - 1)
+            row = await work_row(own_dsn, thread_id, "planner")
+            assert (row["wake_version"], row["handled_version"]) == (1, 1)
+
+            refund = {"requested_action": {"action": "refund", "order_id": "B-2"}}
+            await parser.propose(thread_id, 1, refund)  # version 2 wakes it again
+            second = await anext(stream)
+            assert (second.thread_id, second.version) == (thread_id, 2)
+        finally:
+            await stream.aclose()
+
+
+async def test_a_stream_that_stops_reading_is_granted_nothing_more(
+    service: RunningService, own_dsn: str, pki: Pki
+) -> None:
+    """A worker opens SubscribeWork(max_in_flight=256) and never reads (64 threads of
+    8 KB). Before, each lapse of its leases freed their slots and the same threads were
+    granted to it again every lease period, another copy of each head queued each time,
+    without end (441 items in 8 s in the review). Now a stream with items waiting is
+    granted nothing: once the transport takes no more, the grants stop, and another
+    process of the node gets the threads."""
+    target = f"localhost:{service.port}"
+    big = dict(INITIAL, raw_text="x" * 7900)
+    threads = [new_thread_id() for _ in range(64)]
+    async with client(target, pki.operator()) as operator:
+        for thread_id in threads:
+            await operator.create_thread(thread_id, big, policy="pipeline")
+    dispatcher = service.work and service.work.dispatcher
+    assert dispatcher is not None
+    channel = secure_channel(target, pki.node("input-parser"))
+    stalled = transition_pb2_grpc.TransitionServiceStub(channel).SubscribeWork(
+        transition_pb2.SubscribeWorkRequest(max_in_flight=256)
+    )
+    admin = await asyncpg.connect(own_dsn)
+    try:
+
+        async def granted_and_lapsed_twice_over() -> bool:
+            # every thread granted, and every lease lapsed for more than two lease
+            # periods: a grant again would have renewed an expiry
+            return bool(
+                await admin.fetchval(
+                    "SELECT count(*) = 64 AND bool_and(expires_at < now() - $1::interval) "
+                    "FROM ztate.node_work WHERE node = 'input-parser' AND thread_id = ANY($2)",
+                    timedelta(seconds=2 * LEASE_SECONDS),
+                    threads,
+                )
+            )
+
+        await eventually(granted_and_lapsed_twice_over, within=15)
+        # Until the transport's buffers filled, what was written counted as taken and
+        # was granted again as its leases lapsed; since then nothing was (no expiry in
+        # two lease periods), and the items waiting are at most one round's
+        (stream,) = dispatcher._streams["input-parser"]
+        assert 0 < stream.items.qsize() <= 64
+
+        taken: set[str] = set()
+        async with client(target, pki.node("input-parser")) as other:
+            taking = other.subscribe_work(max_in_flight=64)
+            try:
+                async with asyncio.timeout(30):
+                    while len(taken) < 64:
+                        taken.add((await anext(taking)).thread_id)
+            finally:
+                await taking.aclose()
+        assert taken == set(threads)
+    finally:
+        await admin.close()
+        stalled.cancel()
+        with contextlib.suppress(Exception):
+            await channel.close()
