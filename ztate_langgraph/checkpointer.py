@@ -22,6 +22,8 @@ import base64
 import contextlib
 import hashlib
 import json
+import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,7 @@ ENTRY_KEY = "entry"
 ENTRY_MAX = 1_000_000
 ENTRY_FORMAT = 1
 PROPOSE_ATTEMPTS = 32
+CACHED_THREADS = 1024  # verified chains a saver keeps (least recently used go first)
 
 
 def checkpoint_policy(node: str = CHECKPOINTER_NODE, name: str = POLICY_NAME) -> dict[str, Any]:
@@ -103,6 +106,11 @@ class _Chain:
     entries: list[dict[str, Any] | None] = field(default_factory=list)
 
 
+def _require_text(value: object, what: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, not {type(value).__name__}")
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -130,21 +138,38 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
         self.operator = operator
         self.policy = policy
         self.loop = loop or asyncio.get_running_loop()
-        self._chains: dict[str, _Chain] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # the verified chains of the threads used last (at most CACHED_THREADS; one
+        # evicted is verified again from its genesis when next used)
+        self._chains: OrderedDict[str, _Chain] = OrderedDict()
+        # a thread's lock lives while a call holds or waits for it
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     # -- the ledger ------------------------------------------------------------------
 
     def _lock(self, ledger_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(ledger_id, asyncio.Lock())
+        lock = self._locks.get(ledger_id)
+        if lock is None:
+            lock = self._locks[ledger_id] = asyncio.Lock()
+        return lock
 
     async def _verified(self, ledger_id: str) -> _Chain | None:
-        """The thread's records up to the head, each verified (None: no such thread)."""
+        """The thread's records up to the head, each verified (None: no such thread).
+        The chain is extended under the thread's lock: two readers extending it at once
+        checked a record against a parent the other had just appended (a false
+        ``record.parent``)."""
+        async with self._lock(ledger_id):
+            return await self._verified_locked(ledger_id)
+
+    async def _verified_locked(self, ledger_id: str) -> _Chain | None:
         try:
             view = await self.node.get_view(ledger_id)
         except NotFound:
             return None
-        chain = self._chains.setdefault(ledger_id, _Chain())
+        chain = self._chains.get(ledger_id) or _Chain()
+        self._chains[ledger_id] = chain
+        self._chains.move_to_end(ledger_id)
+        while len(self._chains) > CACHED_THREADS:
+            self._chains.popitem(last=False)
         if len(chain.digests) > view.version + 1:  # the ledger never shrinks
             raise CheckpointNotVerified(
                 f"head went back to version {view.version}",
@@ -160,6 +185,9 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
             )
             chain.digests.append(found.transition.digest)
             chain.entries.append(entry)
+            if entry is not None and entry.get("kind") == "delete":
+                # nothing before a delete is served again: its bodies leave the cache
+                chain.entries[:-1] = [None] * (len(chain.entries) - 1)
         if chain.digests[view.version] != view.head_digest:
             raise CheckpointNotVerified(
                 "the head's digest is not the verified record's",
@@ -208,10 +236,19 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
             )
         }
         async with self._lock(ledger_id):
+            created = False
             for _ in range(PROPOSE_ATTEMPTS):
-                chain = await self._verified(ledger_id)
+                chain = await self._verified_locked(ledger_id)
+                if chain is None and created:
+                    # it exists (the create said so) yet this node cannot see it: bound to
+                    # another policy, another workflow's thread of the same id
+                    raise LookupError(
+                        f"ledger thread {ledger_id} exists but not under policy "
+                        f"{self.policy!r}: another workflow holds this LangGraph thread id"
+                    )
                 if chain is None:
                     await self._create(ledger_id)
+                    created = True
                     continue
                 try:
                     await self.node.propose(ledger_id, len(chain.digests) - 1, patch)
@@ -324,7 +361,7 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         configurable = config["configurable"]
         thread_id = str(configurable["thread_id"])
-        ns = configurable.get("checkpoint_ns", "")
+        ns = configurable.get("checkpoint_ns") or ""  # None is the root, as LangGraph's
         wanted = get_checkpoint_id(config)
         for entry, pending in self._tuples(thread_id, await self._entries(thread_id), ns):
             if wanted is None or entry["id"] == wanted:
@@ -372,12 +409,19 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
     ) -> RunnableConfig:
         configurable = config["configurable"]
         thread_id = str(configurable["thread_id"])
-        ns = configurable.get("checkpoint_ns", "")
+        ns = configurable.get("checkpoint_ns") or ""
+        parent_id = configurable.get("checkpoint_id")
+        # a value of another type would be stored, then break every later read of the
+        # thread (ids are compared and sorted as strings)
+        _require_text(ns, "checkpoint_ns")
+        _require_text(checkpoint["id"], "checkpoint id")
+        if parent_id is not None:
+            _require_text(parent_id, "checkpoint_id")
         entry = {
             "kind": "checkpoint",
             "ns": ns,
             "id": checkpoint["id"],
-            "parent_id": configurable.get("checkpoint_id"),
+            "parent_id": parent_id,
             "checkpoint": self._dump(checkpoint),
             "metadata": self._dump(metadata),
         }
@@ -398,9 +442,13 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
         task_path: str = "",
     ) -> None:
         configurable = config["configurable"]
+        ns = configurable.get("checkpoint_ns") or ""
+        _require_text(ns, "checkpoint_ns")
+        _require_text(configurable["checkpoint_id"], "checkpoint_id")
+        _require_text(task_id, "task_id")
         entry = {
             "kind": "writes",
-            "ns": configurable.get("checkpoint_ns", ""),
+            "ns": ns,
             "checkpoint_id": configurable["checkpoint_id"],
             "task_id": task_id,
             "task_path": task_path,
@@ -418,6 +466,7 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
     async def adelete_thread(self, thread_id: str) -> None:
         """Append a signed ``delete`` record: the thread's checkpoints and writes are no
         longer served; their records and digests stay in the ledger."""
+        thread_id = str(thread_id)  # as every other method takes it (a UUID, say)
         if await self._verified(ledger_thread_id(thread_id)) is None:
             return
         await self._append(thread_id, {"kind": "delete"})

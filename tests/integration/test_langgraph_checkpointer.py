@@ -184,3 +184,110 @@ async def test_a_deleted_thread_pruned_keeps_its_bodies_only_in_the_signed_recor
     # the residual gap: the signed records still carry the bodies in their patches
     record = await env.ledger.record(ledger_id, 1)
     assert json.loads(record["patch"]["entry"])["kind"] == "checkpoint"
+
+
+async def test_concurrent_reads_and_writes_of_one_thread_raise_no_false_alarm(
+    env: ZtateEnvironment,
+) -> None:
+    """A new saver extends its verified chain from several calls at once. Before, they
+    extended it without the thread's lock: a reader checked a record against a parent
+    another had just appended and raised CheckpointNotVerified (record.parent), and a
+    put racing reads failed the same way."""
+    thread = str(uuid4())
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    for step in range(4):
+        checkpoint = empty_checkpoint()
+        checkpoint["channel_values"] = {"step": step}
+        config = await saver_of(env).aput(config, checkpoint, {"step": step}, {})  # type: ignore[arg-type]
+    fresh = saver_of(env)  # nothing verified yet
+
+    async def put() -> object:
+        checkpoint = empty_checkpoint()
+        checkpoint["channel_values"] = {"step": 4}
+        return await fresh.aput(config, checkpoint, {"step": 4}, {})  # type: ignore[arg-type]
+
+    found = await asyncio.gather(*(fresh.aget_tuple(config) for _ in range(4)), put())  # type: ignore[arg-type]
+
+    assert all(t is not None for t in found[:4])
+    assert [t.checkpoint["channel_values"] for t in found[:4]] == [{"step": 3}] * 4  # type: ignore[union-attr]
+    latest = await fresh.aget_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": ""}})  # type: ignore[arg-type]
+    assert latest is not None
+    assert latest.checkpoint["channel_values"] == {"step": 4}
+
+
+async def test_a_deleted_threads_bodies_leave_the_savers_memory(env: ZtateEnvironment) -> None:
+    """After delete_thread, the saver no longer holds the thread's checkpoints in its
+    verified cache (they were kept there, decodable, for the saver's lifetime); only the
+    digests that chain the next records stay."""
+    thread = str(uuid4())
+    saver = saver_of(env)
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    checkpoint = empty_checkpoint()
+    checkpoint["channel_values"] = {"ssn": "123-45-6789"}
+    config = await saver.aput(config, checkpoint, {"step": 0}, {})  # type: ignore[arg-type]
+    await saver.adelete_thread(thread)
+
+    assert await saver.aget_tuple(config) is None  # type: ignore[arg-type]
+    chain = saver._chains[ledger_thread_id(thread)]
+    assert [e and e["kind"] for e in chain.entries] == [None, None, "delete"]
+    assert len(chain.digests) == 3
+
+
+async def test_bad_ids_are_refused_on_the_way_in_and_none_is_the_root_namespace(
+    env: ZtateEnvironment,
+) -> None:
+    """A checkpoint id that is no string was stored, then every later read of the thread
+    raised TypeError (in new savers too); it is refused before anything is written. An
+    explicit ``checkpoint_ns: None`` is the root namespace, as LangGraph's own savers read
+    it (before: a subgraph's checkpoint was returned as the root's). delete_thread takes
+    an id of any type as the other methods do (a UUID raised AttributeError)."""
+    saver = saver_of(env)
+    thread = uuid4()
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    good = empty_checkpoint()
+    config = await saver.aput(config, good, {"step": 0}, {})  # type: ignore[arg-type]
+    bad = empty_checkpoint()
+    bad["id"] = 7  # type: ignore[typeddict-item]
+    with pytest.raises(TypeError, match=r"^checkpoint id must be a string, not int$"):
+        await saver.aput(config, bad, {"step": 1}, {})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^task_id must be a string, not int$"):
+        await saver.aput_writes(config, [("channel", 1)], 7)  # type: ignore[arg-type]
+    found = await saver_of(env).aget_tuple(config)  # type: ignore[arg-type]
+    assert found is not None
+    assert found.checkpoint["id"] == good["id"]
+    rows = await env.ledger.rows(ledger_thread_id(str(thread)))
+    assert len(rows) == 2  # genesis and the good put: nothing of the refused ones
+
+    child = empty_checkpoint()
+    sub = {"configurable": {"thread_id": str(uuid4()), "checkpoint_ns": "child:1"}}
+    await saver.aput(sub, child, {"step": 0}, {})  # type: ignore[arg-type]
+    root = {"configurable": {"thread_id": sub["configurable"]["thread_id"], "checkpoint_ns": None}}
+    assert await saver.aget_tuple(root) is None  # type: ignore[arg-type]
+
+    await saver.adelete_thread(thread)  # type: ignore[arg-type]
+    assert await saver_of(env).aget_tuple(config) is None  # type: ignore[arg-type]
+
+
+async def test_a_thread_id_another_workflow_holds_is_said_so(
+    postgres_server_dsn: str,
+) -> None:
+    """Two checkpointer policies map the same LangGraph thread id to the same ledger
+    thread; the second workflow cannot see the first's. Its put retried 32 rounds and
+    failed with 'the head kept moving'; now at once, saying why."""
+    first = checkpoint_policy(node="lg-a", name="lg-tenant-a")
+    second = checkpoint_policy(node="lg-b", name="lg-tenant-b")
+    async with ZtateEnvironment.start(
+        [first, second], postgres_dsn=postgres_server_dsn, max_patch_bytes=1024 * 1024
+    ) as two:
+        a = ZtateCheckpointSaver(two.client("lg-a"), two.operator(), policy="lg-tenant-a")
+        b = ZtateCheckpointSaver(two.client("lg-b"), two.operator(), policy="lg-tenant-b")
+        config = {"configurable": {"thread_id": "user-42", "checkpoint_ns": ""}}
+        await a.aput(config, empty_checkpoint(), {"step": 0}, {})  # type: ignore[arg-type]
+        ledger_id = ledger_thread_id("user-42")
+        with pytest.raises(LookupError) as refused:
+            await b.aput(config, empty_checkpoint(), {"step": 0}, {})  # type: ignore[arg-type]
+        assert str(refused.value) == (
+            f"ledger thread {ledger_id} exists but not under policy 'lg-tenant-b': another "
+            "workflow holds this LangGraph thread id"
+        )
+        assert len(await two.ledger.rows(ledger_id)) == 2  # genesis and a's put
