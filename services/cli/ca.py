@@ -203,6 +203,23 @@ def _trust(bundle: Path, ca_cert: x509.Certificate) -> None:
     write_atomically(bundle, pem, 0o644)
 
 
+def _signed_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(issuer)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def _trusted(folder: Path) -> list[x509.Certificate]:
+    """The CAs of the ``ca.crt`` bundle in ``folder`` (none when absent or unreadable):
+    what the services and workers of that folder already trust."""
+    try:
+        return x509.load_pem_x509_certificates((folder / CA_CERT).read_bytes())
+    except (OSError, ValueError):
+        return []
+
+
 class NotIssuedHere(ValueError):
     """A certificate the CA asked to renew it did not sign."""
 
@@ -257,18 +274,19 @@ def renew(ca_dir: Path, cert_path: Path, *, ttl: timedelta | None = None) -> Iss
     replaced too. Both files are replaced atomically; processes watching them take the
     new pair at their next handshake or call.
 
-    Only a certificate this CA issued is renewed (``NotIssuedHere`` otherwise): its
-    identities are copied, so a certificate anyone could write into the folder (made
-    with their own key, naming another identity) must not become a genuine one."""
+    Only a certificate issued by this CA, or by a CA the folder's ``ca.crt`` already
+    trusts (the previous CA during a rotation's overlap), is renewed (``NotIssuedHere``
+    otherwise): its identities are copied, so a certificate anyone could write into the
+    folder (made with their own key, naming another identity) must not become a genuine
+    one."""
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
-    try:
-        cert.verify_directly_issued_by(ca_cert)
-    except (ValueError, TypeError, InvalidSignature):
+    if not any(_signed_by(cert, issuer) for issuer in [ca_cert, *_trusted(cert_path.parent)]):
         raise NotIssuedHere(
-            f"{cert_path} was not issued by the CA in {ca_dir}: not renewed (issue the "
-            "identity with ztate ca issue)"
-        ) from None
+            f"{cert_path} was not issued by the CA in {ca_dir} or one "
+            f"{cert_path.parent / CA_CERT} trusts: not renewed (issue the identity with "
+            "ztate ca issue)"
+        )
     old = Issued.of(cert, cert_path.stem)
     return issue_for_uris(
         ca_dir,

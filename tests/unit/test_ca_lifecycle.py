@@ -194,8 +194,8 @@ def test_renewing_a_certificate_the_ca_did_not_issue_is_refused_and_changes_noth
 
     assert code == 1
     assert capsys.readouterr().err == (
-        f"ztate: cannot renew: {forged} was not issued by the CA in {ca_dir}: not renewed "
-        "(issue the identity with ztate ca issue)\n"
+        f"ztate: cannot renew: {forged} was not issued by the CA in {ca_dir} or one "
+        f"{certs / ca.CA_CERT} trusts: not renewed (issue the identity with ztate ca issue)\n"
     )
     assert {p.name: p.read_bytes() for p in certs.iterdir()} == before
 
@@ -223,7 +223,7 @@ def test_the_development_renewal_skips_a_foreign_certificate_and_renews_the_rest
     assert forged.read_bytes() == forged_bytes
     assert [r.getMessage() for r in caplog.records] == [
         "cannot renew broken.crt (ValueError)",
-        "operator-admin.crt was not issued by the development CA: not renewed",
+        "operator-admin.crt was not issued by a CA this folder trusts: not renewed",
     ]
 
 
