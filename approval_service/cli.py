@@ -27,6 +27,7 @@ from ztate.services.cli.output import (
     USAGE,
     Column,
     add_output_flag,
+    dumps,
     emit_list,
     emit_one,
     rpc_error,
@@ -151,14 +152,14 @@ def review_dict(review: approval_pb2.Review) -> dict[str, Any]:
 
 
 def _compact(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return dumps(value, indent=None)  # escapes what a terminal would act on or reorder
 
 
 def diff_lines(diff: Any) -> list[str]:
     """The redacted diff, one changed key at a time: ``-`` old value, ``+`` new value."""
     changes = diff.get("changes") if isinstance(diff, dict) else None
     if not isinstance(changes, dict):
-        return json.dumps(diff, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
+        return dumps(diff).splitlines()
     lines: list[str] = []
     for key, change in sorted(changes.items()):
         lines.append(f"  {key}")

@@ -86,6 +86,15 @@ def filter_text(value: str, field: str) -> str | None:
     return value
 
 
+def thread_filter(value: str) -> str | None:
+    """A thread id as given (None when empty); ``RequestInvalid`` without echoing it
+    when it breaks the thread-id rule (no committed row holds one that does)."""
+    if not value:
+        return None
+    check_thread_id(value)
+    return value
+
+
 Message = TypeVar("Message", bound=Message_)
 
 
@@ -215,7 +224,7 @@ def transition_filter(request: ledger_pb2.ListTransitionsRequest) -> TransitionF
         allowed = ", ".join([COMMITTED, *sorted(PARKED_STATUSES)])
         raise errors.RequestInvalid(f"status must be one of {allowed}")
     return TransitionFilter(
-        thread_id=filter_text(request.thread_id, "thread_id"),
+        thread_id=thread_filter(request.thread_id),
         node_id=filter_text(request.node_id, "node_id"),
         changed_key=filter_text(request.changed_key, "changed_key"),
         status=status,
@@ -347,7 +356,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
                 row = await self._queries.detail(digest=request.digest)
                 wanted = f"transition {request.digest}"
             else:
-                thread_id = filter_text(request.thread_id, "thread_id")
+                thread_id = thread_filter(request.thread_id)
                 if thread_id is None or request.version < 0:
                     raise errors.RequestInvalid("give either digest or thread_id and version")
                 row = await self._queries.detail(thread_id=thread_id, version=request.version)
@@ -363,9 +372,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     ) -> ledger_pb2.KeyHistoryResponse:
         async def handle(caller: Identity) -> ledger_pb2.KeyHistoryResponse:
             check_privileged(caller, "read the ledger")
-            if not filter_text(request.thread_id, "thread_id") or not filter_text(
-                request.key, "key"
-            ):
+            if not thread_filter(request.thread_id) or not filter_text(request.key, "key"):
                 raise errors.RequestInvalid("thread_id and key are required")
             limit = page_size(request.page_size)
             after = page_after(request.page_token)

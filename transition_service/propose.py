@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
+from ztate.contract.canonical import JsonObject, canonical_bytes, hashed_name, sha256_hex
 from ztate.contract.record import KIND_TRANSITION, build_proposal, build_record, seal
 from ztate.services.policy.changes import Change, apply_patch, check_invariants, matched_risk_rules
 from ztate.services.policy.model import Policy
@@ -17,6 +17,7 @@ from ztate.services.runtime.telemetry import (
     REFUSED,
     note_transition,
 )
+from ztate.services.runtime.thread_ids import THREAD_ID
 from ztate.services.store.interface import Commit, HeadLookup, Park, StaleRefusal
 from ztate.services.store.rows import PendingTransition, Rejection
 from ztate.transition_service.checks import (
@@ -362,11 +363,18 @@ def observed(outcome: Outcome) -> None:
     note_transition(*where, decision_of(outcome))
 
 
+def _thread_label(thread_id: str) -> str:
+    return thread_id if THREAD_ID.fullmatch(thread_id) else hashed_name(thread_id)
+
+
 def _rejection(caller: Identity, proposal: Proposal, refusal: errors.ZtateError) -> Rejection:
     return Rejection(
         method="ProposeTransition",
         node_id=caller.spiffe_id,
-        thread_id=proposal.thread_id[:128],
+        # refused before its id was checked: one that breaks the thread-id rule (escape
+        # sequences for an operator's terminal, say) is recorded by its hash, as
+        # invalid key names are
+        thread_id=_thread_label(proposal.thread_id),
         base_version=proposal.expected_version,
         reason=refusal.reason,
         keys=refusal.keys,

@@ -124,17 +124,18 @@ class ContextFile:
         return cls(path, current, checked)
 
     def save(self) -> None:
+        """Written as every file ztate replaces: a new temporary file of a random name
+        (never one planted in a shared folder, nor followed through a link), mode 0600
+        from its first byte, renamed over the old."""
         import yaml
+
+        from ztate.services.runtime.reloading import write_atomically
 
         doc: dict[str, Any] = {"contexts": self.contexts}
         if self.current is not None:
             doc["current-context"] = self.current
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            yaml.safe_dump(doc, handle, sort_keys=True, default_flow_style=False)
-        os.replace(temporary, self.path)
+        text = yaml.safe_dump(doc, sort_keys=True, default_flow_style=False)
+        write_atomically(self.path, text.encode("utf-8"), 0o600)
 
     def selected(self, flag: str | None) -> tuple[str | None, dict[str, str]]:
         """The context in force: ``--context``, ``ZTATE_CONTEXT``, ``current-context``."""

@@ -22,6 +22,7 @@ from ztate.services.cli.output import (
     CliError,
     Column,
     add_output_flag,
+    dumps,
     emit_list,
     emit_one,
     usage,
@@ -234,7 +235,9 @@ CHANGE_COLUMNS: list[Column] = [
     ("version", lambda r: r["version"]),
     ("committed_at", lambda r: r["committed_at"]),
     ("node", lambda r: r["node_id"]),
-    ("value", lambda r: "(removed)" if r["removed"] else r["value"]),
+    # as JSON: a string is quoted (it cannot pass for "(removed)" or a list), and what a
+    # terminal would act on is escaped
+    ("value", lambda r: "(removed)" if r["removed"] else dumps(r["value"], indent=None)),
 ]
 
 

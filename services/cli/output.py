@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
@@ -32,12 +33,34 @@ FORMATS = ("table", "json", "jsonl", "yaml")
 
 
 class CliError(Exception):
-    """A foreseeable failure: one line on stderr and an exit code, never a traceback."""
+    """A foreseeable failure: one line on stderr and an exit code, never a traceback.
+    The message is shown with its unprintable characters escaped (it may quote what a
+    service said, which may quote an agent)."""
 
     def __init__(self, message: str, code: int = FAILED) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = shown(message)
         self.code = code
+
+
+def shown(text: str) -> str:
+    """``text`` for a terminal: every character Python does not call printable (ESC and
+    the other controls, C1 controls such as CSI, bidi overrides, line separators)
+    written as its escape (``ztate.contract.record.printable``, imported only here, when
+    a value is shown)."""
+    if text.isprintable():
+        return text
+    from ztate.contract.record import printable
+
+    return printable(text)
+
+
+_NON_ASCII = re.compile("[^\x00-\x7f]")
+
+
+def _json_escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    return char if char.isprintable() else json.dumps(char)[1:-1]
 
 
 def usage(message: str) -> NoReturn:
@@ -98,15 +121,17 @@ Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
 def _cell(value: Any) -> str:
+    """One table cell, on one line whatever the value holds (values come from agents:
+    an escape sequence or a newline must not draw another row)."""
     if value is None or value == "" or value == []:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, list):
-        return ",".join(str(v) for v in value)
+        return shown(",".join(str(v) for v in value))
     if isinstance(value, dict):
-        return json.dumps(value, sort_keys=True, ensure_ascii=False)
-    return str(value)
+        return dumps(value, indent=None)
+    return shown(str(value))
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
@@ -121,13 +146,21 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
 
 
 def dumps(value: Any, *, indent: int | None = 2) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, indent=indent)
+    """JSON, non-ASCII text kept readable but for the characters a terminal would act on
+    or reorder (C1 controls, bidi overrides, separators: ``\\uXXXX`` escapes, as JSON
+    already writes the C0 controls)."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, indent=indent)
+    return text if text.isascii() else _NON_ASCII.sub(_json_escaped, text)
 
 
 def yaml_text(value: Any) -> str:
+    """YAML, non-ASCII text kept readable unless the document holds a character a
+    terminal would act on or reorder: then every non-ASCII character is escaped."""
     import yaml
 
     text: str = yaml.safe_dump(value, sort_keys=True, allow_unicode=True, default_flow_style=False)
+    if not text.isascii() and not all(c.isprintable() for c in _NON_ASCII.findall(text)):
+        text = yaml.safe_dump(value, sort_keys=True, allow_unicode=False, default_flow_style=False)
     return text
 
 

@@ -401,3 +401,27 @@ def test_context_show_prints_settings_from_the_environment_as_given(
         "  server_name  ztate.example   [ZTATE_SERVER_NAME]",
     ]
     assert lines[7:9] == ["approval", "  address      localhost:9444   [ZTATE_APPROVAL_LISTEN]"]
+
+
+def test_saving_a_context_follows_no_planted_temporary_file(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The context file was written through a fixed temporary name beside it: in a shared
+    folder, a link planted there made ``context set`` overwrite the link's target, and a
+    world-writable file planted there left the context file world-writable. Now a new
+    file of a random name, 0600, renamed over."""
+    import stat
+
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    planted = path.with_name(f".{path.name}.tmp")
+    planted.symlink_to(victim)
+
+    code, _out, err = zsync("context", "set", "dev", "--address", "db.example:7443", env=env)
+
+    assert (code, err) == (0, ""), err
+    assert victim.read_text() == "not yours"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "db.example:7443" in path.read_text()
