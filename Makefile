@@ -19,10 +19,11 @@ run: $(STAMP)
 	$(VENV)/bin/ztate run
 
 ## test: the whole test suite on real Postgres, real gRPC and real certificates, one pytest
-## worker per core (at most 4), each with its own embedded Postgres and services
+## worker per core (at most 4), each with its own embedded Postgres and services; a file's
+## tests stay on one worker (its module fixtures are set up once, its tests run in order)
 TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest --numprocesses=$(TEST_WORKERS) --maxprocesses=4
+	$(PY) -m pytest --numprocesses=$(TEST_WORKERS) --maxprocesses=4 --dist=loadfile
 
 ## test-unit: the lane that needs no database (seconds): pure functions, vectors, configs
 test-unit: $(STAMP)

@@ -2,7 +2,8 @@
 
 Security, in one place (docs/console.md):
 
-- It answers only to ``Host: 127.0.0.1:<port>`` (a DNS-rebinding page names another host).
+- It answers only to ``Host: <random>.localhost:<port>`` (a DNS-rebinding page names
+  another host; a page on another port of 127.0.0.1 never receives its cookie).
 - The URL printed at start holds a one-time token; the first visit exchanges it for a
   session cookie (HttpOnly, SameSite=Strict) and the token is dead from then on.
 - Every state-changing request is a POST that must carry the session's CSRF token
@@ -86,10 +87,14 @@ class Guard:
     port: int
     token: str | None = field(default_factory=lambda: secrets.token_urlsafe(32))
     sessions: dict[str, str] = field(default_factory=dict)  # session id -> CSRF token
+    # The console's own host name, <128 random bits>.localhost (browsers resolve every
+    # *.localhost to this machine): cookies tell hosts apart but not ports, so under
+    # 127.0.0.1 any local listener the browser was sent to received the session cookie
+    name: str = field(default_factory=lambda: secrets.token_hex(16))
 
     @property
     def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.name}.localhost:{self.port}"
 
     @property
     def cookie(self) -> str:

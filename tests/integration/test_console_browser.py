@@ -250,7 +250,7 @@ async def start_console(world: World, reviewer: tuple[Path, Path], keyring: Path
     )
     assert process.stdout is not None
     line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
-    found = re.search(r"(http://127\.0\.0\.1:\d+/\?token=[A-Za-z0-9_-]{43})", line)
+    found = re.search(r"(http://[0-9a-f]{32}\.localhost:\d+/\?token=[A-Za-z0-9_-]{43})", line)
     assert found, line
     return Console(process, found.group(1))
 
@@ -324,11 +324,47 @@ async def test_the_one_time_token_opens_one_session_and_is_dead_after(
     assert "Reviews" in await browser.get(f"{alice_console.origin}/reviews")
 
 
+async def test_the_session_cookie_reaches_no_other_local_listener(
+    world: World, keyring_file: Path, browser: Browser
+) -> None:
+    """Cookies tell hosts apart, not ports: under 127.0.0.1 the browser sent the
+    console's session cookie to any local listener it was led to (another user's, or
+    an agent's), which could then act as the console. Under the console's own random
+    ``*.localhost`` name, no other listener receives it."""
+    heads: list[bytes] = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    alice = world.pki.identity(Role.REVIEWER, "alice")
+    console = await start_console(world, (alice.cert, alice.key), keyring_file)
+    listener = await asyncio.start_server(record, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        assert "Reviews" in await browser.get(console.url)  # signed in: the token spent
+        [cookie] = [
+            c
+            for c in await browser.run(browser.driver.get_cookies)
+            if c["name"] == f"ztate_console_{console.port}"
+        ]
+        for url in (f"http://127.0.0.1:{port}/steal", f"http://localhost:{port}/steal"):
+            await browser.get(url)
+    finally:
+        listener.close()
+        await listener.wait_closed()
+        await stop_console(console)
+    assert any(head.startswith(b"GET /steal ") for head in heads)
+    assert not [head for head in heads if cookie["value"].encode() in head]
+
+
 async def test_headers_host_and_origin_checks(alice_console: Console, browser: Browser) -> None:
     await browser.get(f"{alice_console.origin}/reviews")
     [cookie] = await browser.run(browser.driver.get_cookies)
     session = f"{cookie['name']}={cookie['value']}"
-    host = f"127.0.0.1:{alice_console.port}"
+    host = alice_console.origin.removeprefix("http://")
 
     status, headers, body = await asyncio.to_thread(
         raw_request, alice_console, "GET", "/reviews", {"Host": host, "Cookie": session}
@@ -349,7 +385,8 @@ async def test_headers_host_and_origin_checks(alice_console: Console, browser: B
     assert headers["Cache-Control"] == "no-store"
 
     # DNS rebinding: a page of another name that resolves to 127.0.0.1
-    for other in (f"rebind.example:{alice_console.port}", f"localhost:{alice_console.port}"):
+    port = alice_console.port
+    for other in (f"rebind.example:{port}", f"localhost:{port}", f"127.0.0.1:{port}"):
         status, _, body = await asyncio.to_thread(
             raw_request, alice_console, "GET", "/reviews", {"Host": other, "Cookie": session}
         )
