@@ -11,12 +11,17 @@ from datetime import datetime
 
 from google.protobuf import timestamp_pb2
 
-from ztate.approval_service.service import ApprovalService, Submission
+from ztate.approval_service.service import ApprovalService, Submission, encode_page_token
 from ztate.approval_service.store import APPROVED, EXPIRED, OPEN, REJECTED, StoredReview
 from ztate.contract.receipts import APPROVE, REJECT
 from ztate.services.runtime.identity import Authenticator, Identity
 from ztate.services.runtime.rpc_guard import Context, guarded
+from ztate.services.runtime.serving import within_budget
 from ztate.v1 import approval_pb2, approval_pb2_grpc
+
+# the reviews of one ListReviews reply: half the service's reply limit
+# (app.MAX_MESSAGE_BYTES, 16 MiB), the rest for the envelope and the token
+LIST_REPLY_BUDGET = 8 * 1024 * 1024
 
 STATUS_TO_PROTO = {
     OPEN: approval_pb2.REVIEW_STATUS_OPEN,
@@ -112,10 +117,15 @@ class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
                 page_size=request.page_size,
                 page_token=request.page_token,
             )
-            return approval_pb2.ListReviewsResponse(
-                reviews=[review_message(review) for review in page.reviews],
-                next_page_token=page.next_page_token,
-            )
+            # a page of large reviews (each carries its diff) is cut to what fits a reply,
+            # with a token after the last one sent: 100 diffs of a few hundred KB each
+            # went over the reply limit, and every page failed
+            messages = [review_message(review) for review in page.reviews]
+            kept = within_budget(messages, LIST_REPLY_BUDGET)
+            token = page.next_page_token
+            if len(kept) < len(messages):
+                token = encode_page_token(page.reviews[len(kept) - 1])
+            return approval_pb2.ListReviewsResponse(reviews=kept, next_page_token=token)
 
         return await guarded(context, self._authenticator, "ListReviews", handle)
 

@@ -120,3 +120,44 @@ async def run_example_worker(
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 0, stderr.decode()
     return [json.loads(line) for line in stdout.decode().splitlines()]
+
+
+class LoopbackResolver:
+    """Every ``*.localhost`` name to 127.0.0.1, as browsers resolve them (the console
+    answers under a random one, docs/console.md); any other name as aiohttp would."""
+
+    def __init__(self) -> None:
+        from aiohttp.resolver import DefaultResolver
+
+        self._default = DefaultResolver()
+
+    async def resolve(self, host: str, port: int = 0, family: int = 0) -> list[dict[str, Any]]:
+        import socket
+
+        if host == "localhost" or host.endswith(".localhost"):
+            return [
+                {
+                    "hostname": host,
+                    "host": "127.0.0.1",
+                    "port": port,
+                    "family": socket.AF_INET,
+                    "proto": 0,
+                    "flags": socket.AI_NUMERICHOST,
+                }
+            ]
+        found: list[dict[str, Any]] = await self._default.resolve(host, port, family)
+        return found
+
+    async def close(self) -> None:
+        await self._default.close()
+
+
+def console_session() -> Any:
+    """An aiohttp client session as a browser reaches the console: cookies kept for a
+    bare host name, ``*.localhost`` on this machine."""
+    from aiohttp import ClientSession, CookieJar, TCPConnector
+
+    return ClientSession(
+        cookie_jar=CookieJar(unsafe=True),
+        connector=TCPConnector(resolver=LoopbackResolver()),  # type: ignore[arg-type]
+    )

@@ -13,15 +13,15 @@ import binascii
 import json
 import re
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from google.protobuf import timestamp_pb2
-from google.protobuf.message import Message as Message_
 
 from ztate.contract.canonical import canonical_bytes
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Authenticator, Identity, Role
 from ztate.services.runtime.rpc_guard import Context, guarded
+from ztate.services.runtime.serving import within_budget
 from ztate.services.runtime.thread_ids import THREAD_ID, check_thread_id
 from ztate.services.store.ledger import (
     COMMITTED,
@@ -93,23 +93,6 @@ def thread_filter(value: str) -> str | None:
         return None
     check_thread_id(value)
     return value
-
-
-Message = TypeVar("Message", bound=Message_)
-
-
-def within_budget(messages: list[Message], budget: int) -> list[Message]:
-    """The longest prefix of ``messages`` whose encoding fits ``budget`` bytes (always
-    at least one: a row is bounded by the state limit, which the budget exceeds). A page
-    of large rows is shorter, with a next token, never an error."""
-    kept: list[Message] = []
-    size = 0
-    for message in messages:
-        size += message.ByteSize() + 16  # the field tag and length prefix, generously
-        if kept and size > budget:
-            break
-        kept.append(message)
-    return kept
 
 
 def page_size(requested: int) -> int:

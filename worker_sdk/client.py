@@ -41,9 +41,10 @@ DEFAULT_RETRIES = 3
 # idempotency key, so a retry returns the original outcome).
 # A watch stream that ends normally after at least this long served its purpose.
 NORMAL_END_SECONDS = 1.0
-# The largest reply a ztate server can be configured to send (64 MiB of state, two 4 MiB
-# patches and the other fields); the server's own limits are docs/api.md's "Limits".
-MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
+# The largest reply a ztate server can be configured to send (a revert's detail: 64 MiB
+# of state, and its record and patch each holding a whole state of up to 64 MiB, and the
+# other fields); the server's own limits are docs/api.md's "Limits".
+MAX_REPLY_BYTES = 3 * 64 * 1024 * 1024 + 64 * 1024
 # wait_for_outcome asks again after a "pending" answer while more than this is left
 ASK_AGAIN_SECONDS = 0.5
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})

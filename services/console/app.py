@@ -37,6 +37,7 @@ import jinja2
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
+from ztate.contract.record import printable
 from ztate.services.console.backend import CREDENTIALS_UNREADABLE, DIGEST, Backend, CallFailed
 from ztate.services.console.verification import VerifyResult, run_verify
 from ztate.services.runtime.thread_ids import THREAD_ID
@@ -142,7 +143,16 @@ def _templates() -> jinja2.Environment:
         loader=jinja2.PackageLoader("ztate.services.console", "templates"),
         autoescape=True,  # every template, every value
         undefined=jinja2.StrictUndefined,
+        finalize=_visible,
     )
+
+
+def _visible(value: Any) -> Any:
+    """Every value a page shows, with the characters a reader cannot see written as
+    their escapes: a right-to-left override showed a reviewer "ACCOUNT-9876" for the
+    account number 6789-TNUOCCA, reversed; zero-width characters, C1 and other
+    controls likewise (``printable``, as the CLI shows them)."""
+    return printable(value) if isinstance(value, str) else value
 
 
 def refused(status: int, title: str, text: str) -> web.Response:

@@ -242,10 +242,13 @@ class Settings(TelemetrySettings):
 
     @property
     def max_reply_bytes(self) -> int:
-        """gRPC's bound on replies, derived from the state limit: the largest reply is a
+        """gRPC's bound on replies, derived from the limits: the largest reply is a
         transition's detail (its record, holding the patch, its patch again, the state
-        at the limit, a receipt) or a view or watched version of a state at the limit."""
-        return self.max_state_bytes + 2 * self.max_patch_bytes + 64 * 1024
+        at the limit, a receipt) or a view or watched version of a state at the limit.
+        A revert's patch is the whole state it restores, up to the state limit, not the
+        patch limit: with 2 x the patch limit, a revert's detail could never be read."""
+        largest_patch = max(self.max_patch_bytes, self.max_state_bytes)
+        return self.max_state_bytes + 2 * largest_patch + 64 * 1024
 
 
 def _shared(name: str) -> AliasChoices:

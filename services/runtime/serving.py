@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import resource
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import grpc
+    from google.protobuf.message import Message as ProtoMessage
 
 log = logging.getLogger("ztate.serving")
 
@@ -65,3 +66,20 @@ def listen_on(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCred
     if port == 0:
         raise CannotListen(f"cannot listen on {listen} (in use, or no address of this host)")
     return port
+
+
+Message = TypeVar("Message", bound="ProtoMessage")
+
+
+def within_budget(messages: list[Message], budget: int) -> list[Message]:
+    """The longest prefix of ``messages`` whose encoding fits ``budget`` bytes (always
+    at least one: a row is bounded by the state limit, which the budget exceeds). A page
+    of large rows is shorter, with a next token, never an error."""
+    kept: list[Message] = []
+    size = 0
+    for message in messages:
+        size += message.ByteSize() + 16  # the field tag and length prefix, generously
+        if kept and size > budget:
+            break
+        kept.append(message)
+    return kept

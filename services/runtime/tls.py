@@ -96,7 +96,7 @@ def server_credentials(cert: Path, key: Path, ca: Path) -> grpc.ServerCredential
 
 # The largest reply any ztate server can be configured to send (Settings.max_reply_bytes
 # at the highest state and patch limits): clients accept it, so no legal reply is cut.
-MAX_REPLY_BYTES = 64 * 1024 * 1024 + 2 * 4 * 1024 * 1024 + 64 * 1024
+MAX_REPLY_BYTES = 3 * 64 * 1024 * 1024 + 64 * 1024  # a revert's detail at the limits
 
 
 def client_options(server_name: str | None) -> list[tuple[str, Any]]:

@@ -34,7 +34,7 @@ from tests.harness import (
 from ztate.contract.keyring import Keyring
 from ztate.services.runtime.config import Settings
 from ztate.transition_service.app import RunningService, start
-from ztate.v1 import errors_pb2, ledger_pb2, ledger_pb2_grpc, transition_pb2
+from ztate.v1 import errors_pb2, ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import PermissionDenied, StateTooLarge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +84,31 @@ async def grown_thread(target: str, pki: Pki) -> str:
         for version, key in enumerate(PAGES[:7]):
             await scribe.propose(thread_id, version, {key: PAGE})
     return thread_id
+
+
+async def test_a_reverts_detail_fits_the_reply_limit(
+    scribed: tuple[RunningService, Ledger], pki: Pki, tmp_path: Path
+) -> None:
+    """A revert's patch is the whole state it restores, not bounded by the patch limit:
+    its detail (the record holding it, the patch again, the state) went over the reply
+    limit of state + 2 x patch + 64 KiB, and ``ztate ledger show`` of any revert of a
+    state above about a third of the limit failed with RESOURCE_EXHAUSTED."""
+    service, _ledger = scribed
+    target = f"localhost:{service.port}"
+    thread_id = await grown_thread(target, pki)  # version 7, a state of ~125 KB
+    async with client(target, pki.node("scribe")) as scribe:
+        await scribe.propose(thread_id, 7, {"page_a": "short"})  # version 8
+    async with secure_channel(target, pki.operator()) as opened:
+        await transition_pb2_grpc.TransitionServiceStub(opened).RevertThread(
+            transition_pb2.RevertThreadRequest(
+                thread_id=thread_id, to_version=7, idempotency_key="revert-1"
+            )
+        )  # version 9: its patch is the whole state of version 7
+        detail = await ledger_pb2_grpc.LedgerServiceStub(opened).GetTransitionDetail(
+            ledger_pb2.GetTransitionDetailRequest(thread_id=thread_id, version=9)
+        )
+    assert len(detail.state_json) > 3 * OLD_REPLY_CAP // 4
+    assert detail.ByteSize() > MAX_STATE + 2 * MAX_PATCH + 64 * 1024  # the old limit
 
 
 async def test_a_state_past_the_old_cap_stays_readable_everywhere(
@@ -148,7 +173,7 @@ async def test_pages_fill_up_to_a_byte_budget_and_never_fail(
     async with client(target, pki.operator()) as operator:
         await operator.create_thread(thread_id, {"title": "notes"})
     async with client(target, pki.node("scribe")) as scribe:
-        for version in range(14):  # 14 x 18 KB: over the whole reply limit
+        for version in range(26):  # 26 x 18 KB: over the whole reply limit (3 x 128 KiB)
             await scribe.propose(thread_id, version, {"page_a": f"{version:02d} {PAGE}"})
     seen: list[int] = []
     pages = 0
@@ -162,13 +187,13 @@ async def test_pages_fill_up_to_a_byte_budget_and_never_fail(
                 )
             )
             pages += 1
-            assert response.ByteSize() < MAX_STATE + 2 * MAX_PATCH  # the budget, from the limit
+            assert response.ByteSize() < 3 * MAX_STATE  # the budget, from the limit
             seen += [change.version for change in response.changes]
             token = response.next_page_token
             if not token:
                 break
     assert pages > 1
-    assert seen == list(range(1, 15))
+    assert seen == list(range(1, 27))
 
 
 async def test_a_flood_of_unknown_keys_leaves_a_small_row_and_readable_trailers(

@@ -502,6 +502,37 @@ async def test_keyset_pagination_visits_each_review_once_oldest_first(
             ) == (grpc.StatusCode.INVALID_ARGUMENT, "REQUEST_INVALID")
 
 
+async def test_a_page_of_large_reviews_is_cut_to_the_reply_budget_and_continues(
+    approval_target: str, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each review carries its diff: 100 of a few hundred KB went over the 16 MiB reply
+    limit, and every page (the console's, ``ztate approvals list``) failed with
+    RESOURCE_EXHAUSTED while the reviews expired unseen. A page is now cut to the reply
+    budget (here one byte: one review a page), its token after the last one sent."""
+    from ztate.approval_service import server
+
+    thread = new_thread_id()
+    digests = []
+    for version in range(4):
+        proposal = parked(thread_id=thread, base_version=version)
+        await submitted(approval_target, pki, proposal)
+        digests.append(proposal.digest)
+    monkeypatch.setattr(server, "LIST_REPLY_BUDGET", 1)
+    seen: list[str] = []
+    token = ""
+    async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
+        for _ in range(len(digests) + 1):
+            page = await stub.ListReviews(
+                approval_pb2.ListReviewsRequest(thread_id=thread, page_size=100, page_token=token)
+            )
+            assert len(page.reviews) <= 1
+            seen += [review.digest for review in page.reviews]
+            token = page.next_page_token
+            if not token:
+                break
+    assert seen == digests
+
+
 # --- deciding ---------------------------------------------------------------------------
 
 

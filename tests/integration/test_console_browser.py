@@ -461,6 +461,29 @@ async def test_a_reviewer_approves_in_the_browser_and_the_parked_transition_comm
     await browser.screenshot("thread")
 
 
+async def test_characters_a_reviewer_cannot_see_are_shown_as_escapes(
+    world: World, alice_console: Console, browser: Browser
+) -> None:
+    """A right-to-left override made Chromium show the new value "\u202e6789-TNUOCCA" as
+    "ACCOUNT-9876": the reviewer approved a value they never saw. Every character a
+    reader cannot see (bidi controls, zero-width, C1 controls) is now its escape, on
+    the review and in the thread's timeline."""
+    thread_id = await world.thread()
+    reversed_ = "\u202e6789-TNUOCCA\u200b\x9b"
+    parked = await world.park(
+        thread_id,
+        target_user_id=OTHER_USER,
+        pending_transition={"action": "refund", "order_id": "A-42", "reason": reversed_},
+    )
+    await world.review(parked.digest)
+
+    page = await browser.get(f"{alice_console.origin}/reviews/{parked.digest}")
+
+    shown = "\\u202e6789-TNUOCCA\\u200b\\x9b"
+    assert shown in page
+    assert not any(char in page for char in "\u202e\u200b\x9b")
+
+
 async def test_a_hostile_rejection_row_renders_as_text(
     world: World, alice_console: Console, browser: Browser, sentinel: Sentinel
 ) -> None:

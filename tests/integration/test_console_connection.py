@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from aiohttp import ClientSession, CookieJar
 
-from tests.harness import INITIAL, Pki, act, client, new_thread_id
+from tests.harness import INITIAL, Pki, act, client, console_session, new_thread_id
 from ztate.services.cli.context import CLIENT_HINT
 from ztate.services.console.command import REVIEWER_HINT
 from ztate.services.runtime.identity import Role
 
 ZTATE = str(Path(sys.executable).with_name("ztate"))
-URL = re.compile(r"(http://127\.0\.0\.1:(\d+))/\?token=([A-Za-z0-9_-]{43})")
+URL = re.compile(r"(http://[0-9a-f]{32}\.localhost:(\d+))/\?token=([A-Za-z0-9_-]{43})")
 
 
 def clean_env(tmp_path: Path) -> dict[str, str]:
@@ -99,7 +98,7 @@ async def test_the_console_connects_through_the_current_context(
         await operator.create_thread(thread_id, INITIAL, policy="pipeline")
         await parser.propose(thread_id, 0, {"requested_action": act("ctx")})
     origin, token = console_of_context
-    async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
+    async with console_session() as session:
         async with session.get(f"{origin}/?token={token}", allow_redirects=False) as got:
             assert got.status == 303
         async with session.get(f"{origin}/threads/{thread_id}") as got:
@@ -173,7 +172,7 @@ async def test_credentials_gone_while_running_is_503_with_a_fixed_text(
         found = URL.search(line)
         assert found, line
         origin, token = found.group(1), found.group(3)
-        async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
+        async with console_session() as session:
             async with session.get(f"{origin}/?token={token}", allow_redirects=False) as got:
                 assert got.status == 303
             async with session.get(f"{origin}/threads") as got:

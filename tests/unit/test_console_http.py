@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiohttp import ClientSession, CookieJar, web
+from aiohttp import ClientSession, web
 
-from tests.harness import Pki
+from tests.harness import Pki, console_session
 from ztate.services.console.app import CSP, ConsoleRunner, guard_of, make_app
 from ztate.services.console.backend import Backend, Identity
 from ztate.services.runtime.identity import Role
@@ -82,7 +82,7 @@ async def serving(backend: Backend) -> AsyncIterator[Running]:
     assert site._server is not None
     guard_of(app).port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
     try:
-        async with ClientSession(cookie_jar=CookieJar(unsafe=True)) as session:
+        async with console_session() as session:
             yield Running(backend, app, session)  # type: ignore[arg-type]
     finally:
         await runner.cleanup()
@@ -113,7 +113,7 @@ async def test_the_token_opens_one_session_once(console: Running) -> None:
     assert cookie.startswith(f"{console.guard.cookie}={session};")
     assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= {a.strip() for a in cookie.split(";")}
     async with (
-        ClientSession(cookie_jar=CookieJar(unsafe=True)) as other,
+        console_session() as other,
         other.get(f"{console.base}/?token={token}") as got,
     ):
         assert got.status == 403
@@ -188,7 +188,8 @@ async def test_another_host_is_refused_and_every_answer_has_the_headers(
     for host, status in (
         (f"localhost:{console.guard.port}", 421),
         (f"rebind.example:{console.guard.port}", 421),
-        (f"127.0.0.1:{console.guard.port}", 200),
+        (f"127.0.0.1:{console.guard.port}", 421),  # its cookie would reach other ports
+        (console.guard.host, 200),
     ):
         async with console.session.get(f"{console.base}/reviews", headers={"Host": host}) as got:
             assert got.status == status
@@ -386,7 +387,7 @@ def raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]
     import socket
 
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        conn.sendall(request.replace(b"HOST", f"127.0.0.1:{port}".encode()))
+        conn.sendall(request.replace(b"HOST", f"any.localhost:{port}".encode()))
         answer = b""
         while chunk := conn.recv(65536):  # the console closes after a malformed request
             answer += chunk
@@ -419,7 +420,7 @@ def console_process(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     assert process.stdout is not None
     first = process.stdout.readline().decode()  # blocks until the console listens (or exits)
-    found = re.search(r"http://127\.0\.0\.1:(\d+)/", first)
+    found = re.search(r"http://[0-9a-f]{32}\.localhost:(\d+)/", first)
     if found is None:
         process.kill()
         pytest.fail(f"ztate console did not start: {first!r} {process.communicate()[1]!r}")

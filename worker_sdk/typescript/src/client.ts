@@ -387,7 +387,7 @@ export class ZtateClient {
       baseUrl: `https://${files.target}`,
       nodeOptions: files.serverName === undefined ? { cert, key, ca } : { cert, key, ca, servername: files.serverName },
       // a reply may hold a state up to the server's limit (docs/api.md, "Limits")
-      readMaxBytes: 72 * 1024 * 1024 + 64 * 1024,
+      readMaxBytes: 3 * 64 * 1024 * 1024 + 64 * 1024,
     });
     return new ZtateClient(createClient(TransitionService, transport), files, { cert, key, ca }, numbers);
   }
