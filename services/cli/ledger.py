@@ -18,6 +18,7 @@ from ztate.services.cli.context import TRANSITION, add_connection_flags, resolve
 from ztate.services.cli.output import (
     NOT_FOUND,
     OK,
+    UNREACHABLE,
     USAGE,
     CliError,
     Column,
@@ -300,10 +301,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
     import asyncio
     from datetime import timedelta
 
+    import asyncpg
+
     from ztate.services.cli.verify import database_dsn, settings_or_verify_error
     from ztate.services.store.retention import Limits, RetentionError, prune
+    from ztate.services.store.waiting import first_line
     from ztate.services.verify.checks import VerifyError
 
+    dsn: str | None = None
     try:
         limits = Limits(
             keep_versions=args.keep_versions,
@@ -326,6 +331,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
         pruned = asyncio.run(prune(dsn, limits, thread_id=args.thread))
     except (RetentionError, VerifyError) as exc:
         raise CliError(f"ledger prune: {exc}", USAGE) from None
+    except (OSError, TimeoutError) as exc:  # refused, timed out, lost: one line, exit 4
+        said = first_line(exc, dsn)
+        raise CliError(
+            f"ledger prune: the database is not reachable: {said} ({type(exc).__name__})",
+            UNREACHABLE,
+        ) from None
+    except (ValueError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        said = first_line(exc, dsn)  # a DSN it cannot use, a privilege, a lock: exit 1
+        failed = f"ledger prune: the database failed: {said} ({type(exc).__name__})"
+        raise CliError(failed) from None
     print(f"pruned {pruned} state bodies; every record, digest and signature is kept")
     return OK
 

@@ -1235,10 +1235,19 @@ CONNECT_TIMEOUT = 10.0
 
 async def connect(dsn: str) -> asyncpg.Connection:
     """A connection, or ``VerifyError`` naming why there is none (never the DSN)."""
+    from ztate.services.store.waiting import first_line
+
     try:
         return await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT)
-    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise VerifyError(f"cannot connect to the database: {type(exc).__name__}: {exc}") from None
+    except (
+        OSError,
+        TimeoutError,
+        ValueError,  # a DSN the driver cannot parse
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+    ) as exc:
+        said = first_line(exc, dsn)  # the password, and the DSN itself, masked
+        raise VerifyError(f"cannot connect to the database: {type(exc).__name__}: {said}") from None
 
 
 def row_from_db(record: asyncpg.Record) -> LedgerRow:

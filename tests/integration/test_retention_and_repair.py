@@ -505,3 +505,40 @@ async def test_cli_prunes_the_database(world: World) -> None:
     code, out, err = await run_cli("ledger", "prune", env=env)
     assert (code, out) == (2, "")
     assert err == "ztate: ledger prune: give --keep-versions, --older-than or both\n"
+
+
+async def test_prune_and_export_say_in_one_line_that_the_database_failed(
+    tmp_path: Path,
+) -> None:
+    """A database that refuses the connection, and a DATABASE_URL the driver cannot
+    parse: ``ledger prune`` and ``ledger export`` printed a traceback (55 lines, exit
+    1). Now one line, the password never in it: exit 4 for a database out of reach,
+    exit 2 for an export that cannot run."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        port = held.getsockname()[1]
+        refused = {
+            "DATABASE_URL": f"postgresql://ztate:s3cret-pw@127.0.0.1:{port}/ztate",
+            "ZTATE_HOME": str(tmp_path / "home"),
+        }
+        code, out, err = await run_cli("ledger", "prune", "--keep-versions", "1", env=refused)
+        assert (code, out) == (4, "")
+        assert err.startswith("ztate: ledger prune: the database is not reachable: ")
+        assert err.count("\n") == 1
+        assert "s3cret-pw" not in err
+        assert "Traceback" not in err
+    finally:
+        held.close()
+    malformed = {
+        "DATABASE_URL": "postgresql://ztate:s3cret-pw@127.0.0.1:notaport/ztate",
+        "ZTATE_HOME": str(tmp_path / "home"),
+    }
+    code, out, err = await run_cli("ledger", "export", "--out", str(tmp_path / "b"), env=malformed)
+    assert (code, out) == (2, "")
+    assert err.startswith("ztate ledger export: cannot connect to the database: ")
+    assert err.count("\n") == 1
+    assert "s3cret-pw" not in err
+    assert not (tmp_path / "b").exists()
