@@ -17,7 +17,8 @@ from typing import Any
 
 VERIFY_TIMEOUT_SECONDS = 300.0
 MAX_FINDINGS_SHOWN = 200
-MAX_OUTPUT_BYTES = 4 * 1024 * 1024
+MAX_LINE_BYTES = 1024 * 1024  # a finding line is at most a few KB
+MAX_ERROR_BYTES = 2000  # of the verifier's stderr, when it could not run
 
 
 @dataclass
@@ -51,16 +52,40 @@ async def run_verify(bundle: Path | None, thread_id: str | None) -> VerifyResult
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        limit=MAX_OUTPUT_BYTES,
+        limit=MAX_LINE_BYTES,
     )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    result = VerifyResult(ran_at, None, None)
     try:
-        out, err = await asyncio.wait_for(process.communicate(), VERIFY_TIMEOUT_SECONDS)
+        # read as it comes, never all of it: a verifier's output grows with the ledger
+        # (a tampered one prints a finding a record), and only so much is shown
+        async with asyncio.timeout(VERIFY_TIMEOUT_SECONDS):
+            _, err = await asyncio.gather(
+                _read_findings(process.stdout, result), _tail(process.stderr)
+            )
+            await process.wait()
     except TimeoutError:
         process.kill()
         await process.wait()
         return VerifyResult(ran_at, None, None, error="verification took too long; stopped")
-    result = VerifyResult(ran_at, process.returncode, None)
-    for line in out[:MAX_OUTPUT_BYTES].decode("utf-8", "replace").splitlines():
+    result.exit_code = process.returncode
+    if process.returncode not in (0, 1):
+        text = err.decode("utf-8", "replace").strip()
+        result.error = text or f"ztate verify exited {process.returncode}"
+    return result
+
+
+async def _read_findings(stream: asyncio.StreamReader, result: VerifyResult) -> None:
+    """Every line of ``ztate verify --json``: the summary kept, every finding counted,
+    the first ``MAX_FINDINGS_SHOWN`` kept; at most one line in memory at a time."""
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # longer than any line the verifier writes: dropped unread
+            continue
+        if not line:
+            return
         try:
             doc = json.loads(line)
         except ValueError:
@@ -73,7 +98,11 @@ async def run_verify(bundle: Path | None, thread_id: str | None) -> VerifyResult
             result.findings_total += 1
             if len(result.findings) < MAX_FINDINGS_SHOWN:
                 result.findings.append(doc)
-    if process.returncode not in (0, 1):
-        text = err[-2000:].decode("utf-8", "replace").strip()
-        result.error = text or f"ztate verify exited {process.returncode}"
-    return result
+
+
+async def _tail(stream: asyncio.StreamReader) -> bytes:
+    """The last ``MAX_ERROR_BYTES`` of ``stream`` (what the page shows of a failure)."""
+    tail = b""
+    while chunk := await stream.read(64 * 1024):
+        tail = (tail + chunk)[-MAX_ERROR_BYTES:]
+    return tail
