@@ -31,6 +31,7 @@ PAGE_SIZE = 100
 MAX_ROWS = 500  # one page of the console never shows more than this
 DELIVERY_WAIT_SECONDS = 10.0
 TIMELINE_ROWS = 50  # the newest versions of a thread, each with its patch
+DETAILS_AT_ONCE = 4  # details (each with a whole state) in flight for one timeline
 T = TypeVar("T")
 
 STATUS_NAMES = {
@@ -304,23 +305,27 @@ class Backend:
         return list(threads.values())
 
     async def timeline(self, thread_id: str) -> list[dict[str, Any]]:
-        """A thread's newest committed transitions, newest first, each with its patch."""
-        entries = await self._transitions(
-            ledger_pb2.ListTransitionsRequest(thread_id=thread_id, page_size=TIMELINE_ROWS)
-        )
-        entries = entries[:TIMELINE_ROWS]
+        """A thread's newest committed transitions, newest first, each with its patch:
+        one listing of ``TIMELINE_ROWS``, then their details ``DETAILS_AT_ONCE`` at a
+        time, each turned into its row (patch kept, state dropped) as it arrives. A
+        detail holds the whole state after it: 50 of them at once, at a 64 MiB state
+        limit, were 3.2 GiB, and nine more listings were read only to be cut."""
+        request = ledger_pb2.ListTransitionsRequest(thread_id=thread_id, page_size=TIMELINE_ROWS)
         async with _calling(self.operator) as channel:
             stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-            details = await asyncio.gather(
-                *(
-                    stub.GetTransitionDetail(
+            listed = await stub.ListTransitions(request, timeout=CALL_TIMEOUT_SECONDS)
+            entries = list(listed.entries)[:TIMELINE_ROWS]
+            at_once = asyncio.Semaphore(DETAILS_AT_ONCE)
+
+            async def row(entry: Any) -> dict[str, Any]:
+                async with at_once:
+                    detail = await stub.GetTransitionDetail(
                         ledger_pb2.GetTransitionDetailRequest(digest=entry.digest),
                         timeout=CALL_TIMEOUT_SECONDS,
                     )
-                    for entry in entries
-                )
-            )
-        return [timeline_row(entry, detail) for entry, detail in zip(entries, details, strict=True)]
+                    return timeline_row(entry, detail)
+
+            return list(await asyncio.gather(*(row(entry) for entry in entries)))
 
     async def rejections(self, thread_id: str | None) -> list[dict[str, Any]]:
         request = ledger_pb2.ListRejectionsRequest(thread_id=thread_id or "", page_size=PAGE_SIZE)

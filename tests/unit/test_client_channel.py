@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -198,3 +200,75 @@ def test_a_key_pair_on_an_unsupported_curve_is_a_usage_error(
         out, err = capsys.readouterr()
         assert (code, out) == (2, "")
         assert err == f"ztate: cannot use credentials: {said} {hint}\n"
+
+
+class LongThread(ledger_pb2_grpc.LedgerServiceServicer):
+    """A thread with more versions than a timeline shows: every listing says there is
+    more; each detail is counted, and the details answered at once measured."""
+
+    def __init__(self) -> None:
+        self.listings = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.lock = threading.Lock()
+
+    def ListTransitions(self, request: Any, context: Any) -> Any:
+        with self.lock:
+            self.listings += 1
+        start = 1000 - 50 * self.listings
+        return ledger_pb2.ListTransitionsResponse(
+            entries=[
+                ledger_pb2.LedgerEntry(
+                    thread_id="t-long", version=v, digest=f"{v:064x}", node_id="n"
+                )
+                for v in range(start + 49, start - 1, -1)
+            ],
+            next_page_token="more",
+        )
+
+    def GetTransitionDetail(self, request: Any, context: Any) -> Any:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        time.sleep(0.01)  # holds the call open, so that concurrent ones overlap
+        with self.lock:
+            self.in_flight -= 1
+        return ledger_pb2.GetTransitionDetailResponse(
+            entry=ledger_pb2.LedgerEntry(thread_id="t-long", digest=request.digest),
+            patch_json='{"k":1}',
+            state_json='{"k":1}',
+            state_kept=True,
+        )
+
+
+def test_the_console_timeline_lists_once_and_holds_few_details_at_once(pki: Pki) -> None:
+    """A timeline shows a thread's 50 newest versions. It followed the listing for ten
+    pages (500 entries) to keep 50, then asked for all 50 details at once, each holding
+    the whole state after it (3.2 GiB at the 64 MiB state limit). Now one listing, and
+    at most ``DETAILS_AT_ONCE`` details in flight."""
+    from ztate.services.console.backend import DETAILS_AT_ONCE, Backend, Identity
+
+    servicer = LongThread()
+    service = pki.identity(Role.SERVICE, "transition")
+    credentials = grpc.ssl_server_credentials(
+        [(service.key.read_bytes(), service.cert.read_bytes())],
+        root_certificates=service.ca.read_bytes(),
+        require_client_auth=True,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        operator, reviewer = pki.operator(), pki.identity(Role.REVIEWER, "alice")
+        target = f"127.0.0.1:{port}"
+        backend = Backend(
+            Identity(target, operator.cert, operator.key, operator.ca),
+            Identity(target, reviewer.cert, reviewer.key, reviewer.ca),
+        )
+        rows = asyncio.run(backend.timeline("t-long"))
+    finally:
+        server.stop(grace=None)
+    assert [row["digest"] for row in rows] == [f"{v:064x}" for v in range(999, 949, -1)]
+    assert servicer.listings == 1
+    assert 1 <= servicer.most_in_flight <= DETAILS_AT_ONCE
