@@ -251,7 +251,10 @@ async def start_console(world: World, reviewer: tuple[Path, Path], keyring: Path
     assert process.stdout is not None
     line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
     found = re.search(r"(http://[0-9a-f]{32}\.localhost:\d+/\?token=[A-Za-z0-9_-]{43})", line)
-    assert found, line
+    if not found:  # no console to hand back: none left running either
+        process.kill()
+        await process.wait()
+        pytest.fail(f"ztate console printed no URL: {line!r}")
     return Console(process, found.group(1))
 
 
