@@ -135,6 +135,8 @@ class WorkStream:
     items: asyncio.Queue[WorkItem] = field(default_factory=asyncio.Queue)
     held: dict[tuple[str, int], float] = field(default_factory=dict)  # -> local expiry
     closed: bool = False
+    # a round passed it over while its items waited: the round after it drains is due
+    passed_over: bool = False
 
     @property
     def room(self) -> int:
@@ -321,6 +323,10 @@ class WorkDispatcher:
     async def dispatch(self) -> int:
         """One round: lease waiting work to streams with room; how many were handed out."""
         self._forget_lapsed()
+        for streams in self._streams.values():
+            for stream in streams:
+                if not stream.items.empty() and len(stream.held) < stream.capacity:
+                    stream.passed_over = True  # its next drain asks for another round
         room = {
             node: sum(s.room for s in streams)
             for node, streams in self._streams.items()
@@ -392,8 +398,9 @@ class WorkDispatcher:
                 item = await asyncio.wait_for(stream.items.get(), min(left, 1.0))
             except TimeoutError:
                 continue  # checks for the end of the stream; no database query
-            if stream.items.empty():
-                self._wake.set()  # drained: it has room again (none while items wait)
+            if stream.passed_over and stream.items.empty():
+                stream.passed_over = False
+                self._wake.set()  # drained after a round gave it nothing: one more round
             if (item.thread_id, item.epoch) not in stream.held:
                 continue  # its lease lapsed (or ended) before it was sent: it is lost
             yield item

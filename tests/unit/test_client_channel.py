@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -204,18 +203,23 @@ def test_a_key_pair_on_an_unsupported_curve_is_a_usage_error(
 
 class LongThread(ledger_pb2_grpc.LedgerServiceServicer):
     """A thread with more versions than a timeline shows: every listing says there is
-    more; each detail is counted, and the details answered at once measured."""
+    more. Each detail call is held until as many as the console may send at once are
+    in flight (or all that remain are): a console sending more than that is seen with
+    more in flight, one sending them one by one would never release a call (the
+    server's wait then fails the test)."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_once: int, rows: int) -> None:
+        self.at_once, self.rows = at_once, rows
         self.listings = 0
         self.in_flight = 0
+        self.answered = 0
         self.most_in_flight = 0
-        self.lock = threading.Lock()
+        self.changed = threading.Condition()
 
     def ListTransitions(self, request: Any, context: Any) -> Any:
-        with self.lock:
+        with self.changed:
             self.listings += 1
-        start = 1000 - 50 * self.listings
+            start = 1000 - 50 * self.listings
         return ledger_pb2.ListTransitionsResponse(
             entries=[
                 ledger_pb2.LedgerEntry(
@@ -227,12 +231,22 @@ class LongThread(ledger_pb2_grpc.LedgerServiceServicer):
         )
 
     def GetTransitionDetail(self, request: Any, context: Any) -> Any:
-        with self.lock:
+        with self.changed:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        time.sleep(0.01)  # holds the call open, so that concurrent ones overlap
-        with self.lock:
+            self.changed.notify_all()
+            released = self.changed.wait_for(
+                lambda: (
+                    self.in_flight >= self.at_once
+                    or self.answered + self.in_flight >= self.rows
+                    or self.most_in_flight > self.at_once
+                ),
+                timeout=30,
+            )
+            assert released, "the console never had enough details in flight"
             self.in_flight -= 1
+            self.answered += 1
+            self.changed.notify_all()
         return ledger_pb2.GetTransitionDetailResponse(
             entry=ledger_pb2.LedgerEntry(thread_id="t-long", digest=request.digest),
             patch_json='{"k":1}',
@@ -248,7 +262,7 @@ def test_the_console_timeline_lists_once_and_holds_few_details_at_once(pki: Pki)
     at most ``DETAILS_AT_ONCE`` details in flight."""
     from ztate.services.console.backend import DETAILS_AT_ONCE, Backend, Identity
 
-    servicer = LongThread()
+    servicer = LongThread(DETAILS_AT_ONCE, 50)
     service = pki.identity(Role.SERVICE, "transition")
     credentials = grpc.ssl_server_credentials(
         [(service.key.read_bytes(), service.cert.read_bytes())],
@@ -271,4 +285,4 @@ def test_the_console_timeline_lists_once_and_holds_few_details_at_once(pki: Pki)
         server.stop(grace=None)
     assert [row["digest"] for row in rows] == [f"{v:064x}" for v in range(999, 949, -1)]
     assert servicer.listings == 1
-    assert 1 <= servicer.most_in_flight <= DETAILS_AT_ONCE
+    assert servicer.most_in_flight == DETAILS_AT_ONCE
