@@ -220,7 +220,11 @@ async def _start_traced(
     )
     if new:
         log.info("kept %d new policy versions in ztate.policies", new)
-    queries = await LedgerQueries.open(dsn, role=settings.db_reader_role)
+    queries = await LedgerQueries.open(
+        dsn,
+        role=settings.db_reader_role,
+        timeout_seconds=settings.ledger_query_timeout_seconds,
+    )
     pipeline = TransitionPipeline(
         store=store,
         policies=policies,

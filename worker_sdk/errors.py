@@ -102,6 +102,12 @@ class TooManyStreams(ResourceExhausted):
     number. Retry later, or on another replica."""
 
 
+class QueryTooCostly(ResourceExhausted):
+    """A ledger query ran longer than the server's limit (``limit``, in milliseconds:
+    ``ZTATE_LEDGER_QUERY_TIMEOUT_SECONDS``) and was cancelled. Narrow it (a thread, a
+    node, a shorter time window) before asking again."""
+
+
 class LeaseLost(FailedPrecondition):
     """The lease this worker held on a thread lapsed and another process of the node
     took it (or it was released): its proposal was refused, nothing committed."""
@@ -166,6 +172,7 @@ _BY_REASON: dict[str, type[ZtateError]] = {
     "LEASE_LOST": LeaseLost,
     "PATCH_TOO_LARGE": PatchTooLarge,
     "STATE_TOO_LARGE": StateTooLarge,
+    "QUERY_TOO_COSTLY": QueryTooCostly,
 }
 
 

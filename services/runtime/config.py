@@ -146,6 +146,13 @@ class Settings(TelemetrySettings):
     db_pool_size: int = Field(default=16, gt=0, le=512)
     db_role: str = Field(default="ztate_transition", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     db_reader_role: str = Field(default="ztate_reader", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    ledger_query_timeout_seconds: float = Field(
+        default=10.0,
+        ge=0.001,
+        le=3600,
+        description="an operator's ledger query (ListRejections, ListTransitions, ...) "
+        "running longer is cancelled and refused QUERY_TOO_COSTLY",
+    )
     head_cache_size: int = Field(default=10_000, ge=0)
     approval_target: str | None = Field(
         default=None, description="host:port of the approval service; unset: parked stay parked"

@@ -217,6 +217,13 @@ class NoWakeDeclared(ZtateError):
     reason = "NO_WAKE_DECLARED"
 
 
+class QueryTooCostly(ZtateError):
+    """A ledger query ran past the reader's statement timeout (``limit``, in
+    milliseconds), or the database's operator cancelled it: narrow it and ask again."""
+
+    reason = "QUERY_TOO_COSTLY"
+
+
 ALL_ERRORS: tuple[type[ZtateError], ...] = tuple(ZtateError.__subclasses__())
 
 _FROM_CONTRACT: tuple[tuple[type[contract.ContractError], type[ZtateError]], ...] = (

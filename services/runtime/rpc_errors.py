@@ -57,6 +57,7 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.LeaseLost: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NoWakeDeclared: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.QueryTooCostly: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -7,11 +7,15 @@ the millionth row as at the first; migration 0007 holds the indexes these walk.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import asyncpg
 
+from ztate.services.runtime import errors
 from ztate.services.store.boundary import translated
 from ztate.services.store.transitions import keep_session
 
@@ -257,11 +261,43 @@ SELECT node, wake_version, handled_version, holder, epoch, expires_at
 """
 
 
-class LedgerQueries:
-    """Queries over the ledger tables through the read-only role."""
+P = ParamSpec("P")
+R = TypeVar("R")
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+DEFAULT_TIMEOUT_SECONDS = 10.0
+
+
+def _bounded(
+    method: Callable[Concatenate[LedgerQueries, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[LedgerQueries, P], Coroutine[Any, Any, R]]:
+    """Every query runs under the pool's ``statement_timeout``: one it cancels (or a
+    database operator's ``pg_cancel_backend``: the same SQLSTATE, 57014) leaves as
+    ``QueryTooCostly``, not as the outage its driver class would say (asyncpg files
+    ``QueryCanceledError`` under ``OperatorInterventionError``): asking again at once
+    would cost as much again."""
+
+    @functools.wraps(method)
+    async def guarded(self: LedgerQueries, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(self, *args, **kwargs)
+        except asyncpg.QueryCanceledError:
+            raise errors.QueryTooCostly(
+                f"the ledger query was cancelled after running for up to "
+                f"{self.timeout_ms} ms (the ledger's limit): narrow it (a thread, a node, "
+                f"a shorter time window) and ask again",
+                limit=self.timeout_ms,
+            ) from None
+
+    return guarded
+
+
+class LedgerQueries:
+    """Queries over the ledger tables through the read-only role, each cancelled by
+    the database once it runs longer than ``timeout_ms``."""
+
+    def __init__(self, pool: asyncpg.Pool, timeout_ms: int) -> None:
         self._pool = pool
+        self.timeout_ms = timeout_ms
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -269,7 +305,15 @@ class LedgerQueries:
         return self._pool
 
     @classmethod
-    async def open(cls, dsn: str, *, role: str, pool_size: int = 4) -> LedgerQueries:
+    async def open(
+        cls,
+        dsn: str,
+        *,
+        role: str,
+        pool_size: int = 4,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> LedgerQueries:
+        timeout_ms = max(1, round(timeout_seconds * 1000))
         pool = await asyncpg.create_pool(
             dsn,
             min_size=1,
@@ -282,14 +326,18 @@ class LedgerQueries:
                 # plan each query for its arguments: a generic plan cannot tell a
                 # key in every fourth record from one in every hundredth
                 "plan_cache_mode": "force_custom_plan",
+                # an operator's filter that no index serves (or a hostile one) scans
+                # for at most this long, whatever the size of the ledger
+                "statement_timeout": str(timeout_ms),
             },
         )
-        return cls(pool)
+        return cls(pool, timeout_ms)
 
     async def close(self) -> None:
         await self._pool.close()
 
     @translated
+    @_bounded
     async def rejections(
         self, where: RejectionFilter, *, limit: int, before_id: int | None
     ) -> list[StoredRejection]:
@@ -307,6 +355,7 @@ class LedgerQueries:
         return [StoredRejection(**dict(row.items())) for row in rows]
 
     @translated
+    @_bounded
     async def transitions(
         self, where: TransitionFilter, *, limit: int, after: PageKey | None
     ) -> list[StoredEntry]:
@@ -316,6 +365,7 @@ class LedgerQueries:
         return [_entry(row) for row in rows]
 
     @translated
+    @_bounded
     async def detail(
         self, *, digest: str | None = None, thread_id: str | None = None, version: int = 0
     ) -> StoredDetail | None:
@@ -338,6 +388,7 @@ class LedgerQueries:
         )
 
     @translated
+    @_bounded
     async def threads(
         self, *, policy: str | None, after: str | None, limit: int
     ) -> list[StoredThread]:
@@ -346,6 +397,7 @@ class LedgerQueries:
         return [StoredThread(**dict(row.items())) for row in rows]
 
     @translated
+    @_bounded
     async def thread(self, thread_id: str) -> tuple[StoredThread, list[StoredWork]] | None:
         """One thread's head and its nodes' work; None if no such thread."""
         head = await self._pool.fetchrow(THREAD, thread_id)
@@ -355,6 +407,7 @@ class LedgerQueries:
         return StoredThread(**dict(head.items())), [StoredWork(**dict(row.items())) for row in work]
 
     @translated
+    @_bounded
     async def key_history(
         self, thread_id: str, key: str, *, limit: int, after_version: int
     ) -> list[StoredKeyChange]:

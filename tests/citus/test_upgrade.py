@@ -112,7 +112,8 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
         # the park; 0025 indexes the refusals at commit (the rejections stay on the
         # coordinator); 0026 rewrites the hex digests' checks, on every shard; 0027
         # replaces the key functions on every node and leaves the shards' row trigger;
-        # 0028 replaces the commit and the park (a lapsed lease is lost), on every node
+        # 0028 replaces the commit and the park (a lapsed lease is lost), on every node;
+        # 0029 indexes the rejections' pages (on the coordinator)
         assert applied == [
             "0018_wakes_in_the_commit",
             "0019_leases_in_the_commit",
@@ -125,6 +126,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             "0026_hex_checks_without_counted_regex",
             "0027_key_index_by_statement",
             "0028_lapsed_leases_are_lost",
+            "0029_rejection_pages",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None

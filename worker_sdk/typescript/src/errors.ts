@@ -21,7 +21,7 @@ export class ZtateError extends Error {
     readonly keysTotal: number = 0,
     /** The thread's head version, for STALE_VERSION. */
     readonly currentVersion: bigint = 0n,
-    /** The limit exceeded, for PATCH_TOO_LARGE, STATE_TOO_LARGE, TOO_MANY_STREAMS. */
+    /** The limit exceeded, for PATCH_TOO_LARGE, STATE_TOO_LARGE, TOO_MANY_STREAMS (bytes, streams), QUERY_TOO_COSTLY (ms). */
     readonly limit: bigint = 0n,
     /** Policy rules at fault, for INVARIANT_VIOLATED. */
     readonly rules: readonly string[] = [],
