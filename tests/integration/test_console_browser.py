@@ -376,13 +376,16 @@ async def test_headers_host_and_origin_checks(alice_console: Console, browser: B
     csp = headers["Content-Security-Policy"]
     for directive in (
         "default-src 'none'",
-        "script-src 'self'",
         "style-src 'self'",
         "frame-ancestors 'none'",
         "form-action 'self'",
     ):
         assert directive in csp
+    # no script of any origin, the console's own included: it has none
+    assert "script-src" not in csp
+    assert "connect-src" not in csp
     assert "unsafe" not in csp
+    assert headers["Server"] == "ztate-console"
     assert headers["X-Content-Type-Options"] == "nosniff"
     assert headers["Referrer-Policy"] == "no-referrer"
     assert headers["Cache-Control"] == "no-store"

@@ -198,10 +198,14 @@ async def test_another_host_is_refused_and_every_answer_has_the_headers(
             assert got.headers["Referrer-Policy"] == "no-referrer"
             assert got.headers["Cache-Control"] == "no-store"
             assert got.headers["X-Frame-Options"] == "DENY"
+            assert got.headers["Server"] == "ztate-console"  # not aiohttp and its version
+    assert "script-src" not in CSP  # default-src 'none' refuses every script
+    assert "connect-src" not in CSP
     assert console.backend.calls == [("reviews", "open")]
     for path in ("/static/console.css", "/no-such-page", f"/threads/{'x' * 300}"):
         async with console.session.get(f"{console.base}{path}") as got:
             assert got.headers["Content-Security-Policy"] == CSP, path
+            assert got.headers["Server"] == "ztate-console", path
     async with console.session.get(f"{console.base}/static/console.css") as got:
         assert (got.status, got.content_type) == (200, "text/css")
     async with console.session.get(f"{console.base}/static/../app.py") as got:
@@ -455,6 +459,7 @@ def test_a_malformed_request_gets_a_fixed_answer_with_the_headers(
     assert headers["x-content-type-options"] == "nosniff"
     assert headers["cache-control"] == "no-store"
     assert headers["x-frame-options"] == "DENY"
+    assert headers["server"] == "ztate-console"
     assert headers["content-type"].startswith("text/html")
     assert MARK not in body
     assert b"<script>" not in body
