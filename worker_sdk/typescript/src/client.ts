@@ -1,11 +1,12 @@
 /** The client a worker uses: view, propose and watch over gRPC with mutual TLS. */
 import { randomUUID, X509Certificate, createPrivateKey, type KeyObject } from "node:crypto";
 import { readFileSync } from "node:fs";
+import { setTimeout as delay } from "node:timers/promises";
 import { connect as tlsConnect } from "node:tls";
 import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
-import { decodeError, HandshakeFailed, Unreachable, type ZtateError } from "./errors.js";
+import { decodeError, HandshakeFailed, Unreachable, ZtateError } from "./errors.js";
 import { checkDuration, checkInteger, MAX_BACKOFF_MS, MAX_RETRIES, MAX_TIMEOUT_MS, MAX_TIMER_MS } from "./options.js";
 import {
   canonicalize,
@@ -229,6 +230,21 @@ const UNTRUSTED = new Set([
 const ASK_AGAIN_MS = 500;
 /** The codes of a call that failed in transport and is tried again (the Python SDK's RETRYABLE). */
 const RETRYABLE = new Set([Code.Unavailable, Code.DeadlineExceeded]);
+/** A watch stream that ended normally after this long served its purpose (the Python SDK's NORMAL_END_SECONDS). */
+const NORMAL_END_MS = 1_000;
+/** Failed or empty streams in a row before `watch` throws (the Python SDK's `reconnects`). */
+const RECONNECTS = 10;
+const MAX_RECONNECTS = 1_000;
+/** The longest wait before a watch opens its next stream after a failure. */
+const MAX_REWATCH_WAIT_MS = 5_000;
+
+/** How `watch` resumes (see `ZtateClient.watch`). */
+export interface WatchOptions {
+  /** Failed or empty streams in a row before `watch` throws (10; an integer from 0 to 1 000). */
+  reconnects?: number;
+  /** false: watch one stream, ending with it (true). */
+  resume?: boolean;
+}
 const UNREACHABLE = new Set(["ECONNREFUSED", "ENOTFOUND", "EHOSTUNREACH", "ENETUNREACH", "EAI_AGAIN", "ETIMEDOUT"]);
 
 type TlsFiles = { cert: Buffer; key: Buffer; ca: Buffer };
@@ -495,31 +511,77 @@ export class ZtateClient {
   }
 
   /**
-   * Every version newer than `fromVersion` (-1: from genesis), then each one as it
-   * commits, until `signal` aborts or the server ends the stream (after
-   * ZTATE_WATCH_MAX_STREAM_SECONDS: call again from the last version received).
+   * Every version newer than `fromVersion` (-1: from genesis), in order, then each one
+   * as it commits, until `signal` aborts (the iterator then ends) or the caller breaks
+   * out of the loop: the Python SDK's `watch`.
+   *
+   * The server ends every stream after ZTATE_WATCH_MAX_STREAM_SECONDS (so that access
+   * is checked again) or when it stops; a stream also breaks in transport
+   * (UNAVAILABLE, DEADLINE_EXCEEDED). Either way the watch opens a new stream after the
+   * last version received, so no version is skipped or repeated: at once after a
+   * normal end of a stream that brought a version or lasted a second; after a
+   * transport failure, or a stream that ended at once with nothing, after `backoffMs`,
+   * twice that, ... (at most 5 s), and after `reconnects` (10; an integer from 0 to
+   * 1 000) of those in a row it throws the failure (or an UNAVAILABLE ZtateError "the
+   * watch stream keeps ending"). A refusal (another workflow's thread, a stream limit:
+   * TOO_MANY_STREAMS) and a certificate the handshake refuses (HandshakeFailed) are
+   * thrown at once. `resume: false` watches one stream only: the iterator ends with it.
+   *
    * A worker's own commit can arrive here before its propose call returns: decide on
    * versions, not on the order of events. A message the protocol does not allow (a
-   * state that is not a JSON object) ends the stream with EvidenceInvalid "reply.form":
+   * state that is not a JSON object) ends the watch with EvidenceInvalid "reply.form":
    * it is not skipped.
    */
-  async *watch(threadId: string, fromVersion: bigint | number, signal?: AbortSignal): AsyncGenerator<WatchEvent> {
-    try {
-      for await (const reply of this.#client.watchThread(
-        { threadId, fromVersion: BigInt(fromVersion) },
-        signal === undefined ? {} : { signal },
-      )) {
-        yield {
-          threadId: reply.threadId,
-          version: reply.version,
-          state: reply.statePruned ? null : parseObject(reply.stateJson, "WatchThread", "state_json"),
-          digest: reply.digest,
-        };
+  async *watch(
+    threadId: string,
+    fromVersion: bigint | number,
+    signal?: AbortSignal,
+    options: WatchOptions = {},
+  ): AsyncGenerator<WatchEvent> {
+    const reconnects = checkInteger("reconnects", options.reconnects ?? RECONNECTS, 0, MAX_RECONNECTS);
+    let last = BigInt(fromVersion);
+    let failures = 0;
+    for (;;) {
+      const opened = performance.now();
+      let received = false;
+      let failure: ZtateError | undefined;
+      try {
+        for await (const reply of this.#client.watchThread(
+          { threadId, fromVersion: last },
+          signal === undefined ? {} : { signal },
+        )) {
+          const event: WatchEvent = {
+            threadId: reply.threadId,
+            version: reply.version,
+            state: reply.statePruned ? null : parseObject(reply.stateJson, "WatchThread", "state_json"),
+            digest: reply.digest,
+          };
+          failures = 0;
+          received = true;
+          last = reply.version;
+          yield event;
+        }
+      } catch (error) {
+        if (error instanceof EvidenceInvalid) throw error; // the reply, not the transport
+        if (signal?.aborted) return;
+        failure = await this.#failure(error);
+        const transient = RETRYABLE.has(failure.code) && !(failure instanceof HandshakeFailed);
+        if (!transient || options.resume === false || failures >= reconnects) throw failure;
       }
-    } catch (error) {
-      if (error instanceof EvidenceInvalid) throw error; // the reply, not the transport
-      if (signal?.aborted) return;
-      throw await this.#failure(error);
+      if (signal?.aborted || (failure === undefined && options.resume === false)) return;
+      // a normal end of a stream that served (its lifetime): resume at once
+      if (failure === undefined && (received || performance.now() - opened >= NORMAL_END_MS)) continue;
+      failures += 1;
+      if (failures > reconnects) {
+        throw new ZtateError("the watch stream keeps ending", Code.Unavailable, "UNAVAILABLE");
+      }
+      try {
+        await delay(Math.min(this.#backoffMs * 2 ** (failures - 1), MAX_REWATCH_WAIT_MS), undefined, {
+          signal,
+        });
+      } catch {
+        return; // aborted while waiting
+      }
     }
   }
 

@@ -1,6 +1,6 @@
 /** @ztate/worker: the TypeScript client for ztate agent workers (docs/api.md, "TypeScript"). */
 export { ZtateClient } from "./client.js";
-export type { ClientFiles, Committed, Created, Outcome, Parked, VerifiedHead, View, WatchEvent } from "./client.js";
+export type { ClientFiles, Committed, Created, Outcome, Parked, VerifiedHead, View, WatchEvent, WatchOptions } from "./client.js";
 export { NodeRunner } from "./runner.js";
 export type { Handler, Patch, RunnerOptions, Step } from "./runner.js";
 export { decodeError, HandshakeFailed, IdentityRevoked, StaleVersion, Unreachable, ZtateError } from "./errors.js";

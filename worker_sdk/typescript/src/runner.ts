@@ -3,7 +3,6 @@
  * TypeScript twin of the Python SDK's NodeRunner (docs/api.md, "TypeScript").
  */
 import { randomUUID } from "node:crypto";
-import { setTimeout as delay } from "node:timers/promises";
 import { Code } from "@connectrpc/connect";
 import type { Committed, Parked, View, ZtateClient } from "./client.js";
 import { StaleVersion, ZtateError } from "./errors.js";
@@ -11,10 +10,6 @@ import { checkDuration, checkInteger } from "./options.js";
 import type { Json } from "./evidence.js";
 import type { Transition } from "./gen/ztate/v1/transition_pb.js";
 
-/** A watch stream that ended normally after this long served its purpose (the Python SDK's NORMAL_END_SECONDS). */
-const NORMAL_END_MS = 1_000;
-/** Streams that end at once with nothing, in a row, before `run` gives up (the Python SDK's `reconnects`). */
-const REWATCHES = 10;
 /** The most times a proposal beaten by another writer is re-run (`attempts`). */
 const MAX_RUNNER_ATTEMPTS = 1_000;
 
@@ -64,8 +59,9 @@ export interface RunnerOptions {
  * the node's own commits never reach its handler and it never acts twice on one
  * change. A proposal beaten by another writer (StaleVersion) is re-run on a fresh view;
  * a parked one is waited for and its outcome recorded; any other refusal is recorded
- * as "refused" and the node carries on. Transport failures (UNAVAILABLE, a refused
- * certificate) are thrown.
+ * as "refused" and the node carries on. The watch rides out transport failures (its
+ * `reconnects`); a certificate the handshake refuses, and failures past them, are
+ * thrown.
  */
 export class NodeRunner {
   readonly steps: Step[] = [];
@@ -93,12 +89,11 @@ export class NodeRunner {
 
   /**
    * Watch the thread and act on it until aborted, or until `stopAfter` proposals. The
-   * server ends every watch stream after its maximum lifetime
-   * (ZTATE_WATCH_MAX_STREAM_SECONDS), or when it stops: the runner then watches again
-   * from the last version it saw, as the Python runner does. A stream that ends at
-   * once with nothing counts as a failure: after REWATCHES of them in a row (waiting
-   * 0.1 s, 0.2 s, ... up to 5 s between them) an UNAVAILABLE ZtateError is thrown. A
-   * transport failure or a refusal is thrown at once.
+   * watch resumes by itself (`ZtateClient.watch`): when the server ends a stream after
+   * its maximum lifetime (ZTATE_WATCH_MAX_STREAM_SECONDS) or when it stops, and through
+   * transport failures, from the last version received, as the Python runner's does.
+   * What the watch throws (a refusal, a certificate the handshake refuses, failures
+   * past its reconnects) is thrown.
    */
   async run(): Promise<Step[]> {
     const { stopAfter, signal } = this.#options;
@@ -107,35 +102,14 @@ export class NodeRunner {
     signal?.addEventListener("abort", abort, { once: true });
     if (signal?.aborted) stop.abort();
     try {
-      let quickEnds = 0;
-      while (!stop.signal.aborted) {
-        const opened = Date.now();
-        let received = false;
-        for await (const event of this.client.watch(this.threadId, this.#seen, stop.signal)) {
-          received = true;
-          if (event.version <= this.#seen) continue; // our own commit, or superseded
-          const view: View =
-            event.state === null
-              ? await this.client.getView(this.threadId)
-              : { threadId: event.threadId, version: event.version, state: event.state, headDigest: event.digest };
-          await this.handle(view);
-          if (stopAfter !== undefined && this.steps.length >= stopAfter) return this.steps;
-        }
-        if (stop.signal.aborted) break;
-        // the server ended the stream: one that served is resumed at once
-        if (received || Date.now() - opened >= NORMAL_END_MS) {
-          quickEnds = 0;
-          continue;
-        }
-        quickEnds += 1;
-        if (quickEnds > REWATCHES) {
-          throw new ZtateError("the watch stream keeps ending", Code.Unavailable, "UNAVAILABLE");
-        }
-        try {
-          await delay(Math.min(100 * 2 ** (quickEnds - 1), 5_000), undefined, { signal: stop.signal });
-        } catch {
-          break; // aborted while waiting
-        }
+      for await (const event of this.client.watch(this.threadId, this.#seen, stop.signal)) {
+        if (event.version <= this.#seen) continue; // our own commit, or superseded
+        const view: View =
+          event.state === null
+            ? await this.client.getView(this.threadId)
+            : { threadId: event.threadId, version: event.version, state: event.state, headDigest: event.digest };
+        await this.handle(view);
+        if (stopAfter !== undefined && this.steps.length >= stopAfter) return this.steps;
       }
     } finally {
       signal?.removeEventListener("abort", abort);

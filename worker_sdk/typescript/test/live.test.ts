@@ -358,7 +358,7 @@ test("NodeRunner acts once per change of others and never on its own commit", { 
 /** Resolves when the server ends a watch stream of `client` opened now (its lifetime), with nothing new. */
 async function oneStreamLifetime(client: ZtateClient, thread: string): Promise<void> {
   const head = (await client.getView(thread)).version;
-  for await (const event of client.watch(thread, head)) {
+  for await (const event of client.watch(thread, head, undefined, { resume: false })) {
     throw new Error(`a version came while waiting for the stream's end: ${event.version}`);
   }
 }

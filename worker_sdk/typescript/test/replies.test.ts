@@ -10,8 +10,9 @@ import { createSecureServer, type ServerHttp2Session } from "node:http2";
 import { type AddressInfo } from "node:net";
 import { test } from "node:test";
 import { timestampFromDate } from "@bufbuild/protobuf/wkt";
+import { Code, ConnectError } from "@connectrpc/connect";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
-import { EvidenceInvalid, ZtateClient } from "../src/index.js";
+import { EvidenceInvalid, ZtateClient, ZtateError } from "../src/index.js";
 import { Outcome, TransitionService } from "../src/gen/ztate/v1/transition_pb.js";
 
 const env = process.env;
@@ -26,13 +27,18 @@ const replies: { [call: string]: object } = {};
 const asked: string[] = [];
 /** The messages of the scripted service's watch stream, sent in order, then it ends. */
 let watched: object[] = [];
+/** Or how it answers its n-th WatchThread call (from 1), asked from a version. */
+type WatchScript = (call: number, fromVersion: bigint, signal: AbortSignal) => AsyncIterable<object>;
+let watchScript: WatchScript | undefined;
+/** The from_version of each WatchThread call, in order. */
+const watchedFrom: bigint[] = [];
 
 function answer(call: string): object {
   asked.push(call);
   return replies[call] ?? {};
 }
 
-async function scripted(): Promise<{ client: ZtateClient; close: () => void }> {
+async function scripted(backoffMs = 1): Promise<{ client: ZtateClient; close: () => void }> {
   const server = createSecureServer(
     {
       cert: readFileSync(env.ZTATE_SERVICE_CERT!),
@@ -49,9 +55,11 @@ async function scripted(): Promise<{ client: ZtateClient; close: () => void }> {
           getTransition: () => answer("getTransition"),
           waitForOutcome: () => answer("waitForOutcome"),
           getView: () => answer("getView"),
-          async *watchThread() {
+          async *watchThread(request, context) {
             asked.push("watchThread");
-            yield* watched;
+            watchedFrom.push(request.fromVersion);
+            if (watchScript === undefined) yield* watched;
+            else yield* watchScript(watchedFrom.length, request.fromVersion, context.signal);
           },
         }),
     }),
@@ -64,7 +72,7 @@ async function scripted(): Promise<{ client: ZtateClient; close: () => void }> {
     certFile: env.ZTATE_OPERATOR_CERT!,
     keyFile: env.ZTATE_OPERATOR_KEY!,
     caFile: env.ZTATE_CA!,
-    backoffMs: 1,
+    backoffMs,
   });
   // the client keeps its connection: end it with the server
   return { client, close: () => (server.close(), sessions.forEach((session) => session.destroy())) };
@@ -227,12 +235,14 @@ test("a state that is not a JSON object is reply.form, the bytes unsaid, a strea
         assert.deepEqual(asked, ["getView"], "asked once: not retried");
       });
       await t.test(`watch, ${bad.name}`, async () => {
-        // a skipped message would let version 2 through and the stream end normally
+        // a skipped message would let version 2 through and the (one) stream end normally
         watched = [watchedEvent(0n, WHOLE_STATE), watchedEvent(1n, bad.bytes), watchedEvent(2n, WHOLE_STATE)];
         asked.length = 0;
         const seen: unknown[] = [];
         const watching = (async () => {
-          for await (const event of client.watch(THREAD, -1)) seen.push([event.version, event.state]);
+          for await (const event of client.watch(THREAD, -1, undefined, { resume: false })) {
+            seen.push([event.version, event.state]);
+          }
         })();
         await assert.rejects(watching, isReplyForm(`the service answered WatchThread with ${bad.fault}`));
         assert.deepEqual(seen, [[0n, { n: 1 }]]);
@@ -244,6 +254,132 @@ test("a state that is not a JSON object is reply.form, the bytes unsaid, a strea
     const view = await client.getView(THREAD);
     assert.deepEqual([view.version, view.state], [3n, { n: 1 }]);
   } finally {
+    close();
+  }
+});
+
+// --- watch resumes: after a transport failure, after the server's normal end ---------
+
+/** Resolves when the client cancels the stream (it broke out of its loop). */
+function cancelled(signal: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    if (signal.aborted) resolve();
+    signal.addEventListener("abort", () => resolve(), { once: true });
+  });
+}
+
+/** The versions a watch from `from` yields until `last`, then breaks out. */
+async function watchUntil(client: ZtateClient, from: bigint, last: bigint, options = {}): Promise<bigint[]> {
+  const seen: bigint[] = [];
+  for await (const event of client.watch(THREAD, from, undefined, options)) {
+    seen.push(event.version);
+    if (event.version === last) break;
+  }
+  return seen;
+}
+
+test("watch resumes after the last version when the stream breaks in transport", { skip: !live }, async () => {
+  const { client, close } = await scripted();
+  watchedFrom.length = 0;
+  watchScript = async function* (call, from, signal) {
+    for (let version = from + 1n; version <= (call === 1 ? 2n : 4n); version += 1n) {
+      yield watchedEvent(version, WHOLE_STATE);
+    }
+    if (call === 1) throw new ConnectError("the server is restarting", Code.Unavailable);
+    await cancelled(signal);
+  };
+  try {
+    assert.deepEqual(await watchUntil(client, -1n, 4n), [0n, 1n, 2n, 3n, 4n], "nothing skipped, nothing repeated");
+    assert.deepEqual(watchedFrom, [-1n, 2n]);
+  } finally {
+    watchScript = undefined;
+    close();
+  }
+});
+
+test("watch resumes at once after the server ends a stream that served, never counting it", { skip: !live }, async () => {
+  const { client, close } = await scripted();
+  watchedFrom.length = 0;
+  // one version a stream, then a normal end (the stream's lifetime): with no reconnects
+  // allowed, a resume counted as a failure would throw
+  watchScript = async function* (_call, from) {
+    yield watchedEvent(from + 1n, WHOLE_STATE);
+  };
+  try {
+    assert.deepEqual(await watchUntil(client, -1n, 4n, { reconnects: 0 }), [0n, 1n, 2n, 3n, 4n]);
+    assert.deepEqual(watchedFrom, [-1n, 0n, 1n, 2n, 3n]);
+  } finally {
+    watchScript = undefined;
+    close();
+  }
+});
+
+test("a watch whose streams end at once with nothing throws after its reconnects", { skip: !live }, async () => {
+  const { client, close } = await scripted();
+  watchedFrom.length = 0;
+  watchScript = async function* () {};
+  try {
+    await assert.rejects(watchUntil(client, 5n, 9n, { reconnects: 2 }), (error: unknown) => {
+      assert.ok(error instanceof ZtateError, `${String(error)} is not a ZtateError`);
+      assert.equal(error.code, Code.Unavailable);
+      assert.equal(error.reason, "UNAVAILABLE");
+      assert.equal(error.message, "the watch stream keeps ending");
+      return true;
+    });
+    assert.deepEqual(watchedFrom, [5n, 5n, 5n], "the first stream and two more");
+  } finally {
+    watchScript = undefined;
+    close();
+  }
+});
+
+test("a watch throws a refusal at once, and one stream only with resume: false", { skip: !live }, async () => {
+  const { client, close } = await scripted();
+  watchedFrom.length = 0;
+  watchScript = async function* (call) {
+    if (call > 2) throw new ConnectError("the node may not watch this thread", Code.PermissionDenied);
+    yield watchedEvent(0n, WHOLE_STATE);
+  };
+  try {
+    assert.deepEqual(await watchUntil(client, -1n, 9n, { resume: false }), [0n], "one stream, then the end");
+    assert.deepEqual(watchedFrom, [-1n]);
+    await assert.rejects(watchUntil(client, -1n, 9n), (error: unknown) => {
+      assert.ok(error instanceof ZtateError, `${String(error)} is not a ZtateError`);
+      assert.equal(error.code, Code.PermissionDenied);
+      return true;
+    });
+    assert.deepEqual(watchedFrom, [-1n, -1n, 0n], "the refusal was not asked again");
+  } finally {
+    watchScript = undefined;
+    close();
+  }
+});
+
+test("an aborted watch ends at once, a long wait to resume ahead of it", { skip: !live }, async () => {
+  // a minute before the next stream: the abort must end the watch, not the wait
+  const { client, close } = await scripted(60_000);
+  watchedFrom.length = 0;
+  const stop = new AbortController();
+  let failed!: () => void;
+  const firstFailed = new Promise<void>((resolve) => (failed = resolve));
+  watchScript = async function* () {
+    failed();
+    throw new ConnectError("the server is restarting", Code.Unavailable);
+  };
+  try {
+    const began = performance.now();
+    const watching = (async () => {
+      const seen: bigint[] = [];
+      for await (const event of client.watch(THREAD, -1, stop.signal)) seen.push(event.version);
+      return seen;
+    })();
+    await firstFailed;
+    stop.abort();
+    assert.deepEqual(await watching, []);
+    assert.ok(performance.now() - began < 30_000, "the watch waited out its backoff");
+    assert.deepEqual(watchedFrom, [-1n], "no stream after the abort");
+  } finally {
+    watchScript = undefined;
     close();
   }
 });
