@@ -16,9 +16,10 @@
 -- CONCURRENTLY under these names (docs/operations.md), and this migration finds them
 -- there. A concurrent build that failed leaves an invalid index of that name, which
 -- the planner never uses: this migration then fails, naming it (drop it, build it
--- again, migrate again). The checks and the indexes are one statement: Citus passes
--- on the index of a table it manages with the text of the statement that made it,
--- which must then be one command.
+-- again, migrate again). The checks, the indexes and the drops are one statement:
+-- Citus passes on the index of a table it manages with the text of the statement that
+-- made it, which must then be one command (a second command in the file fails there,
+-- "cannot insert multiple commands into a prepared statement").
 
 DO $$
 DECLARE
@@ -36,8 +37,7 @@ BEGIN
     CREATE INDEX IF NOT EXISTS rejections_by_thread_id ON ztate.rejections (thread_id, id);
     CREATE INDEX IF NOT EXISTS rejections_by_node_id ON ztate.rejections (node_id, id);
     CREATE INDEX IF NOT EXISTS rejections_by_reason_id ON ztate.rejections (reason, id);
+    DROP INDEX IF EXISTS ztate.rejections_by_thread;
+    DROP INDEX IF EXISTS ztate.rejections_by_node;
 END;
 $$;
-
-DROP INDEX IF EXISTS ztate.rejections_by_thread;
-DROP INDEX IF EXISTS ztate.rejections_by_node;
