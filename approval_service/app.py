@@ -193,6 +193,7 @@ async def _serve_on(
         review_ttl=timedelta(seconds=settings.review_ttl_seconds),
         receipt_ttl=timedelta(seconds=settings.receipt_ttl_seconds),
         decided=decided,
+        revoked=callers.revoked,
     )
     raise_open_file_limit()
     server = grpc.aio.server(

@@ -14,7 +14,7 @@ from google.protobuf import timestamp_pb2
 from ztate.approval_service.service import ApprovalService, Submission, encode_page_token
 from ztate.approval_service.store import APPROVED, EXPIRED, OPEN, REJECTED, StoredReview
 from ztate.contract.receipts import APPROVE, REJECT
-from ztate.services.runtime.identity import Authenticator, Identity
+from ztate.services.runtime.identity import Authenticator, Identity, caller_serial
 from ztate.services.runtime.rpc_guard import Context, guarded
 from ztate.services.runtime.serving import within_budget
 from ztate.v1 import approval_pb2, approval_pb2_grpc
@@ -142,7 +142,9 @@ class ApprovalServicer(approval_pb2_grpc.ApprovalServiceServicer):
         self, request: approval_pb2.DecideRequest, context: Context
     ) -> approval_pb2.DecideResponse:
         async def handle(caller: Identity) -> approval_pb2.DecideResponse:
-            review = await self._service.decide(caller, request.digest, _decision(request.decision))
+            review = await self._service.decide(
+                caller, request.digest, _decision(request.decision), caller_serial(context)
+            )
             return approval_pb2.DecideResponse(review=review_message(review))
 
         return await guarded(context, self._authenticator, "Decide", handle)

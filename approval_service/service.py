@@ -215,8 +215,11 @@ class ApprovalService:
         receipt_ttl: timedelta,
         decided: asyncio.Event,
         clock: Callable[[], datetime] = now_utc,
+        revoked: Callable[[str, int | None], bool] = lambda _spiffe_id, _serial: False,
     ) -> None:
-        """``decided`` is set whenever a receipt is signed, to wake its delivery."""
+        """``decided`` is set whenever a receipt is signed, to wake its delivery.
+        ``revoked(spiffe_id, cert_serial)`` says whether the revocation list, as it is
+        now, names an identity or a certificate (``Authenticator.revoked``)."""
         self._store = store
         self._key = signing_key
         self._redaction_key = redaction_key(signing_key)
@@ -227,6 +230,7 @@ class ApprovalService:
         self._receipt_ttl = receipt_ttl
         self._decided = decided
         self._clock = clock
+        self._revoked = revoked
 
     async def submit_review(self, caller: Identity, submission: Submission) -> StoredReview:
         """Open a review for a parked transition; the same digest again is the same review."""
@@ -296,9 +300,12 @@ class ApprovalService:
             raise errors.ReviewNotFound("no review has this digest")
         return review
 
-    async def decide(self, caller: Identity, digest: str, decision: str) -> StoredReview:
-        """Record ``caller``'s decision on ``digest``; sign the receipt if it closes the
-        review. One transaction, the review's row locked throughout."""
+    async def decide(
+        self, caller: Identity, digest: str, decision: str, cert_serial: int | None = None
+    ) -> StoredReview:
+        """Record ``caller``'s decision on ``digest``, made with the certificate of serial
+        ``cert_serial``; sign the receipt if it closes the review. One transaction, the
+        review's row locked throughout."""
         check_reviewer(caller)
         check_digest(digest)
         if decision not in (APPROVE, REJECT):
@@ -308,7 +315,7 @@ class ApprovalService:
             if locked is None:
                 raise errors.ReviewNotFound("no review has this digest")
             before = locked.review
-            verdict = await self._decide_locked(locked, caller, decision, now)
+            verdict = await self._decide_locked(locked, caller, decision, now, cert_serial)
             # The answer is what this decision did, read before the lock is released: a
             # reviewer whose approval only counted must not be told "approved" because
             # another reviewer closed the review in between.
@@ -329,7 +336,12 @@ class ApprovalService:
         return after
 
     async def _decide_locked(
-        self, locked: LockedReview, caller: Identity, decision: str, now: datetime
+        self,
+        locked: LockedReview,
+        caller: Identity,
+        decision: str,
+        now: datetime,
+        cert_serial: int | None,
     ) -> Verdict:
         review = locked.review
         if review.status != OPEN:
@@ -342,12 +354,18 @@ class ApprovalService:
                 "a reviewer can never decide on a transition proposed by an identity of "
                 "their own name"
             )
-        if not await locked.record_decision(caller.spiffe_id, decision, now):
+        if not await locked.record_decision(caller.spiffe_id, decision, now, cert_serial):
             raise errors.AlreadyDecided("you already decided on this review")
         if decision == REJECT:
             await self._sign(locked, REJECT, [caller.spiffe_id], now)
             return Verdict.CLOSED
-        approvers = await locked.approvers()
+        # an approval counts while neither its reviewer nor the certificate it was made
+        # with is revoked: a stolen key's approval, revoked since, is taken back
+        approvers = [
+            approver.spiffe_id
+            for approver in await locked.approvers()
+            if not self._revoked(approver.spiffe_id, approver.cert_serial)
+        ]
         if len(approvers) < review.required_approvals:
             return Verdict.RECORDED
         await self._sign(locked, APPROVE, approvers, now)

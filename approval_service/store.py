@@ -21,6 +21,7 @@ import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from ztate.contract.receipts import SignedReceipt
+from ztate.services.runtime.revocation import serial_text
 from ztate.services.store.transitions import keep_session
 
 OPEN, APPROVED, REJECTED, EXPIRED = "open", "approved", "rejected", "expired"
@@ -174,6 +175,15 @@ class StoredReview:
 
 
 @dataclass(frozen=True, slots=True)
+class Approver:
+    """A reviewer who approved, and the serial of the certificate they approved with
+    (None: a decision recorded before the service kept it)."""
+
+    spiffe_id: str
+    cert_serial: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Cursor:
     """Where a page of reviews ended: keyset pagination on (opened_at, digest)."""
 
@@ -222,26 +232,38 @@ class LockedReview:
         assert review is not None  # reviews are never deleted
         return review
 
-    async def record_decision(self, reviewer: str, decision: str, at: datetime) -> bool:
-        """Record a reviewer's decision; False if this reviewer already decided."""
+    async def record_decision(
+        self, reviewer: str, decision: str, at: datetime, cert_serial: int | None
+    ) -> bool:
+        """Record a reviewer's decision, made with the certificate of serial
+        ``cert_serial`` (None: not known); False if this reviewer already decided."""
         inserted = await self._conn.fetchval(
-            "INSERT INTO ztate_approval.decisions (digest, reviewer, decision, decided_at) "
-            "VALUES ($1, $2, $3, $4) ON CONFLICT (digest, reviewer) DO NOTHING RETURNING 1",
+            "INSERT INTO ztate_approval.decisions (digest, reviewer, decision, decided_at, "
+            "cert_serial) VALUES ($1, $2, $3, $4, $5) "
+            "ON CONFLICT (digest, reviewer) DO NOTHING RETURNING 1",
             self.review.digest,
             reviewer,
             decision,
             at,
+            None if cert_serial is None else serial_text(cert_serial),
         )
         return inserted is not None
 
-    async def approvers(self) -> list[str]:
-        """The reviewers who approved so far, in this transaction's view."""
+    async def approvers(self) -> list[Approver]:
+        """The reviewers who approved so far, and their certificates' serials (None:
+        not recorded), in this transaction's view."""
         rows = await self._conn.fetch(
-            "SELECT reviewer FROM ztate_approval.decisions "
+            "SELECT reviewer, cert_serial FROM ztate_approval.decisions "
             "WHERE digest = $1 AND decision = 'approve' ORDER BY reviewer",
             self.review.digest,
         )
-        return [row["reviewer"] for row in rows]
+        return [
+            Approver(
+                row["reviewer"],
+                None if row["cert_serial"] is None else int(row["cert_serial"], 16),
+            )
+            for row in rows
+        ]
 
     async def close(self, status: str, at: datetime) -> None:
         """Close the review as approved, rejected or expired. The review is open and

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from cryptography import x509
 
-from ztate.services.runtime.errors import IdentityInvalid
+from ztate.services.runtime.errors import IdentityInvalid, IdentityRevoked
 from ztate.services.runtime.revocation import Revocations
 
 # also a pydantic pattern (policy node names), whose engine has no \Z: Python code
@@ -138,8 +138,25 @@ class Authenticator:
         certificate (by serial) or its identity."""
         if self._revocations is None:
             return
-        if auth is None:
-            auth = context.auth_context()
-        pems = list(auth.get("x509_pem_cert") or ())
-        serial = certificate_serial(pems[0]) if len(pems) == 1 else None
-        self._revocations.check(caller.spiffe_id, serial)
+        self._revocations.check(caller.spiffe_id, caller_serial(context, auth))
+
+    def revoked(self, spiffe_id: str, serial: int | None) -> bool:
+        """Whether the revocation list, as it is now, names ``spiffe_id`` or the
+        certificate of ``serial`` (a decision recorded earlier, checked again)."""
+        if self._revocations is None:
+            return False
+        try:
+            self._revocations.check(spiffe_id, serial)
+        except IdentityRevoked:
+            return True
+        return False
+
+
+def caller_serial(
+    context: grpc.aio.ServicerContext[Any, Any], auth: AuthContext | None = None
+) -> int | None:
+    """The serial of the certificate the caller presented (None: not exactly one)."""
+    if auth is None:
+        auth = context.auth_context()
+    pems = list(auth.get("x509_pem_cert") or ())
+    return certificate_serial(pems[0]) if len(pems) == 1 else None

@@ -27,6 +27,7 @@ import asyncpg
 import grpc
 import pytest
 import pytest_asyncio
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -925,6 +926,61 @@ async def test_a_revoked_reviewer_decides_nothing_more(
         ).review
     assert review.status == approval_pb2.REVIEW_STATUS_OPEN
     assert list(review.approvers) == []
+
+
+async def test_an_approval_revoked_before_the_review_closes_is_taken_back(
+    approval_target: str,
+    approval_settings: ApprovalSettings,
+    approval_keys: ApprovalKeys,
+    pki: Pki,
+    database_dsn: str,
+    tmp_path: Path,
+) -> None:
+    """An approval counts toward k only while neither its reviewer nor the certificate
+    it was made with is revoked: a stolen reviewer key that approved, revoked since (by
+    identity or by serial), no longer makes a receipt with one honest approval."""
+    proposal = parked(approvals=2)
+    await submitted(approval_target, pki, proposal)
+    revocations = approval_settings.revocation_list_file
+    assert revocations is not None
+    # mallory's key, stolen: it approves, then her identity is revoked
+    first = await decide(approval_target, pki, "mallory", approve(proposal.digest))
+    assert first.status == approval_pb2.REVIEW_STATUS_OPEN
+    mallory = reviewer_id("mallory")
+    assert ztate(["ca", "revoke", "--spiffe-id", mallory, "--list", str(revocations)]) == 0
+    # dave approves with a certificate of his that is then revoked by its serial alone
+    lost = ca.issue(pki.ca_dir, Identity(TRUST_DOMAIN, Role.REVIEWER, "dave"), tmp_path / "dave")
+    async with stub_as(approval_target, Credentials(lost.cert, lost.key, lost.ca_cert)) as stub:
+        second = (await stub.Decide(approve(proposal.digest))).review
+    assert second.status == approval_pb2.REVIEW_STATUS_OPEN  # mallory's no longer counts
+    assert ztate(["ca", "revoke", "--cert", str(lost.cert), "--list", str(revocations)]) == 0
+    third = await decide(approval_target, pki, "bob", approve(proposal.digest))
+    assert third.status == approval_pb2.REVIEW_STATUS_OPEN  # nor dave's: one approval counts
+    assert not third.HasField("receipt")
+    receipts = await fetch(
+        database_dsn, "SELECT 1 FROM ztate_approval.receipts WHERE digest = $1", proposal.digest
+    )
+    assert receipts == []
+    # every decision is kept, with the certificate it was made with
+    decisions = await fetch(
+        database_dsn,
+        "SELECT reviewer, cert_serial FROM ztate_approval.decisions WHERE digest = $1 "
+        "ORDER BY reviewer",
+        proposal.digest,
+    )
+    assert [row["reviewer"] for row in decisions] == [
+        reviewer_id("bob"),
+        reviewer_id("dave"),
+        mallory,
+    ]
+    assert decisions[1]["cert_serial"] == format(
+        x509.load_pem_x509_certificate(lost.cert.read_bytes()).serial_number, "x"
+    )
+    # a second honest approval closes it, with the approvals that count
+    closed = await decide(approval_target, pki, "erin", approve(proposal.digest))
+    assert closed.status == approval_pb2.REVIEW_STATUS_APPROVED
+    receipt = verified(closed.receipt, approval_keys)
+    assert receipt["reviewers"] == [reviewer_id("bob"), reviewer_id("erin")]
 
 
 async def test_the_approval_service_serves_its_metrics_for_prometheus(

@@ -465,7 +465,8 @@ async def test_the_migration_job_applies_both_schemas_once(postgres_server_dsn: 
     assert lines[0] == f"transition service: {names}"
     assert lines[1] == (
         "approval service: 0001_reviews, 0002_delivery_outcome, 0003_undelivered_receipts, "
-        "0004_review_reads, 0005_hex_check_without_counted_regex"
+        "0004_review_reads, 0005_hex_check_without_counted_regex, "
+        "0006_decisions_name_their_certificate"
     )
     assert dsn not in stdout + stderr
     conn = await asyncpg.connect(dsn)
