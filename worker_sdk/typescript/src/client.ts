@@ -230,6 +230,13 @@ const UNTRUSTED = new Set([
 const ASK_AGAIN_MS = 500;
 /** The codes of a call that failed in transport and is tried again (the Python SDK's RETRYABLE). */
 const RETRYABLE = new Set([Code.Unavailable, Code.DeadlineExceeded]);
+/**
+ * How connect-node reports a connection or stream that broke under a server stream
+ * (the session destroyed: CANCELED; a reset socket: ABORTED; a GOAWAY with an error:
+ * INTERNAL), where Python's gRPC says UNAVAILABLE: a watch resumes after them when the
+ * service sent no ztate reason.
+ */
+const STREAM_BREAKS = new Set([Code.Canceled, Code.Aborted, Code.Internal, Code.Unknown]);
 /** A watch stream that ended normally after this long served its purpose (the Python SDK's NORMAL_END_SECONDS). */
 const NORMAL_END_MS = 1_000;
 /** Failed or empty streams in a row before `watch` throws (the Python SDK's `reconnects`). */
@@ -517,7 +524,8 @@ export class ZtateClient {
    *
    * The server ends every stream after ZTATE_WATCH_MAX_STREAM_SECONDS (so that access
    * is checked again) or when it stops; a stream also breaks in transport
-   * (UNAVAILABLE, DEADLINE_EXCEEDED). Either way the watch opens a new stream after the
+   * (UNAVAILABLE, DEADLINE_EXCEEDED, or its connection broken under it, which
+   * connect-node reports as CANCELED, ABORTED or INTERNAL with no ztate reason). Either way the watch opens a new stream after the
    * last version received, so no version is skipped or repeated: at once after a
    * normal end of a stream that brought a version or lasted a second; after a
    * transport failure, or a stream that ended at once with nothing, after `backoffMs`,
@@ -565,7 +573,9 @@ export class ZtateClient {
         if (error instanceof EvidenceInvalid) throw error; // the reply, not the transport
         if (signal?.aborted) return;
         failure = await this.#failure(error);
-        const transient = RETRYABLE.has(failure.code) && !(failure instanceof HandshakeFailed);
+        // a stream that broke under the call, the service's answer unsent (no reason)
+        const broken = failure.reason === "" && STREAM_BREAKS.has(failure.code);
+        const transient = (RETRYABLE.has(failure.code) || broken) && !(failure instanceof HandshakeFailed);
         if (!transient || options.resume === false || failures >= reconnects) throw failure;
       }
       if (signal?.aborted || (failure === undefined && options.resume === false)) return;
