@@ -164,6 +164,21 @@ def refused(status: int, title: str, text: str) -> web.Response:
     return web.Response(status=status, text=body, content_type="text/html", charset="utf-8")
 
 
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """A request's ``Expect`` header, answered before any handler or middleware runs:
+    ``100-continue`` as aiohttp does; any other value with the console's fixed 417 and
+    its headers. aiohttp's own answer (a 417 quoting the header) skips the middlewares,
+    so it went out with aiohttp's ``Server`` header and no CSP."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue" and request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+    response = refused(417, "Expectation failed", "The console takes no such Expect header.")
+    response.headers.update(HEADERS)
+    response.force_close()  # its body may follow, unread: the connection is not reused
+    return response
+
+
 @web.middleware
 async def security_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -435,16 +450,21 @@ def make_app(backend: Backend, port: int, *, bundle: Path | None = None) -> web.
         middlewares=[security_headers, guard_middleware(guard)], client_max_size=MAX_FORM_BYTES
     )
     app[CONSOLE] = Console(backend, guard, bundle)
-    app.router.add_get("/", index)
-    app.router.add_get("/reviews", reviews)
-    app.router.add_get(r"/reviews/{digest}", review)
-    app.router.add_post(r"/reviews/{digest}/decide", decide)
-    app.router.add_get("/threads", threads)
-    app.router.add_get(r"/threads/{thread_id}", thread)
-    app.router.add_get("/rejections", rejections)
-    app.router.add_get("/verify", verify_page)
-    app.router.add_post("/verify", verify_run)
-    app.router.add_static("/static/", STATIC, show_index=False, follow_symlinks=False)
+    for method, path, handler in (
+        ("GET", "/", index),
+        ("GET", "/reviews", reviews),
+        ("GET", r"/reviews/{digest}", review),
+        ("POST", r"/reviews/{digest}/decide", decide),
+        ("GET", "/threads", threads),
+        ("GET", r"/threads/{thread_id}", thread),
+        ("GET", "/rejections", rejections),
+        ("GET", "/verify", verify_page),
+        ("POST", "/verify", verify_run),
+    ):
+        app.router.add_route(method, path, handler, expect_handler=expect_handler)
+    app.router.add_static(
+        "/static/", STATIC, show_index=False, follow_symlinks=False, expect_handler=expect_handler
+    )
     return app
 
 

@@ -383,6 +383,13 @@ MALFORMED = [
     ),
     pytest.param(b"G<T" + MARK + b" / HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, id="bad method"),
     pytest.param(b"GET /" + MARK + b" HTTP/9" + MARK + b"\r\n\r\n", 400, id="bad version"),
+    # answered before any middleware, where aiohttp's own 417 quoted the header with its
+    # Server header and no CSP
+    pytest.param(
+        b"GET /static/console.css HTTP/1.1\r\nHost: HOST\r\nExpect: <b>" + MARK + b"\r\n\r\n",
+        417,
+        id="unknown expectation",
+    ),
 ]
 
 
