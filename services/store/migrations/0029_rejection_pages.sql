@@ -7,9 +7,10 @@
 -- a page of one reason walked every rejection from the newest, however rare the
 -- reason. These three hold each filter's rows in the page's order, so a page reads
 -- the rows it returns (after those a time window skips); the two they replace served
--- nothing else (refusal_at_commit has its own, migration 0025). A filter that no index
--- leads (a time window alone, far back) is cut by the ledger's statement timeout
--- (ZTATE_LEDGER_QUERY_TIMEOUT_SECONDS, QUERY_TOO_COSTLY).
+-- nothing else (refusal_at_commit has its own, migration 0025). A window far back
+-- (until), alone or within a busy thread or node, walks from the newest row: the
+-- ledger's statement timeout cuts it (ZTATE_LEDGER_QUERY_TIMEOUT_SECONDS,
+-- QUERY_TOO_COSTLY).
 --
 -- Building them reads the rejections once and blocks their inserts while it runs (a
 -- refused call waits); on a very large table create them first with CREATE INDEX
