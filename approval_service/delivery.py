@@ -6,10 +6,13 @@ retried with capped exponential backoff. A receipt counts as delivered once the
 transition service applied it, and also once it answered that the receipt can
 never be applied (the thread moved on, the transition was closed, the receipt
 expired, does not match, or was applied already): retrying those would only
-repeat the answer. Any other refusal (a missing public key, a certificate the
-transition service does not accept) is a configuration problem: it is logged
-loudly and retried, because a decision must never be dropped silently. The same
-loop closes open reviews whose deadline passed.
+repeat the answer. A refusal of the deliverer rather than of the decision (a
+public key the transition service lacks, a certificate or identity it does not
+accept) is a configuration problem: it is logged loudly and retried while the
+receipt is valid, because a decision must not be dropped for it. An answer that
+the receipt was applied already means an earlier delivery's answer was lost: the
+review records what that delivery did. The same loop closes open reviews whose
+deadline passed.
 
 Calls use the approval service's own certificate: the transition service takes
 decisions from the identity ``spiffe://<domain>/service/approval`` only.
@@ -54,6 +57,13 @@ TRANSIENT = frozenset(
 )
 # The transition service could not be reached: stop this round, back off.
 UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Refusals of the deliverer, not verdicts on the transition: the transition service
+# lacks the public key the receipt names (a key rotation given to the approval service
+# first) or refuses this service's certificate or identity. Retried, loudly, while the
+# receipt is valid by this clock: fixing the configuration in that time delivers it.
+MISCONFIGURED = frozenset(
+    {"RECEIPT_INVALID", "IDENTITY_INVALID", "IDENTITY_REVOKED", "ROLE_FORBIDDEN"}
+) | frozenset({grpc.StatusCode.UNAUTHENTICATED.name, grpc.StatusCode.PERMISSION_DENIED.name})
 
 
 def refusal_reason(error: grpc.aio.AioRpcError) -> str:
@@ -92,6 +102,11 @@ def _receipt_expired(entry: OutboxEntry, now: datetime) -> bool:
     """
     expires_at = json.loads(entry.receipt.receipt_bytes)["expires_at"]
     return datetime.fromisoformat(expires_at.replace("Z", "+00:00")) <= now
+
+
+def _decision(entry: OutboxEntry) -> str:
+    """The receipt's decision: ``approve`` or ``reject`` (it is this service's own)."""
+    return str(json.loads(entry.receipt.receipt_bytes)["decision"])
 
 
 class Attempt(enum.Enum):
@@ -208,6 +223,25 @@ class ReceiptDelivery:
                 digest,
             )
             return Attempt.RETRY
+        if reason in MISCONFIGURED and not _receipt_expired(entry, now):
+            log.error(
+                "delivering review %s refused: %s %s; the transition service does not take "
+                "this service's receipts (its approval public keys, this service's certificate "
+                "or identity): will retry until the receipt expires",
+                digest,
+                code.name,
+                reason,
+            )
+            return Attempt.RETRY
+        if reason == "RECEIPT_REPLAYED":
+            # Only this receipt's own delivery uses its nonce, and the transition service
+            # records it only when it applies the receipt: with a commit for an approval,
+            # with the rejection for a rejection. An earlier delivery did, and its answer
+            # was lost (a deadline, a restart mid-call).
+            outcome = "committed" if _decision(entry) == "approve" else "rejected"
+            log.info("the receipt of review %s was applied before: %s", digest, outcome)
+            await self._store.mark_delivered(entry.digest, now, outcome)
+            return Attempt.SETTLED
         if code in TRANSIENT:
             log.error(
                 "delivering review %s refused: %s %s (%s); will retry",
