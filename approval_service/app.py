@@ -34,7 +34,12 @@ from ztate.services.runtime.health import DatabaseHealth, HealthReport, pool_pin
 from ztate.services.runtime.identity import Authenticator
 from ztate.services.runtime.reflection import enable_reflection
 from ztate.services.runtime.revocation import Revocations
-from ztate.services.runtime.serving import listen_on, raise_open_file_limit, server_options
+from ztate.services.runtime.serving import (
+    APPROVAL_MAX_MESSAGE_BYTES,
+    listen_on,
+    raise_open_file_limit,
+    server_options,
+)
 from ztate.services.runtime.telemetry import Telemetry
 from ztate.services.store.embedded import start_embedded_postgres
 from ztate.services.store.migrate import MigrationSet, apply_migrations, verify_migrations
@@ -48,9 +53,9 @@ APPROVAL_MIGRATIONS = MigrationSet(
     0x7A7461746532,  # "ztate2"
 )
 SHUTDOWN_GRACE_SECONDS = 10.0
-# A review carries the proposal and its redacted diff (old and new values), each
-# bounded by the transition service's patch limit (at most 4 MiB).
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# A submission carries the proposal and the record and state it builds on; a review,
+# the proposal and its redacted diff (services.runtime.serving says what exceeds it).
+MAX_MESSAGE_BYTES = APPROVAL_MAX_MESSAGE_BYTES
 
 
 @dataclass

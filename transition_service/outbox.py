@@ -9,7 +9,8 @@ closes transitions that waited longer than ``pending_ttl`` as expired.
 A failure that stands for every review (the approval service unreachable, overloaded,
 refusing this service's identity, a deadline) stops the round, which backs off. A
 refusal of one review (``REFUSED_REVIEW``: the approval service cannot derive a review
-from that submission) or a base record that is gone sets that one aside for
+from that submission, or it is over its request limit, which a submission found too
+large before it is sent also is) or a base record that is gone sets that one aside for
 ``SET_ASIDE_SECONDS``: it stays parked (and expires with ``pending_ttl`` if never
 taken), while the reviews parked after it are submitted. Before, it held back every
 review parked after it, for good. Rounds page through the waiting transitions oldest
@@ -28,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 import grpc
 
 from ztate.services.runtime import tls
+from ztate.services.runtime.serving import APPROVAL_MAX_MESSAGE_BYTES
 from ztate.services.runtime.telemetry import untraced
 from ztate.services.store.approvals import ApprovalStore, SubmitPosition
 from ztate.services.store.rows import PendingTransition
@@ -42,6 +44,8 @@ REFUSED_REVIEW = frozenset(
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.OUT_OF_RANGE,
+        # the submission is over its request limit: this one review, not the service
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
 # the most parked transitions a process sets aside (past it, the oldest is tried again)
@@ -142,8 +146,16 @@ class ApprovalOutbox:
         for pending in page:
             try:
                 base_record, base_state = await self._approvals.base_of(pending)
+                request = submission(pending, base_record, base_state)
+                if request.ByteSize() > APPROVAL_MAX_MESSAGE_BYTES:
+                    self._set_apart(
+                        pending,
+                        f"its submission is {request.ByteSize()} bytes, over the approval "
+                        f"service's limit of {APPROVAL_MAX_MESSAGE_BYTES}",
+                    )
+                    continue
                 stub = approval_pb2_grpc.ApprovalServiceStub(await self._channel.channel())
-                await stub.SubmitReview(submission(pending, base_record, base_state), timeout=10)
+                await stub.SubmitReview(request, timeout=10)
             except LookupError:
                 self._set_apart(pending, "its base record is gone")
                 continue

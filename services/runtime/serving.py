@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ztate.serving")
 
+# The approval service's request and reply limit. Its largest request is a review's
+# submission: the proposal, and the record and state it builds on, which a large state
+# limit (ZTATE_MAX_STATE_BYTES, up to 64 MiB) can take past this; the transition
+# service's outbox sets such a submission aside rather than send it.
+APPROVAL_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
 
 def server_options(
     *, max_request_bytes: int, max_reply_bytes: int, handshake_timeout_seconds: float

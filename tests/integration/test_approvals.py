@@ -48,6 +48,7 @@ from ztate.contract.receipts import build_receipt, sign_receipt, verify_receipt
 from ztate.services.cli import ca
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
+from ztate.services.runtime.serving import APPROVAL_MAX_MESSAGE_BYTES
 from ztate.services.store.approvals import ApprovalStore
 from ztate.services.store.interface import Park
 from ztate.services.store.rows import PendingTransition
@@ -660,6 +661,55 @@ async def test_a_review_the_approval_service_refuses_holds_back_no_other(
     finally:
         await ApprovalStore(world.transition.store.pool).close_without_decision(
             [refused, baseless], "expired", datetime.now(UTC)
+        )
+
+
+async def test_a_submission_over_the_approval_services_limit_holds_back_no_other(
+    world: World, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parked transition whose submission (its proposal, base record and base state)
+    is over the approval service's request limit, which a large ZTATE_MAX_STATE_BYTES
+    allows, is set aside as a refused one is: it stays parked and unsubmitted, and the
+    transitions parked after it are reviewed. Before, the approval service's
+    RESOURCE_EXHAUSTED stopped every round at it: no later review was submitted until
+    it expired."""
+    monkeypatch.setattr(outbox_module, "SET_ASIDE_SECONDS", 0.5)
+    caplog.set_level(logging.WARNING, logger="ztate.transition")
+    thread_id = await world.thread()
+    head = await world.transition.store.read_head(thread_id)
+    assert head is not None
+    huge = b'{"target_user_id": "' + b"u" * (APPROVAL_MAX_MESSAGE_BYTES + 1) + b'"}'
+    large = PendingTransition(
+        digest=hashlib.sha256(huge).hexdigest(),
+        thread_id=thread_id,
+        base_version=0,
+        parent_digest=head.digest,
+        node_id=f"spiffe://{TRUST_DOMAIN}/node/planner",
+        proposal=huge,
+        risk_rules=["target-user-change"],
+        idempotency_key="too-large",
+        request_digest="0" * 64,
+        status="pending",
+        parked_at=datetime.now(UTC) - timedelta(minutes=1),  # first in line
+        sensitive_keys=[],
+        required_approvals=1,
+    )
+    assert (await world.transition.store.park(large, b"{}")).outcome is Park.PARKED
+    prefix = f"parked transition {large.digest[:16]} cannot be reviewed (its submission is "
+
+    async def set_aside() -> bool | None:
+        return any(r.getMessage().startswith(prefix) for r in caplog.records) or None
+
+    try:
+        parked = await world.park(await world.thread())  # parked after it
+        review = await world.review(parked.digest)
+        assert review.digest == parked.digest
+        await eventually(set_aside)
+        assert await world.submitted_at(large.digest) is None
+        assert await world.pending_status(large.digest) == "pending"
+    finally:
+        await ApprovalStore(world.transition.store.pool).close_without_decision(
+            [large], "expired", datetime.now(UTC)
         )
 
 
