@@ -39,6 +39,7 @@ from langgraph.checkpoint.base import (
     get_checkpoint_id,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.errors import ContractError
@@ -133,7 +134,15 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
         serde: SerializerProtocol | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        super().__init__(serde=serde)
+        # LangGraph's default serialiser imports and calls any function a msgpack
+        # payload names (a warning, not a refusal, in langgraph-checkpoint 4): a record
+        # rewritten consistently in storage (digest, head and all: the saver's checks
+        # use no secret) would run code on load. The saver's default constructs only
+        # LangGraph's safe types (messages, datetimes, ...); pass a serde with an
+        # allowlist for types of your own.
+        super().__init__(
+            serde=serde if serde is not None else JsonPlusSerializer(allowed_msgpack_modules=None)
+        )
         self.node = node
         self.operator = operator
         self.policy = policy

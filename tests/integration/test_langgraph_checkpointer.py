@@ -4,17 +4,21 @@ and a checkpoint altered in storage refused on load, never deserialised."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 from uuid import uuid4
 
 import asyncpg
+import ormsgpack
 import pytest
 import pytest_asyncio
 from langgraph.checkpoint.base import empty_checkpoint
 from langgraph.checkpoint.conformance import checkpointer_test, validate
-from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+from langgraph.checkpoint.serde.jsonplus import EXT_CONSTRUCTOR_SINGLE_ARG, JsonPlusSerializer
 
+from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.langgraph import (
     CHECKPOINTER_NODE,
     CheckpointNotVerified,
@@ -101,6 +105,57 @@ async def test_a_checkpoint_altered_in_storage_is_refused_before_deserialising(
     assert refused.value.check == "record.digest"
     assert (refused.value.thread_id, refused.value.version) == (ledger_id, 1)
     assert serde.loaded == []  # nothing of the altered record reached the serialiser
+
+
+async def test_a_record_rewritten_consistently_in_storage_runs_no_code_on_load(
+    env: ZtateEnvironment, tmp_path: Path
+) -> None:
+    """An attacker who can write the database rewrites a head record whole (its bytes,
+    digest and the thread's head digest), which the saver's keyless checks cannot tell,
+    with a metadata payload naming a function to call. LangGraph's default serialiser
+    would import and call it on load; the saver's default constructs only safe types."""
+    thread = str(uuid4())
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    checkpoint = empty_checkpoint()
+    checkpoint["channel_values"] = {"answer": "refund 12.99"}
+    await saver_of(env).aput(config, checkpoint, {"step": 0}, {})  # type: ignore[arg-type]
+    ledger_id = ledger_thread_id(thread)
+    planted = tmp_path / "made-by-the-payload"
+    payload = ormsgpack.packb(
+        ormsgpack.Ext(EXT_CONSTRUCTOR_SINGLE_ARG, ormsgpack.packb(["os", "makedirs", str(planted)]))
+    )
+    conn = await asyncpg.connect(env.database_dsn)
+    try:
+        await conn.execute("SET session_replication_role = replica")  # past the triggers
+        record = json.loads(
+            bytes(
+                await conn.fetchval(
+                    "SELECT record FROM ztate.transitions WHERE thread_id = $1 AND version = 1",
+                    ledger_id,
+                )
+            )
+        )
+        entry = json.loads(record["patch"]["entry"])
+        entry["metadata"] = ["msgpack", base64.b64encode(payload).decode()]
+        record["patch"]["entry"] = json.dumps(entry, separators=(",", ":"))
+        forged = canonical_bytes(record)
+        await conn.execute(
+            "UPDATE ztate.transitions SET record = $2, digest = $3 "
+            "WHERE thread_id = $1 AND version = 1",
+            ledger_id,
+            forged,
+            sha256_hex(forged),
+        )
+        await conn.execute(
+            "UPDATE ztate.threads SET head_digest = $2 WHERE thread_id = $1",
+            ledger_id,
+            sha256_hex(forged),
+        )
+    finally:
+        await conn.close()
+    found = await saver_of(env).aget_tuple(config)  # type: ignore[arg-type]
+    assert found is not None  # the keyless checks pass: the rewrite is whole
+    assert not planted.exists()  # and no code named by the payload ran
 
 
 async def test_every_checkpoint_is_a_signed_chained_record_and_sync_calls_work(
