@@ -8,6 +8,7 @@ RFC 8785 form of an object with exactly the format's members.
 from __future__ import annotations
 
 import json
+import re
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -15,6 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from ztate.contract.canonical import JsonObject, canonical_or_error
 from ztate.contract.errors import ContractError
 from ztate.contract.record import shown
+
+SIGNATURE_HEX = re.compile(r"[0-9a-f]{128}")
 
 
 def signed_object(
@@ -35,7 +38,11 @@ def signed_object(
     key = public_keys.get(key_id)
     if key is None:
         raise error(f"no {signer} public key has id {shown(key_id)}", check=f"{what}.signature")
+    # one way of writing a signature, as ztate writes it: bytes.fromhex also takes upper
+    # case and whitespace, which the TypeScript verifier (rightly) refuses
     try:
+        if not isinstance(signature, str) or not SIGNATURE_HEX.fullmatch(signature):
+            raise InvalidSignature
         key.verify(bytes.fromhex(signature), data)
     except (InvalidSignature, ValueError, TypeError):
         raise error(
@@ -48,6 +55,9 @@ def signed_object(
         raise error(f"the {what} is not JSON", check=form) from None
     if not isinstance(body, dict) or body.keys() != members:
         raise error(f"the {what} does not have the members of format 1", check=form)
+    # True == 1 in Python: a format of true would pass every caller's comparison
+    if type(body.get("format")) is not int:
+        raise error(f"the {what}'s format is not an integer", check=form)
     if canonical_or_error(body, error, form) != data:
         raise error(f"the {what} is not in canonical (RFC 8785) form", check=form)
     return body

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.vectors._signing import public_b64, signed_case
+from ztate.contract.canonical import canonical_bytes
 
 SEED = bytes(range(32, 64))  # the receipt-v1.json key
 OTHER_SEED = bytes(range(64, 96))
@@ -47,8 +48,11 @@ def case(
     data: bytes | None = None,
     seed: bytes = SEED,
     flip_bit: bool = False,
+    upper: bool = False,
 ) -> dict[str, Any]:
     body, signature = signed_case(members, data, seed, flip_bit=flip_bit)
+    if upper:
+        signature = signature.upper()
     return {
         "name": name,
         "why": why,
@@ -126,6 +130,35 @@ CASES = [
     ),
     case("wrong-kind", "kind is not approval_receipt", {**GOOD, "kind": "checkpoint"}, valid=False),
     case("wrong-format", "format is not 1", {**GOOD, "format": 2}, valid=False),
+    case(
+        "format-true",
+        "format is the JSON true, not the integer 1 (Python's True == 1 must not pass it)",
+        {**GOOD, "format": True},
+        valid=False,
+    ),
+    case(
+        "signature-uppercase",
+        "the genuine signature written in upper-case hex: one way of writing it is taken",
+        GOOD,
+        valid=False,
+        upper=True,
+    ),
+    case(
+        "lone-surrogate",
+        "thread_id holds a lone surrogate (\\ud800): not Unicode text, which I-JSON refuses",
+        GOOD,
+        valid=False,
+        data=canonical_bytes({**GOOD, "thread_id": "LONE"}).replace(b'"LONE"', b'"\\ud800"'),
+    ),
+    case(
+        "integer-beyond-2-53",
+        "base_version is 2^53, an integer I-JSON cannot carry exactly",
+        GOOD,
+        valid=False,
+        data=canonical_bytes({**GOOD, "base_version": 123454321}).replace(
+            b"123454321", b"9007199254740992"
+        ),
+    ),
     case(
         "key-id-mismatch",
         "the receipt names another key id than it is checked under",

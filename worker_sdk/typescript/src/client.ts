@@ -688,6 +688,11 @@ export class ZtateClient {
     if (sha256Hex(transition.recordJson) !== transition.digest) {
       throw new EvidenceInvalid("record.digest", "the record does not hash to its digest");
     }
+    // a genuine record of another thread or version, with a checkpoint that names this
+    // head's digest, is not this thread's head (as the Python SDK checks)
+    if (record.thread_id !== options.threadId || BigInt(record.version as number) !== transition.version) {
+      throw new EvidenceInvalid("record.digest", "the record is not this thread's head");
+    }
     const patch = record.patch as JsonObject;
     for (const [key, value] of Object.entries(options.actingOn)) {
       if (!Object.hasOwn(patch, key) || canonicalize(patch[key] as Json) !== canonicalize(value)) {

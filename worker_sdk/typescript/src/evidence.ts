@@ -33,16 +33,31 @@ const decoder = new TextDecoder("utf-8", { fatal: true });
  */
 export function canonicalize(value: Json): string {
   if (value === null || typeof value !== "object") {
-    if (typeof value === "number" && !Number.isFinite(value)) {
-      throw new EvidenceInvalid("form", "a number is not finite");
+    if (typeof value === "number") {
+      if (!Number.isFinite(value)) throw new EvidenceInvalid("form", "a number is not finite");
+      // written without an exponent, such an integer is one I-JSON cannot carry exactly
+      // (RFC 7493): the Python implementation refuses it, so this one does too
+      const size = Math.abs(value);
+      if (Number.isInteger(value) && size > Number.MAX_SAFE_INTEGER && size < 1e21) {
+        throw new EvidenceInvalid("form", "an integer is beyond ±(2^53 - 1)");
+      }
     }
+    if (typeof value === "string") wellFormed(value);
     return JSON.stringify(value);
   }
   if (Array.isArray(value)) {
     return `[${value.map(canonicalize).join(",")}]`;
   }
   const names = Object.keys(value).sort();
-  return `{${names.map((name) => `${JSON.stringify(name)}:${canonicalize(value[name] as Json)}`).join(",")}}`;
+  return `{${names.map((name) => `${JSON.stringify(wellFormed(name))}:${canonicalize(value[name] as Json)}`).join(",")}}`;
+}
+
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+
+/** `text`, unless it holds a lone surrogate (no Unicode text, which I-JSON refuses). */
+function wellFormed(text: string): string {
+  if (LONE_SURROGATE.test(text)) throw new EvidenceInvalid("form", "a string holds a lone surrogate");
+  return text;
 }
 
 export function canonicalBytes(value: Json): Uint8Array {
@@ -81,16 +96,27 @@ function hasExactly(body: JsonObject, members: readonly string[]): boolean {
 
 /** A time exactly as ztate writes it (UTC, six fraction digits, a Z), in ms; or null. */
 export function parseTime(text: Json | undefined): number | null {
+  const micros = parseTimeMicros(text);
+  return micros === null ? null : Number(micros / 1000n);
+}
+
+/**
+ * A time exactly as ztate writes it, in µs since the epoch (a bigint: past 2^53), or
+ * null: what validity windows are compared in, to the microsecond, as Python does.
+ */
+export function parseTimeMicros(text: Json | undefined): bigint | null {
   if (typeof text !== "string") return null;
   const m = TIME.exec(text);
   if (m === null) return null;
-  const [year, month, day, hour, minute, second] = m.slice(1, 7).map(Number) as number[];
-  const ms = Date.UTC(year!, month! - 1, day!, hour!, minute!, second!);
-  const back = new Date(ms);
-  if (back.getUTCFullYear() !== year || back.getUTCMonth() !== month! - 1 || back.getUTCDate() !== day) {
+  const [year, month, day, hour, minute, second, micro] = m.slice(1, 8).map(Number) as number[];
+  const at = new Date(0);
+  // setUTCFullYear, not Date.UTC, which reads the years 0 to 99 as 1900 to 1999
+  at.setUTCFullYear(year!, month! - 1, day!);
+  at.setUTCHours(hour!, minute!, second!, 0);
+  if (at.getUTCFullYear() !== year || at.getUTCMonth() !== month! - 1 || at.getUTCDate() !== day) {
     return null;
   }
-  return hour! < 24 && minute! < 60 && second! < 60 ? ms : null;
+  return hour! < 24 && minute! < 60 && second! < 60 ? BigInt(at.getTime()) * 1000n + BigInt(micro!) : null;
 }
 
 function isInt(value: Json | undefined): value is number {
@@ -289,9 +315,9 @@ export function checkReceiptBinds(
       throw new EvidenceInvalid("receipt.binding", `the receipt binds another ${name}`);
     }
   }
-  const committed = parseTime(record.committed_at);
-  const issued = parseTime(receipt.issued_at);
-  const expires = parseTime(receipt.expires_at);
+  const committed = parseTimeMicros(record.committed_at);
+  const issued = parseTimeMicros(receipt.issued_at);
+  const expires = parseTimeMicros(receipt.expires_at);
   if (committed === null || issued === null || expires === null || !(issued <= committed && committed < expires)) {
     throw new EvidenceInvalid("receipt.expired", "the receipt was not valid when the record was committed");
   }

@@ -12,7 +12,9 @@ import { test } from "node:test";
 import { timestampFromDate } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
-import { EvidenceInvalid, ZtateClient, ZtateError } from "../src/index.js";
+import { dirname, join } from "node:path";
+import { fileURLToPath } from "node:url";
+import { EvidenceInvalid, sha256Hex, ZtateClient, ZtateError } from "../src/index.js";
 import { Outcome, TransitionService } from "../src/gen/ztate/v1/transition_pb.js";
 
 const env = process.env;
@@ -432,6 +434,45 @@ test("an aborted watch ends at once, a long wait to resume ahead of it", { skip:
     assert.deepEqual(watchedFrom, [-1n], "no stream after the abort");
   } finally {
     watchScript = undefined;
+    close();
+  }
+});
+
+// --- the head a worker acts on is this thread's, at this version ------------------------
+
+test("verifyHeadBeforeActing refuses a genuine record of another thread or version", { skip: !live }, async () => {
+  // a well-formed record that hashes to the digest the reply names (tests/vectors/): a
+  // checkpoint signed for this thread's head at that digest would otherwise stand for it
+  const vectors = join(dirname(fileURLToPath(import.meta.url)), "..", "..", "..", "..", "tests", "vectors");
+  const vector = JSON.parse(readFileSync(join(vectors, "transition-digests", "format-2-valid.json"), "utf-8"));
+  const recordJson = encoder.encode(vector.record_json);
+  const record = JSON.parse(vector.record_json) as { thread_id: string; version: number };
+  const digest = sha256Hex(recordJson);
+  const { client, close } = await scripted();
+  try {
+    for (const [threadId, version] of [
+      ["another-thread", BigInt(record.version)],
+      [record.thread_id, BigInt(record.version) + 1n],
+    ] as const) {
+      replies.getTransition = { transition: { threadId, version, digest, recordJson, committedAt: AT } };
+      await assert.rejects(
+        client.verifyHeadBeforeActing({
+          threadId,
+          version,
+          headDigest: digest,
+          actingOn: {},
+          receiptKeys: new Map(),
+          checkpointKeys: new Map(),
+        }),
+        (error: unknown) => {
+          assert.ok(error instanceof EvidenceInvalid, `${String(error)} is not EvidenceInvalid`);
+          assert.equal(error.message, "record.digest: the record is not this thread's head");
+          return true;
+        },
+      );
+    }
+  } finally {
+    delete replies.getTransition;
     close();
   }
 });
