@@ -43,7 +43,7 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.errors import ContractError
-from ztate.contract.record import GENESIS_PARENT, parse_record
+from ztate.contract.record import GENESIS_PARENT, KIND_GENESIS, KIND_TRANSITION, parse_record
 from ztate.worker_sdk import AlreadyExists, NotFound, StaleVersion, ZtateClient
 
 CHECKPOINTER_NODE = "langgraph-checkpointer"
@@ -53,6 +53,7 @@ ENTRY_MAX = 1_000_000
 ENTRY_FORMAT = 1
 PROPOSE_ATTEMPTS = 32
 CACHED_THREADS = 1024  # verified chains a saver keeps (least recently used go first)
+CACHED_BYTES = 256 * 1024 * 1024  # and their entries' bytes, at most (the same order)
 
 
 def checkpoint_policy(node: str = CHECKPOINTER_NODE, name: str = POLICY_NAME) -> dict[str, Any]:
@@ -105,6 +106,7 @@ class _Chain:
 
     digests: list[str] = field(default_factory=list)
     entries: list[dict[str, Any] | None] = field(default_factory=list)
+    size: int = 0  # the bytes of the records whose entries are kept
 
 
 def _require_text(value: object, what: str) -> None:
@@ -150,6 +152,7 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
         # the verified chains of the threads used last (at most CACHED_THREADS; one
         # evicted is verified again from its genesis when next used)
         self._chains: OrderedDict[str, _Chain] = OrderedDict()
+        self._cached_bytes = 0  # the sum of their sizes
         # a thread's lock lives while a call holds or waits for it
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -177,8 +180,6 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
         chain = self._chains.get(ledger_id) or _Chain()
         self._chains[ledger_id] = chain
         self._chains.move_to_end(ledger_id)
-        while len(self._chains) > CACHED_THREADS:
-            self._chains.popitem(last=False)
         if len(chain.digests) > view.version + 1:  # the ledger never shrinks
             raise CheckpointNotVerified(
                 f"head went back to version {view.version}",
@@ -186,17 +187,25 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
                 thread_id=ledger_id,
                 version=view.version,
             )
-        for version in range(len(chain.digests), view.version + 1):
-            found = await self.node.get_record(ledger_id, version=version)
-            parent = chain.digests[-1] if chain.digests else GENESIS_PARENT
-            entry = self._check(
-                ledger_id, version, found.transition.record_json, found.transition.digest, parent
-            )
-            chain.digests.append(found.transition.digest)
-            chain.entries.append(entry)
-            if entry is not None and entry.get("kind") == "delete":
-                # nothing before a delete is served again: its bodies leave the cache
-                chain.entries[:-1] = [None] * (len(chain.entries) - 1)
+        kept = chain.size
+        try:
+            for version in range(len(chain.digests), view.version + 1):
+                found = await self.node.get_record(ledger_id, version=version)
+                parent = chain.digests[-1] if chain.digests else GENESIS_PARENT
+                record_json = found.transition.record_json
+                entry = self._check(
+                    ledger_id, version, record_json, found.transition.digest, parent
+                )
+                chain.digests.append(found.transition.digest)
+                chain.entries.append(entry)
+                chain.size += len(record_json)
+                if entry is not None and entry.get("kind") == "delete":
+                    # nothing before a delete is served again: its bodies leave the cache
+                    chain.entries[:-1] = [None] * (len(chain.entries) - 1)
+                    chain.size = len(record_json)
+        finally:  # the records verified so far are kept, and counted
+            self._cached_bytes += chain.size - kept
+            self._evict(keep=ledger_id)
         if chain.digests[view.version] != view.head_digest:
             raise CheckpointNotVerified(
                 "the head's digest is not the verified record's",
@@ -205,6 +214,19 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
                 version=view.version,
             )
         return chain
+
+    def _evict(self, keep: str) -> None:
+        """Drop the least recently used chains (never ``keep``, the one in use) past
+        ``CACHED_THREADS`` chains or ``CACHED_BYTES`` of kept records: a dropped one is
+        read and verified again from its genesis when next used."""
+        while len(self._chains) > 1 and (
+            len(self._chains) > CACHED_THREADS or self._cached_bytes > CACHED_BYTES
+        ):
+            oldest = next(iter(self._chains))
+            if oldest == keep:
+                self._chains.move_to_end(keep)
+                continue
+            self._cached_bytes -= self._chains.pop(oldest).size
 
     @staticmethod
     def _check(
@@ -225,6 +247,14 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
             raise refuse(f"record of thread {record['thread_id']!r}", "record.thread")
         if record["parent_digest"] != parent:
             raise refuse("the record does not chain to its predecessor", "record.parent")
+        expected = KIND_GENESIS if version == 0 else KIND_TRANSITION
+        if record["kind"] != expected:
+            # an operator's revert restores an earlier entry as if it were appended: after
+            # a delete it would serve a deleted checkpoint again. Not a LangGraph operation
+            raise refuse(
+                f"a {record['kind']} record where the saver writes only checkpoint entries",
+                "record.kind",
+            )
         text = record["patch"].get(ENTRY_KEY)
         if version == 0 or text is None:
             return None
@@ -492,6 +522,12 @@ class ZtateCheckpointSaver(BaseCheckpointSaver[str]):
                 )
         except RuntimeError:
             pass
+        if not self.loop.is_running() or self.loop.is_closed():
+            call.close()
+            raise asyncio.InvalidStateError(
+                "synchronous calls of ZtateCheckpointSaver run on its event loop, which is "
+                "not running: keep it running in another thread (it would wait forever)"
+            )
         return asyncio.run_coroutine_threadsafe(call, self.loop).result()
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:

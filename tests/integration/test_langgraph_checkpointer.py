@@ -18,6 +18,7 @@ from langgraph.checkpoint.base import empty_checkpoint
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.serde.jsonplus import EXT_CONSTRUCTOR_SINGLE_ARG, JsonPlusSerializer
 
+from tests.harness import secure_channel
 from ztate.contract.canonical import canonical_bytes, sha256_hex
 from ztate.langgraph import (
     CHECKPOINTER_NODE,
@@ -26,7 +27,9 @@ from ztate.langgraph import (
     checkpoint_policy,
     ledger_thread_id,
 )
+from ztate.langgraph import checkpointer as checkpointer_module
 from ztate.testing import ZtateEnvironment
+from ztate.v1 import transition_pb2, transition_pb2_grpc
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -286,6 +289,78 @@ async def test_a_deleted_threads_bodies_leave_the_savers_memory(env: ZtateEnviro
     chain = saver._chains[ledger_thread_id(thread)]
     assert [e and e["kind"] for e in chain.entries] == [None, None, "delete"]
     assert len(chain.digests) == 3
+
+
+async def test_an_operators_revert_of_a_checkpoint_thread_is_refused_not_served(
+    env: ZtateEnvironment,
+) -> None:
+    """An operator's revert restores an earlier entry as a new record: the saver read it
+    as an append, so a revert after delete_thread served the deleted checkpoint again
+    (found by review). A record of any kind but the checkpointer's own transitions is
+    refused, naming the check."""
+    thread = str(uuid4())
+    saver = saver_of(env)
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    for secret in ("123-45-6789", "later"):
+        checkpoint = empty_checkpoint()
+        checkpoint["channel_values"] = {"ssn": secret}
+        config = await saver.aput(config, checkpoint, {"step": 0}, {})  # type: ignore[arg-type]
+    await saver.adelete_thread(thread)
+    ledger_id = ledger_thread_id(thread)
+    creds = env.credentials("operator", "admin")
+    async with secure_channel(env.target, creds) as channel:
+        await transition_pb2_grpc.TransitionServiceStub(channel).RevertThread(
+            transition_pb2.RevertThreadRequest(
+                thread_id=ledger_id, to_version=1, idempotency_key="restore-1"
+            )
+        )
+    root = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    for reader in (saver, saver_of(env)):  # the saver that wrote it, and a fresh one
+        with pytest.raises(CheckpointNotVerified) as refused:
+            await reader.aget_tuple(root)  # type: ignore[arg-type]
+        assert refused.value.check == "record.kind"
+        assert (refused.value.thread_id, refused.value.version) == (ledger_id, 4)
+
+
+async def test_the_savers_memory_is_bounded_in_bytes_too(
+    env: ZtateEnvironment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At most CACHED_BYTES of verified records are kept (1,024 threads of many large
+    checkpoints were kept whole): past it, the least recently used threads' chains go,
+    and are read and verified again when next used."""
+    monkeypatch.setattr(checkpointer_module, "CACHED_BYTES", 1)
+    saver = saver_of(env)
+    threads = [str(uuid4()) for _ in range(3)]
+    for thread in threads:
+        checkpoint = empty_checkpoint()
+        checkpoint["channel_values"] = {"notes": "x" * 10_000}
+        config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+        await saver.aput(config, checkpoint, {"step": 0}, {})  # type: ignore[arg-type]
+        assert await saver.aget_tuple(config) is not None  # type: ignore[arg-type]
+    # the one in use is always kept; the others went
+    assert list(saver._chains) == [ledger_thread_id(threads[-1])]
+    assert saver._cached_bytes == saver._chains[ledger_thread_id(threads[-1])].size > 10_000
+    first = {"configurable": {"thread_id": threads[0], "checkpoint_ns": ""}}
+    found = await saver.aget_tuple(first)  # type: ignore[arg-type]
+    assert found is not None
+    assert found.checkpoint["channel_values"] == {"notes": "x" * 10_000}
+    assert list(saver._chains) == [ledger_thread_id(threads[0])]
+
+
+async def test_a_sync_call_on_a_saver_whose_loop_is_not_running_is_refused_at_once(
+    env: ZtateEnvironment,
+) -> None:
+    """A saver built for a loop that is not running (run_until_complete, say) waited
+    for ever on a sync call from another thread; it is refused at once."""
+    idle = asyncio.new_event_loop()
+    try:
+        saver = saver_of(env, loop=idle)
+        config = {"configurable": {"thread_id": str(uuid4()), "checkpoint_ns": ""}}
+        with pytest.raises(asyncio.InvalidStateError, match="not running"):
+            # a bound, not a synchronisation: before, the call never returned
+            await asyncio.wait_for(asyncio.to_thread(saver.get_tuple, config), 10)  # type: ignore[arg-type]
+    finally:
+        idle.close()
 
 
 async def test_bad_ids_are_refused_on_the_way_in_and_none_is_the_root_namespace(
