@@ -83,8 +83,13 @@ def checkpoint_policy(node: str = CHECKPOINTER_NODE, name: str = POLICY_NAME) ->
 
 
 def ledger_thread_id(thread_id: str) -> str:
-    """The ztate thread of a LangGraph thread (any string maps to a valid, fixed id)."""
-    return "lg-" + hashlib.sha256(thread_id.encode()).hexdigest()[:48]
+    """The ztate thread of a LangGraph thread (any Unicode string maps to a valid, fixed
+    id; one holding a lone surrogate, which no entry could carry, is a ValueError)."""
+    try:
+        encoded = thread_id.encode()
+    except UnicodeEncodeError:
+        raise ValueError("a LangGraph thread id must be Unicode text (a lone surrogate)") from None
+    return "lg-" + hashlib.sha256(encoded).hexdigest()[:48]
 
 
 class CheckpointNotVerified(Exception):

@@ -42,11 +42,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import grpc
 from langchain_core.runnables import RunnableConfig
 from langgraph.channels.last_value import LastValue
 from langgraph.graph import StateGraph
 
-from ztate.worker_sdk import ZtateClient
+from ztate.worker_sdk import AlreadyExists, ZtateClient
 
 WORKER_MODULE = "ztate.langgraph.worker"
 # what a worker process inherits of this one's environment (never credentials)
@@ -512,7 +513,16 @@ class IsolatedGraph:
         ``None`` the thread exists and the run starts from its head."""
         thread_id = _thread_of(config)
         if input is not None:
-            await self.operator.create_thread(thread_id, dict(input), policy=self.policy)
+            genesis = await self.operator.create_thread(thread_id, dict(input), policy=self.policy)
+            if genesis.replayed:
+                # the same operator created it with the same input before: running again
+                # would run every node again on its head, as LangGraph started afresh
+                raise AlreadyExists(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    "THREAD_EXISTS",
+                    f"thread {thread_id!r} exists (created with this input before): pass "
+                    "None as the input to run on from its head",
+                )
             start: dict[str, Any] = dict(input)
         else:
             start = (await self.operator.get_view(thread_id)).state

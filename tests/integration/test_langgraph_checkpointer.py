@@ -387,6 +387,9 @@ async def test_bad_ids_are_refused_on_the_way_in_and_none_is_the_root_namespace(
     assert found.checkpoint["id"] == good["id"]
     rows = await env.ledger.rows(ledger_thread_id(str(thread)))
     assert len(rows) == 2  # genesis and the good put: nothing of the refused ones
+    lone = {"configurable": {"thread_id": "t-\ud800", "checkpoint_ns": ""}}
+    with pytest.raises(ValueError, match="lone surrogate"):  # was a bare UnicodeEncodeError
+        await saver.aput(lone, good, {"step": 0}, {})  # type: ignore[arg-type]
 
     child = empty_checkpoint()
     sub = {"configurable": {"thread_id": str(uuid4()), "checkpoint_ns": "child:1"}}

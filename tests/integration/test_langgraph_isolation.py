@@ -33,6 +33,7 @@ from ztate.services.runtime.identity import Identity, Role
 from ztate.testing import TRUST_DOMAIN, LedgerSnapshot, ZtateEnvironment
 from ztate.testing._pki import secure_channel
 from ztate.v1 import approval_pb2, approval_pb2_grpc
+from ztate.worker_sdk import AlreadyExists
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "langgraph_pipeline"
 
@@ -298,6 +299,25 @@ async def test_the_injected_parser_is_refused_and_the_ledger_is_unchanged(
     assert row["node_id"] == f"spiffe://{TRUST_DOMAIN}/node/input-parser"
     assert row["base_version"] == 0
     assert support_graph.ATTACKER not in row["message"]
+
+
+async def test_a_new_threads_run_asked_again_is_refused_not_run_again(running: Running) -> None:
+    """ainvoke with an input creates the thread; asked again with the same input (a
+    retry), CreateThread answers that the same operator created it (replayed) and the
+    graph ran every node again on the advanced head while LangGraph started afresh from
+    the input (found by review). It is refused THREAD_EXISTS, nothing run."""
+    thread = f"lg-{uuid.uuid4().hex[:12]}"
+    with pytest.raises(NodeUpdateRefused):  # the first run: the injected parser is refused
+        await running.graph.ainvoke(example.initial_state(example.INJECTED), config(thread))
+    running.trace.write_text("")
+    with pytest.raises(AlreadyExists) as refused:
+        await running.graph.ainvoke(example.initial_state(example.INJECTED), config(thread))
+    assert refused.value.reason == "THREAD_EXISTS"
+    assert "pass None as the input" in str(refused.value)
+    assert running.traced() == []  # no node ran
+    assert len(await running.env.ledger.rejections(thread)) == 1  # the first run's alone
+    snapshot = await running.env.ledger.snapshot(thread)
+    assert (snapshot.head_version, snapshot.transitions) == (0, 1)
 
 
 async def test_a_risky_update_the_reviewer_rejects_stops_the_run_and_commits_nothing(
