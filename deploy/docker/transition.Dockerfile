@@ -20,10 +20,14 @@ COPY services ./services
 COPY transition_service ./transition_service
 COPY approval_service ./approval_service
 COPY worker_sdk ./worker_sdk
+COPY contract ./contract
+COPY ztate_langgraph ./ztate_langgraph
+COPY testing ./testing
 RUN pip wheel --no-cache-dir --wheel-dir /wheels --constraint requirements.lock ./worker_sdk .
 
 FROM python:3.11-slim
-RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ztate
+RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ztate \
+    && install -d -o 10001 -g 10001 -m 0750 /var/lib/ztate /var/lib/ztate/checkpoints
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index /wheels/*.whl && rm -rf /wheels
 ENV PYTHONDONTWRITEBYTECODE=1 \

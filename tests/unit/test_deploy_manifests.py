@@ -10,8 +10,12 @@ the suite.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from importlib import resources
@@ -29,6 +33,7 @@ from packaging.utils import canonicalize_name
 from ztate.services.cli.main import build_parser
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime.config import ApprovalSettings, Settings
+from ztate.services.runtime.revocation import RevocationList
 from ztate.services.runtime.scrape import LIVE_PATH, LIVE_TIMEOUT_SECONDS, READY_PATH
 
 # distributions built from this repository (deploy/lock.py follows them but pins none)
@@ -179,6 +184,54 @@ def test_containers_use_only_settings_the_services_read_and_files_they_mount() -
                     assert any(value.startswith(m + "/") or value == m for m in mounts), (
                         f"{name}: {var['name']}={value} is not in a mounted volume"
                     )
+
+
+def _env_and_mounts(deployment: str) -> tuple[dict[str, str], dict[str, Doc], dict[str, Doc]]:
+    """A Deployment's first container: its variables, mounts by path, volumes by name."""
+    pod = named("Deployment", deployment)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {v["name"]: v.get("value", "") for v in container["env"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    return env, mounts, volumes
+
+
+def _volume_of(path: str, mounts: dict[str, Doc], volumes: dict[str, Doc]) -> tuple[Doc, Doc]:
+    (mount,) = [m for at, m in mounts.items() if path.startswith(at + "/")]
+    return mount, volumes[mount["name"]]
+
+
+@pytest.mark.parametrize(
+    ("deployment", "variable"),
+    [
+        ("ztate-transition", "ZTATE_REVOCATION_LIST_FILE"),
+        ("ztate-approval", "ZTATE_APPROVAL_REVOCATION_LIST_FILE"),
+    ],
+)
+def test_both_services_read_the_revocation_list_that_kustomize_ships(
+    deployment: str, variable: str
+) -> None:
+    """Without it a service reads the default path, which no manifest mounted: a missing
+    list revokes nothing, so `ztate ca revoke` cut off no one (found by review). The
+    ConfigMap is mounted as a folder (a subPath mount never sees a change) and parses."""
+    env, mounts, volumes = _env_and_mounts(deployment)
+    mount, volume = _volume_of(env[variable], mounts, volumes)
+    assert "subPath" not in mount
+    assert volume["configMap"]["name"] == "ztate-revocations"
+    shipped = named("ConfigMap", "ztate-revocations")["data"]
+    listed = RevocationList.parse(shipped[Path(env[variable]).name].encode())
+    assert listed.entries == ()
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "configmap-revocations.yaml" in kustomization["resources"]
+
+
+def test_the_checkpoint_journal_is_on_a_writable_volume() -> None:
+    """The journal's default path is under the image's read-only root: every checkpoint
+    round failed, and no checkpoint was ever saved (found by review)."""
+    env, mounts, volumes = _env_and_mounts("ztate-transition")
+    mount, volume = _volume_of(env["ZTATE_CHECKPOINT_JOURNAL_FILE"], mounts, volumes)
+    assert not mount.get("readOnly", False)
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume
 
 
 def test_committed_secrets_are_templates_that_kustomize_never_applies() -> None:
@@ -551,3 +604,75 @@ def test_images_build_with_the_lock_and_install_nothing_else(image: str) -> None
     assert "--no-index" in install  # the final stage installs only those wheels
     ignore = (DEPLOY / "docker" / f"{image}.Dockerfile.dockerignore").read_text()
     assert "!deploy/requirements.lock" in ignore.splitlines()
+
+
+def _in_context(relative: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore ``patterns`` leave ``relative`` (a file path) in the build
+    context: the last pattern matching the path or one of its folders decides."""
+    parts = relative.split("/")
+    prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    kept = True
+    for pattern in patterns:
+        exception = pattern.startswith("!")
+        body = pattern.removeprefix("!").rstrip("/")
+        if any(fnmatch.fnmatchcase(prefix, body) for prefix in prefixes):
+            kept = exception
+    return kept
+
+
+@pytest.mark.parametrize("image", ["transition", "approval"])
+def test_the_build_stage_builds_both_wheels_from_the_build_context(
+    image: str, tmp_path: Path
+) -> None:
+    """The build stage, without Docker: the files its .dockerignore leaves in the
+    context, copied as its COPY commands say, then its `pip wheel` (offline: no
+    dependencies, no build isolation). Before, the context lacked contract/,
+    ztate_langgraph/ and testing/, which the two packages hold: the image could not
+    be built."""
+    ignore = (DEPLOY / "docker" / f"{image}.Dockerfile.dockerignore").read_text()
+    patterns = [line for line in ignore.splitlines() if line and not line.startswith("#")]
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True
+    ).stdout.decode()
+    context = [path for path in tracked.split("\0") if path and _in_context(path, patterns)]
+    assert not [path for path in context if path.startswith(("deploy/secrets", ".ztate"))]
+    commands = dockerfile.parse_file(str(DEPLOY / "docker" / f"{image}.Dockerfile"))
+    build = commands[: [c.cmd for c in commands].index("FROM", 1)]
+    workdir = tmp_path / "src"
+    workdir.mkdir()
+    for copy in (c for c in build if c.cmd == "COPY"):
+        *sources, target = copy.value
+        for source in sources:
+            for path in context:
+                if path == source:  # a file: into a folder (a trailing /) or as named
+                    named = target.endswith("/")
+                    destination = workdir / target / Path(path).name if named else workdir / target
+                elif path.startswith(source.rstrip("/") + "/"):  # a folder's contents
+                    destination = workdir / target / path[len(source.rstrip("/")) + 1 :]
+                else:
+                    continue
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(REPO / path, destination)
+    wheels = tmp_path / "wheels"
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(wheels),
+            "./worker_sdk",
+            ".",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert sorted(p.name.split("-")[0] for p in wheels.glob("*.whl")) == ["ztate", "ztate_worker"]
