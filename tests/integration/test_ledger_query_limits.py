@@ -4,6 +4,7 @@ an index whatever the filter (real gRPC, mTLS and Postgres)."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -73,6 +74,12 @@ def test_the_reason_is_in_the_contract() -> None:
 ROWS = 60_000
 RARE = 5
 PAGE = 100
+# names no other test's rejections hold: the session's database is shared by the files
+# one worker runs, and their refusals are in the same table
+TAG = uuid.uuid4().hex[:8]
+RARE_REASON = f"RARE_{TAG.upper()}"
+BUSY_THREAD = f"t-{TAG}-1"
+BUSY_NODE = f"spiffe://ztate.test/node/n{TAG}-1"
 
 
 def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -85,10 +92,10 @@ def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     ("filters", "index", "returned"),
     [
-        ({"reason": "CREDENTIAL_DETECTED"}, "rejections_by_reason_id", RARE),
-        ({"thread_id": "t-1"}, "rejections_by_thread_id", PAGE),
-        ({"node_id": "spiffe://ztate.test/node/n1"}, "rejections_by_node_id", PAGE),
-        ({"thread_id": "t-1", "reason": "STALE_VERSION"}, "rejections_by_thread_id", PAGE),
+        ({"reason": RARE_REASON}, "rejections_by_reason_id", RARE),
+        ({"thread_id": BUSY_THREAD}, "rejections_by_thread_id", PAGE),
+        ({"node_id": BUSY_NODE}, "rejections_by_node_id", PAGE),
+        ({"thread_id": BUSY_THREAD, "reason": "STALE_VERSION"}, "rejections_by_thread_id", PAGE),
     ],
 )
 async def test_a_page_of_rejections_reads_the_rows_it_returns(
@@ -107,23 +114,27 @@ async def test_a_page_of_rejections_reads_the_rows_it_returns(
         async with conn.transaction():  # rolled back: the table is left as it was
             await conn.execute(
                 """INSERT INTO ztate.rejections (method, node_id, thread_id, reason, message)
-                   SELECT 'ProposeTransition', 'spiffe://ztate.test/node/n' || (i % 5000),
-                          't-' || (i % 5000), 'STALE_VERSION', 'stale'
+                   SELECT 'ProposeTransition', $2::text || (i % 5000), $3::text || (i % 5000),
+                          'STALE_VERSION', 'stale'
                      FROM pg_catalog.generate_series(1, $1) AS i""",
                 ROWS,
+                f"spiffe://ztate.test/node/n{TAG}-",
+                f"t-{TAG}-",
             )
             await conn.execute(
                 """INSERT INTO ztate.rejections (method, node_id, thread_id, reason, message)
                    SELECT 'ProposeTransition', 'spiffe://ztate.test/node/rare', 'rare-thread',
-                          'CREDENTIAL_DETECTED', 'credential'
+                          $2::text, 'credential'
                      FROM pg_catalog.generate_series(1, $1)""",
                 RARE,
+                RARE_REASON,
             )
             await conn.execute(
                 """INSERT INTO ztate.rejections (method, node_id, thread_id, reason, message)
-                   SELECT 'ProposeTransition', 'spiffe://ztate.test/node/n1', 't-1',
-                          'STALE_VERSION', 'stale'
-                     FROM pg_catalog.generate_series(1, 1000)"""
+                   SELECT 'ProposeTransition', $1::text, $2::text, 'STALE_VERSION', 'stale'
+                     FROM pg_catalog.generate_series(1, 1000)""",
+                BUSY_NODE,
+                BUSY_THREAD,
             )
             await conn.execute("ANALYZE ztate.rejections")
             await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan")
