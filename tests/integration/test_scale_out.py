@@ -21,7 +21,9 @@ import asyncio
 import contextlib
 import itertools
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -547,15 +549,9 @@ async def test_health_command_probes_the_approval_service_by_its_certificate_nam
         await running.stop(grace=1.0)
 
 
-SERVICE_LOGIN_GRANTS = """
-CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ztate_transition, ztate_reader;
--- with ZTATE_MIGRATE_ON_START=false the service only reads which migrations ran
-GRANT SELECT ON public.ztate_schema_migrations TO {login};
-"""
-APPROVAL_LOGIN_GRANTS = """
-CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ztate_approver;
-GRANT SELECT ON public.ztate_approval_schema_migrations TO {login};
-"""
+LOGINS_SQL = Path(__file__).resolve().parents[2] / "deploy" / "logins.sql"
+# the Debian Postgres client every CI machine has (Debian puts it on PATH too)
+PSQL = shutil.which("psql") or "/usr/lib/postgresql/15/bin/psql"
 
 
 def as_login(dsn: str, login: str, password: str) -> str:
@@ -598,12 +594,26 @@ async def test_a_replica_runs_with_a_login_that_owns_nothing(
     code, _, stderr = await run_ztate("db", "migrate", env=dict(base, DATABASE_URL=owner_dsn))
     assert code == 0, stderr
 
+    # both services' logins, made by the file compose's `logins` service runs (psql)
     login, password = f"ztate_svc_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    owner = await asyncpg.connect(owner_dsn)
-    try:
-        await owner.execute(SERVICE_LOGIN_GRANTS.format(login=login, password=password))
-    finally:
-        await owner.close()
+    approver, approver_password = f"ztate_appr_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    variables = {
+        "transition_login": login,
+        "transition_password": password,
+        "approval_login": approver,
+        "approval_password": approver_password,
+    }
+    for _ in range(2):  # run again, it creates nothing new and fails on nothing
+        made = await asyncio.to_thread(
+            subprocess.run,
+            [PSQL, owner_dsn, "-q", "-v", "ON_ERROR_STOP=1", "-f", str(LOGINS_SQL)]
+            + [arg for name, value in variables.items() for arg in ("-v", f"{name}={value}")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert made.returncode == 0, made.stderr
     service_dsn = as_login(owner_dsn, login, password)
     env = dict(
         replica_env(service_dsn, pki, keyring_file, policy_dir, tmp_path),
@@ -636,14 +646,6 @@ async def test_a_replica_runs_with_a_login_that_owns_nothing(
     assert [r["version"] for r in await ledger_rows(owner_dsn, thread_id)] == [0, 1]
 
     # the approval service, with its own login that owns nothing, starts and serves
-    approver, approver_password = f"ztate_appr_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    owner = await asyncpg.connect(owner_dsn)
-    try:
-        await owner.execute(
-            APPROVAL_LOGIN_GRANTS.format(login=approver, password=approver_password)
-        )
-    finally:
-        await owner.close()
     generate_signing_key(tmp_path / "signing.pem", tmp_path / "public.json", "approval-k1")
     issued = ca.issue(
         pki.ca_dir,

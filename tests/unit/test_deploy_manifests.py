@@ -437,13 +437,41 @@ def test_compose_validates_against_the_compose_spec_schema() -> None:
 def test_compose_runs_the_stack_with_secrets_as_files_only() -> None:
     spec = compose()
     services = spec["services"]
-    assert set(services) == {"postgres", "migrate", "transition", "approval", "otel-collector"}
+    assert set(services) == {
+        "postgres",
+        "migrate",
+        "logins",
+        "transition",
+        "approval",
+        "otel-collector",
+    }
     assert services["postgres"]["image"].startswith("postgres:15")
     assert services["otel-collector"]["image"].startswith("otel/opentelemetry-collector:")
     for name in ("transition", "approval"):
-        assert services[name]["depends_on"]["migrate"]["condition"] == (
+        assert services[name]["depends_on"]["logins"]["condition"] == (
             "service_completed_successfully"
         )
+    assert services["logins"]["depends_on"]["migrate"]["condition"] == (
+        "service_completed_successfully"
+    )
+    # the services run as logins that own nothing (deploy/logins.sql, which
+    # test_scale_out runs): only the migrations and the logins hold the owner's DSN
+    for name, login in (("transition", "transition"), ("approval", "approval")):
+        (dsn,) = [
+            s
+            for s in services[name]["secrets"]
+            if isinstance(s, dict) and s["target"] == "database_url"
+        ]
+        assert dsn["source"] == f"{login}_database_url"
+    assert "database_url" in services["logins"]["secrets"]
+    assert services["logins"]["configs"] == [
+        {"source": "logins", "target": "/etc/ztate/logins.sql"}
+    ]
+    assert spec["configs"]["logins"]["file"] == "./logins.sql"
+    logins = services["logins"]
+    assert logins["read_only"] is True
+    assert logins["cap_drop"] == ["ALL"]
+    assert not logins["user"].startswith("0")
     for name in ("migrate", "transition", "approval"):
         service = services[name]
         assert service["read_only"] is True
@@ -458,9 +486,10 @@ def test_compose_runs_the_stack_with_secrets_as_files_only() -> None:
             "cmd_serve",
             "cmd_approval_serve",
         }
-        mounted = {f"/run/secrets/{s}" for s in service["secrets"]} | {
-            c["target"] for c in service.get("configs", [])
-        }
+        mounted = {
+            f"/run/secrets/{s if isinstance(s, str) else s.get('target', s['source'])}"
+            for s in service["secrets"]
+        } | {c["target"] for c in service.get("configs", [])}
         for variable, value in service.get("environment", {}).items():
             assert variable in known_env(), f"{name}: {variable} is read by nothing"
             assert variable != "DATABASE_URL"
