@@ -14,9 +14,12 @@ from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
 from ztate.services.store.interface import Commit
 from ztate.transition_service.checks import (
+    check_credentials,
+    check_declared,
     check_privileged,
     check_revert_fields,
     check_revert_target,
+    check_schema,
     check_state_size,
     restoring_patch,
     revert_digest,
@@ -55,6 +58,13 @@ class RevertThread(UseCase):
         current: JsonObject = orjson.loads(head.state_bytes)
         patch = restoring_patch(current, target)
         state = apply_patch(current, patch)
+        # what the revert brings back must pass the policy in force now, as a proposal
+        # of it would: a policy edited since (a narrower enum, a key no longer declared
+        # or no longer opaque) is not undone by restoring a state written under the old
+        changed = {k: v for k, v in patch.items() if k not in current or current[k] != v}
+        check_declared(changed, policy)
+        check_schema(changed, policy)
+        check_credentials(changed, policy)
         check_invariants(policy, Change.of(policy, state, current, patch, caller.name))
         state_bytes = canonical_bytes(state)
         check_state_size(state_bytes, self._max_state_bytes)

@@ -287,6 +287,45 @@ async def test_revert_out_of_range_is_refused_and_writes_nothing(
     assert await world.ledger.rows(thread_id) == before
 
 
+async def test_a_revert_restores_nothing_the_policy_in_force_refuses(
+    world: World, policy_dir: Path, tmp_path: Path
+) -> None:
+    """A revert to a version written before a policy edit brought back a value the
+    policy in force refuses (here a requested action the edited enum no longer holds),
+    and its record named the edited policy: only the invariants were checked (found by
+    review). The restored keys now pass the declared-key, schema and credential checks
+    a proposal of them would, or the revert is refused and writes nothing."""
+    needle = "action: {type: enum, values: [refund, cancel_order, lookup, update_address, none]}"
+    edited = tmp_path / "edited"
+    shutil.copytree(policy_dir, edited)
+    text = (policy_dir / "pipeline.yaml").read_text()
+    assert needle in text
+    (edited / "pipeline.yaml").write_text(text.replace("[refund, ", "["))
+    thread_id = new_thread_id()
+    async with client(world.target, world.pki.operator()) as operator:
+        await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+    async with client(world.target, world.pki.node("input-parser")) as parser:
+        await parser.propose(thread_id, 0, {"requested_action": act("a1", "refund")})
+    original = world.settings
+    world.settings = original.model_copy(update={"policy_path": edited})
+    await world.restart()
+    try:
+        async with client(world.target, world.pki.node("input-parser")) as parser:
+            await parser.propose(thread_id, 1, {"requested_action": act("a2", "lookup")})
+        before = await world.ledger.rows(thread_id)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await world.revert(thread_id, 1, "back-to-the-refund")
+        assert refusal(refused.value) == (grpc.StatusCode.INVALID_ARGUMENT, "SCHEMA_VIOLATION")
+        assert "requested_action" in (refused.value.details() or "")
+        assert await world.ledger.rows(thread_id) == before
+        # a revert to what the policy in force allows still commits
+        reverted = await world.revert(thread_id, 0, "back-to-genesis")
+        assert reverted.transition.version == 3
+    finally:
+        world.settings = original
+        await world.restart()
+
+
 async def test_revert_of_an_unknown_thread_is_not_found(world: World) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await world.revert("no-such-thread", 0, "k")
