@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,15 +128,18 @@ def rotate_keyring_file(path: Path, key_id: str | None = None) -> str:
     """Add a new random key to the keyring at ``path`` and make it current.
 
     Old keys stay, so records signed under them keep verifying. The file is
-    replaced atomically (a 0600 temp file in the same folder, then a rename), so a
-    crash leaves either the old keyring or the new one, never half of one.
+    replaced atomically (a temp file in the same folder, then a rename), so a crash
+    leaves either the old keyring or the new one, never half of one. The new file
+    keeps the old one's owner and group (where this user may set them) and its
+    permissions less any for others: a keyring a service reads through its group
+    stays readable to it. It is read as the service reads it (at most 1 MiB).
     Returns the new key id; never the key.
     """
+    keyring = Keyring.load(path, None)
     try:
-        text = path.read_text(encoding="utf-8")
+        before = path.stat()
     except OSError as exc:
         raise KeyringError(f"{path}: cannot read the keyring ({exc.strerror})") from None
-    keyring = Keyring.from_json(text, source=str(path))
     chosen = key_id if key_id is not None else new_key_id(keyring.key_ids)
     if not KEY_ID.match(chosen):
         raise KeyringError(f"key id {chosen!r} must be 1-64 characters of [A-Za-z0-9._-]")
@@ -142,13 +147,19 @@ def rotate_keyring_file(path: Path, key_id: str | None = None) -> str:
         raise KeyringError(f"{path}: key id {chosen!r} already exists; key ids are never reused")
     keys = {kid: base64.b64encode(keyring.key(kid)).decode() for kid in keyring.key_ids}
     keys[chosen] = base64.b64encode(secrets.token_bytes(32)).decode()
-    _write_atomically(path, json.dumps({"current": chosen, "keys": keys}))
+    _write_atomically(path, json.dumps({"current": chosen, "keys": keys}), like=before)
     return chosen
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, text: str, *, like: os.stat_result | None = None) -> None:
+    """``text`` into ``path`` by a rename: mode 0600, or ``like``'s owner, group and
+    permissions less any for others (and any the owner could not give)."""
     temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if like is not None:
+        with contextlib.suppress(PermissionError):  # only root gives a file away
+            os.fchown(fd, like.st_uid, like.st_gid)
+        os.fchmod(fd, stat.S_IMODE(like.st_mode) & 0o660)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
