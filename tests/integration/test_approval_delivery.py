@@ -88,32 +88,28 @@ class Pair:
 async def pair(
     request: pytest.FixtureRequest,
     pki: Pki,
-    keyring_file: Path,
-    policy_dir: Path,
+    settings: Settings,
     database_dsn: str,
     tmp_path: Path,
 ) -> AsyncIterator[Pair]:
     """The approval service signs with ``request.param`` ("k1", or "k2": a key the
     transition service, which trusts k1 alone, has not been given yet)."""
+    base_settings = settings  # the suite's, on this pair's ports and approval keys
     signing = getattr(request, "param", "k1")
     keys = tmp_path / "keys"
     generate_signing_key(keys / "k1.pem", keys / "public-k1.json", "k1")
     shutil.copy(keys / "public-k1.json", keys / "public-both.json")
     add_signing_key(keys / "k2.pem", keys / "public-both.json", "k2")
     transition_port, approval_port = free_port(), free_port()
-    settings = Settings(
-        home=tmp_path / "home",
-        listen=f"127.0.0.1:{transition_port}",
-        trust_domain=TRUST_DOMAIN,
-        tls_cert=pki.certs / "service-transition.crt",
-        tls_key=pki.certs / "service-transition.key",
-        tls_ca=pki.certs / "ca.crt",
-        policy_path=policy_dir,
-        hmac_keyring_file=keyring_file,
-        approval_target=f"localhost:{approval_port}",
-        approval_public_keys_file=keys / "public-k1.json",
-        outbox_interval_seconds=0.2,
-        db_pool_size=4,
+    settings = base_settings.model_copy(
+        update={
+            "home": tmp_path / "home",
+            "listen": f"127.0.0.1:{transition_port}",
+            "approval_target": f"localhost:{approval_port}",
+            "approval_public_keys_file": keys / "public-k1.json",
+            "outbox_interval_seconds": 0.2,
+            "db_pool_size": 4,
+        }
     )
     transition = await start_transition(settings, dsn=database_dsn)
     issued = ca.issue(

@@ -235,6 +235,26 @@ async def refused(call: Any) -> tuple[grpc.StatusCode, str]:
     return refusal(caught.value)
 
 
+async def paged(
+    stub: approval_pb2_grpc.ApprovalServiceStub, thread_id: str, *, page_size: int, most: int
+) -> list[list[str]]:
+    """The review digests of each page of a thread's reviews, following the page tokens
+    until one is empty (at most ``most`` pages, or the pages never end)."""
+    pages: list[list[str]] = []
+    token = ""
+    for _ in range(most):
+        page = await stub.ListReviews(
+            approval_pb2.ListReviewsRequest(
+                thread_id=thread_id, page_size=page_size, page_token=token
+            )
+        )
+        pages.append([review.digest for review in page.reviews])
+        token = page.next_page_token
+        if not token:
+            return pages
+    raise AssertionError(f"the pages did not end within {most}")
+
+
 async def fetch(dsn: str, query: str, *args: object) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(dsn)
     try:
@@ -484,19 +504,10 @@ async def test_keyset_pagination_visits_each_review_once_oldest_first(
         proposal = parked(thread_id=thread, base_version=version)
         await submitted(approval_target, pki, proposal)
         digests.append(proposal.digest)
-    seen: list[str] = []
-    token = ""
     async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
-        while True:
-            page = await stub.ListReviews(
-                approval_pb2.ListReviewsRequest(thread_id=thread, page_size=2, page_token=token)
-            )
-            assert len(page.reviews) <= 2
-            seen += [review.digest for review in page.reviews]
-            token = page.next_page_token
-            if not token:
-                break
-        assert seen == digests
+        pages = await paged(stub, thread, page_size=2, most=len(digests) + 1)
+        assert all(len(page) <= 2 for page in pages)
+        assert [digest for page in pages for digest in page] == digests
         for bad in ({"page_token": "garbage"}, {"page_size": 1001}, {"status": 9}):
             assert await refused(
                 stub.ListReviews(approval_pb2.ListReviewsRequest(**bad))  # type: ignore[arg-type]
@@ -519,19 +530,10 @@ async def test_a_page_of_large_reviews_is_cut_to_the_reply_budget_and_continues(
         await submitted(approval_target, pki, proposal)
         digests.append(proposal.digest)
     monkeypatch.setattr(server, "LIST_REPLY_BUDGET", 1)
-    seen: list[str] = []
-    token = ""
     async with stub_as(approval_target, pki.identity(Role.REVIEWER, "alice")) as stub:
-        for _ in range(len(digests) + 1):
-            page = await stub.ListReviews(
-                approval_pb2.ListReviewsRequest(thread_id=thread, page_size=100, page_token=token)
-            )
-            assert len(page.reviews) <= 1
-            seen += [review.digest for review in page.reviews]
-            token = page.next_page_token
-            if not token:
-                break
-    assert seen == digests
+        pages = await paged(stub, thread, page_size=100, most=len(digests) + 1)
+    assert all(len(page) <= 1 for page in pages)
+    assert [digest for page in pages for digest in page] == digests
 
 
 # --- deciding ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import base64
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import asyncpg
@@ -70,26 +71,36 @@ class Refused(JsonPlusSerializer):
         return super().loads_typed(data)
 
 
-async def test_a_checkpoint_altered_in_storage_is_refused_before_deserialising(
-    env: ZtateEnvironment,
-) -> None:
+async def one_checkpoint(env: ZtateEnvironment) -> tuple[dict[str, Any], str]:
+    """A new thread holding one checkpoint: its config and its ledger thread."""
     thread = str(uuid4())
-    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    config: dict[str, Any] = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
     checkpoint = empty_checkpoint()
     checkpoint["channel_values"] = {"answer": "refund 12.99"}
     await saver_of(env).aput(config, checkpoint, {"step": 0}, {})  # type: ignore[arg-type]
-    ledger_id = ledger_thread_id(thread)
+    return config, ledger_thread_id(thread)
+
+
+async def first_record(conn: asyncpg.Connection, ledger_id: str) -> bytes:
+    """The stored bytes of the checkpoint's record (version 1)."""
+    return bytes(
+        await conn.fetchval(
+            "SELECT record FROM ztate.transitions WHERE thread_id = $1 AND version = 1",
+            ledger_id,
+        )
+    )
+
+
+async def test_a_checkpoint_altered_in_storage_is_refused_before_deserialising(
+    env: ZtateEnvironment,
+) -> None:
+    config, ledger_id = await one_checkpoint(env)
 
     # an attacker with write access to the database edits the stored record
     conn = await asyncpg.connect(env.database_dsn)
     try:
         await conn.execute("SET session_replication_role = replica")  # past the triggers
-        body = bytes(
-            await conn.fetchval(
-                "SELECT record FROM ztate.transitions WHERE thread_id = $1 AND version = 1",
-                ledger_id,
-            )
-        )
+        body = await first_record(conn, ledger_id)
         # flip one character of the serialised checkpoint inside the entry
         at = body.index(b'\\"checkpoint\\":[\\"') + 40
         forged = body[:at] + (b"A" if body[at : at + 1] != b"A" else b"B") + body[at + 1 :]
@@ -117,12 +128,7 @@ async def test_a_record_rewritten_consistently_in_storage_runs_no_code_on_load(
     digest and the thread's head digest), which the saver's keyless checks cannot tell,
     with a metadata payload naming a function to call. LangGraph's default serialiser
     would import and call it on load; the saver's default constructs only safe types."""
-    thread = str(uuid4())
-    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
-    checkpoint = empty_checkpoint()
-    checkpoint["channel_values"] = {"answer": "refund 12.99"}
-    await saver_of(env).aput(config, checkpoint, {"step": 0}, {})  # type: ignore[arg-type]
-    ledger_id = ledger_thread_id(thread)
+    config, ledger_id = await one_checkpoint(env)
     planted = tmp_path / "made-by-the-payload"
     payload = ormsgpack.packb(
         ormsgpack.Ext(EXT_CONSTRUCTOR_SINGLE_ARG, ormsgpack.packb(["os", "makedirs", str(planted)]))
@@ -130,14 +136,7 @@ async def test_a_record_rewritten_consistently_in_storage_runs_no_code_on_load(
     conn = await asyncpg.connect(env.database_dsn)
     try:
         await conn.execute("SET session_replication_role = replica")  # past the triggers
-        record = json.loads(
-            bytes(
-                await conn.fetchval(
-                    "SELECT record FROM ztate.transitions WHERE thread_id = $1 AND version = 1",
-                    ledger_id,
-                )
-            )
-        )
+        record = json.loads(await first_record(conn, ledger_id))
         entry = json.loads(record["patch"]["entry"])
         entry["metadata"] = ["msgpack", base64.b64encode(payload).decode()]
         record["patch"]["entry"] = json.dumps(entry, separators=(",", ":"))

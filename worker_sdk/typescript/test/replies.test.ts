@@ -476,3 +476,24 @@ test("verifyHeadBeforeActing refuses a genuine record of another thread or versi
     close();
   }
 });
+
+test("a watch's reconnects out of range is a RangeError before any stream", { skip: !live }, async () => {
+  const { client, close } = await scripted();
+  watchedFrom.length = 0;
+  try {
+    for (const reconnects of [-1, 1.5, Number.NaN, 1_001, Number.POSITIVE_INFINITY]) {
+      await assert.rejects(
+        client.watch(THREAD, -1, undefined, { reconnects }).next(),
+        new RangeError("reconnects must be an integer from 0 to 1000"),
+        String(reconnects),
+      );
+    }
+    await assert.rejects(
+      client.watch(THREAD, -1, undefined, { reconnects: "3" as unknown as number }).next(),
+      new TypeError("reconnects must be a number, not a string"),
+    );
+    assert.deepEqual(watchedFrom, [], "no stream was opened");
+  } finally {
+    close();
+  }
+});
