@@ -14,11 +14,16 @@ import asyncio
 import json
 import re
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+from aiohttp import ClientSession, web
 
+from ztate.services.console.app import ConsoleRunner, guard_of, make_app
+from ztate.services.console.backend import Backend
 from ztate.testing import TRUST_DOMAIN, Credentials, Ledger, LedgerSnapshot, Pki
 from ztate.testing._approval import deliver_approval
 from ztate.testing._ledger import fresh_database, with_database
@@ -30,6 +35,7 @@ __all__ = [
     "NODES",
     "TRUST_DOMAIN",
     "USER",
+    "ConsoleClient",
     "Credentials",
     "Ledger",
     "LedgerSnapshot",
@@ -41,6 +47,7 @@ __all__ = [
     "fresh_database",
     "new_thread_id",
     "secure_channel",
+    "serving_console",
     "with_database",
 ]
 
@@ -161,3 +168,47 @@ def console_session() -> Any:
         cookie_jar=CookieJar(unsafe=True),
         connector=TCPConnector(resolver=LoopbackResolver()),  # type: ignore[arg-type]
     )
+
+
+class ConsoleClient:
+    """A console served in this process (``serving_console``) and a session of a browser's."""
+
+    def __init__(self, backend: Any, app: web.Application, session: ClientSession) -> None:
+        self.backend, self.app, self.session = backend, app, session
+        self.guard = guard_of(app)
+
+    @property
+    def base(self) -> str:
+        return self.guard.origin
+
+    async def sign_in(self) -> str:
+        """Exchange the token; the Set-Cookie header it answered with."""
+        assert self.guard.token is not None
+        async with self.session.get(
+            f"{self.base}/?token={self.guard.token}", allow_redirects=False
+        ) as got:
+            assert (got.status, got.headers["Location"]) == (303, "/reviews")
+            return got.headers["Set-Cookie"]
+
+    async def post(self, path: str, form: dict[str, str], **headers: str) -> tuple[int, str]:
+        async with self.session.post(
+            f"{self.base}{path}", data=form, headers=headers, allow_redirects=False
+        ) as got:
+            return got.status, await got.text()
+
+
+@asynccontextmanager
+async def serving_console(backend: Backend) -> AsyncIterator[ConsoleClient]:
+    """The console of ``backend`` on a loopback port, and a client session for it."""
+    app = make_app(backend, 0)
+    runner = ConsoleRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    assert site._server is not None
+    guard_of(app).port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    try:
+        async with console_session() as session:
+            yield ConsoleClient(backend, app, session)
+    finally:
+        await runner.cleanup()

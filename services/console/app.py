@@ -77,6 +77,9 @@ CALL_STATUS = {
     "ALREADY_EXISTS": 409,
     "FAILED_PRECONDITION": 409,
     "ABORTED": 409,
+    # a query the service would not run to the end (QUERY_TOO_COSTLY: narrow it), a
+    # limit of the service's reached: gRPC's own HTTP mapping (Google's AIP-193)
+    "RESOURCE_EXHAUSTED": 429,
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
     CREDENTIALS_UNREADABLE: 503,  # the console's own files went away: it cannot call

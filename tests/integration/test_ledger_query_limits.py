@@ -3,9 +3,13 @@ an index whatever the filter (real gRPC, mTLS and Postgres)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -13,7 +17,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from tests.harness import Pki, secure_channel
+from tests.harness import Pki, secure_channel, serving_console
+from ztate.services.console.backend import Backend, Identity
 from ztate.services.runtime.config import Settings
 from ztate.services.store.ledger import LIST_REJECTIONS
 from ztate.transition_service.app import RunningService, start
@@ -63,6 +68,51 @@ async def test_a_query_past_the_limit_is_refused_and_the_next_one_answers(
                 ledger_pb2.ListRejectionsRequest(reason="STALE_VERSION"), timeout=10
             )
             assert isinstance(answered, ledger_pb2.ListRejectionsResponse)
+    finally:
+        await blocker.close()
+
+
+async def test_the_console_and_the_cli_say_query_too_costly(
+    bounded: RunningService, pki: Pki, database_dsn: str
+) -> None:
+    """A query the database cancels is, on the console's rejections page, 429 with the
+    reason and its advice (not the 502 of a service that answered nonsense), and, from
+    ``ztate ledger rejections``, exit 1 with the reason on one line (no traceback)."""
+    operator = pki.operator()
+    target = f"localhost:{bounded.port}"
+    blocker = await asyncpg.connect(database_dsn)
+    try:
+        async with blocker.transaction():
+            await blocker.execute("LOCK TABLE ztate.rejections IN ACCESS EXCLUSIVE MODE")
+            backend = Backend(
+                Identity(target, operator.cert, operator.key, operator.ca),
+                Identity(target, operator.cert, operator.key, operator.ca),
+            )
+            async with serving_console(backend) as console:
+                await console.sign_in()
+                async with console.session.get(f"{console.base}/rejections") as got:
+                    page = await got.text()
+                    assert got.status == 429, page
+            assert "QUERY_TOO_COSTLY" in page
+            assert "narrow it" in page
+            process = await asyncio.create_subprocess_exec(
+                str(Path(sys.executable).with_name("ztate")),
+                *("ledger", "rejections", "--address", target),
+                *("--client-cert", str(operator.cert), "--client-key", str(operator.key)),
+                *("--ca-cert", str(operator.ca)),
+                env={k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")},
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode == 1, err
+        assert out == b""
+        said = err.decode()
+        assert said.startswith("ztate: QUERY_TOO_COSTLY: "), said
+        assert "narrow it" in said
+        assert said.count("\n") == 1
+        assert "Traceback" not in said
     finally:
         await blocker.close()
 

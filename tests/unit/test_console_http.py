@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiohttp import ClientSession, web
 
-from tests.harness import Pki, console_session
-from ztate.services.console.app import CSP, ConsoleRunner, guard_of, make_app
+from tests.harness import ConsoleClient, Pki, console_session, serving_console
+from ztate.services.console.app import CSP
 from ztate.services.console.backend import Backend, Identity
 from ztate.services.runtime.identity import Role
 
@@ -47,59 +45,18 @@ class Recording(Backend):
         return []
 
 
-class Running:
-    def __init__(self, backend: Recording, app: web.Application, session: ClientSession) -> None:
-        self.backend, self.app, self.session = backend, app, session
-        self.guard = guard_of(app)
-
-    @property
-    def base(self) -> str:
-        return self.guard.origin
-
-    async def sign_in(self) -> str:
-        """Exchange the token; the Set-Cookie header it answered with."""
-        assert self.guard.token is not None
-        async with self.session.get(
-            f"{self.base}/?token={self.guard.token}", allow_redirects=False
-        ) as got:
-            assert (got.status, got.headers["Location"]) == (303, "/reviews")
-            return got.headers["Set-Cookie"]
-
-    async def post(self, path: str, form: dict[str, str], **headers: str) -> tuple[int, str]:
-        async with self.session.post(
-            f"{self.base}{path}", data=form, headers=headers, allow_redirects=False
-        ) as got:
-            return got.status, await got.text()
-
-
-@asynccontextmanager
-async def serving(backend: Backend) -> AsyncIterator[Running]:
-    app = make_app(backend, 0)
-    runner = ConsoleRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    assert site._server is not None
-    guard_of(app).port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    try:
-        async with console_session() as session:
-            yield Running(backend, app, session)  # type: ignore[arg-type]
-    finally:
-        await runner.cleanup()
-
-
 @pytest_asyncio.fixture
-async def console() -> AsyncIterator[Running]:
-    async with serving(Recording()) as running:
+async def console() -> AsyncIterator[ConsoleClient]:
+    async with serving_console(Recording()) as running:
         yield running
 
 
-def csrf_of(console: Running) -> str:
+def csrf_of(console: ConsoleClient) -> str:
     [csrf] = console.guard.sessions.values()
     return csrf
 
 
-async def test_the_token_opens_one_session_once(console: Running) -> None:
+async def test_the_token_opens_one_session_once(console: ConsoleClient) -> None:
     token = console.guard.token
     assert token is not None
     assert len(token) >= 43  # 256 bits, URL-safe base64
@@ -132,7 +89,7 @@ async def test_the_token_opens_one_session_once(console: Running) -> None:
     ],
 )
 async def test_a_post_from_elsewhere_decides_nothing(
-    console: Running, headers: dict[str, str], why: str
+    console: ConsoleClient, headers: dict[str, str], why: str
 ) -> None:
     await console.sign_in()
     headers = {k: v.replace("ORIGIN", console.base) for k, v in headers.items()}
@@ -142,7 +99,7 @@ async def test_a_post_from_elsewhere_decides_nothing(
     assert console.backend.calls == []
 
 
-async def test_the_csrf_token_is_required_and_compared(console: Running) -> None:
+async def test_the_csrf_token_is_required_and_compared(console: ConsoleClient) -> None:
     await console.sign_in()
     path = f"/reviews/{DIGEST}/decide"
     for form in (
@@ -164,7 +121,7 @@ async def test_the_csrf_token_is_required_and_compared(console: Running) -> None
     assert console.backend.calls == [("decide", (DIGEST, "approve"))] * 2
 
 
-async def test_a_decision_must_name_the_page_digest(console: Running) -> None:
+async def test_a_decision_must_name_the_page_digest(console: ConsoleClient) -> None:
     await console.sign_in()
     csrf = csrf_of(console)
     for form in (
@@ -182,7 +139,7 @@ async def test_a_decision_must_name_the_page_digest(console: Running) -> None:
 
 
 async def test_another_host_is_refused_and_every_answer_has_the_headers(
-    console: Running,
+    console: ConsoleClient,
 ) -> None:
     await console.sign_in()
     for host, status in (
@@ -212,7 +169,7 @@ async def test_another_host_is_refused_and_every_answer_has_the_headers(
         assert got.status in (403, 404)
 
 
-async def test_a_large_form_is_refused(console: Running) -> None:
+async def test_a_large_form_is_refused(console: ConsoleClient) -> None:
     await console.sign_in()
     form = {"csrf": csrf_of(console), "digest": DIGEST, "padding": "x" * 100_000}
     status, _ = await console.post(f"/reviews/{DIGEST}/decide", form, Origin=console.base)
@@ -307,7 +264,7 @@ async def test_a_verification_that_cannot_run_says_so(
     ["<script>alert(1)</script>", "a\nb", "t" * 129, "..%2F..%2Fetc", "%00", "é"],
 )
 async def test_a_hostile_thread_id_is_refused_before_any_call(
-    console: Running, hostile: str
+    console: ConsoleClient, hostile: str
 ) -> None:
     """The thread box and the timeline's path take only what the services accept as a
     thread id: anything else is 400 (the box) or 404 (the path), never a call, and never
@@ -350,7 +307,7 @@ def reflected(body: str, hostile: str) -> bool:
 
 @pytest.mark.parametrize("hostile", HOSTILE_THREADS)
 async def test_a_hostile_rejections_filter_is_refused_before_any_call(
-    console: Running, hostile: str
+    console: ConsoleClient, hostile: str
 ) -> None:
     from urllib.parse import quote
 
@@ -487,7 +444,7 @@ def test_nothing_of_a_malformed_request_reaches_the_console_log(
     assert b"Error handling request" not in said
 
 
-async def test_a_valid_rejections_filter_is_asked(console: Running) -> None:
+async def test_a_valid_rejections_filter_is_asked(console: ConsoleClient) -> None:
     await console.sign_in()
     async with console.session.get(f"{console.base}/rejections?thread=order-42.a:b_c") as got:
         assert got.status == 200
@@ -508,7 +465,7 @@ NOT_DIGESTS = [
 
 
 @pytest.mark.parametrize("value", NOT_DIGESTS)
-async def test_review_paths_take_only_a_digest(console: Running, value: str) -> None:
+async def test_review_paths_take_only_a_digest(console: ConsoleClient, value: str) -> None:
     """A review page and its decision exist only for a transition digest: anything else
     is 404 (no page), with nothing asked, decided or echoed."""
     from urllib.parse import quote
@@ -526,7 +483,7 @@ async def test_review_paths_take_only_a_digest(console: Running, value: str) -> 
     assert console.backend.calls == []
 
 
-def verify_ran(console: Running) -> bool:
+def verify_ran(console: ConsoleClient) -> bool:
     from ztate.services.console.app import CONSOLE
 
     return console.app[CONSOLE].last_verify is not None
@@ -534,7 +491,7 @@ def verify_ran(console: Running) -> bool:
 
 @pytest.mark.parametrize("hostile", HOSTILE_THREADS[:1] + HOSTILE_THREADS[2:])
 async def test_a_verification_of_a_hostile_thread_runs_nothing(
-    console: Running, hostile: str
+    console: ConsoleClient, hostile: str
 ) -> None:
     await console.sign_in()
     form = {"csrf": csrf_of(console), "thread": hostile}
@@ -544,7 +501,7 @@ async def test_a_verification_of_a_hostile_thread_runs_nothing(
     assert not verify_ran(console)
 
 
-async def test_hostile_verification_bodies_run_nothing(console: Running) -> None:
+async def test_hostile_verification_bodies_run_nothing(console: ConsoleClient) -> None:
     """A file where the thread box is (not "every thread"), a body past 16 KiB, a JSON
     body, a form without the CSRF token: each a precise 4xx, and no verification ran."""
     from aiohttp import FormData
@@ -589,7 +546,7 @@ async def test_a_service_out_of_reach_is_503_on_every_page(pki: Pki) -> None:
             Identity(address, operator.cert, operator.key, operator.ca),
             Identity(address, reviewer.cert, reviewer.key, reviewer.ca),
         )
-        async with serving(backend) as console:
+        async with serving_console(backend) as console:
             await console.sign_in()
             form = {"csrf": csrf_of(console), "digest": DIGEST, "decision": "approve"}
             status, body = await console.post(
@@ -674,7 +631,7 @@ async def test_credentials_are_read_once_and_again_only_when_they_change(
         return got.status, "UNAVAILABLE" if "UNAVAILABLE" in body else "CREDENTIALS_UNREADABLE"
 
     try:
-        async with serving(Backend(mine, mine)) as console:
+        async with serving_console(Backend(mine, mine)) as console:
             await console.sign_in()
             pages = ("/threads", "/threads/t-1", "/rejections", "/reviews", "/threads")
             for path in pages:
@@ -718,7 +675,7 @@ async def test_a_credential_that_became_a_symlink_loop_is_503_credentials_unread
         return got.status, "CREDENTIALS_UNREADABLE" in body, "UNAVAILABLE" in body
 
     try:
-        async with serving(Backend(mine, mine)) as console:
+        async with serving_console(Backend(mine, mine)) as console:
             await console.sign_in()
             assert await shown("/threads") == (503, False, True)
             key.unlink()
