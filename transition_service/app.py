@@ -265,6 +265,7 @@ async def _start_traced(
         policies=policies,
         max_state_bytes=settings.max_state_bytes,
         metrics=telemetry.metrics,
+        revoked=lambda spiffe_id: callers.revoked(spiffe_id, None),
     )
     checkpointer = (
         Checkpointer(

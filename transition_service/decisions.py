@@ -16,8 +16,10 @@ import asyncio
 import enum
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 import orjson
 
@@ -111,8 +113,11 @@ class DecisionPipeline:
         policies: PolicySet,
         max_state_bytes: int = 1024 * 1024,
         metrics: Metrics = NO_METRICS,
+        revoked: Callable[[str], bool] = lambda _spiffe_id: False,
     ) -> None:
         self._store = store
+        # whether this service's revocation list, as it is now, names an identity
+        self._revoked = revoked
         self._policies = policies
         self._max_state_bytes = max_state_bytes
         self._approvals = approvals
@@ -161,7 +166,7 @@ class DecisionPipeline:
             note_transition(pending.thread_id, pending.base_version, Outcome.REJECTED.value)
             return Resolution(Outcome.REJECTED)
         head = looked.head
-        refusal = self._recheck(pending, head)
+        refusal = self._revoked_reviewers(receipt, pending) or self._recheck(pending, head)
         if refusal is not None:
             return await self._refuse(pending, refusal, now)
         # a parked row has its thread (a foreign key) and its candidate state
@@ -196,6 +201,24 @@ class DecisionPipeline:
         except errors.ZtateError as refusal:
             return refusal
         return None
+
+    def _revoked_reviewers(
+        self, receipt: dict[str, object], pending: PendingTransition
+    ) -> errors.ZtateError | None:
+        """An approval whose reviewers this service's revocation list now names, too many
+        of them to leave the approvals the transition needs: refused, not committed. The
+        approval service counts only unrevoked approvers when a review closes; a receipt
+        delivered later (the transition service out of reach for minutes, or the two
+        services' lists out of step) is checked again here. A receipt names identities,
+        not certificates: a revoked certificate serial is the approval service's to
+        check."""
+        reviewers = sorted(set(cast(list[str], receipt["reviewers"])))  # _check_reviewers
+        revoked = [r for r in reviewers if self._revoked(r)]
+        if not revoked or len(reviewers) - len(revoked) >= pending.required_approvals:
+            return None
+        return errors.IdentityRevoked(
+            f"the approval of {', '.join(revoked)} no longer counts: the identity is revoked"
+        )
 
     async def _refuse(
         self, pending: PendingTransition, refusal: errors.ZtateError, now: datetime

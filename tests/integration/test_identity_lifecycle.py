@@ -21,22 +21,26 @@ from cryptography import x509
 from tests.harness import (
     INITIAL,
     TRUST_DOMAIN,
+    USER,
     Credentials,
     Ledger,
     Pki,
     act,
+    as_operator_sees_it,
     client,
     new_thread_id,
 )
+from ztate.contract.keyring import generate_signing_key
 from ztate.services.cli import ca
 from ztate.services.cli.main import main as ztate
 from ztate.services.runtime import tls
 from ztate.services.runtime.config import Settings
 from ztate.services.runtime.identity import Identity, Role
 from ztate.services.runtime.reloading import write_atomically
+from ztate.testing._approval import deliver_approval
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
-from ztate.worker_sdk import IdentityRevoked, ZtateClient
+from ztate.worker_sdk import AwaitingApproval, IdentityRevoked, ZtateClient
 
 PROPOSER = "input-parser"
 
@@ -142,6 +146,43 @@ async def test_a_revoked_operator_identity_is_refused_by_every_service_of_the_po
         async with client(target, renewed) as again:
             with pytest.raises(IdentityRevoked):
                 await again.create_thread(new_thread_id(), INITIAL, policy="pipeline")
+
+
+async def test_an_approval_by_a_reviewer_revoked_since_is_refused_not_committed(
+    settings: Settings, database_dsn: str, pki: Pki, ledger: Ledger, tmp_path: Path
+) -> None:
+    """A receipt approved by a reviewer whose identity the transition service's list
+    revokes by the time it is delivered (the service was out of reach, or the two
+    services' lists are out of step) does not commit: the parked transition is refused
+    IDENTITY_REVOKED, with a rejection row, and the thread's head stays."""
+    revocations = tmp_path / "revocations.json"
+    signing, public = tmp_path / "approval-signing.pem", tmp_path / "approval-public.json"
+    generate_signing_key(signing, public, "approval-k1")
+    update = {"revocation_list_file": revocations, "approval_public_keys_file": public}
+    async with serving(settings, database_dsn, **update) as target:
+        thread_id = await new_thread(target, pki.operator())
+        async with client(target, pki.node("planner")) as planner:
+            with pytest.raises(AwaitingApproval) as parked:
+                await planner.propose(thread_id, 0, {"target_user_id": USER.replace("1", "2")})
+        digest = (await as_operator_sees_it(database_dsn, parked.value)).digest
+        reviewer = f"spiffe://{TRUST_DOMAIN}/reviewer/alice"  # deliver_approval's reviewer
+        assert ztate(["ca", "revoke", "--spiffe-id", reviewer, "--list", str(revocations)]) == 0
+        before = await ledger.snapshot(thread_id)
+        applied = await deliver_approval(target, pki, signing, digest, thread_id, 0)
+        assert applied.outcome == transition_pb2.OUTCOME_REFUSED
+        assert applied.reason == "IDENTITY_REVOKED"
+        assert await ledger.snapshot(thread_id) == before  # nothing committed
+        rows = await ledger.rejections(thread_id)
+        assert [(r["method"], r["reason"], r["base_version"]) for r in rows] == [
+            ("ApplyDecision", "IDENTITY_REVOKED", 0)
+        ]
+        assert rows[0]["message"] == (
+            "approved, but refused at commit: the approval of "
+            f"{reviewer} no longer counts: the identity is revoked"
+        )
+        async with client(target, pki.node("planner")) as planner:
+            outcome = await planner.wait_for_outcome(parked.value, within=5.0)
+        assert (outcome.status, outcome.reason) == ("refused", "IDENTITY_REVOKED")
 
 
 async def test_a_revocation_list_that_breaks_keeps_the_last_one_read(
