@@ -7,7 +7,7 @@ refusals to gRPC statuses.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from google.protobuf import timestamp_pb2
@@ -147,7 +147,9 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
                 replayed=outcome.replayed,
             )
 
-        async def revoked(caller: Identity, refusal: errors.IdentityRevoked) -> None:
+        async def revoked(
+            caller: Identity, refusal: errors.IdentityRevoked | errors.CertificateExpired
+        ) -> None:
             await self._pipeline.refused(caller, proposal, refusal)  # its rejection row
 
         return await guarded(
@@ -191,6 +193,18 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
 
         return await guarded(context, self._authenticator, "GetCheckpoint", handle)
 
+    def _still_valid(self, context: Context, caller: Identity) -> Callable[[], None]:
+        """The check a stream runs before each message: the caller's certificate still in
+        its validity period, neither it nor its identity revoked (the list as it is
+        then), as a call is checked when it starts."""
+        auth = context.auth_context()
+        authenticator = self._authenticator
+
+        def check() -> None:
+            authenticator.check_credential(context, caller, auth)
+
+        return check
+
     async def WatchThread(
         self, request: transition_pb2.WatchThreadRequest, context: Context
     ) -> AsyncIterator[transition_pb2.WatchThreadResponse]:
@@ -199,8 +213,10 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
 
         subscription = await guarded(context, self._authenticator, "WatchThread", handle)
         disclose = self._reads.discloses_records(subscription.caller)
+        still_valid = self._still_valid(context, subscription.caller)
         try:
             async for version in subscription:
+                still_valid()  # a certificate expired or revoked since: no more state
                 yield transition_pb2.WatchThreadResponse(
                     thread_id=version.thread_id,
                     version=version.version,
@@ -281,8 +297,12 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
 
         stream = await guarded(context, self._authenticator, "SubscribeWork", handle)
         assert work is not None
+        still_valid = self._still_valid(context, stream.caller)
         try:
             async for item in work.dispatcher.items(stream):
+                # a certificate expired or revoked since: no more state, no more leases
+                # (the one granted for this item lapses at its TTL)
+                still_valid()
                 expires = timestamp_message(item.expires_at)
                 yield transition_pb2.SubscribeWorkResponse(
                     thread_id=item.thread_id,

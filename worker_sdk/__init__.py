@@ -34,6 +34,7 @@ from ztate.worker_sdk.client import (
 from ztate.worker_sdk.errors import (
     AlreadyExists,
     AwaitingApproval,
+    CertificateExpired,
     FailedPrecondition,
     HandshakeFailed,
     IdentityRevoked,
@@ -61,6 +62,7 @@ from ztate.worker_sdk.sync import SyncZtateClient
 __all__ = [
     "AlreadyExists",
     "AwaitingApproval",
+    "CertificateExpired",
     "Checkpoint",
     "FailedPrecondition",
     "Handler",

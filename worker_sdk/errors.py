@@ -46,6 +46,18 @@ class Unauthenticated(ZtateError):
     """Our certificate carries no identity the server accepts."""
 
 
+class CertificateExpired(Unauthenticated):
+    """Our certificate's validity period ended on a connection opened while it was valid
+    (CERTIFICATE_EXPIRED): a renewed certificate on disk is used from the next
+    connection; no retry with this one succeeds."""
+
+    hint = (
+        "the service refused our certificate: it has expired (or is not valid yet); "
+        "renew it (ztate ca renew, or your PKI's tooling) and the client uses the new "
+        "files on its next connection"
+    )
+
+
 class IdentityRevoked(Unauthenticated):
     """Our certificate, or our whole identity, is in the service's revocation list
     (IDENTITY_REVOKED): no retry with this certificate will succeed. A revoked
@@ -167,6 +179,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ZtateError]] = {
 
 _BY_REASON: dict[str, type[ZtateError]] = {
     "IDENTITY_REVOKED": IdentityRevoked,
+    "CERTIFICATE_EXPIRED": CertificateExpired,
     "INVARIANT_VIOLATED": InvariantViolated,
     "TOO_MANY_STREAMS": TooManyStreams,
     "LEASE_LOST": LeaseLost,

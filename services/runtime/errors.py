@@ -66,6 +66,13 @@ class IdentityRevoked(ZtateError):
     reason = "IDENTITY_REVOKED"
 
 
+class CertificateExpired(ZtateError):
+    """The caller's certificate is outside its validity period on a connection TLS
+    accepted while it was valid (TLS checks the dates at the handshake only)."""
+
+    reason = "CERTIFICATE_EXPIRED"
+
+
 class RoleForbidden(ZtateError):
     reason = "ROLE_FORBIDDEN"
 

@@ -2,9 +2,10 @@
 
 An identity is ``spiffe://<trust-domain>/<role>/<name>``. TLS has already
 verified the certificate chain to the configured CA and its validity period
-before a handler runs; this module reads the identity out of it and, at every call
-(so on connections opened before a revocation too), refuses a certificate or
-identity in the revocation list (``Authenticator``). Nothing in a request body or
+when the connection was made; this module reads the identity out of it and, at every
+call (so on connections opened before an expiry or a revocation too), refuses a
+certificate outside its validity period, or a certificate or identity in the revocation
+list (``Authenticator``). Nothing in a request body or
 its metadata can claim an identity.
 """
 
@@ -12,15 +13,17 @@ from __future__ import annotations
 
 import enum
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
 import grpc
 from cryptography import x509
 
-from ztate.services.runtime.errors import IdentityInvalid, IdentityRevoked
+from ztate.services.runtime.errors import CertificateExpired, IdentityInvalid, IdentityRevoked
 from ztate.services.runtime.revocation import Revocations
 
 # also a pydantic pattern (policy node names), whose engine has no \Z: Python code
@@ -103,20 +106,42 @@ def identity_from_context(
     return parse_spiffe_id(spiffe_ids[0].decode("ascii", "replace"), trust_domain)
 
 
+@dataclass(frozen=True, slots=True)
+class CertificateFacts:
+    """What the per-call checks read from the caller's certificate: its serial, and its
+    validity period in POSIX seconds."""
+
+    serial: int
+    not_before: float
+    not_after: float
+
+
 @lru_cache(maxsize=4096)
-def certificate_serial(pem: bytes) -> int | None:
-    """The serial number of a PEM certificate (cached: a connection presents the same
-    bytes at every call); None if it does not parse, which TLS would not have let by."""
+def certificate_facts(pem: bytes) -> CertificateFacts | None:
+    """The facts of a PEM certificate (cached: a connection presents the same bytes at
+    every call); None if it does not parse, which TLS would not have let by."""
     try:
-        return x509.load_pem_x509_certificate(pem).serial_number
+        cert = x509.load_pem_x509_certificate(pem)
     except ValueError:
         return None
+    return CertificateFacts(
+        cert.serial_number,
+        cert.not_valid_before_utc.timestamp(),
+        cert.not_valid_after_utc.timestamp(),
+    )
+
+
+def certificate_serial(pem: bytes) -> int | None:
+    """The serial number of a PEM certificate; None if it does not parse."""
+    facts = certificate_facts(pem)
+    return None if facts is None else facts.serial
 
 
 class Authenticator:
     """The per-call identity step of a service: who the caller is (``identify``), then
-    whether its certificate or identity is revoked (``check_revocation``); two steps, so
-    that a revoked caller, whose certificate is genuine, can be named in a refusal."""
+    whether its certificate is still valid and neither it nor its identity revoked
+    (``check_credential``); two steps, so that such a caller, whose certificate is
+    genuine, can be named in a refusal."""
 
     def __init__(self, trust_domain: str, revocations: Revocations | None = None) -> None:
         self.trust_domain = trust_domain
@@ -128,17 +153,35 @@ class Authenticator:
         """The caller's identity, or ``IdentityInvalid``."""
         return identity_from_context(context, self.trust_domain, auth)
 
-    def check_revocation(
+    def check_credential(
         self,
         context: grpc.aio.ServicerContext[Any, Any],
         caller: Identity,
         auth: AuthContext | None = None,
     ) -> None:
-        """``IdentityRevoked`` if the revocation list, as it is now, names the caller's
-        certificate (by serial) or its identity."""
+        """``CertificateExpired`` if the caller's certificate is outside its validity
+        period now (TLS checked the dates when the connection was made, and a connection
+        lasts: this is checked at every call and stream item); ``IdentityRevoked`` if the
+        revocation list, as it is now, names the certificate (by serial) or its
+        identity."""
+        if auth is None:
+            auth = context.auth_context()
+        facts = caller_certificate(auth)
+        if facts is not None:
+            now = time.time()
+            if now > facts.not_after:
+                raise CertificateExpired(
+                    f"the certificate of {caller.spiffe_id} expired at "
+                    f"{_utc(facts.not_after)}: renew it"
+                )
+            if now < facts.not_before:
+                raise CertificateExpired(
+                    f"the certificate of {caller.spiffe_id} is not valid before "
+                    f"{_utc(facts.not_before)}"
+                )
         if self._revocations is None:
             return
-        self._revocations.check(caller.spiffe_id, caller_serial(context, auth))
+        self._revocations.check(caller.spiffe_id, None if facts is None else facts.serial)
 
     def revoked(self, spiffe_id: str, serial: int | None) -> bool:
         """Whether the revocation list, as it is now, names ``spiffe_id`` or the
@@ -152,11 +195,19 @@ class Authenticator:
         return False
 
 
+def caller_certificate(auth: AuthContext) -> CertificateFacts | None:
+    """The facts of the certificate the caller presented (None: not exactly one)."""
+    pems = list(auth.get("x509_pem_cert") or ())
+    return certificate_facts(pems[0]) if len(pems) == 1 else None
+
+
 def caller_serial(
     context: grpc.aio.ServicerContext[Any, Any], auth: AuthContext | None = None
 ) -> int | None:
     """The serial of the certificate the caller presented (None: not exactly one)."""
-    if auth is None:
-        auth = context.auth_context()
-    pems = list(auth.get("x509_pem_cert") or ())
-    return certificate_serial(pems[0]) if len(pems) == 1 else None
+    facts = caller_certificate(context.auth_context() if auth is None else auth)
+    return None if facts is None else facts.serial
+
+
+def _utc(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

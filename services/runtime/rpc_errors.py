@@ -22,6 +22,7 @@ STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     # the credential no longer proves an identity (as an expired one would not), rather
     # than a proven identity lacking a right: UNAUTHENTICATED, not PERMISSION_DENIED
     errors.IdentityRevoked: grpc.StatusCode.UNAUTHENTICATED,
+    errors.CertificateExpired: grpc.StatusCode.UNAUTHENTICATED,
     errors.RoleForbidden: grpc.StatusCode.PERMISSION_DENIED,
     errors.NodeNotRegistered: grpc.StatusCode.PERMISSION_DENIED,
     errors.KeyNotWritable: grpc.StatusCode.PERMISSION_DENIED,

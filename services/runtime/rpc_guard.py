@@ -23,7 +23,9 @@ from ztate.services.runtime.telemetry import note_caller, note_refusal
 log = logging.getLogger("ztate.rpc")
 Response = TypeVar("Response")
 Context = grpc.aio.ServicerContext[Any, Any]
-OnRevoked = Callable[[Identity, errors.IdentityRevoked], Awaitable[None]]
+# told of a caller whose genuine certificate no longer counts (revoked, or expired)
+Disowned = errors.IdentityRevoked | errors.CertificateExpired
+OnRevoked = Callable[[Identity, Disowned], Awaitable[None]]
 
 
 async def guarded(
@@ -36,8 +38,9 @@ async def guarded(
 ) -> Response:
     """Run ``handler`` for the authenticated caller, or abort with the right status.
 
-    A revoked caller is refused before ``handler`` runs; ``on_revoked`` (a proposal's
-    rejection row) is told first. The current span (when tracing) is told the caller's
+    A caller whose certificate expired, or whose certificate or identity is revoked, is
+    refused before ``handler`` runs; ``on_revoked`` (a proposal's rejection row) is told
+    first. The current span (when tracing) is told the caller's
     SPIFFE ID and, when the call is refused, the reason code: never the refusal's message.
     """
     try:
@@ -45,8 +48,8 @@ async def guarded(
         caller = authenticator.identify(context, auth)
         note_caller(caller.spiffe_id)
         try:
-            authenticator.check_revocation(context, caller, auth)
-        except errors.IdentityRevoked as revoked:
+            authenticator.check_credential(context, caller, auth)
+        except (errors.IdentityRevoked, errors.CertificateExpired) as revoked:
             if on_revoked is not None:
                 await on_revoked(caller, revoked)
             raise

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,7 @@ from tests.harness import (
     act,
     as_operator_sees_it,
     client,
+    fresh_database,
     new_thread_id,
 )
 from ztate.contract.keyring import generate_signing_key
@@ -40,7 +42,8 @@ from ztate.services.runtime.reloading import write_atomically
 from ztate.testing._approval import deliver_approval
 from ztate.transition_service.app import RunningService, start
 from ztate.v1 import ledger_pb2, ledger_pb2_grpc, transition_pb2, transition_pb2_grpc
-from ztate.worker_sdk import AwaitingApproval, IdentityRevoked, ZtateClient
+from ztate.worker_sdk import AwaitingApproval, CertificateExpired, IdentityRevoked, ZtateClient
+from ztate.worker_sdk.errors import from_rpc_error
 
 PROPOSER = "input-parser"
 
@@ -59,6 +62,11 @@ async def serving(settings: Settings, dsn: str, **update: object) -> AsyncIterat
 
 def issue(ca_dir: Path, role: Role, name: str, out: Path) -> Credentials:
     paths = ca.issue(ca_dir, Identity(TRUST_DOMAIN, role, name), out)
+    return Credentials(paths.cert, paths.key, paths.ca_cert)
+
+
+def issue_until(ca_dir: Path, name: str, out: Path, not_after: datetime) -> Credentials:
+    paths = ca.issue(ca_dir, Identity(TRUST_DOMAIN, Role.NODE, name), out, not_after=not_after)
     return Credentials(paths.cert, paths.key, paths.ca_cert)
 
 
@@ -183,6 +191,97 @@ async def test_an_approval_by_a_reviewer_revoked_since_is_refused_not_committed(
         async with client(target, pki.node("planner")) as planner:
             outcome = await planner.wait_for_outcome(parked.value, within=5.0)
         assert (outcome.status, outcome.reason) == ("refused", "IDENTITY_REVOKED")
+
+
+def raw_channel(target: str, creds: Credentials) -> grpc.aio.Channel:
+    """A channel of the certificate as it is on disk now (no SDK: no reload, no retry)."""
+    return grpc.aio.secure_channel(
+        target,
+        grpc.ssl_channel_credentials(
+            creds.ca.read_bytes(), creds.key.read_bytes(), creds.cert.read_bytes()
+        ),
+    )
+
+
+async def test_a_certificate_that_expires_on_an_open_connection_is_refused_there(
+    settings: Settings, database_dsn: str, pki: Pki, ledger: Ledger, tmp_path: Path
+) -> None:
+    """TLS checks a certificate's dates at the handshake only. A connection made while
+    it was valid and kept open past its notAfter is refused CERTIFICATE_EXPIRED at its
+    next call (a proposal with a rejection row, nothing committed), and a watch opened
+    before ends at its next version instead of sending it."""
+    async with serving(settings, database_dsn) as target:
+        thread_id = await new_thread(target, pki.operator())
+        not_after = (datetime.now(UTC) + timedelta(seconds=3)).replace(microsecond=0)
+        short = issue_until(pki.ca_dir, PROPOSER, tmp_path / "short", not_after)
+        async with raw_channel(target, short) as channel:
+            stub = transition_pb2_grpc.TransitionServiceStub(channel)
+            view = await stub.GetView(transition_pb2.GetViewRequest(thread_id=thread_id))
+            assert view.version == 0
+            watch = stub.WatchThread(
+                transition_pb2.WatchThreadRequest(thread_id=thread_id, from_version=-1)
+            )
+            assert (await watch.read()).version == 0  # the stream is open and serving
+            # what is tested is the certificate's own end: wall-clock time must pass it
+            await asyncio.sleep((not_after - datetime.now(UTC)).total_seconds() + 1.1)
+            before = await ledger.snapshot(thread_id)
+            spiffe_id = f"spiffe://{TRUST_DOMAIN}/node/{PROPOSER}"
+            said = f"the certificate of {spiffe_id} expired at {not_after:%Y-%m-%dT%H:%M:%SZ}"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ProposeTransition(
+                    transition_pb2.ProposeTransitionRequest(
+                        thread_id=thread_id,
+                        expected_version=0,
+                        patch_json=b'{"requested_action": {"action": "refund", "order_id": "X"}}',
+                        idempotency_key="expired-1",
+                    )
+                )
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            error = from_rpc_error(refused.value)
+            assert isinstance(error, CertificateExpired)
+            assert (error.reason, error.message) == ("CERTIFICATE_EXPIRED", f"{said}: renew it")
+            assert await ledger.snapshot(thread_id) == before  # nothing committed
+            rows = await ledger.rejections(thread_id)
+            assert [(r["reason"], r["node_id"]) for r in rows] == [
+                ("CERTIFICATE_EXPIRED", spiffe_id)
+            ]
+            # another node commits: the open watch does not send the new state
+            async with client(target, pki.node(PROPOSER)) as fresh:
+                await fresh.propose(thread_id, 0, {"requested_action": act("after")})
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(watch.read(), 30)
+            assert ended.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert from_rpc_error(ended.value).reason == "CERTIFICATE_EXPIRED"
+
+
+async def test_a_revoked_node_gets_no_more_work_on_its_open_subscription(
+    settings: Settings, postgres_server_dsn: str, pki: Pki, tmp_path: Path
+) -> None:
+    """A SubscribeWork stream opened before its node was revoked ends IDENTITY_REVOKED at
+    its next item: no state, no lease sent to it. (A database of its own: only this
+    test's threads wake the node, so the stream has room for the second.)"""
+    revocations = tmp_path / "revocations.json"
+    update = {"revocation_list_file": revocations, "work_poll_seconds": 0.1}
+    dsn = await fresh_database(postgres_server_dsn)
+    async with serving(settings, dsn, **update) as target:
+        first = await new_thread(target, pki.operator())
+        async with client(target, pki.node(PROPOSER)) as parser:
+            await parser.propose(first, 0, {"requested_action": act("one")})
+        own = issue(pki.ca_dir, Role.NODE, "planner", tmp_path / "planner")
+        async with raw_channel(target, own) as channel:
+            stub = transition_pb2_grpc.TransitionServiceStub(channel)
+            work = stub.SubscribeWork(transition_pb2.SubscribeWorkRequest(max_in_flight=4))
+            assert (await asyncio.wait_for(work.read(), 30)).thread_id == first
+            spiffe_id = f"spiffe://{TRUST_DOMAIN}/node/planner"
+            revoke = ["ca", "revoke", "--spiffe-id", spiffe_id, "--list", str(revocations)]
+            assert ztate(revoke) == 0
+            second = await new_thread(target, pki.operator())
+            async with client(target, pki.node(PROPOSER)) as parser:
+                await parser.propose(second, 0, {"requested_action": act("two")})
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(work.read(), 30)
+            assert ended.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert ended.value.details() == f"identity {spiffe_id} is revoked"
 
 
 async def test_a_revocation_list_that_breaks_keeps_the_last_one_read(

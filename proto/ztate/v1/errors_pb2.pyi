@@ -48,6 +48,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_LEASE_LOST: _ClassVar[ErrorReason]
     ERROR_REASON_NO_WAKE_DECLARED: _ClassVar[ErrorReason]
     ERROR_REASON_QUERY_TOO_COSTLY: _ClassVar[ErrorReason]
+    ERROR_REASON_CERTIFICATE_EXPIRED: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_IDENTITY_INVALID: ErrorReason
 ERROR_REASON_ROLE_FORBIDDEN: ErrorReason
@@ -87,6 +88,7 @@ ERROR_REASON_IDENTITY_REVOKED: ErrorReason
 ERROR_REASON_LEASE_LOST: ErrorReason
 ERROR_REASON_NO_WAKE_DECLARED: ErrorReason
 ERROR_REASON_QUERY_TOO_COSTLY: ErrorReason
+ERROR_REASON_CERTIFICATE_EXPIRED: ErrorReason
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "keys", "current_version", "limit", "rules", "keys_total")

@@ -82,6 +82,17 @@ export class IdentityRevoked extends ZtateError {
     "renew), a revoked identity needs an operator";
 }
 
+/**
+ * CERTIFICATE_EXPIRED: our certificate's validity period ended on a connection opened
+ * while it was valid; no retry with this certificate succeeds.
+ */
+export class CertificateExpired extends ZtateError {
+  override name = "CertificateExpired";
+  readonly hint =
+    "the service refused our certificate: it has expired (or is not valid yet); renew it " +
+    "(ztate ca renew, or your PKI's tooling) and connect again with the new files";
+}
+
 // What Node's TLS stack says when a handshake fails on a certificate (client or server).
 const TLS_FAILURE =
   /alert|certificate|handshake|ssl|tls|self[- ]signed|unable to verify|ERR_TLS|socket disconnected before secure/i;
@@ -122,7 +133,14 @@ export function decodeError(error: unknown): ZtateError {
     return new ZtateError(connect.rawMessage, code, "", [], 0, 0n, 0n, [], { cause: error });
   }
   const reason = info?.reason ?? (detail === undefined ? "" : (ErrorReason[detail.reason] ?? ""));
-  const Kind = reason === "STALE_VERSION" ? StaleVersion : reason === "IDENTITY_REVOKED" ? IdentityRevoked : ZtateError;
+  const Kind =
+    reason === "STALE_VERSION"
+      ? StaleVersion
+      : reason === "IDENTITY_REVOKED"
+        ? IdentityRevoked
+        : reason === "CERTIFICATE_EXPIRED"
+          ? CertificateExpired
+          : ZtateError;
   return new Kind(
     connect.rawMessage,
     connect.code,

@@ -3,7 +3,15 @@ export { ZtateClient } from "./client.js";
 export type { ClientFiles, Committed, Created, Outcome, Parked, VerifiedHead, View, WatchEvent, WatchOptions } from "./client.js";
 export { NodeRunner } from "./runner.js";
 export type { Handler, Patch, RunnerOptions, Step } from "./runner.js";
-export { decodeError, HandshakeFailed, IdentityRevoked, StaleVersion, Unreachable, ZtateError } from "./errors.js";
+export {
+  CertificateExpired,
+  decodeError,
+  HandshakeFailed,
+  IdentityRevoked,
+  StaleVersion,
+  Unreachable,
+  ZtateError,
+} from "./errors.js";
 export {
   canonicalize,
   checkCheckpointBinds,
