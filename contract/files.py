@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# A certificate or a private key in PEM: a few kilobytes, a long chain some tens.
+MAX_PEM_FILE_BYTES = 1024 * 1024
+# A CA bundle: every CA trusted during a rotation, or a system bundle (about 200 KB).
+MAX_CA_BUNDLE_BYTES = 4 * 1024 * 1024
+
 
 class FileTooLarge(ValueError):
     """A file holding more than its kind of content ever needs; the message names it."""
@@ -21,3 +26,16 @@ def read_bounded(path: str | Path, limit: int, what: str) -> bytes:
     if len(data) > limit:
         raise FileTooLarge(f"{path}: more than {limit:,} bytes, too large for {what}")
     return data
+
+
+def read_credentials(
+    cert: str | Path, key: str | Path, ca: str | Path
+) -> tuple[bytes, bytes, bytes]:
+    """The PEM bytes of a certificate, its key and a CA bundle, each read no further than
+    its kind ever needs (``FileTooLarge``, a ``ValueError``, past it; ``OSError`` as
+    opening or reading raises it)."""
+    return (
+        read_bounded(cert, MAX_PEM_FILE_BYTES, "a certificate"),
+        read_bounded(key, MAX_PEM_FILE_BYTES, "a private key"),
+        read_bounded(ca, MAX_CA_BUNDLE_BYTES, "a CA bundle"),
+    )

@@ -25,6 +25,7 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
+from ztate.contract.files import FileTooLarge, read_credentials
 from ztate.worker_sdk.errors import HandshakeFailed
 
 Stamp = tuple[tuple[int, int, int, int] | None, ...]
@@ -114,7 +115,7 @@ class CertificateFiles:
         self._paths = (cert, key, ca)
         self._stamp = _stamp(self._paths)
         self._failed: Stamp | None = None
-        self.pems = Pems(cert.read_bytes(), key.read_bytes(), ca.read_bytes())
+        self.pems = Pems(*read_credentials(cert, key, ca))  # bounded: FileTooLarge
 
     def changed(self) -> Pems | None:
         """The files' new content if they changed since last taken and are a usable
@@ -123,9 +124,12 @@ class CertificateFiles:
         if now in (self._stamp, self._failed):
             return None
         try:
-            cert, key, ca = (path.read_bytes() for path in self._paths)
+            cert, key, ca = read_credentials(*self._paths)
         except OSError:
             return None  # being replaced: the next call sees the files again
+        except FileTooLarge:
+            self._failed = now  # not read again until the files change again
+            return None
         pems = Pems(cert, key, ca)
         if not _matching(pems):
             self._failed = now  # not parsed again until the files change again

@@ -59,9 +59,10 @@ def ask(probe: Probe) -> str:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    credentials = grpc.ssl_channel_credentials(
-        probe.ca.read_bytes(), probe.key.read_bytes(), probe.cert.read_bytes()
-    )
+    from ztate.contract.files import read_credentials
+
+    cert, key, ca = read_credentials(probe.cert, probe.key, probe.ca)  # bounded
+    credentials = grpc.ssl_channel_credentials(ca, key, cert)
     options = [("grpc.ssl_target_name_override", probe.server_name)] if probe.server_name else []
     with grpc.secure_channel(probe.target, credentials, options=options) as channel:
         response = health_pb2_grpc.HealthStub(channel).Check(
@@ -138,6 +139,9 @@ def cmd_health(args: argparse.Namespace) -> int:
         return UNREACHABLE
     except OSError as exc:
         print(f"ztate health: cannot read credentials: {exc.strerror}", file=sys.stderr)
+        return CANNOT_ASK
+    except ValueError as exc:  # FileTooLarge: the message names the file and the bound
+        print(f"ztate health: cannot read credentials: {exc}", file=sys.stderr)
         return CANNOT_ASK
     print(f"{probe.service or '(server)'}: {status}")
     return SERVING if args.live or status == "SERVING" else NOT_SERVING

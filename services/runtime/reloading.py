@@ -74,7 +74,9 @@ class WatchedFiles(Generic[Value]):
                 return False
             try:
                 value = self._build()
-            except (OSError, ValueError) as failure:
+            except Exception as failure:  # any failure keeps the old value
+                # (OSError, ValueError, and what a parser of hostile bytes may raise besides:
+                # RecursionError, MemoryError): a file that breaks must not fail every call
                 if now != self._failed:
                     self._failed = now
                     log.warning(

@@ -27,12 +27,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ztate.contract.files import read_bounded
 from ztate.services.runtime.errors import IdentityRevoked
 from ztate.services.runtime.reloading import WatchedFiles, write_atomically
 
 FORMAT = "ztate-revocations/1"
 SERIAL = re.compile(r"^[0-9a-f]{1,64}\Z")  # RFC 5280 serials are at most 20 octets
 MAX_NOTE = 256
+# 16 MiB: some 100,000 entries, read again by every replica at every change
+MAX_LIST_BYTES = 16 * 1024 * 1024
 
 
 class RevocationListError(ValueError):
@@ -111,8 +114,8 @@ class RevocationList:
     def parse(cls, data: bytes, where: str = "revocation list") -> RevocationList:
         try:
             document = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise RevocationListError(f"{where}: not JSON") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            raise RevocationListError(f"{where}: not JSON (or nested too deeply)") from None
         if not isinstance(document, dict) or document.get("format") != FORMAT:
             raise RevocationListError(f"{where}: not a {FORMAT} document")
         entries = document.get("revoked")
@@ -126,7 +129,7 @@ class RevocationList:
         ``FileNotFoundError`` when ``missing_revokes_nothing`` is False (one open: a
         file removed after a check of its existence is never read as an empty list)."""
         try:
-            data = path.read_bytes()
+            data = read_bounded(path, MAX_LIST_BYTES, "a revocation list")  # FileTooLarge
         except FileNotFoundError:
             if not missing_revokes_nothing:
                 raise

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 
 from ztate.contract.errors import KeyFileError
+from ztate.contract.files import read_credentials
 from ztate.services.runtime.reloading import WatchedFiles
 
 _SPKI_DER = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -36,7 +37,7 @@ def checked_files(cert: Path, key: Path, ca: Path) -> tuple[bytes, bytes, bytes]
     ``KeyFileError`` (a ``ValueError``) naming the file and why, never its content. A
     key encrypted with a password is refused: ztate reads keys without one (protect the
     file, or the secret that holds it). Each file is parsed once."""
-    cert_pem, key_pem, ca_pem = cert.read_bytes(), key.read_bytes(), ca.read_bytes()
+    cert_pem, key_pem, ca_pem = read_credentials(cert, key, ca)  # bounded: FileTooLarge
     try:
         private = serialization.load_pem_private_key(key_pem, password=None)
     except TypeError:  # cryptography: "password was not given but private key is encrypted"

@@ -284,17 +284,43 @@ async def test_a_revoked_node_gets_no_more_work_on_its_open_subscription(
             assert ended.value.details() == f"identity {spiffe_id} is revoked"
 
 
+@pytest.mark.parametrize(
+    "broken",
+    [
+        pytest.param(b'{"format": "ztate-revocations/1", "revoked": [', id="cut-short"),
+        pytest.param(b"[" * 100_000, id="nested-too-deeply"),
+        pytest.param(None, id="a-link-to-dev-zero"),  # endless: read to a bound
+    ],
+)
 async def test_a_revocation_list_that_breaks_keeps_the_last_one_read(
-    settings: Settings, database_dsn: str, pki: Pki, tmp_path: Path
+    settings: Settings,
+    database_dsn: str,
+    pki: Pki,
+    tmp_path: Path,
+    broken: bytes | None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A list replaced by one that cannot be read (cut short, nested past the parser's
+    depth, endless) keeps the last list read: the revoked stay
+    refused, everyone else is served (not INTERNAL), and the log says so once."""
     revocations = tmp_path / "revocations.json"
     spiffe_id = f"spiffe://{TRUST_DOMAIN}/operator/auditor"
     assert ztate(["ca", "revoke", "--spiffe-id", spiffe_id, "--list", str(revocations)]) == 0
     async with serving(settings, database_dsn, revocation_list_file=revocations) as target:
-        write_atomically(revocations, b'{"format": "ztate-revocations/1", "revoked": [', 0o644)
+        if broken is None:
+            (tmp_path / "zero").symlink_to("/dev/zero")
+            (tmp_path / "zero").replace(revocations)
+        else:
+            write_atomically(revocations, broken, 0o644)
         async with client(target, pki.operator("auditor")) as auditor:
-            with pytest.raises(IdentityRevoked):
-                await auditor.create_thread(new_thread_id(), INITIAL, policy="pipeline")
+            for _ in range(2):
+                with pytest.raises(IdentityRevoked):
+                    await auditor.create_thread(new_thread_id(), INITIAL, policy="pipeline")
+        async with client(target, pki.operator()) as operator:
+            await operator.create_thread(new_thread_id(), INITIAL, policy="pipeline")
+        kept = [r.getMessage() for r in caplog.records if "cannot be loaded" in r.getMessage()]
+        assert len(kept) == 1, kept
+        assert kept[0].startswith(f"revocation list {revocations} changed but cannot be loaded")
         revocations.unlink()  # losing the file forgives nobody either
         async with client(target, pki.operator("auditor")) as auditor:
             with pytest.raises(IdentityRevoked):

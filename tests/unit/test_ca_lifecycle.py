@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from ztate.contract.files import FileTooLarge
 from ztate.services.cli import ca
 from ztate.services.cli.devsetup import renew_near_expiry
 from ztate.services.cli.main import main as ztate
@@ -283,3 +284,32 @@ def test_the_sdk_takes_new_files_only_once_they_match(ca_dir: Path, tmp_path: Pa
     assert taken is not None
     assert (taken.cert, taken.key) == (other.cert.read_bytes(), other.key.read_bytes())
     assert files.changed() is None
+
+
+def _endless(path: Path) -> None:
+    """``path`` becomes a link to /dev/zero: a file that never ends (a swapped symlink)."""
+    link = path.with_name(path.name + ".zero")
+    link.symlink_to("/dev/zero")
+    link.replace(path)
+
+
+@pytest.mark.parametrize("which", ["cert", "key", "ca_cert"])
+def test_a_credential_file_is_read_to_a_bound_by_services_and_the_sdk(
+    ca_dir: Path, tmp_path: Path, which: str
+) -> None:
+    """A certificate, key or CA bundle that never ends is refused at its bound (1 MiB,
+    4 MiB for a bundle), naming the file, by the services and by a starting worker; a
+    running worker keeps its files and does not read it again until it changes."""
+    mine = ca.issue(ca_dir, PLANNER, tmp_path / "mine")
+    running = CertificateFiles(mine.cert, mine.key, mine.ca_cert)
+    before = running.pems
+    endless = getattr(mine, which)
+    _endless(endless)
+    kind = {"cert": "a certificate", "key": "a private key", "ca_cert": "a CA bundle"}[which]
+    said = f"{endless}: more than .* bytes, too large for {kind}"
+    with pytest.raises(FileTooLarge, match=said):
+        tls.checked_files(mine.cert, mine.key, mine.ca_cert)
+    with pytest.raises(FileTooLarge, match=said):
+        CertificateFiles(mine.cert, mine.key, mine.ca_cert)
+    assert running.changed() is None
+    assert running.pems == before

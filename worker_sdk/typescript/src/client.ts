@@ -1,12 +1,12 @@
 /** The client a worker uses: view, propose and watch over gRPC with mutual TLS. */
 import { randomUUID, X509Certificate, createPrivateKey, type KeyObject } from "node:crypto";
-import { readFileSync } from "node:fs";
 import { setTimeout as delay } from "node:timers/promises";
 import { connect as tlsConnect } from "node:tls";
 import { create } from "@bufbuild/protobuf";
 import { Code, createClient, type Client } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { decodeError, HandshakeFailed, Unreachable, ZtateError } from "./errors.js";
+import { MAX_CA_BUNDLE_BYTES, MAX_PEM_FILE_BYTES, readBounded } from "./files.js";
 import { checkDuration, checkInteger, MAX_BACKOFF_MS, MAX_RETRIES, MAX_TIMEOUT_MS, MAX_TIMER_MS } from "./options.js";
 import {
   canonicalize,
@@ -392,7 +392,9 @@ export class ZtateClient {
    * A client authenticated by the certificate, key and CA files (PEM). Throws a
    * TypeError or RangeError, naming the option, for a `timeoutMs`, `retries` or
    * `backoffMs` that is not an integer of its range (NaN, an infinity, negative,
-   * fractional), before reading any file; then `HandshakeFailed` for files the
+   * fractional), before reading any file; a RangeError naming a file larger than its
+   * kind ever is (1 MiB for a certificate or key, 4 MiB for a CA bundle: a link to
+   * /dev/zero is read no further); then `HandshakeFailed` for files the
    * handshake can only refuse (`checkOwnCertificate`: KEY_UNUSABLE, CERTIFICATE_UNUSABLE,
    * CA_UNUSABLE, KEY_MISMATCH, CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID).
    */
@@ -402,9 +404,9 @@ export class ZtateClient {
       retries: checkInteger("retries", files.retries ?? 3, 0, MAX_RETRIES),
       backoffMs: checkInteger("backoffMs", files.backoffMs ?? 100, 0, MAX_BACKOFF_MS),
     };
-    const cert = readFileSync(files.certFile);
-    const key = readFileSync(files.keyFile);
-    const ca = readFileSync(files.caFile);
+    const cert = readBounded(files.certFile, MAX_PEM_FILE_BYTES, "a certificate");
+    const key = readBounded(files.keyFile, MAX_PEM_FILE_BYTES, "a private key");
+    const ca = readBounded(files.caFile, MAX_CA_BUNDLE_BYTES, "a CA bundle");
     checkOwnCertificate(cert, key, ca);
     const transport = createGrpcTransport({
       baseUrl: `https://${files.target}`,

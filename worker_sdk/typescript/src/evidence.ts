@@ -5,7 +5,7 @@
  * tests/vectors/ holds the files both implementations must agree on.
  */
 import { createHash, createPublicKey, verify, type KeyObject } from "node:crypto";
-import { readFileSync } from "node:fs";
+import { MAX_PEM_FILE_BYTES, readBounded } from "./files.js";
 
 /** A check before acting failed; `check` names which (as the Python SDK's HeadNotVerified). */
 export class EvidenceInvalid extends Error {
@@ -144,7 +144,7 @@ const KEY_ID = /^[A-Za-z0-9._-]{1,64}$/;
 export function loadPublicKeys(path: string): PublicKeys {
   let doc: unknown;
   try {
-    doc = JSON.parse(readFileSync(path, "utf8"));
+    doc = JSON.parse(readBounded(path, MAX_PEM_FILE_BYTES, "public keys").toString("utf8"));
   } catch {
     throw new EvidenceInvalid("keys.file", `${path}: public keys must be a readable JSON object`);
   }

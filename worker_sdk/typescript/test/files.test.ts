@@ -6,12 +6,12 @@
 // cannot make certificates), in a folder of the test's own.
 import assert from "node:assert/strict";
 import { createPublicKey, generateKeyPairSync, type KeyObject, sign } from "node:crypto";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, test } from "node:test";
 import { Code } from "@connectrpc/connect";
-import { HandshakeFailed, ZtateClient } from "../src/index.js";
+import { EvidenceInvalid, HandshakeFailed, loadPublicKeys, ZtateClient } from "../src/index.js";
 
 function der(tag: number, ...body: Buffer[]): Buffer {
   const content = Buffer.concat(body);
@@ -101,3 +101,42 @@ for (const [name, contents, reason, hint] of UNUSABLE) {
     );
   });
 }
+
+for (const [name, option, kind] of [
+  ["certificate", "certFile", "a certificate"],
+  ["key", "keyFile", "a private key"],
+  ["CA", "caFile", "a CA bundle"],
+] as const) {
+  test(`fromFiles reads a ${name} file that never ends (a link to /dev/zero) to its bound, and refuses it naming the file`, () => {
+    const files = { cert: CERT, key: KEY, ca: CERT };
+    const paths: Record<string, string> = {};
+    for (const [which, content] of Object.entries(files)) {
+      paths[which] = join(folder, `${which}-${Math.random().toString(16).slice(2)}.pem`);
+      writeFileSync(paths[which]!, content, { mode: 0o600 });
+    }
+    const endless = join(folder, `endless-${Math.random().toString(16).slice(2)}.pem`);
+    symlinkSync("/dev/zero", endless);
+    const options = { target: "localhost:1", certFile: paths.cert!, keyFile: paths.key!, caFile: paths.ca!, [option]: endless };
+    assert.throws(
+      () => ZtateClient.fromFiles(options),
+      (error: unknown) => {
+        assert.ok(error instanceof RangeError, `${String(error)} is not a RangeError`);
+        assert.match(error.message, new RegExp(`^${endless}: more than [0-9,]+ bytes, too large for ${kind}$`));
+        return true;
+      },
+    );
+  });
+}
+
+test("loadPublicKeys reads a file that never ends to its bound: EvidenceInvalid keys.file", () => {
+  const endless = join(folder, `keys-${Math.random().toString(16).slice(2)}.json`);
+  symlinkSync("/dev/zero", endless);
+  assert.throws(
+    () => loadPublicKeys(endless),
+    (error: unknown) => {
+      assert.ok(error instanceof EvidenceInvalid, `${String(error)} is not an EvidenceInvalid`);
+      assert.equal(error.check, "keys.file");
+      return true;
+    },
+  );
+});
