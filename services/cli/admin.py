@@ -117,7 +117,7 @@ def cmd_ca_revoke(args: argparse.Namespace) -> int:
     from ztate.services.cli import ca
     from ztate.services.runtime.revocation import (
         Entry,
-        RevocationListError,
+        canonical_spiffe_id,
         now_text,
         parse_serial,
         revoke,
@@ -128,8 +128,7 @@ def cmd_ca_revoke(args: argparse.Namespace) -> int:
     assert path is not None
     try:
         if args.spiffe_id is not None:
-            if not args.spiffe_id.startswith("spiffe://"):
-                raise RevocationListError(f"{args.spiffe_id!r} is not a SPIFFE ID")
+            canonical_spiffe_id(args.spiffe_id)  # RevocationListError: it would revoke nothing
             entry = Entry(None, args.spiffe_id, now_text(), args.note)
             what = f"identity {args.spiffe_id} (every certificate of it)"
         else:

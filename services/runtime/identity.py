@@ -18,13 +18,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from cryptography import x509
 
 from ztate.services.runtime.errors import CertificateExpired, IdentityInvalid, IdentityRevoked
-from ztate.services.runtime.revocation import Revocations
+
+if TYPE_CHECKING:  # the list reads identities with this module: no import cycle
+    from ztate.services.runtime.revocation import Revocations
 
 # also a pydantic pattern (policy node names), whose engine has no \Z: Python code
 # must use NAME.fullmatch, since "$" alone would also match before a final "\n"

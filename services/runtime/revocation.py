@@ -20,7 +20,9 @@ every call, so connections already open are refused too (``identity.Authenticato
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ztate.contract.files import read_bounded
-from ztate.services.runtime.errors import IdentityRevoked
+from ztate.services.runtime.errors import IdentityInvalid, IdentityRevoked
+from ztate.services.runtime.identity import TRUST_DOMAIN, parse_spiffe_id
 from ztate.services.runtime.reloading import WatchedFiles, write_atomically
 
 FORMAT = "ztate-revocations/1"
@@ -40,6 +43,26 @@ MAX_LIST_BYTES = 16 * 1024 * 1024
 
 class RevocationListError(ValueError):
     """The file is not a revocation list this version reads."""
+
+
+def canonical_spiffe_id(text: str) -> str:
+    """``text`` if it is a SPIFFE ID exactly as a certificate's would be read
+    (``spiffe://<trust domain>/<role>/<name>``, lower case, nothing around it): an entry
+    spelled any other way (a trailing slash, upper case, a space) would match no caller
+    and revoke nothing while it seemed to. ``RevocationListError`` otherwise."""
+    domain = text.removeprefix("spiffe://").partition("/")[0]
+    try:
+        if len(text) > 2048 or not TRUST_DOMAIN.fullmatch(domain):
+            raise IdentityInvalid("not a trust domain")
+        canonical = parse_spiffe_id(text, domain).spiffe_id
+    except IdentityInvalid:
+        canonical = None
+    if canonical != text:
+        raise RevocationListError(
+            f"{text!r} is not a SPIFFE ID spiffe://<trust domain>/<role>/<name> "
+            "as certificates carry it"
+        )
+    return text
 
 
 def serial_text(serial: int) -> str:
@@ -85,10 +108,13 @@ def _entry(raw: Any, where: str) -> Entry:
         raise RevocationListError(f"{where}: an entry names exactly one of serial and spiffe_id")
     if serial is not None and not (isinstance(serial, str) and SERIAL.fullmatch(serial)):
         raise RevocationListError(f"{where}: serial must be lower-case hexadecimal")
-    if spiffe_id is not None and not (
-        isinstance(spiffe_id, str) and spiffe_id.startswith("spiffe://") and len(spiffe_id) <= 2048
-    ):
-        raise RevocationListError(f"{where}: spiffe_id must be a SPIFFE ID")
+    if spiffe_id is not None:
+        if not isinstance(spiffe_id, str):
+            raise RevocationListError(f"{where}: spiffe_id must be a SPIFFE ID")
+        try:
+            canonical_spiffe_id(spiffe_id)
+        except RevocationListError as exc:
+            raise RevocationListError(f"{where}: {exc}") from None
     revoked_at, note = raw.get("revoked_at"), raw.get("note", "")
     if not isinstance(revoked_at, str) or not isinstance(note, str) or len(note) > MAX_NOTE:
         raise RevocationListError(f"{where}: revoked_at is a time and note a short text")
@@ -163,14 +189,23 @@ def now_text() -> str:
 def revoke(path: Path, entry: Entry) -> bool:
     """Add ``entry`` to the list in ``path`` (created if missing, mode 0644); False when
     it was already revoked."""
-    current = RevocationList.load(path)
-    updated = current.with_entry(entry)
-    if updated is current:
-        return False
-    data = updated.to_bytes()
-    RevocationList.parse(data, str(path))  # never write what the services would not read
-    write_atomically(path, data, 0o644)
-    return True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one writer at a time (two `ztate ca revoke` at once: each would write the list it
+    # read plus its own entry, and the last rename would drop the other's): a lock on
+    # the folder, which leaves no file behind
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        current = RevocationList.load(path)
+        updated = current.with_entry(entry)
+        if updated is current:
+            return False
+        data = updated.to_bytes()
+        RevocationList.parse(data, str(path))  # never write what the services would not read
+        write_atomically(path, data, 0o644)
+        return True
+    finally:
+        os.close(folder)  # and the lock with it
 
 
 class Revocations:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,11 @@ def test_the_cli_writes_the_documented_format(tmp_path: Path) -> None:
     [
         (["--serial", "zz"], "'zz' is not a hexadecimal certificate serial"),
         (["--spiffe-id", "node/planner"], "'node/planner' is not a SPIFFE ID"),
+        # spelled otherwise than a certificate's: it would match no caller, revoke nothing
+        ([f"--spiffe-id={PLANNER}/"], f"{PLANNER + '/'!r} is not a SPIFFE ID"),
+        (["--spiffe-id=spiffe://ztate.test/node/Planner"], "node/Planner' is not a SPIFFE ID"),
+        ([f"--spiffe-id={PLANNER} "], f"{PLANNER + ' '!r} is not a SPIFFE ID"),
+        (["--spiffe-id=spiffe://ztate.test/agent/planner"], "is not a SPIFFE ID"),
         (["--serial", "ab", "--note", "x" * 300], "revoked_at is a time and note a short text"),
     ],
 )
@@ -76,7 +83,9 @@ def test_the_cli_refuses_what_it_cannot_revoke_and_writes_nothing(
         (document({"serial": "ab", "spiffe_id": PLANNER, "revoked_at": "t"}), "exactly one"),
         (document({"revoked_at": "t"}), "exactly one"),
         (document({"serial": "AB", "revoked_at": "t"}), "lower-case hexadecimal"),
-        (document({"spiffe_id": "planner", "revoked_at": "t"}), "must be a SPIFFE ID"),
+        (document({"spiffe_id": "planner", "revoked_at": "t"}), "is not a SPIFFE ID"),
+        (document({"spiffe_id": PLANNER + "/", "revoked_at": "t"}), "is not a SPIFFE ID"),
+        (document({"spiffe_id": 7, "revoked_at": "t"}), "must be a SPIFFE ID"),
         (document({"serial": "ab"}), "revoked_at is a time"),
         (document({"serial": "ab", "revoked_at": "t", "by": "me"}), "an entry is an object"),
     ],
@@ -137,3 +146,25 @@ def test_a_list_removed_while_it_is_read_again_forgives_no_one(
     monkeypatch.undo()
     with pytest.raises(IdentityRevoked):  # still gone: still the last list
         revocations.check(PLANNER, 1)
+
+
+def test_revocations_run_at_once_all_land(tmp_path: Path) -> None:
+    """``ztate ca revoke`` run by several operators (or a script) at once: every entry
+    each reported as revoked is in the list (each run locks it while it reads, adds and
+    writes; before, the last rename dropped the others' entries)."""
+    listed = tmp_path / "revocations.json"
+    runs = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "ztate.services.cli.main", "ca", "revoke"),
+                *("--serial", format(0x1000 + i, "x"), "--list", str(listed)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(8)
+    ]
+    said = [run.communicate(timeout=60) for run in runs]
+    assert [run.returncode for run in runs] == [0] * 8, said
+    kept = {entry.serial for entry in RevocationList.load(listed).entries}
+    assert kept == {0x1000 + i for i in range(8)}
