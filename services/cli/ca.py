@@ -211,15 +211,6 @@ def _signed_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
     return True
 
 
-def _trusted(folder: Path) -> list[x509.Certificate]:
-    """The CAs of the ``ca.crt`` bundle in ``folder`` (none when absent or unreadable):
-    what the services and workers of that folder already trust."""
-    try:
-        return x509.load_pem_x509_certificates((folder / CA_CERT).read_bytes())
-    except (OSError, ValueError):
-        return []
-
-
 class NotIssuedHere(ValueError):
     """A certificate the CA asked to renew it did not sign."""
 
@@ -274,18 +265,19 @@ def renew(ca_dir: Path, cert_path: Path, *, ttl: timedelta | None = None) -> Iss
     replaced too. Both files are replaced atomically; processes watching them take the
     new pair at their next handshake or call.
 
-    Only a certificate issued by this CA, or by a CA the folder's ``ca.crt`` already
-    trusts (the previous CA during a rotation's overlap), is renewed (``NotIssuedHere``
-    otherwise): its identities are copied, so a certificate anyone could write into the
-    folder (made with their own key, naming another identity) must not become a genuine
-    one."""
+    Only a certificate issued by a CA of ``ca_dir``'s own ``ca.crt`` is renewed
+    (``NotIssuedHere`` otherwise): its identities are copied, so a certificate anyone
+    could write into the folder (made with their own key, naming another identity) must
+    not become a genuine one. Not the ``ca.crt`` beside the certificate: whoever can
+    write the certificate there can add their own CA to that bundle too. (A certificate
+    of a previous CA is re-issued with ``ztate ca issue``, docs/operations.md.) The
+    lifetime is at most ``MAX_TTL``, whatever the old certificate's."""
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
-    if not any(_signed_by(cert, issuer) for issuer in [ca_cert, *_trusted(cert_path.parent)]):
+    issuers = x509.load_pem_x509_certificates((ca_dir / CA_CERT).read_bytes())
+    if not any(_signed_by(cert, issuer) for issuer in issuers):
         raise NotIssuedHere(
-            f"{cert_path} was not issued by the CA in {ca_dir} or one "
-            f"{cert_path.parent / CA_CERT} trusts: not renewed (issue the identity with "
-            "ztate ca issue)"
+            f"{cert_path} was not issued by the CA in {ca_dir}: not renewed (issue the "
+            "identity with ztate ca issue)"
         )
     old = Issued.of(cert, cert_path.stem)
     return issue_for_uris(
@@ -296,5 +288,5 @@ def renew(ca_dir: Path, cert_path: Path, *, ttl: timedelta | None = None) -> Iss
         common_name=old.common_name,
         dns_names=old.dns_names,
         ip_addresses=old.ip_addresses,
-        ttl=ttl or (old.lifetime if old.lifetime > timedelta(0) else DEFAULT_TTL),
+        ttl=ttl or (min(old.lifetime, MAX_TTL) if old.lifetime > timedelta(0) else DEFAULT_TTL),
     )

@@ -97,7 +97,7 @@ def renew_near_expiry(ca_dir: Path, certs: Path) -> list[Path]:
                 continue
             ca.renew(ca_dir, cert)
         except ca.NotIssuedHere:  # someone else's file, never made genuine: left as it is
-            log.warning("%s was not issued by a CA this folder trusts: not renewed", cert.name)
+            log.warning("%s was not issued by this CA: not renewed", cert.name)
             continue
         except (OSError, ValueError) as failure:  # the others are still renewed
             log.warning("cannot renew %s (%s)", cert.name, type(failure).__name__)

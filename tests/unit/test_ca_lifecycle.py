@@ -173,21 +173,26 @@ def forged_certificate(folder: Path, stem: str, signer: ec.EllipticCurvePrivateK
     return folder / f"{stem}.crt"
 
 
-@pytest.mark.parametrize("signer", ["self-signed", "another-ca"])
+@pytest.mark.parametrize("signer", ["self-signed", "another-ca", "a-ca-added-beside-it"])
 def test_renewing_a_certificate_the_ca_did_not_issue_is_refused_and_changes_nothing(
     ca_dir: Path, tmp_path: Path, signer: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Renewal copies a certificate's identities into a new one the CA signs: a
     certificate someone wrote into the folder with their own key (or another CA's),
-    naming the operator identity, became a genuine operator certificate."""
+    naming the operator identity, became a genuine operator certificate. Also when
+    they added their CA to the ``ca.crt`` beside it, which they can write as well."""
     other = None
-    if signer == "another-ca":
+    certs = tmp_path / "certs"
+    if signer != "self-signed":
         ca.init_ca(tmp_path / "other-ca", DOMAIN)
         other = serialization.load_pem_private_key(
             (tmp_path / "other-ca" / ca.CA_KEY).read_bytes(), password=None
         )
         assert isinstance(other, ec.EllipticCurvePrivateKey)
-    certs = tmp_path / "certs"
+    if signer == "a-ca-added-beside-it":
+        ca.issue(ca_dir, PLANNER, certs)  # a genuine folder: the CA's ca.crt beside
+        with (certs / ca.CA_CERT).open("ab") as bundle:
+            bundle.write((tmp_path / "other-ca" / ca.CA_CERT).read_bytes())
     forged = forged_certificate(certs, "operator-admin", other)
     before = {p.name: p.read_bytes() for p in certs.iterdir()}
 
@@ -195,8 +200,8 @@ def test_renewing_a_certificate_the_ca_did_not_issue_is_refused_and_changes_noth
 
     assert code == 1
     assert capsys.readouterr().err == (
-        f"ztate: cannot renew: {forged} was not issued by the CA in {ca_dir} or one "
-        f"{certs / ca.CA_CERT} trusts: not renewed (issue the identity with ztate ca issue)\n"
+        f"ztate: cannot renew: {forged} was not issued by the CA in {ca_dir}: not renewed "
+        "(issue the identity with ztate ca issue)\n"
     )
     assert {p.name: p.read_bytes() for p in certs.iterdir()} == before
 
@@ -224,7 +229,7 @@ def test_the_development_renewal_skips_a_foreign_certificate_and_renews_the_rest
     assert forged.read_bytes() == forged_bytes
     assert [r.getMessage() for r in caplog.records] == [
         "cannot renew broken.crt (ValueError)",
-        "operator-admin.crt was not issued by a CA this folder trusts: not renewed",
+        "operator-admin.crt was not issued by this CA: not renewed",
     ]
 
 
