@@ -55,6 +55,13 @@ def shown(text: str) -> str:
     return printable(text)
 
 
+def shown_lines(lines: Iterable[str]) -> str:
+    """Lines of a human view (``-o table`` of one resource) joined, each ``shown``: the
+    view's own words are printable, so what is escaped is what the server sent (a
+    thread id, a node, a key) wherever the view interpolates it."""
+    return "\n".join(shown(line) for line in lines)
+
+
 _NON_ASCII = re.compile("[^\x00-\x7f]")
 
 
