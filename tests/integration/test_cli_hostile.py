@@ -425,3 +425,32 @@ def test_saving_a_context_follows_no_planted_temporary_file(
     assert victim.read_text() == "not yours"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert "db.example:7443" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("redirect", "said"),
+    [(">/dev/full", "No space left on device"), (">&-", "standard output is closed")],
+    ids=["full", "closed"],
+)
+@pytest.mark.parametrize("output", ["table", "json"])
+def test_output_that_cannot_be_written_is_one_line_exit_1(
+    env: dict[str, str], redirect: str, said: str, output: str
+) -> None:
+    """``ztate context list > /dev/full`` (or with stdout closed) gave a traceback. Now one
+    line on stderr and exit 1; the context file is untouched."""
+    import subprocess
+
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    done = subprocess.run(
+        ["sh", "-c", f'exec "$0" "$@" {redirect}', str(ZTATE), "context", "list", "-o", output],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr.decode()) == (
+        1,
+        f"ztate: cannot write the output: {said}\n",
+    )
+    assert path.read_text() == CONTEXT_FILE
