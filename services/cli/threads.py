@@ -396,6 +396,6 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
         f"time, behind later ones already printed (0 to {MAX_LOOKBACK_SECONDS:g}; "
         f"default {DEFAULT_LOOKBACK_SECONDS:g})",
     )
-    add_output_flag(tail)
+    add_output_flag(tail, stream=True)
     add_connection_flags(tail)
     tail.set_defaults(func=cmd_ledger_tail)
