@@ -15,7 +15,6 @@ Only argparse at import time: gRPC and the protos load when a command runs.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Awaitable, Callable
@@ -32,8 +31,11 @@ from ztate.services.cli.output import (
     emit_one,
     rpc_error,
     set_log_level,
+    shown,
+    shown_lines,
     usage,
 )
+from ztate.services.cli.resources import malformed, paged, reply_json, reply_time
 
 if TYPE_CHECKING:
     from ztate.v1 import approval_pb2, approval_pb2_grpc
@@ -137,14 +139,17 @@ def review_dict(review: approval_pb2.Review) -> dict[str, Any]:
         "risk_rules": list(review.risk_rules),
         "required_approvals": review.required_approvals,
         "approvers": list(review.approvers),
-        "opened_at": review.opened_at.ToJsonString(),
-        "expires_at": review.expires_at.ToJsonString(),
-        "redacted_diff": json.loads(review.redacted_diff_json or b"{}"),
+        "opened_at": reply_time(review.opened_at, "opened_at"),
+        "expires_at": reply_time(review.expires_at, "expires_at"),
+        "redacted_diff": reply_json(review.redacted_diff_json or b"{}", "redacted_diff_json"),
         "outcome": review.outcome or None,
     }
     if review.HasField("receipt"):
+        receipt = reply_json(review.receipt.receipt_json, "receipt_json")
+        if not isinstance(receipt, dict):
+            raise malformed("receipt_json is not a JSON object")
         found["receipt"] = {
-            "receipt": json.loads(review.receipt.receipt_json),
+            "receipt": receipt,
             "signature": review.receipt.signature,
             "key_id": review.receipt.key_id,
         }
@@ -189,17 +194,19 @@ def review_text(review: dict[str, Any]) -> str:
     ]
     if "receipt" in review:
         receipt = review["receipt"]["receipt"]
+        reviewers = receipt.get("reviewers")
         lines.append(
-            f"receipt       {receipt['decision']} by {', '.join(receipt['reviewers'])}; "
-            f"nonce {receipt['nonce']}, key {receipt['key_id']}, valid until "
-            f"{receipt['expires_at']}"
+            f"receipt       {receipt.get('decision')} by "
+            f"{', '.join(map(str, reviewers)) if isinstance(reviewers, list) else reviewers}; "
+            f"nonce {receipt.get('nonce')}, key {receipt.get('key_id')}, valid until "
+            f"{receipt.get('expires_at')}"
         )
     if review.get("outcome"):
         lines.append(f"outcome       {_outcome_text(review['outcome'])}")
     lines.append("changes (derived from the proposal and its base; sensitive values are keyed")
     lines.append("digests the approval service computes: equal values show equal digests):")
     lines += diff_lines(review["redacted_diff"])
-    return "\n".join(lines)
+    return shown_lines(lines)  # thread, node, approvers, rules, keys: as the server sent them
 
 
 def print_review(review: dict[str, Any]) -> None:
@@ -227,12 +234,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         request = approval_pb2.ListReviewsRequest(
             status=status_value(args.status), thread_id=args.thread or "", page_size=PAGE_SIZE
         )
-        while True:
-            response = await stub.ListReviews(request, timeout=CALL_TIMEOUT_SECONDS)
-            reviews.extend(review_dict(review) for review in response.reviews)
-            if not response.next_page_token or len(reviews) >= args.limit:
-                break
-            request.page_token = response.next_page_token
+        reviews.extend(
+            await paged(stub.ListReviews, request, lambda r: r.reviews, args.limit, review_dict)
+        )
         return OK
 
     code = _run(args, call)
@@ -271,14 +275,20 @@ def _decide(args: argparse.Namespace, approve: bool, verb: str) -> int:
         review = review_dict(response.review)
         if review["status"] == "open":
             print(
-                f"{verb} {review['digest']}: {_progress(review)} approvals, "
-                "waiting for more reviewers"
+                shown(
+                    f"{verb} {review['digest']}: {_progress(review)} approvals, "
+                    "waiting for more reviewers"
+                )
             )
         else:
             nonce = review.get("receipt", {}).get("receipt", {}).get("nonce", "-")
-            print(f"{verb} {review['digest']}: review {review['status']}, receipt nonce {nonce}")
+            print(
+                shown(
+                    f"{verb} {review['digest']}: review {review['status']}, receipt nonce {nonce}"
+                )
+            )
             outcome = await _delivered(stub, review["digest"], args.wait)
-            print(f"  the transition service: {_outcome_text(outcome)}")
+            print(shown(f"  the transition service: {_outcome_text(outcome)}"))
             expected = "committed" if approve else "rejected"
             if outcome not in (None, expected):
                 return REFUSED  # decided, but it did not take effect: say so by the exit code

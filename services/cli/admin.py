@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ztate.services.cli.context import home
-from ztate.services.cli.output import USAGE, CliError, add_output_flag, dumps, emit_list, write
+from ztate.services.cli.output import (
+    USAGE,
+    CliError,
+    add_output_flag,
+    dumps,
+    emit_list,
+    shown,
+    shown_lines,
+    write,
+)
 from ztate.services.cli.resources import bounded_int
 
 if TYPE_CHECKING:
@@ -199,7 +208,12 @@ def _load_policies(path: Path) -> PolicySet | None:
     try:
         return PolicySet.load(path)
     except PolicyError as exc:
-        print(f"ztate: invalid policy:\n{exc}", file=sys.stderr)
+        # one problem a line (the model joins them with "\n"); each line escaped: a key
+        # or value of the file may hold what a terminal acts on
+        print(f"ztate: invalid policy:\n{shown_lines(str(exc).split(chr(10)))}", file=sys.stderr)
+        return None
+    except RecursionError:  # YAML or JSON nested past the parser's stack
+        print(f"ztate: invalid policy:\n{shown(str(path))}: nested too deeply", file=sys.stderr)
         return None
 
 

@@ -37,6 +37,7 @@ from ztate.services.cli.output import (
     emit_list,
     emit_one,
     rpc_error,
+    shown_lines,
     usage,
 )
 
@@ -49,6 +50,7 @@ FIELDS = ("address", "approval-address", "cert", "key", "ca", "server-name")
 CONTEXT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")  # fullmatch
 NAME_RULE = "1-128 characters of letters, digits and . _ : @ / -, the first a letter or digit"
 MAX_SETTING_CHARS = 4096
+MAX_CONTEXT_FILE = 1024 * 1024  # bytes: a context file of names and paths is a few KB
 DEFAULT_OPERATOR = "operator-admin"
 DEFAULT_REVIEWER = "alice"
 
@@ -80,13 +82,17 @@ class ContextFile:
 
     @classmethod
     def load(cls, path: Path | None = None) -> ContextFile:
+        from ztate.contract.files import FileTooLarge, read_bounded
+
         path = path or config_path()
-        try:
-            text = path.read_text(encoding="utf-8")
+        try:  # bounded: a link to /dev/zero must not fill memory
+            text = read_bounded(path, MAX_CONTEXT_FILE, "a context file").decode("utf-8")
         except FileNotFoundError:
             return cls(path, None, {})
         except OSError as exc:
             usage(f"cannot read the context file {path}: {exc.strerror}")
+        except FileTooLarge:
+            usage(f"the context file {path} holds more than {MAX_CONTEXT_FILE:,} bytes")
         except UnicodeDecodeError:
             usage(f"the context file {path} is not UTF-8 text")
         import yaml
@@ -95,6 +101,8 @@ class ContextFile:
             doc = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             usage(f"the context file {path} is not YAML: {str(exc).splitlines()[0]}")
+        except RecursionError:
+            usage(f"the context file {path} nests too deeply")
         if not isinstance(doc, dict):
             usage(f"the context file {path} must be a mapping")
         contexts = doc.get("contexts") or {}
@@ -135,7 +143,10 @@ class ContextFile:
         if self.current is not None:
             doc["current-context"] = self.current
         text = yaml.safe_dump(doc, sort_keys=True, default_flow_style=False)
-        write_atomically(self.path, text.encode("utf-8"), 0o600)
+        try:
+            write_atomically(self.path, text.encode("utf-8"), 0o600)
+        except OSError as exc:  # a folder that is missing, read-only, or not one
+            usage(f"cannot write the context file {self.path}: {exc.strerror or exc}")
 
     def selected(self, flag: str | None) -> tuple[str | None, dict[str, str]]:
         """The context in force: ``--context``, ``ZTATE_CONTEXT``, ``current-context``."""
@@ -354,14 +365,20 @@ def context_name(text: str) -> str:
 
 
 def _setting(flag: str, value: str) -> str:
-    """A setting as given to ``context set``, a flag or the environment: no control
-    characters (they would reach a terminal, or a DNS name), at most MAX_SETTING_CHARS,
-    else a usage error naming ``flag``, never the value."""
+    """A setting as given to ``context set``, a flag or the environment: only characters
+    Python calls printable (no control character, which would reach a terminal or a DNS
+    name; no bidi override or line separator), at most MAX_SETTING_CHARS, else a usage
+    error naming ``flag``, never the value."""
     if len(value) > MAX_SETTING_CHARS:
         usage(f"{flag}: more than {MAX_SETTING_CHARS} characters")
+    if value.isprintable():
+        return value
     if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
         usage(f"{flag}: control characters are not allowed")
-    return value
+    # what else Python does not call printable: a bidi override (U+202E), a line or
+    # paragraph separator (U+2028), another format character: each reorders or breaks
+    # the line that shows the value
+    usage(f"{flag}: unprintable characters (format characters, separators) are not allowed")
 
 
 CONTEXT_COLUMNS: list[Column] = [
@@ -414,7 +431,12 @@ def cmd_context_set(args: argparse.Namespace) -> int:
         if value == "":
             fields.pop(field, None)
         elif field in {"cert", "key", "ca"}:
-            fields[field] = str(Path(value).expanduser().resolve())
+            # absolute, links kept: a rotated secret (tls.crt -> ..data/tls.crt) stays
+            # the name the operator gave, and the stored value is held to the same rule
+            expanded = os.path.expanduser(value)
+            if expanded.startswith("~"):
+                usage(f"--{field}: cannot expand ~USER: no such user")  # not echoed
+            fields[field] = _setting(f"--{field}", os.path.abspath(expanded))
         else:
             fields[field] = value
     if found.current is None or args.use:
@@ -459,7 +481,7 @@ def cmd_context_show(args: argparse.Namespace) -> int:
                 )
                 value = part[field] if part[field] is not None else "-"
                 lines.append(f"  {field:<12} {value}" + (f"   [{came}]" if came else ""))
-        return "\n".join(lines)
+        return shown_lines(lines)
 
     emit_one(shown, args.output, text)
     return OK

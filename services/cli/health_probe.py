@@ -154,6 +154,8 @@ def register(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
 
 def add_health_command(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
     """Add ``health`` to the ``ztate`` command."""
+    from ztate.services.cli.resources import bounded_float
+
     health = subparsers.add_parser(
         "health",
         help="gRPC health check of a running service over mTLS (container probes)",
@@ -173,5 +175,10 @@ def add_health_command(subparsers: Subparsers[argparse.ArgumentParser]) -> None:
         "--service", help="service name to ask about (default: the service's own; '' = server)"
     )
     health.add_argument("--server-name", help="expected server name, if not the target host")
-    health.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
+    health.add_argument(
+        "--timeout",
+        type=bounded_float(0.1, 3600),
+        default=3.0,
+        help="seconds, 0.1 to 3600 (default 3)",
+    )
     health.set_defaults(func=cmd_health)

@@ -26,6 +26,8 @@ from ztate.services.cli.output import (
     dumps,
     emit_list,
     emit_one,
+    shown,
+    shown_lines,
     usage,
 )
 from ztate.services.cli.resources import (
@@ -34,6 +36,7 @@ from ztate.services.cli.resources import (
     as_resource,
     bounded_float,
     bounded_int,
+    paged,
     parse_time,
 )
 
@@ -124,14 +127,7 @@ def cmd_rejections(args: argparse.Namespace) -> int:
 
     async def call(channel: Any) -> list[dict[str, Any]]:
         stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-        found: list[dict[str, Any]] = []
-        while len(found) < args.limit:
-            response = await stub.ListRejections(request, timeout=CALL_TIMEOUT_SECONDS)
-            found += [as_resource(row) for row in response.rejections]
-            if not response.next_page_token:
-                break
-            request.page_token = response.next_page_token
-        return found[: args.limit]
+        return await paged(stub.ListRejections, request, lambda r: r.rejections, args.limit)
 
     rows = run_client(args, call)
     emit_list(rows, args.output, REJECTION_COLUMNS, empty="no rejections match")
@@ -169,14 +165,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     async def call(channel: Any) -> list[dict[str, Any]]:
         stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-        found: list[dict[str, Any]] = []
-        while len(found) < args.limit:
-            response = await stub.ListTransitions(request, timeout=CALL_TIMEOUT_SECONDS)
-            found += [as_resource(entry) for entry in response.entries]
-            if not response.next_page_token:
-                break
-            request.page_token = response.next_page_token
-        return found[: args.limit]
+        return await paged(stub.ListTransitions, request, lambda r: r.entries, args.limit)
 
     rows = run_client(args, call)
     emit_list(rows, args.output, TRANSITION_COLUMNS, empty="no transitions match")
@@ -207,7 +196,7 @@ def _detail_text(detail: dict[str, Any]) -> str:
         lines.append(f"           key {detail['receipt_key_id'] or '-'}")
     else:
         lines.append("receipt    none")
-    return "\n".join(lines)
+    return shown_lines(lines)  # ids, node, key ids: as the server sent them
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -249,18 +238,12 @@ def cmd_history(args: argparse.Namespace) -> int:
     from ztate.v1 import ledger_pb2, ledger_pb2_grpc
 
     request = ledger_pb2.KeyHistoryRequest(
-        thread_id=args.thread, key=args.state_key, page_size=1000
+        thread_id=args.thread, key=args.state_key, page_size=min(args.limit, 1000)
     )
 
     async def call(channel: Any) -> list[dict[str, Any]] | None:
         stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-        found: list[dict[str, Any]] = []
-        while True:
-            response = await stub.KeyHistory(request, timeout=CALL_TIMEOUT_SECONDS)
-            found += [as_resource(change) for change in response.changes]
-            if not response.next_page_token:
-                break
-            request.page_token = response.next_page_token
+        found = await paged(stub.KeyHistory, request, lambda r: r.changes, args.limit)
         if found:
             return found
         try:  # nothing changed it: does the thread exist at all? (its genesis is version 0)
@@ -374,7 +357,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
     def text(doc: dict[str, Any]) -> str:
         done = doc["transition"]
         again = " (already done: this idempotency key was used)" if doc["replayed"] else ""
-        return (
+        return shown(
             f"thread {done['thread_id']} reverted to the state of version {args.to}{again}: "
             f"new version {done['version']}, digest {done['digest']}, by {done['node_id']}"
         )
@@ -437,6 +420,9 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
     history.add_argument("thread", metavar="THREAD", help="the thread")
     history.add_argument(
         "state_key", metavar="STATE_KEY", help="a top-level key of the thread's state"
+    )
+    history.add_argument(
+        "--limit", type=limit, default=1000, help="at most N, the oldest (default 1000)"
     )
     add_output_flag(history)
     add_connection_flags(history)

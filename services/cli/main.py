@@ -20,9 +20,9 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ztate.services.cli.output import INTERRUPTED, USAGE, CliError
+from ztate.services.cli.output import FAILED, INTERRUPTED, USAGE, CliError
 
 if TYPE_CHECKING:
     from ztate.services.runtime.config import Settings
@@ -168,9 +168,73 @@ def build_parser() -> argparse.ArgumentParser:
 def _quiet_broken_pipe() -> int:
     """The reader of stdout went away (``ztate ledger list -o json | head``): stop
     quietly; stdout goes to /dev/null so that the interpreter's final flush is silent."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    _discard_stdout()
     return BROKEN_PIPE
+
+
+def _discard_stdout() -> None:
+    """Point file descriptor 1 at /dev/null: what stdout still buffers is dropped by
+    the interpreter's final flush, silently, rather than failing there again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+class StdoutFailed(OSError):
+    """Writing standard output failed (a full disk, ``> /dev/full``, a closed descriptor,
+    an I/O error): told apart from every other ``OSError`` a command may meet."""
+
+
+class GuardedStdout:
+    """``sys.stdout`` while a command runs: the same stream, its write failures raised
+    as ``StdoutFailed`` (a reader gone away stays ``BrokenPipeError``: exit 141)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: Any) -> int:
+        try:
+            written: int = self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise StdoutFailed(error.errno, error.strerror) from None
+        return written
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            raise StdoutFailed(error.errno, error.strerror) from None
+
+    @property
+    def buffer(self) -> GuardedStdout:  # the byte stream (``ztate verify --json``)
+        return GuardedStdout(self._stream.buffer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class ClosedStdout:
+    """Standard output when file descriptor 1 was closed (``ztate ... >&-``): Python
+    leaves ``sys.stdout`` None and ``print`` drops what it is given without a word;
+    this refuses every write, as a full disk would, so the command says it failed."""
+
+    def __init__(self) -> None:
+        self.buffer = self
+
+    def write(self, _text: object) -> int:
+        import errno
+
+        raise StdoutFailed(errno.EBADF, "standard output is closed")
+
+    def flush(self) -> None:
+        return None
+
+    def isatty(self) -> bool:
+        return False
 
 
 def dispatch(args: argparse.Namespace) -> int:
@@ -186,6 +250,16 @@ def dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    original = sys.stdout
+    guarded: Any = GuardedStdout(original) if original is not None else ClosedStdout()
+    sys.stdout = guarded
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout = original
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         return dispatch(build_parser().parse_args(argv))
     except CliError as error:
@@ -193,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return error.code
     except BrokenPipeError:
         return _quiet_broken_pipe()
+    except StdoutFailed as error:  # > /dev/full, >&-, an I/O error: one line, exit 1
+        print(f"ztate: cannot write the output: {error.strerror}", file=sys.stderr)
+        if sys.stdout is not None and not isinstance(sys.stdout, ClosedStdout):
+            _discard_stdout()  # what it still buffers must not fail the final flush again
+        return FAILED
     except KeyboardInterrupt:
         print("ztate: interrupted", file=sys.stderr)
         return INTERRUPTED

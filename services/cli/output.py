@@ -55,6 +55,13 @@ def shown(text: str) -> str:
     return printable(text)
 
 
+def shown_lines(lines: Iterable[str]) -> str:
+    """Lines of a human view (``-o table`` of one resource) joined, each ``shown``: the
+    view's own words are printable, so what is escaped is what the server sent (a
+    thread id, a node, a key) wherever the view interpolates it."""
+    return "\n".join(shown(line) for line in lines)
+
+
 _NON_ASCII = re.compile("[^\x00-\x7f]")
 
 
@@ -97,15 +104,26 @@ def rpc_error(error: Any, target: str | None = None, reason: str | None = None) 
     return CliError(f"{where}{reason or name}: {details}", rpc_exit_code(name))
 
 
-def add_output_flag(parser: argparse.ArgumentParser, *, default: str = "table") -> None:
+STREAM_FORMATS = (
+    "table (default: one line each), json and jsonl (both JSON Lines: one object per line, "
+    "as each arrives; a stream has no end to close an array), yaml (one document each)"
+)
+
+
+def add_output_flag(
+    parser: argparse.ArgumentParser, *, default: str = "table", stream: bool = False
+) -> None:
     """``-o``/``--output`` (and ``--json``, kept for scripts written before ``-o``:
-    one compact JSON object per line, as ``-o jsonl``)."""
+    one compact JSON object per line, as ``-o jsonl``). ``stream``: a command that
+    prints as things arrive (``ledger tail``), whose json is JSON Lines."""
     parser.add_argument(
         "-o",
         "--output",
         choices=FORMATS,
         default=default,
-        help="table (default, with headers), json (one document: an object, or an array "
+        help=STREAM_FORMATS
+        if stream
+        else "table (default, with headers), json (one document: an object, or an array "
         "for lists), jsonl (one object per line), yaml",
     )
     parser.add_argument(

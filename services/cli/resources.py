@@ -9,9 +9,8 @@ name without ``_json`` (``patch_json`` -> ``patch``; empty -> ``null``).
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -74,6 +73,35 @@ def bounded_float(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
+CALL_TIMEOUT_SECONDS = 30.0
+
+
+async def paged(
+    fetch: Callable[..., Awaitable[Any]],
+    request: Any,
+    rows: Callable[[Any], Sequence[Any]],
+    limit: int,
+    convert: Callable[[Any], dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """The rows of a paged call (``fetch(request)``; ``rows(response)`` its page), each
+    ``convert``ed (``as_resource``), at most ``limit`` of them. Paging stops at the
+    limit, at the last page (no ``next_page_token``), and at a page the service would
+    never send: one with no rows yet a token, or a token given before (a hostile or
+    broken server must not keep the command asking forever)."""
+    found: list[dict[str, Any]] = []
+    tokens: set[str] = set()  # at most one a page, and pages are at most ``limit``
+    while len(found) < limit:
+        response = await fetch(request, timeout=CALL_TIMEOUT_SECONDS)
+        page = rows(response)
+        found += [(convert or as_resource)(row) for row in page]
+        token = response.next_page_token
+        if not token or not page or token in tokens:
+            break
+        tokens.add(token)
+        request.page_token = token
+    return found[:limit]
+
+
 def as_resource(message: Any) -> dict[str, Any]:
     """``message`` as the one JSON shape of its kind."""
     from google.protobuf.descriptor import FieldDescriptor
@@ -89,7 +117,7 @@ def as_resource(message: Any) -> dict[str, Any]:
         )
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if field.message_type.full_name == "google.protobuf.Timestamp":
-                found[name] = value.ToJsonString() if message.HasField(name) else None
+                found[name] = reply_time(value, name) if message.HasField(name) else None
             elif repeated:
                 found[name] = [as_resource(item) for item in value]
             else:
@@ -97,12 +125,52 @@ def as_resource(message: Any) -> dict[str, Any]:
         elif repeated:
             found[name] = list(value)
         elif name.endswith("_json") and field.type == FieldDescriptor.TYPE_STRING:
-            found[name.removesuffix("_json")] = json.loads(value) if value else None
+            found[name.removesuffix("_json")] = reply_json(value, name) if value else None
         elif field.type == FieldDescriptor.TYPE_ENUM:
-            found[name] = field.enum_type.values_by_number[value].name
+            known = field.enum_type.values_by_number.get(value)
+            found[name] = known.name if known is not None else value  # a newer server's
         else:
             found[name] = value
     return found
+
+
+# A state or patch nests at most 128 levels (the service's ZTATE_MAX_DEPTH bound); a
+# record holds them a few levels down. Deeper is no reply a ztate service sends.
+MAX_REPLY_DEPTH = 160
+
+
+def malformed(said: str) -> Any:
+    """A reply no ztate service sends (``said`` why): one line, exit 1, nothing printed."""
+    from ztate.services.cli.output import FAILED, CliError
+
+    return CliError(f"malformed reply: {said}", FAILED)
+
+
+def reply_json(text: str | bytes, what: str) -> Any:
+    """A JSON value of a reply (``what``: its field), parsed as the contract admits
+    values (``contract.canonical.parse_object``: no NaN or infinity, integers within
+    I-JSON, no duplicate names, bounded nesting), else ``malformed``: what ``-o json``
+    prints of it is then always valid JSON, and a hostile reply is no traceback."""
+    from ztate.contract.canonical import parse_object
+    from ztate.contract.errors import ContractError
+
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    try:  # any value, not only an object: wrapped in one, its only member
+        wrapped = parse_object(b'{"value":' + data + b"}", what=what, max_depth=MAX_REPLY_DEPTH + 1)
+    except ContractError as exc:
+        raise malformed(exc.message) from None
+    if list(wrapped) != ["value"]:  # "1,\"b\":2" is no single JSON value
+        raise malformed(f"{what} is not valid JSON: more than one value")
+    return wrapped["value"]
+
+
+def reply_time(stamp: Any, what: str) -> str:
+    """A reply's timestamp as RFC 3339 text, else ``malformed`` (out of range)."""
+    try:
+        text: str = stamp.ToJsonString()
+    except (ValueError, OverflowError):
+        raise malformed(f"{what} is not a valid timestamp") from None
+    return text
 
 
 def parse_time(text: str, flag: str) -> datetime:

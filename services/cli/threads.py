@@ -25,6 +25,8 @@ from ztate.services.cli.output import (
     dumps,
     emit_list,
     emit_one,
+    shown,
+    shown_lines,
     usage,
     write,
 )
@@ -33,6 +35,7 @@ from ztate.services.cli.resources import (
     as_resource,
     bounded_float,
     bounded_int,
+    paged,
     parse_time,
     policy_name,
 )
@@ -114,11 +117,11 @@ def cmd_threads_create(args: argparse.Namespace) -> int:
 
 def _created_line(created: dict[str, Any]) -> str:
     if created["replayed"]:
-        return (
+        return shown(
             f"{created['thread_id']} already exists with this initial state "
             f"(digest {created['digest']}): nothing written"
         )
-    return f"created {created['thread_id']} (digest {created['digest']})"
+    return shown(f"created {created['thread_id']} (digest {created['digest']})")
 
 
 # --- list -------------------------------------------------------------------------------
@@ -142,14 +145,7 @@ def cmd_threads_list(args: argparse.Namespace) -> int:
 
     async def call(channel: Any) -> list[dict[str, Any]]:
         stub = ledger_pb2_grpc.LedgerServiceStub(channel)
-        found: list[dict[str, Any]] = []
-        while len(found) < args.limit:
-            response = await stub.ListThreads(request, timeout=CALL_TIMEOUT_SECONDS)
-            found += [as_resource(thread) for thread in response.threads]
-            if not response.next_page_token:
-                break
-            request.page_token = response.next_page_token
-        return found[: args.limit]
+        return await paged(stub.ListThreads, request, lambda r: r.threads, args.limit)
 
     emit_list(run_client(args, call), args.output, THREAD_COLUMNS, empty="no threads match")
     return OK
@@ -169,12 +165,12 @@ def _thread_text(found: dict[str, Any]) -> str:
     ]
     for work in found["work"]:
         lines.append(
-            f"  {work['node']:<20} {'due' if work['due'] else 'idle':<4} "
+            f"  {shown(work['node']):<20} {'due' if work['due'] else 'idle':<4} "
             f"woken@{work['wake_version']} handled@{work['handled_version']} "
             f"lease={work['holder'] or '-'} epoch={work['lease_epoch']} "
             f"until={work['lease_expires_at'] or '-'}"
         )
-    return "\n".join(lines)
+    return shown_lines(lines)  # every value here came from the server
 
 
 def cmd_threads_show(args: argparse.Namespace) -> int:
@@ -195,10 +191,12 @@ def cmd_threads_show(args: argparse.Namespace) -> int:
 
 
 def _entry_line(entry: dict[str, Any]) -> str:
+    """One transition on one line, whatever its fields hold (a thread id, a node or a
+    key from a hostile server cannot draw, retitle or write the clipboard)."""
     keys = ",".join(entry["changed_keys"]) or "-"
-    return (
+    return shown(
         f"{entry['at']}  {entry['thread_id']}@{entry['version']}  "
-        f"{entry['kind']:<10} {entry['node_id']}  keys={keys}"
+        f"{shown(entry['kind']):<10} {entry['node_id']}  keys={keys}"
     )
 
 
@@ -216,7 +214,12 @@ def _emit_entry(entry: dict[str, Any], output: str) -> None:
 def _at(entry: Any) -> datetime:
     from datetime import UTC
 
-    moment: datetime = entry.at.ToDatetime(tzinfo=UTC)
+    from ztate.services.cli.resources import malformed
+
+    try:
+        moment: datetime = entry.at.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise malformed("at is not a valid timestamp") from None
     return moment
 
 
@@ -393,6 +396,6 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
         f"time, behind later ones already printed (0 to {MAX_LOOKBACK_SECONDS:g}; "
         f"default {DEFAULT_LOOKBACK_SECONDS:g})",
     )
-    add_output_flag(tail)
+    add_output_flag(tail, stream=True)
     add_connection_flags(tail)
     tail.set_defaults(func=cmd_ledger_tail)

@@ -197,6 +197,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             and args.thread not in trust.kept_checkpoints
         ):
             raise no_such_thread(args.thread)
+        printer.summary(summary)
+    except _OutputLost as lost:
+        if isinstance(lost.error, BrokenPipeError):
+            raise lost.error from None  # the reader went away: 141, as every command
+        # the verdict could not be written: no verdict a script can read, so not 0 or 1
+        said = lost.error.strerror or type(lost.error).__name__
+        print(f"ztate verify: cannot verify: cannot write the output: {said}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     except VerifyError as exc:
         print(f"ztate verify: cannot verify: {printable(str(exc))}", file=sys.stderr)
         return EXIT_CANNOT_RUN
@@ -214,7 +222,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # bounded: a collector that is down must not hang the verdict
         if not telemetry.force_flush(FLUSH_TIMEOUT_MILLIS):
             print("ztate verify: telemetry not exported (collector unreachable)", file=sys.stderr)
-    printer.summary(summary)
     return summary.exit_code
 
 
@@ -237,6 +244,15 @@ def _progress(*, enabled: bool) -> threading.Event:
     return stop
 
 
+class _OutputLost(Exception):
+    """Stdout failed under the printer (full, closed, the reader gone): told apart from
+    a failure of the verifier (every ``OSError`` of a run is not stdout's)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Printer:
     """Prints each finding as it is found, so a long run shows progress."""
 
@@ -247,7 +263,7 @@ class _Printer:
         if self._json:
             self._line({"type": "finding", **finding.as_json()})
         else:
-            print(f"FAIL {finding}", flush=True)
+            self._text(f"FAIL {finding}")
 
     def summary(self, summary: Summary) -> None:
         if self._json:
@@ -255,9 +271,17 @@ class _Printer:
             return
         counted = f"{summary.threads} threads, {summary.records} records"
         if summary.failures:
-            print(f"FAILED: {summary.failures} failures in {counted}")
+            self._text(f"FAILED: {summary.failures} failures in {counted}")
         else:
-            print(f"OK: verified {counted}")
+            self._text(f"OK: verified {counted}")
+
+    @staticmethod
+    def _text(line: str) -> None:
+        try:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        except OSError as error:
+            raise _OutputLost(error) from None
 
     @staticmethod
     def _line(doc: dict[str, Any]) -> None:
@@ -266,8 +290,11 @@ class _Printer:
         writes text to stdout, so no text waits in front of it."""
         import orjson
 
-        sys.stdout.buffer.write(orjson.dumps(doc, option=orjson.OPT_APPEND_NEWLINE))
-        sys.stdout.buffer.flush()
+        try:
+            sys.stdout.buffer.write(orjson.dumps(doc, option=orjson.OPT_APPEND_NEWLINE))
+            sys.stdout.buffer.flush()
+        except OSError as error:
+            raise _OutputLost(error) from None
 
 
 def _settings() -> Settings:

@@ -425,3 +425,138 @@ def test_saving_a_context_follows_no_planted_temporary_file(
     assert victim.read_text() == "not yours"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert "db.example:7443" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("redirect", "said"),
+    [(">/dev/full", "No space left on device"), (">&-", "standard output is closed")],
+    ids=["full", "closed"],
+)
+@pytest.mark.parametrize("output", ["table", "json"])
+def test_output_that_cannot_be_written_is_one_line_exit_1(
+    env: dict[str, str], redirect: str, said: str, output: str
+) -> None:
+    """``ztate context list > /dev/full`` (or with stdout closed) gave a traceback. Now one
+    line on stderr and exit 1; the context file is untouched."""
+    import subprocess
+
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    done = subprocess.run(
+        ["sh", "-c", f'exec "$0" "$@" {redirect}', str(ZTATE), "context", "list", "-o", output],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr.decode()) == (
+        1,
+        f"ztate: cannot write the output: {said}\n",
+    )
+    assert path.read_text() == CONTEXT_FILE
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--address", "x\u202ey:1"), ("--server-name", "a\u2028b"), ("--client-cert", "c\u200f.crt")],
+    ids=["bidi override", "line separator", "right-to-left mark"],
+)
+def test_settings_refuse_format_characters_and_separators(
+    env: dict[str, str], flag: str, value: str
+) -> None:
+    """``_setting`` refused C0 and C1 controls only: a bidi override or a line separator
+    passed, and ``context show`` printed it raw."""
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    named = "--cert" if flag == "--client-cert" else flag
+    said = f"ztate: {named}: unprintable characters (format characters, separators) are not allowed"
+    code, out, err = zsync("context", "set", "dev", flag, value, env=env)
+    assert (code, out, one_line(err)) == (2, "", said)
+    assert path.read_text() == CONTEXT_FILE
+    # hand-edited into the file: refused when read, by every command that reads it
+    path.write_text(f'{{"contexts": {{"dev": {{"address": "{value}"}}}}}}')
+    code, out, err = zsync("context", "show", "--context", "dev", env=env)
+    assert (code, out, one_line(err)) == (
+        2,
+        "",
+        f"ztate: {path}: context 'dev': address: unprintable characters (format characters, "
+        "separators) are not allowed",
+    )
+
+
+def test_context_set_keeps_links_and_checks_what_it_stores(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """``context set`` stored the link's target: a link planted to a name holding an
+    escape made every later command fail on the stored value, and a rotated secret
+    (``tls.crt -> ..data/tls.crt``) was pinned to a folder the next rotation deletes."""
+    path = Path(env["ZTATE_CONFIG"])
+    secrets = tmp_path / "sec"
+    (secrets / "..2026_v1").mkdir(parents=True)
+    (secrets / "..data").symlink_to("..2026_v1")
+    (secrets / "..2026_v1" / "tls.crt").write_text("pem")
+    (secrets / "tls.crt").symlink_to("..data/tls.crt")
+    evil = tmp_path / "evil.crt"
+    evil.symlink_to(tmp_path / "x\x1b[31m.crt")
+    code, _, err = zsync(
+        "context", "set", "dev", "--client-cert", str(secrets / "tls.crt"), "--client-key",
+        str(evil), "--ca-cert", "relative/ca.crt", env=env,
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    stored = yaml_contexts(path)["dev"]
+    assert stored["cert"] == str(secrets / "tls.crt")  # the link, not ..2026_v1
+    assert stored["key"] == str(evil)
+    assert stored["ca"] == str(Path.cwd() / "relative" / "ca.crt")
+    code, out, err = zsync("context", "show", env=env)
+    assert (code, err) == (0, "")
+    assert f"  key          {tmp_path}/evil.crt   [context dev]" in out.splitlines()
+
+
+def yaml_contexts(path: Path) -> dict[str, dict[str, str]]:
+    import yaml
+
+    found: dict[str, dict[str, str]] = yaml.safe_load(path.read_text())["contexts"]
+    return found
+
+
+def test_context_local_failures_are_one_line(env: dict[str, str], tmp_path: Path) -> None:
+    """Each of these gave a traceback: an unknown user's ``~``, a context file deeply
+    nested or endless (a link to /dev/zero), a context file in a folder that cannot be
+    written."""
+    path = Path(env["ZTATE_CONFIG"])
+    path.write_text(CONTEXT_FILE)
+    code, out, err = zsync(
+        "context", "set", "dev", "--client-cert", "~nosuchuser-ztate/x.crt", env=env
+    )
+    assert (code, out, one_line(err)) == (
+        2,
+        "",
+        "ztate: --cert: cannot expand ~USER: no such user",
+    )
+    assert path.read_text() == CONTEXT_FILE
+
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("contexts: " + "[" * 5000 + "]" * 5000 + "\n")
+    for command in (("context", "list"), ("ledger", "list")):
+        code, out, err = zsync(*command, env=dict(env, ZTATE_CONFIG=str(deep)))
+        assert (code, out, one_line(err)) == (
+            2,
+            "",
+            f"ztate: the context file {deep} nests too deeply",
+        )
+    code, out, err = zsync("context", "list", env=dict(env, ZTATE_CONFIG="/dev/zero"))
+    assert (code, out, one_line(err)) == (
+        2,
+        "",
+        "ztate: the context file /dev/zero holds more than 1,048,576 bytes",
+    )
+    nowhere = Path("/proc/ztate-test/config.yaml")  # no folder can be made there
+    code, out, err = zsync(
+        "context", "set", "dev", "--address", "h:1", env=dict(env, ZTATE_CONFIG=str(nowhere))
+    )
+    assert (code, out, one_line(err)) == (
+        2,
+        "",
+        f"ztate: cannot write the context file {nowhere}: No such file or directory",
+    )
+    assert not nowhere.parent.exists()

@@ -965,3 +965,39 @@ async def test_configuration_mistakes_are_usage_errors_not_failures(
         )
         assert (code, lines) == (2, [])
         assert "the policies given are not this ledger's" in err
+
+
+@pytest.mark.parametrize("output", ["text", "json"])
+async def test_verify_that_cannot_write_its_verdict_exits_2_never_1(
+    own_ledger: OwnLedger, output: str
+) -> None:
+    """``ztate verify > /dev/full`` on a clean ledger exited 1 with a traceback: a script
+    read "failures found". A verdict that cannot be written is no verdict: exit 2 (could
+    not run), one line; the same when stdout is closed (``>&-``)."""
+    own, _ = await own_ledger(1)
+    args = ("verify", "--json") if output == "json" else ("verify",)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    env.update(
+        DATABASE_URL=own.dsn,
+        ZTATE_HOME=str(own.root / "cli-home"),
+        ZTATE_HMAC_KEYRING_FILE=str(own.settings.hmac_keyring_file),
+        ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(own.settings.approval_public_keys_file),
+        ZTATE_POLICY_PATH=str(own.settings.policy_path),
+    )
+    ztate_binary = str(Path(sys.executable).with_name("ztate"))
+    for stdout, said in (
+        ("/dev/full", "No space left on device"),
+        (None, "standard output is closed"),
+    ):
+        if stdout is None:  # the shell closes fd 1, then runs ztate
+            command = ["sh", "-c", 'exec "$0" "$@" >&-', ztate_binary, *args]
+        else:
+            command = ["sh", "-c", f'exec "$0" "$@" > {stdout}', ztate_binary, *args]
+        process = await asyncio.create_subprocess_exec(
+            *command, env=env, cwd=REPO, stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+        assert (process.returncode, err.decode()) == (
+            2,
+            f"ztate verify: cannot verify: cannot write the output: {said}\n",
+        ), stdout

@@ -47,3 +47,19 @@ def test_every_command_is_in_the_docs_and_no_other() -> None:
     listed = documented()
     assert sorted(parsed - listed) == [], "commands missing from docs/cli.md's Commands table"
     assert sorted(listed - parsed) == [], "docs/cli.md names commands the parser lacks"
+
+
+def test_ledger_tail_says_its_json_is_json_lines() -> None:
+    """``ledger tail -o json`` writes one object per line (a stream has no end to close
+    an array), while its help said "one document"."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ztate = str(Path(sys.executable).with_name("ztate"))
+    done = subprocess.run(
+        [ztate, "ledger", "tail", "--help"], capture_output=True, text=True, timeout=60
+    )
+    text = " ".join(done.stdout.split())
+    assert "json and jsonl (both JSON Lines: one object per line" in text
+    assert "one document: an object" not in text

@@ -61,3 +61,40 @@ def test_show_and_check_print_one_json_shape() -> None:
     assert json.loads(checked.stdout) == [
         {"name": "pipeline", "digest": policy["digest"], "valid": True}
     ]
+
+
+def test_check_escapes_what_the_policy_file_holds(tmp_path: Path) -> None:
+    """A policy key holding an escape was echoed raw in the error ("Error messages are
+    escaped the same way", docs/cli.md)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        'format: 1\nname: bad\nkeys:\n  "bad\\e]0;TITLE\\a\\u202e": {layer: core, type: nope}\n'
+        "nodes: {}\n"
+    )
+    result = run("policy", "check", str(bad))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert "Traceback" not in result.stderr
+    for raw in ("\x1b", "\x07", "\u202e"):
+        assert raw not in result.stderr
+    assert "bad\\x1b]0;TITLE\\x07\\u202e" in result.stderr
+
+
+def test_check_of_a_deeply_nested_file_is_an_invalid_policy(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("keys: " + "[" * 5000 + "]" * 5000 + "\n")
+    result = run("policy", "check", str(deep))
+    assert (result.returncode, result.stdout, result.stderr) == (
+        1,
+        "",
+        f"ztate: invalid policy:\n{deep}: nested too deeply\n",
+    )
+
+
+def test_health_timeout_is_bounded() -> None:
+    """``--timeout inf`` (nan, 1e308, -1) made a serving service look unreachable."""
+    for timeout in ("inf", "nan", "1e308", "-1", "0"):
+        result = run("health", "--timeout", timeout)
+        assert (result.returncode, result.stdout) == (2, ""), timeout
+        assert result.stderr.splitlines()[-1] == (
+            "ztate health: error: argument --timeout: must be 0.1 to 3600"
+        )
