@@ -39,6 +39,7 @@ def _failures() -> tuple[type[BaseException], ...]:
         OSError,  # unreachable: refused, no route, unknown host
         TimeoutError,  # the server did not answer in time
         ValueError,  # a malformed DSN (asyncpg's ClientConfigurationError is one too)
+        OverflowError,  # a port beyond 65535: the socket layer's refusal
         asyncpg.InterfaceError,
         asyncpg.PostgresError,
     )

@@ -320,8 +320,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"ledger prune: the database is not reachable: {said} ({type(exc).__name__})",
             UNREACHABLE,
         ) from None
-    except (ValueError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        said = first_line(exc, dsn)  # a DSN it cannot use, a privilege, a lock: exit 1
+    except (ValueError, OverflowError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        said = first_line(exc, dsn)  # a DSN it cannot use (a port past 65535), a privilege,
+        # a lock: exit 1
         failed = f"ledger prune: the database failed: {said} ({type(exc).__name__})"
         raise CliError(failed) from None
     print(f"pruned {pruned} state bodies; every record, digest and signature is kept")

@@ -76,12 +76,17 @@ def _initial_state(text: str) -> bytes:
             usage(f"--state {text}: not UTF-8")
     elif len(text.encode("utf-8", "surrogatepass")) > MAX_STATE_BYTES:
         usage(f"--state: more than {MAX_STATE_BYTES} bytes")
+    from ztate.contract.canonical import parse_object
+    from ztate.contract.errors import ContractError
+
+    # as the service reads it (I-JSON: no NaN, integers within 2^53, no duplicate names
+    # or lone surrogates, bounded nesting): refused here in one line, not a traceback
     try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as exc:
-        usage(f"--state: not JSON ({exc})")
-    if not isinstance(parsed, dict):
-        usage("--state: the initial state must be a JSON object")
+        # nesting: the most a service may be configured to take (ZTATE_MAX_JSON_DEPTH
+        # is at most 128); the service refuses deeper than its own setting
+        parsed = parse_object(text.encode("utf-8", "surrogatepass"), what="--state", max_depth=128)
+    except ContractError as exc:
+        usage(exc.message)  # a CliError shows it escaped
     return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
 
 

@@ -1243,6 +1243,7 @@ async def connect(dsn: str) -> asyncpg.Connection:
         OSError,
         TimeoutError,
         ValueError,  # a DSN the driver cannot parse
+        OverflowError,  # a port beyond 65535: the socket layer's refusal
         asyncpg.PostgresError,
         asyncpg.InterfaceError,
     ) as exc:

@@ -101,12 +101,20 @@ async def test_threads_hostile_states_policies_and_unknown_threads(
     before = await thread_count(target, pki, env)
     fresh = new_thread_id()
     for state, said in (
-        ("[1]", "--state: the initial state must be a JSON object"),
+        ("[1]", "--state must be a JSON object"),
         (
             "{",
-            "--state: not JSON (Expecting property name enclosed in double quotes: "
-            "line 1 column 2 (char 1))",
+            "--state is not valid JSON: Expecting property name enclosed in double quotes "
+            "(line 1, column 2)",
         ),
+        # what the service would refuse, refused in one line (each was a traceback)
+        ('{"raw_text": "\\ud800"}', "--state holds a lone surrogate"),
+        ('{"a": ' * 200 + "1" + "}" * 200, "--state nests deeper than 128 levels"),
+        (
+            '{"a": ' + "9" * 5000 + "}",
+            "--state holds an integer outside the I-JSON range +/-(2^53 - 1)",
+        ),
+        ('{"a": NaN}', "--state holds NaN, which is not a JSON number"),
         (
             "@/nonexistent/state.json",
             "--state @/nonexistent/state.json: cannot read (No such file or directory)",

@@ -4,6 +4,7 @@ traceback, and never the DSN or its password."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +21,9 @@ PASSWORD = "s3cret-Pa55word"
         ("mysql://x", "invalid DSN: scheme is expected to be", 2),
         (f"postgresql://ztate:{PASSWORD}@db.example:notaport/ztate", "notaport", 2),
         (f"postgresql://ztate:{PASSWORD}@127.0.0.1:{{port}}/ztate", "ConnectionRefusedError", 4),
+        (f"postgresql://ztate:{PASSWORD}@127.0.0.1:99999/ztate", "port must be 0-65535", 2),
     ],
-    ids=["no-scheme", "mysql", "bad-port", "unreachable-with-password"],
+    ids=["no-scheme", "mysql", "bad-port", "unreachable-with-password", "port-out-of-range"],
 )
 @pytest.mark.parametrize("command", ["migrate", "citus"])
 async def test_a_dsn_that_cannot_be_used_is_one_line_and_exit_2_or_4(
@@ -45,3 +47,29 @@ def test_the_explanation_masks_the_dsn_and_its_password() -> None:
     assert _explain(ValueError(f"bad {dsn}"), dsn) == "ValueError: bad ***"
     assert _explain(OSError(f"as ztate:{PASSWORD}"), dsn) == "OSError: as ztate:***"
     assert _explain(TimeoutError(), dsn) == "TimeoutError: no answer in time"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says", "exit_code"),
+    [
+        (("ledger", "export", "--out", "{out}"), "ztate ledger export: cannot connect", 2),
+        (("ledger", "prune", "--older-than", "1", "--yes"), "ztate: ledger prune: the database", 1),
+    ],
+    ids=["export", "prune"],
+)
+async def test_operator_tools_refuse_a_port_out_of_range_in_one_line(
+    argv: tuple[str, ...], says: str, exit_code: int, tmp_path: Path
+) -> None:
+    """The port is past 65535: the socket layer refuses it with OverflowError, which was
+    a traceback (exit 1) from export, prune and db migrate."""
+    dsn = f"postgresql://ztate:{PASSWORD}@127.0.0.1:99999/ztate"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
+    env.update(DATABASE_URL=dsn, ZTATE_HOME=str(tmp_path / "home"))
+    out = tmp_path / "bundle"
+    code, output = await run_ztate(*(a.format(out=out) for a in argv), env=env)
+    assert code == exit_code, output
+    [line] = output.splitlines()
+    assert line.startswith(says), line
+    assert "port must be 0-65535" in line
+    assert PASSWORD not in output
+    assert not out.exists()
