@@ -153,8 +153,10 @@ def check_state_size(state_bytes: bytes, limit: int) -> None:
     """The state a change would make stays readable: every reply that carries it is
     bounded by this limit (``Settings.max_reply_bytes``)."""
     if len(state_bytes) > limit:
+        # not its size: the state holds keys the node may not read, and their length
+        # is theirs to keep (crossing the limit is itself one bit, as a rule's verdict)
         raise errors.StateTooLarge(
-            f"the resulting state would be {len(state_bytes)} bytes; the limit is {limit}",
+            f"the resulting state would be larger than the limit of {limit} bytes",
             limit=limit,
         )
 

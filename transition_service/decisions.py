@@ -28,7 +28,7 @@ from ztate.contract.errors import ContractError
 from ztate.contract.keyring import Keyring, PublicKeys
 from ztate.contract.receipts import APPROVE, SignedReceipt, verify_receipt
 from ztate.contract.record import KIND_TRANSITION, build_record, seal
-from ztate.services.policy.changes import Change, apply_patch, check_invariants
+from ztate.services.policy.changes import Change, apply_patch, changed_keys, check_invariants
 from ztate.services.policy.model import PolicySet
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity, Role
@@ -173,7 +173,12 @@ class DecisionPipeline:
         assert head is not None
         assert looked.candidate_state is not None
         return await self._commit(
-            pending, looked.candidate_state, head.policy_name, signed, receipt["nonce"], now
+            pending,
+            looked.candidate_state,
+            head,  # the base, or the head moved and the compare-and-swap answers stale
+            signed,
+            receipt["nonce"],
+            now,
         )
 
     def _recheck(self, pending: PendingTransition, head: Head | None) -> errors.ZtateError | None:
@@ -266,13 +271,14 @@ class DecisionPipeline:
         self,
         pending: PendingTransition,
         state_bytes: bytes,
-        policy_name: str,
+        head: Head,
         signed: SignedReceipt,
         nonce: str,
         now: datetime,
     ) -> Resolution:
-        """Commit an approved transition; ``policy_name`` is its thread's (a commit
-        never changes it), for the head cache."""
+        """Commit an approved transition on ``head``, its thread's (whose policy a commit
+        never changes, for the head cache; whose state the wakes are counted against)."""
+        policy_name = head.policy_name
         proposal = json.loads(pending.proposal)
         sealed = seal(
             build_record(
@@ -297,7 +303,7 @@ class DecisionPipeline:
         policy = self._policies.get(policy_name)
         woken = (
             policy.woken(
-                frozenset(proposal["patch"]),
+                changed_keys(orjson.loads(head.state_bytes), proposal["patch"]),
                 orjson.loads(state_bytes),
                 author_node(pending.node_id),
             )

@@ -7,7 +7,13 @@ from datetime import UTC, datetime
 
 from ztate.contract.canonical import JsonObject, canonical_bytes, hashed_name, sha256_hex
 from ztate.contract.record import KIND_TRANSITION, build_proposal, build_record, seal
-from ztate.services.policy.changes import Change, apply_patch, check_invariants, matched_risk_rules
+from ztate.services.policy.changes import (
+    Change,
+    apply_patch,
+    changed_keys,
+    check_invariants,
+    matched_risk_rules,
+)
 from ztate.services.policy.model import Policy
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
@@ -161,7 +167,8 @@ class Propose(UseCase):
             idempotency_key=proposal.idempotency_key,
             request_digest=digest_of_request,
             # whom the version wakes, recorded by the commit itself (docs/work.md)
-            woken=policy.woken(frozenset(patch), state, node),
+            # by the keys it really changed: the same value again wakes no one
+            woken=policy.woken(changed_keys(base.state, patch), state, node),
             # fenced and released by the commit's own transaction (migration 0019)
             lease=None if lease is None else lease.claim,
         )

@@ -9,7 +9,7 @@ import orjson
 
 from ztate.contract.canonical import JsonObject, canonical_bytes, sha256_hex
 from ztate.contract.record import KIND_REVERT, build_record, seal
-from ztate.services.policy.changes import Change, apply_patch, check_invariants
+from ztate.services.policy.changes import Change, apply_patch, changed_keys, check_invariants
 from ztate.services.runtime import errors
 from ztate.services.runtime.identity import Identity
 from ztate.services.store.interface import Commit
@@ -94,7 +94,7 @@ class RevertThread(UseCase):
             committed_at=now,
             idempotency_key=revert.idempotency_key,
             request_digest=digest,
-            woken=policy.woken(frozenset(patch), state, acting_node(caller)),
+            woken=policy.woken(changed_keys(current, patch), state, acting_node(caller)),
         )
         if result is not Commit.COMMITTED:
             return await self._revert_lost_race(caller, revert, result)

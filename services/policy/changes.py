@@ -29,6 +29,13 @@ def apply_patch(state: JsonObject, patch: JsonObject) -> JsonObject:
     return result
 
 
+def changed_keys(old: JsonObject, patch: JsonObject) -> frozenset[str]:
+    """The keys ``patch`` really changes in ``old`` (a value set to what it already is,
+    or the removal of a key that is not there, changes nothing): what a version wakes
+    nodes by, as a key risk rule matches only a real change."""
+    return frozenset(key for key, value in patch.items() if value != old.get(key))
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
     """A proposed change as the policy's rules see it."""

@@ -289,8 +289,14 @@ def _basic(match: re.Match[str]) -> str | None:
     return "HTTP Basic credential"
 
 
+# A URL's password that is a placeholder, not a secret: masks (***, xxx), a variable
+# (${DB_PASSWORD}, $DB_PASSWORD: upper case), a template ({{ .Password }}), a name in
+# brackets ({password}, <your-password>, [pass]: lower-case words), a format
+# directive, or a word that says so. Only these shapes: anything in brackets or after
+# a $ was taken before, so "{kT9vQ2!mZ}" or "$upErS3cret" passed as a placeholder.
 _PLACEHOLDER: Final = re.compile(
-    r"\*+|[xX.]+|\$\{[^}]*\}|\$[A-Za-z_]\w*|\{\{.*\}\}|\{[^}]*\}|<[^>]*>|\[[^\]]*\]|%[sd]"
+    r"\*+|[xX.]+|\$\{[A-Za-z_]\w*\}|\$[A-Z_][A-Z0-9_]*|\{\{ ?\.?[A-Za-z_][\w.]* ?\}\}"
+    r"|\{[a-z_][a-z0-9_ -]*\}|<[a-z_][a-z0-9_ -]*>|\[[a-z_][a-z0-9_ -]*\]|%[sd]"
     r"|(?i:password|passwd|pass|pwd|secret|redacted|changeme|your[-_]?password)",
     re.ASCII,
 )

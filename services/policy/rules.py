@@ -84,7 +84,13 @@ class Expression:
         or does not return a boolean."""
         try:
             result = self.program.execute(activation)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError):
+        except Exception:  # every evaluation error is "no result"
+            # the CEL library raises KeyError, TypeError, ValueError, ZeroDivisionError,
+            # OverflowError, but also IndexError (a list index out of range) and
+            # RuntimeError (timestamp(), duration(), int() of a string it cannot parse, a
+            # bad regex in matches()): each is an expression that cannot be evaluated on
+            # this state, which an invariant refuses and a risk rule parks, never an
+            # INTERNAL (whose text would quote state values into the log)
             return None
         return result if isinstance(result, bool) else None
 

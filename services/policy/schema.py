@@ -30,8 +30,11 @@ from ztate.contract.canonical import MAX_SAFE_INTEGER
 from ztate.services.policy.credentials import shown_name
 
 UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+# RFC 3339's date-time (upper-case T and Z): an offset's hour 00-23 and minute 00-59
+# (Python's fromisoformat takes minutes up to 99, which CEL's timestamp() refuses)
 RFC3339 = re.compile(
-    r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|[+-]\d{2}:\d{2})\Z", re.ASCII
+    r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)\Z",
+    re.ASCII,
 )
 MEMBER_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
 DEFAULT_MAX_LENGTH = 4096
@@ -188,13 +191,20 @@ def python_type(spec: TypeSpec, name: str) -> Any:
     return create_model(f"Object_{name}", __config__=_STRICT, **fields)
 
 
+MAX_NAMED_PROBLEMS = 32
+
+
 class TypeMismatch(ValueError):
     """Values that do not fit their declared types; ``problems`` never holds the values."""
 
     def __init__(self, problems: list[tuple[str, str]]) -> None:
         self.problems = problems
         self.keys = sorted({path.split(".", 1)[0] for path, _ in problems})
-        super().__init__("; ".join(f"{path}: {message}" for path, message in problems))
+        # a value with a thousand extra members has a thousand problems: the message
+        # names the first MAX_NAMED_PROBLEMS and counts the rest
+        shown = "; ".join(f"{path}: {message}" for path, message in problems[:MAX_NAMED_PROBLEMS])
+        more = len(problems) - MAX_NAMED_PROBLEMS
+        super().__init__(shown if more <= 0 else f"{shown}; and {more} more")
 
 
 class StateValidator:

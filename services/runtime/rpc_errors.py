@@ -16,6 +16,11 @@ from ztate.services.runtime import errors
 from ztate.v1 import errors_pb2
 
 ERROR_DOMAIN = "ztate.dev"
+# A refusal's message travels twice in the trailers (grpc-message and the status
+# detail), which gRPC caps at 16 KiB together: past that the caller would get a bare
+# RESOURCE_EXHAUSTED instead of the refusal. A message is cut to this many characters
+# (its reason, keys and limits travel whole in the typed detail).
+MAX_MESSAGE_CHARS = 2048
 
 STATUS_OF: dict[type[errors.ZtateError], grpc.StatusCode] = {
     errors.IdentityInvalid: grpc.StatusCode.UNAUTHENTICATED,
@@ -91,10 +96,17 @@ def to_status(error: errors.ZtateError) -> grpc.Status:
         info.metadata["rules"] = ",".join(error.rules)
     status = status_pb2.Status(
         code=getattr(code_pb2, code.name),
-        message=error.message,
+        message=bounded_message(error.message),
         details=[_packed(info), _packed(detail)],
     )
     return rpc_status.to_status(status)
+
+
+def bounded_message(message: str) -> str:
+    """``message``, cut to ``MAX_MESSAGE_CHARS`` characters, saying how many more."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} characters more)"
 
 
 def internal_status() -> grpc.Status:

@@ -112,6 +112,11 @@ FORMATS: list[tuple[str, str]] = [
     ),
     ("URL with embedded password", _join("redis://:", "s3cr3t-pass", "@cache:6379/0")),
     ("URL with embedded password", _join("https://alice:", "hunter2", "@example.com/")),
+    # secrets in the shapes of placeholders: a $, braces, angle or square brackets
+    ("URL with embedded password", _join("postgres://app:", "$upErS3cretPw9", "@db:5432/a")),
+    ("URL with embedded password", _join("postgres://app:", "{kT9vQ2!mZ}", "@db:5432/a")),
+    ("URL with embedded password", _join("postgres://app:", "<kT9vQ2!mZ>", "@db/a")),
+    ("URL with embedded password", _join("redis://:", "[kT9vQ2!mZ-77]", "@cache:6379")),
 ]
 FORMAT_IDS = [f"{kind}-{i}" for i, (kind, _) in enumerate(FORMATS)]
 KINDS = sorted({kind for kind, _ in FORMATS})
@@ -170,7 +175,12 @@ BENIGN = [
     "https://alice@example.com/profile",
     "postgres://app:***@db.internal:5432/app",
     "redis://:${REDIS_PASSWORD}@cache:6379/0",
+    "redis://:$REDIS_PASSWORD@cache:6379/0",
     "https://user:<password>@example.com/",
+    "https://user:<your-password>@example.com/",
+    "postgres://app:{password}@db:5432/app",
+    "postgres://app:{{ .Password }}@db:5432/app",
+    "postgres://app:[pass]@db:5432/app",
     "ftp://ftp.example.org/pub/linux/kernel/v6.x/",
     "/home/alice/projects/ztate/services/credentials.py",
     "/usr/lib/python3.11/site-packages/pydantic/main.py",
