@@ -48,6 +48,9 @@ def cmd_ca_init(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         print(f"ztate: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a folder that cannot be made or written
+        print(f"ztate: cannot create the CA in {args.dir}: {exc.strerror}", file=sys.stderr)
+        return 1
     print(f"CA certificate: {path}\nCA key: {Path(args.dir) / ca.CA_KEY} (keep it offline)")
     return 0
 
@@ -92,7 +95,7 @@ def cmd_ca_issue(args: argparse.Namespace) -> int:
             ip_addresses=tuple(args.ip),
             ttl=ttl,
         )
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         print(f"ztate: cannot issue: {exc}", file=sys.stderr)
         return 1
     _print_issued((identity.spiffe_id,), paths)

@@ -19,11 +19,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ztate.contract.files import MAX_CA_BUNDLE_BYTES, MAX_PEM_FILE_BYTES, FileTooLarge, read_bounded
 from ztate.services.runtime.identity import Identity
 from ztate.services.runtime.reloading import write_atomically
 
@@ -151,10 +152,7 @@ def issue_for_uris(
     ttl: timedelta = DEFAULT_TTL,
 ) -> IssuedPaths:
     """Issue a certificate with exactly the given URI SANs (``issue`` is the usual way)."""
-    ca_key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError("the CA key must be an EC key")
-    ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
+    ca_key, ca_cert = _load_ca(ca_dir)
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or datetime.now(UTC) - BACKDATE
     end = not_after or start + BACKDATE + ttl
@@ -189,12 +187,40 @@ def issue_for_uris(
     return IssuedPaths(cert=cert_path, key=key_path, ca_cert=ca_copy)
 
 
+def _load_ca(ca_dir: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """The CA's key and certificate, each read to its bound; ``ValueError`` naming the
+    file and what is wrong with it (never its content), ``OSError`` as reading raises."""
+    key_path, cert_path = ca_dir / CA_KEY, ca_dir / CA_CERT
+    key_pem = read_bounded(key_path, MAX_PEM_FILE_BYTES, "a CA key")
+    try:
+        ca_key = serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:  # cryptography: "password was not given but private key is encrypted"
+        raise ValueError(
+            f"{key_path} is encrypted with a password: ztate reads private keys without one"
+        ) from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise ValueError(f"{key_path} is not a PEM private key ztate can use") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{key_path}: the CA key must be an EC key")
+    try:
+        ca_cert = x509.load_pem_x509_certificate(
+            read_bounded(cert_path, MAX_PEM_FILE_BYTES, "a CA certificate")
+        )
+    except ValueError as exc:
+        if isinstance(exc, FileTooLarge):
+            raise
+        raise ValueError(f"{cert_path} is not a PEM certificate") from None
+    return ca_key, ca_cert
+
+
 def _trust(bundle: Path, ca_cert: x509.Certificate) -> None:
     """Make ``bundle`` trust ``ca_cert``: added to the CAs it holds, never replacing them,
     so that issuing from a new CA keeps the old one trusted until it is removed (the
     overlap of a CA rotation, docs/operations.md)."""
     try:
-        held = x509.load_pem_x509_certificates(bundle.read_bytes())
+        held = x509.load_pem_x509_certificates(
+            read_bounded(bundle, MAX_CA_BUNDLE_BYTES, "a CA bundle")
+        )
     except (FileNotFoundError, ValueError):
         held = []
     if ca_cert in held:
@@ -229,7 +255,8 @@ class Issued:
 
     @classmethod
     def read(cls, cert_path: Path) -> Issued:
-        return cls.of(x509.load_pem_x509_certificate(cert_path.read_bytes()), cert_path.stem)
+        pem = read_bounded(cert_path, MAX_PEM_FILE_BYTES, "a certificate")
+        return cls.of(x509.load_pem_x509_certificate(pem), cert_path.stem)
 
     @classmethod
     def of(cls, cert: x509.Certificate, stem: str) -> Issued:
@@ -272,8 +299,12 @@ def renew(ca_dir: Path, cert_path: Path, *, ttl: timedelta | None = None) -> Iss
     write the certificate there can add their own CA to that bundle too. (A certificate
     of a previous CA is re-issued with ``ztate ca issue``, docs/operations.md.) The
     lifetime is at most ``MAX_TTL``, whatever the old certificate's."""
-    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    issuers = x509.load_pem_x509_certificates((ca_dir / CA_CERT).read_bytes())
+    cert = x509.load_pem_x509_certificate(
+        read_bounded(cert_path, MAX_PEM_FILE_BYTES, "a certificate")
+    )
+    issuers = x509.load_pem_x509_certificates(
+        read_bounded(ca_dir / CA_CERT, MAX_CA_BUNDLE_BYTES, "a CA bundle")
+    )
     if not any(_signed_by(cert, issuer) for issuer in issuers):
         raise NotIssuedHere(
             f"{cert_path} was not issued by the CA in {ca_dir}: not renewed (issue the "

@@ -318,3 +318,34 @@ def test_a_credential_file_is_read_to_a_bound_by_services_and_the_sdk(
         CertificateFiles(mine.cert, mine.key, mine.ca_cert)
     assert running.changed() is None
     assert running.pems == before
+
+
+def test_a_ca_key_encrypted_with_a_password_is_one_line_and_issues_nothing(
+    ca_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a TypeError traceback from cryptography."""
+    key = serialization.load_pem_private_key((ca_dir / ca.CA_KEY).read_bytes(), password=None)
+    encrypted = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"a passphrase"),
+    )
+    (ca_dir / ca.CA_KEY).write_bytes(encrypted)
+    out = tmp_path / "out"
+    argv = ["ca", "issue", "--ca-dir", str(ca_dir), "--role", "node", "--name", "planner"]
+    assert ztate([*argv, "--out", str(out), "--trust-domain", DOMAIN]) == 1
+    assert capsys.readouterr().err == (
+        f"ztate: cannot issue: {ca_dir / ca.CA_KEY} is encrypted with a password: "
+        "ztate reads private keys without one\n"
+    )
+    assert not out.exists()
+
+
+def test_a_ca_folder_that_cannot_be_made_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a FileNotFoundError (or NotADirectoryError) traceback."""
+    (tmp_path / "a-file").write_text("")
+    folder = tmp_path / "a-file" / "ca"
+    assert ztate(["ca", "init", "--dir", str(folder), "--trust-domain", DOMAIN]) == 1
+    assert capsys.readouterr().err == f"ztate: cannot create the CA in {folder}: Not a directory\n"
