@@ -475,7 +475,8 @@ def cmd_ledger_export(args: argparse.Namespace) -> int:
     import asyncio
 
     from ztate.contract.record import printable
-    from ztate.services.verify.bundle import export_bundle
+    from ztate.services.cli.output import NOT_FOUND
+    from ztate.services.verify.bundle import NothingToExport, export_bundle
     from ztate.services.verify.checks import VerifyError
 
     try:
@@ -483,6 +484,9 @@ def cmd_ledger_export(args: argparse.Namespace) -> int:
         signer = _manifest_signer(settings)
         dsn, _embedded = _database(settings)
         manifest = asyncio.run(export_bundle(dsn, args.out, args.thread, signer=signer))
+    except NothingToExport as exc:  # exit 3, as every command that finds nothing
+        print(f"ztate ledger export: {printable(str(exc))}", file=sys.stderr)
+        return NOT_FOUND
     except VerifyError as exc:
         print(f"ztate ledger export: {printable(str(exc))}", file=sys.stderr)
         return EXIT_CANNOT_RUN

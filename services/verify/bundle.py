@@ -136,6 +136,11 @@ class BundleError(VerifyError):
     """The bundle cannot be read or written at all (exit code 2)."""
 
 
+class NothingToExport(BundleError):
+    """``--thread`` names a thread the ledger never had: no bundle is written (an empty
+    one would verify "OK" and hide the typo)."""
+
+
 class Tally:
     """The lines of one bundle file as written or read: how many, and their SHA-256,
     which is what the manifest's packing list says of the file. The one count of bundle
@@ -276,6 +281,8 @@ async def _export_snapshot(
         head["thread_id"]: (head["version"], head["head_digest"])
         for head in await conn.fetch(EXPORT_HEADS + where, *args)
     }
+    if thread_id is not None and not heads:
+        raise NothingToExport(f"the ledger has no thread {shown(thread_id)}: nothing exported")
     with BundleWriter(out_dir) as writer:
         async for stored in conn.cursor(EXPORT_ROWS + where + ORDER, *args, prefetch=256):
             writer.add(row_from_db(stored))

@@ -828,6 +828,12 @@ async def test_the_command_exits_0_clean_1_tampered_2_unable(
 
     code, _, err = await ztate(own, "ledger", "export", "--out", str(tmp_path / "export"))
     assert code == 0, err
+    # a thread the ledger never had: exit 3 and no bundle (an empty one verified "OK")
+    nowhere = tmp_path / "nowhere"
+    code, _, err = await ztate(own, "ledger", "export", "--out", str(nowhere), "--thread", "nosuch")
+    assert code == 3
+    assert err == "ztate ledger export: the ledger has no thread nosuch: nothing exported\n"
+    assert not nowhere.exists()
     code, lines, _ = await ztate(own, "verify", "--bundle", str(tmp_path / "export"), "--json")
     assert code == 1
     assert [(line["version"], line["check"]) for line in lines[:-1]] == [(3, "column.node_id")]
