@@ -17,7 +17,9 @@ Three parts, one of each per process:
 - ``Leases``: renewal, release, and the fencing of proposals made under a lease.
 
 Every lease change is a CAS on the row in Postgres, so replicas need not agree on
-anything else; a node only ever has rows for threads of its own policy.
+anything else. A node is only ever handed threads of its own policy: the query for
+waiting work joins the thread's policy (its rows on threads of another policy, left by
+a renamed policy, are never granted).
 """
 
 from __future__ import annotations
@@ -334,8 +336,12 @@ class WorkDispatcher:
         }
         if not room:
             return 0
+        policies = {node: self._policies.of_node(node) for node in room}
+        nodes = [(node, p.name) for node, p in policies.items() if p is not None]
+        if not nodes:
+            return 0
         self.polls += 1
-        waiting = await self._work.waiting(list(room), sum(room.values()))
+        waiting = await self._work.waiting(nodes, sum(room.values()))
         # each found row goes to the stream of its node with the most room left; a
         # slot is reserved before the (concurrent) round trips, so no stream overfills
         reserved: Counter[int] = Counter()

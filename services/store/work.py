@@ -94,12 +94,20 @@ SELECT t.thread_id
  LIMIT $1
 """
 
+# Only threads of the node's policy ($2, in the order of $1): a node's rows on threads
+# of another policy (the policy renamed, the node moved to another policy file) are
+# never its work; before, they were granted and given back undone every round, ahead
+# of its real work, which they starved. The join is on thread_id, co-located on Citus.
+# Lapsed leases first (a holder died: the work waited a TTL already), then rows never
+# held or given back; before, every such row was served before any lapsed lease.
 WAITING = """
-SELECT thread_id, node FROM ztate.node_work
- WHERE node = ANY($1::text[]) AND wake_version > handled_version
-   AND (holder IS NULL OR expires_at < now())
- ORDER BY expires_at NULLS FIRST
- LIMIT $2
+SELECT w.thread_id, w.node
+  FROM ztate.node_work w JOIN ztate.threads t ON t.thread_id = w.thread_id
+ WHERE w.node = ANY($1::text[]) AND w.wake_version > w.handled_version
+   AND (w.holder IS NULL OR w.expires_at < now())
+   AND t.policy_name = ($2::text[])[array_position($1::text[], w.node)]
+ ORDER BY w.expires_at NULLS LAST
+ LIMIT $3
 """
 
 ACQUIRE = """
@@ -190,9 +198,10 @@ class WorkStore:
         return [Unevaluated(r["thread_id"]) for r in rows]
 
     @translated
-    async def waiting(self, nodes: Sequence[str], limit: int) -> list[Waiting]:
-        """Work of ``nodes`` that nobody holds (or whose holder's lease lapsed)."""
-        rows = await self._pool.fetch(WAITING, list(nodes), limit)
+    async def waiting(self, nodes: Sequence[tuple[str, str]], limit: int) -> list[Waiting]:
+        """Work of ``nodes`` (node, its policy) that nobody holds (or whose holder's
+        lease lapsed), on threads of the node's policy; lapsed leases first."""
+        rows = await self._pool.fetch(WAITING, [n for n, _ in nodes], [p for _, p in nodes], limit)
         return [Waiting(r["thread_id"], r["node"]) for r in rows]
 
     @translated

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -21,6 +22,7 @@ from ztate.transition_service.app import RunningService, start
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import LeaseLost
 
+REPO = Path(__file__).resolve().parents[2]
 PATCH = {"requested_action": {"action": "lookup", "order_id": "A-1"}}
 LEASE_SECONDS = 0.5
 
@@ -198,3 +200,108 @@ async def test_a_stream_that_stops_reading_is_granted_nothing_more(
         stalled.cancel()
         with contextlib.suppress(Exception):
             await channel.close()
+
+
+async def test_rows_on_threads_of_another_policy_are_never_granted_nor_starve_the_node(
+    settings: Settings, own_dsn: str, pki: Pki, tmp_path: Path
+) -> None:
+    """40 threads wait for input-parser under policy ``pipeline``; the operator renames
+    the policy to ``pipeline-v2`` and a thread is created under the new name. Before,
+    every dispatch round found the 40 old rows first, granted them, saw the thread was
+    of another policy and gave them back undone, for ever: the new thread was never
+    delivered (a node with max_in_flight=4, in the review 552 grants in 15 s). Now only
+    threads of the node's policy are looked for: the new one comes at once, and the old
+    rows are never granted."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    text = (REPO / "services" / "defaults" / "policy.yaml").read_text()
+    assert "name: pipeline\n" in text
+    (old / "pipeline.yaml").write_text(text)
+    (new / "pipeline.yaml").write_text(text.replace("name: pipeline\n", "name: pipeline-v2\n", 1))
+    base = settings.model_copy(update={"work_poll_seconds": 0.05, "work_lease_seconds": 5.0})
+    before = [new_thread_id() for _ in range(40)]
+    first = await start(base.model_copy(update={"policy_path": old}), dsn=own_dsn)
+    try:
+        async with client(f"localhost:{first.port}", pki.operator()) as operator:
+            for thread_id in before:
+                await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+    finally:
+        await first.stop(grace=1.0)
+
+    second = await start(base.model_copy(update={"policy_path": new}), dsn=own_dsn)
+    try:
+        target = f"localhost:{second.port}"
+        fresh = new_thread_id()
+        async with (
+            client(target, pki.operator()) as operator,
+            client(target, pki.node("input-parser")) as parser,
+        ):
+            stream = parser.subscribe_work(max_in_flight=4)
+            try:
+                await operator.create_thread(fresh, INITIAL, policy="pipeline-v2")
+                item = await asyncio.wait_for(anext(stream), 10)
+                assert (item.thread_id, item.version) == (fresh, 0)
+                await parser.propose(fresh, 0, PATCH, lease_epoch=item.lease_epoch)
+            finally:
+                await stream.aclose()
+    finally:
+        await second.stop(grace=1.0)
+    admin = await asyncpg.connect(own_dsn)
+    try:
+        rows = await admin.fetch(
+            "SELECT w.epoch, w.holder, w.handled_version, t.version FROM ztate.node_work w "
+            "JOIN ztate.threads t USING (thread_id) "
+            "WHERE w.node = 'input-parser' AND w.thread_id = ANY($1)",
+            before,
+        )
+        fresh_row = await work_row(own_dsn, fresh, "input-parser")
+    finally:
+        await admin.close()
+    # the old rows: never granted, still waiting, nothing committed on their threads
+    assert len(rows) == 40
+    assert {(r["epoch"], r["holder"], r["handled_version"], r["version"]) for r in rows} == {
+        (0, None, -1, 0)
+    }
+    assert (fresh_row["epoch"], fresh_row["holder"], fresh_row["handled_version"]) == (1, None, 0)
+
+
+async def test_a_lapsed_lease_is_granted_before_work_never_held(
+    service: RunningService, own_dsn: str, pki: Pki
+) -> None:
+    """A worker took a thread and died (its lease lapsed) while five newer threads
+    waited. Before, rows never held came first (expires_at NULLS FIRST): under a
+    backlog the dead worker's thread waited until the whole backlog had drained. Now a
+    lapsed lease is granted first."""
+    target = f"localhost:{service.port}"
+    crashed = new_thread_id()
+    backlog = [new_thread_id() for _ in range(5)]
+    async with (
+        client(target, pki.operator()) as operator,
+        client(target, pki.node("input-parser")) as parser,
+    ):
+        await operator.create_thread(crashed, INITIAL, policy="pipeline")
+        dead = parser.subscribe_work(max_in_flight=1)
+        taken = await anext(dead)
+        await dead.aclose()  # the worker is gone; its lease stays until it lapses
+        assert taken.thread_id == crashed
+        for thread_id in backlog:
+            await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        admin = await asyncpg.connect(own_dsn)
+        try:
+            await admin.execute(
+                "UPDATE ztate.node_work SET expires_at = now() - interval '1 second' "
+                "WHERE thread_id = $1 AND node = 'input-parser'",
+                crashed,
+            )
+        finally:
+            await admin.close()
+        stream = parser.subscribe_work(max_in_flight=1)
+        try:
+            item = await asyncio.wait_for(anext(stream), 10)
+        finally:
+            await stream.aclose()
+    assert (item.thread_id, item.lease_epoch) == (crashed, taken.lease_epoch + 1)
+    for thread_id in backlog:  # none of the backlog was granted
+        row = await work_row(own_dsn, thread_id, "input-parser")
+        assert (row["epoch"], row["holder"]) == (0, None)
