@@ -194,6 +194,10 @@ class WorkDispatcher:
         self._streams: dict[str, list[WorkStream]] = {}
         self._by_identity: Counter[Identity] = Counter()
         self._wake = asyncio.Event()
+        # nodes that may have more work waiting than they were granted: their last query
+        # filled its limit, or work was announced since (a freed slot then asks for a
+        # round at once, not at the next poll)
+        self._backlog: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.polls = 0  # rounds that queried (for tests and diagnostics)
@@ -230,7 +234,11 @@ class WorkDispatcher:
         self._wake.set()
 
     def _announced(self, node: str | None) -> None:
-        if node is None or node in self._streams:
+        if node is None:
+            self._backlog.update(self._streams)
+            self._wake.set()
+        elif node in self._streams:
+            self._backlog.add(node)
             self._wake.set()
 
     def open(self, caller: Identity, max_in_flight: int) -> WorkStream:
@@ -274,11 +282,16 @@ class WorkDispatcher:
                 del self._by_identity[stream.caller]
 
     def released(self, node: str, thread_id: str, epoch: int, *, more: bool = True) -> None:
-        """A lease of ``node`` ended through this process: free its stream's slot."""
+        """A lease of ``node`` ended through this process: free its stream's slot, and
+        ask for a round when the thread has more work for the node (``more``) or the
+        node may have a backlog (before, a freed slot waited for the next poll: at most
+        ``max_in_flight`` threads per poll period and stream under a backlog)."""
+        freed = None
         for stream in self._streams.get(node, ()):
             if stream.held.pop((thread_id, epoch), None) is not None:
+                freed = stream
                 break
-        if more:
+        if more or (freed is not None and freed.room > 0 and node in self._backlog):
             self._wake.set()
 
     def renewed(self, node: str, thread_id: str, epoch: int) -> None:
@@ -341,7 +354,13 @@ class WorkDispatcher:
         if not nodes:
             return 0
         self.polls += 1
-        waiting = await self._work.waiting(nodes, sum(room.values()))
+        limit = sum(room.values())
+        queried = [node for node, _ in nodes]
+        # cleared before the query: work announced while it runs stays marked
+        self._backlog.difference_update(queried)
+        waiting = await self._work.waiting(nodes, limit)
+        if len(waiting) >= limit:  # there may be more than was asked for
+            self._backlog.update(queried)
         # each found row goes to the stream of its node with the most room left; a
         # slot is reserved before the (concurrent) round trips, so no stream overfills
         reserved: Counter[int] = Counter()
@@ -352,10 +371,10 @@ class WorkDispatcher:
                 stream = max(streams, key=lambda s: s.room - reserved[id(s)])
                 reserved[id(stream)] += 1
                 plan.append((stream, found))
-        limit = asyncio.Semaphore(DISPATCH_CONCURRENCY)
+        grants = asyncio.Semaphore(DISPATCH_CONCURRENCY)
 
         async def hand(stream: WorkStream, found: Waiting) -> bool:
-            async with limit:
+            async with grants:
                 lease = await self._work.acquire(
                     found.thread_id, found.node, stream.holder, self.lease_seconds
                 )

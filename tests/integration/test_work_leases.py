@@ -305,3 +305,66 @@ async def test_a_lapsed_lease_is_granted_before_work_never_held(
     for thread_id in backlog:  # none of the backlog was granted
         row = await work_row(own_dsn, thread_id, "input-parser")
         assert (row["epoch"], row["holder"]) == (0, None)
+
+
+async def test_a_freed_slot_hands_out_the_backlog_at_once_not_at_the_next_poll(
+    settings: Settings, own_dsn: str, pki: Pki
+) -> None:
+    """Six threads wait for a node whose stream takes one at a time, the poll period
+    4 s. Before, a slot freed by a commit under the lease (or by ReleaseLease) started
+    no round unless that same thread had more work: each next thread came at the next
+    poll (about 2 s apart at a 2 s poll in the review, max_in_flight threads per poll
+    period). Now the freed slot asks for a round at once while the node may have a
+    backlog."""
+    running = await start(
+        settings.model_copy(update={"work_poll_seconds": 4.0, "work_lease_seconds": 30.0}),
+        dsn=own_dsn,
+    )
+    try:
+        target = f"localhost:{running.port}"
+        threads = [new_thread_id() for _ in range(6)]
+        loop = asyncio.get_running_loop()
+        async with (
+            client(target, pki.operator()) as operator,
+            client(target, pki.node("input-parser")) as parser,
+        ):
+            for thread_id in threads:
+                await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+            stream = parser.subscribe_work(max_in_flight=1)
+            gaps: list[float] = []
+            seen: list[str] = []
+            try:
+                item = await asyncio.wait_for(anext(stream), 10)
+                for n in range(6):
+                    seen.append(item.thread_id)
+                    if n % 2 == 0:  # done: a commit under the lease releases it
+                        await parser.propose(
+                            item.thread_id, item.version, PATCH, lease_epoch=item.lease_epoch
+                        )
+                    else:  # nothing to do: released, handled
+                        await parser.release_lease(item.thread_id, item.lease_epoch, item.version)
+                    if n == 5:
+                        break
+                    freed = loop.time()
+                    item = await asyncio.wait_for(anext(stream), 10)
+                    gaps.append(loop.time() - freed)
+            finally:
+                await stream.aclose()
+    finally:
+        await running.stop(grace=1.0)
+    assert sorted(seen) == sorted(threads)  # each once
+    assert max(gaps) < 2.0, gaps  # well under the 4 s poll period
+    admin = await asyncpg.connect(own_dsn)
+    try:
+        rows = await admin.fetch(
+            "SELECT w.thread_id, w.epoch, w.holder, w.handled_version, t.version "
+            "FROM ztate.node_work w JOIN ztate.threads t USING (thread_id) "
+            "WHERE w.node = 'input-parser' AND w.thread_id = ANY($1)",
+            threads,
+        )
+    finally:
+        await admin.close()
+    committed = {t for n, t in enumerate(seen) if n % 2 == 0}
+    assert {
+        r["thread_id"]: (r["epoch"], r["holder"], r["handled_version"], r["version"]) for r in rows
+    } == {t: (1, None, 0, 1 if t in committed else 0) for t in threads}
