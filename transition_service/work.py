@@ -202,6 +202,8 @@ class WorkDispatcher:
         self._closing = False
         self.polls = 0  # rounds that queried (for tests and diagnostics)
         self.sweeps = 0  # sweeps for undecided wakes (for tests and diagnostics)
+        self.checks = 0  # checks of held slots against the database (tests, diagnostics)
+        self._next_check = 0.0
         self._sweep_due = True  # at start-up first
         listener.on_work(self._announced)
         listener.on_reconnect(self._reconnected)
@@ -327,17 +329,48 @@ class WorkDispatcher:
                     await self._wake.wait()
             self._wake.clear()
 
-    def _forget_lapsed(self) -> None:
-        now = asyncio.get_running_loop().time()
-        for streams in self._streams.values():
+    async def _check_held(self) -> None:
+        """Check the streams' slots against the database, the truth: a renewal, a release
+        or a commit under a lease may reach another replica (round-robin balancing,
+        docs/scale-out.md), which tells this one nothing. Checked are the leases past
+        their local expiry (before, forgotten unchecked: one renewed through another
+        replica was still held, and the stream was granted beyond its max_in_flight),
+        and once per poll period every lease of a node that may have a backlog (before,
+        a lease released elsewhere kept its slot until its local expiry, up to a TTL).
+        One query, and none when nothing is due."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        every = now >= self._next_check
+        due: list[tuple[WorkStream, tuple[str, int]]] = []
+        for node, streams in self._streams.items():
             for stream in streams:
-                for key, expiry in list(stream.held.items()):
-                    if expiry < now:
-                        del stream.held[key]
+                for key, expiry in stream.held.items():
+                    if expiry < now or (every and node in self._backlog):
+                        due.append((stream, key))
+        if not due:
+            return
+        if every:
+            self._next_check = now + self._poll_seconds
+        self.checks += 1
+        live = {
+            (h.holder, h.thread_id, h.epoch): h.seconds_left
+            for h in await self._work.held(
+                sorted({key[0] for _, key in due}),
+                sorted({stream.caller.name for stream, _ in due}),
+                sorted({stream.holder for stream, _ in due}),
+            )
+        }
+        now = loop.time()
+        for stream, key in due:
+            left = live.get((stream.holder, *key))
+            if left is None:
+                stream.held.pop(key, None)  # released, committed, lapsed or taken again
+            elif key in stream.held:
+                stream.held[key] = max(stream.held[key], now + left)
 
     async def dispatch(self) -> int:
         """One round: lease waiting work to streams with room; how many were handed out."""
-        self._forget_lapsed()
+        await self._check_held()
         for streams in self._streams.values():
             for stream in streams:
                 if not stream.items.empty() and len(stream.held) < stream.capacity:

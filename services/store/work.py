@@ -42,6 +42,17 @@ class Waiting:
 
 
 @dataclass(frozen=True, slots=True)
+class Held:
+    """A grant that still holds its lease, ``seconds_left`` before it lapses."""
+
+    thread_id: str
+    node: str
+    epoch: int
+    holder: str
+    seconds_left: float
+
+
+@dataclass(frozen=True, slots=True)
 class Unevaluated:
     """A thread whose newest versions have not been looked at for wakes yet."""
 
@@ -145,6 +156,17 @@ SELECT 1 FROM ztate.node_work
    AND expires_at >= now()
 """
 
+# Which of these grants still hold their lease, and for how long (seconds): the truth a
+# replica checks its streams' slots against, as renewals, releases and commits under a
+# lease may reach another replica. thread_id = ANY prunes to the threads' shards on Citus.
+HELD = """
+SELECT thread_id, node, epoch, holder,
+       extract(epoch FROM expires_at - now())::float8 AS seconds_left
+  FROM ztate.node_work
+ WHERE thread_id = ANY($1::text[]) AND node = ANY($2::text[]) AND holder = ANY($3::text[])
+   AND expires_at >= now()
+"""
+
 CHANGES = """
 SELECT version, node_id, record, state FROM ztate.transitions
  WHERE thread_id = $1 AND version > $2 ORDER BY version LIMIT $3
@@ -233,6 +255,18 @@ class WorkStore:
     async def holds(self, thread_id: str, node: str, epoch: int) -> bool:
         """Whether grant ``epoch`` still holds the lease (the fencing check)."""
         return await self._pool.fetchval(HOLDS, thread_id, node, epoch) is not None
+
+    @translated
+    async def held(
+        self, thread_ids: Sequence[str], nodes: Sequence[str], holders: Sequence[str]
+    ) -> list[Held]:
+        """The live leases among those of ``thread_ids`` and ``nodes`` held by
+        ``holders`` (match each grant on all four fields)."""
+        rows = await self._pool.fetch(HELD, list(thread_ids), list(nodes), list(holders))
+        return [
+            Held(r["thread_id"], r["node"], r["epoch"], r["holder"], r["seconds_left"])
+            for r in rows
+        ]
 
     @translated
     async def announce(self, nodes: Sequence[str]) -> None:

@@ -368,3 +368,96 @@ async def test_a_freed_slot_hands_out_the_backlog_at_once_not_at_the_next_poll(
     assert {
         r["thread_id"]: (r["epoch"], r["holder"], r["handled_version"], r["version"]) for r in rows
     } == {t: (1, None, 0, 1 if t in committed else 0) for t in threads}
+
+
+@pytest_asyncio.fixture
+async def pair(settings: Settings, own_dsn: str) -> AsyncIterator[list[RunningService]]:
+    """Two replicas on one database (lease 3 s, poll 0.1 s)."""
+    both = settings.model_copy(update={"work_poll_seconds": 0.1, "work_lease_seconds": 3.0})
+    first = await start(both, dsn=own_dsn)
+    second = await start(both, dsn=own_dsn)
+    yield [first, second]
+    await second.stop(grace=1.0)
+    await first.stop(grace=1.0)
+
+
+async def test_slots_follow_renewals_and_releases_answered_by_another_replica(
+    pair: list[RunningService], own_dsn: str, pki: Pki
+) -> None:
+    """A stream on replica A (max_in_flight=1) holds a lease that its worker renews,
+    then commits under, through replica B (round-robin balancing). Before, A forgot
+    the lease at its local expiry although B had renewed it, and granted the stream a
+    second thread (two live leases, max_in_flight 1); and after B's commit A kept the
+    slot until that local expiry (2.5 s of a 3 s lease in the review). Now A checks
+    its slots against the database: nothing more is granted while the lease is renewed
+    elsewhere, and the freed slot is granted again within a poll or so."""
+    a, b = pair
+    dispatcher = a.work and a.work.dispatcher
+    assert dispatcher is not None
+    loop = asyncio.get_running_loop()
+    t1, t2 = new_thread_id(), new_thread_id()
+    async with (
+        client(f"localhost:{a.port}", pki.operator()) as operator,
+        client(f"localhost:{a.port}", pki.node("input-parser")) as on_a,
+        client(f"localhost:{b.port}", pki.node("input-parser")) as on_b,
+    ):
+        stream = on_a.subscribe_work(max_in_flight=1)
+        try:
+            await operator.create_thread(t1, INITIAL, policy="pipeline")
+            first = await asyncio.wait_for(anext(stream), 10)
+            assert first.thread_id == t1
+            (served,) = dispatcher._streams["input-parser"]
+            local_expiry = served.held[(t1, first.lease_epoch)]
+            await operator.create_thread(t2, INITIAL, policy="pipeline")
+            checks = dispatcher.checks
+
+            async def a_lease_period_past_the_local_expiry() -> bool:
+                # the worker renews through B meanwhile, as its handler runs
+                await on_b.renew_lease(t1, first.lease_epoch)
+                return loop.time() > local_expiry + 1.0
+
+            await eventually(a_lease_period_past_the_local_expiry, within=15)
+            assert dispatcher.checks > checks  # A looked its slot up in the database
+            assert served.held.keys() == {(t1, first.lease_epoch)}  # and kept it
+            assert (await work_row(own_dsn, t2, "input-parser"))["epoch"] == 0  # not granted
+
+            await on_b.propose(t1, first.version, PATCH, lease_epoch=first.lease_epoch)
+            committed = loop.time()
+            second = await asyncio.wait_for(anext(stream), 10)
+            took = loop.time() - committed
+        finally:
+            await stream.aclose()
+    assert second.thread_id == t2
+    assert took < 1.5, took  # within a poll or so, not at the 3 s lease's local expiry
+    row = await work_row(own_dsn, t1, "input-parser")
+    assert (row["epoch"], row["holder"], row["handled_version"]) == (first.lease_epoch, None, 0)
+
+
+async def test_a_slot_freed_by_a_commit_through_another_replica_is_granted_again_at_once(
+    pair: list[RunningService], own_dsn: str, pki: Pki
+) -> None:
+    """The worker of a stream on replica A commits under its lease through replica B
+    while another thread waits. Before, A kept the slot until the lease's local expiry
+    (about 2.5 s of a 3 s lease in the review); now the next thread comes within a poll
+    or so."""
+    a, b = pair
+    loop = asyncio.get_running_loop()
+    t1, t2 = new_thread_id(), new_thread_id()
+    async with (
+        client(f"localhost:{a.port}", pki.operator()) as operator,
+        client(f"localhost:{a.port}", pki.node("input-parser")) as on_a,
+        client(f"localhost:{b.port}", pki.node("input-parser")) as on_b,
+    ):
+        stream = on_a.subscribe_work(max_in_flight=1)
+        try:
+            await operator.create_thread(t1, INITIAL, policy="pipeline")
+            first = await asyncio.wait_for(anext(stream), 10)
+            await operator.create_thread(t2, INITIAL, policy="pipeline")
+            await on_b.propose(t1, first.version, PATCH, lease_epoch=first.lease_epoch)
+            committed = loop.time()
+            second = await asyncio.wait_for(anext(stream), 10)
+            took = loop.time() - committed
+        finally:
+            await stream.aclose()
+    assert (first.thread_id, second.thread_id) == (t1, t2)
+    assert took < 1.5, took
