@@ -75,6 +75,9 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         self.renewed = transition_pb2.RenewLeaseResponse()
         self.renew_refusal: errors.ZtateError | None = None
         self.renewals: list[int] = []  # the epochs asked to be renewed
+        self.renew_asked = asyncio.Event()
+        self.renew_gate = asyncio.Event()  # RenewLease answers once it is set
+        self.renew_gate.set()
         self.releases: list[tuple[int, int]] = []  # (epoch, handled_version)
         self.released = asyncio.Event()
         self.work: list[transition_pb2.SubscribeWorkResponse] = []
@@ -140,6 +143,8 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
     ) -> transition_pb2.RenewLeaseResponse:
         self.asked.append("RenewLease")
         self.renewals.append(request.lease_epoch)
+        self.renew_asked.set()
+        await self.renew_gate.wait()
         if self.renew_refusal is not None:
             await refuse(context, self.renew_refusal)
         return self.renewed
@@ -996,4 +1001,37 @@ async def test_serve_drops_an_item_whose_lease_aged_on_the_way_whatever_the_cloc
     assert ran == [1, 3]
     assert servicer.renewals == [8]
     assert servicer.releases == [(7, 1), (9, 3)]
+    assert servicer.proposals == []
+
+
+async def test_serve_stopped_while_checking_an_items_lease_releases_it_undone(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    """A grant that aged on the way is being renewed before its handler starts when
+    ``stop`` comes: the item was read but never started, so it is released undone
+    (-1) for another process to take at once, and its handler never runs."""
+    servicer, worker = scripted
+    now = datetime.now(UTC)
+    servicer.work = [granted(7, 1, now + timedelta(seconds=30)), granted(8, 2, now)]
+    servicer.renew_gate.clear()  # the renewal of the aged grant hangs
+    ran: list[int] = []
+
+    def handler(view: View) -> None:
+        ran.append(view.version)
+
+    runner = NodeRunner.for_node(worker, handler, node_name="db-writer", concurrency=2)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(runner.serve(stop))
+    await asyncio.wait_for(servicer.renew_asked.wait(), 10)
+    async with asyncio.timeout(10):  # the young grant was handled and released meanwhile
+        while True:
+            servicer.released.clear()
+            if servicer.releases:
+                break
+            await servicer.released.wait()
+    stop.set()
+    assert await asyncio.wait_for(serving, 10) == []
+    assert ran == [1]
+    assert servicer.renewals == [8]
+    assert servicer.releases == [(7, 1), (8, -1)]
     assert servicer.proposals == []
