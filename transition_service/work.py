@@ -18,8 +18,8 @@ Three parts, one of each per process:
 
 Every lease change is a CAS on the row in Postgres, so replicas need not agree on
 anything else. A node is only ever handed threads of its own policy: the query for
-waiting work joins the thread's policy (its rows on threads of another policy, left by
-a renamed policy, are never granted).
+waiting work looks up each row's thread and keeps those of the node's policy (its rows
+on threads of another policy, left by a renamed policy, are never granted).
 """
 
 from __future__ import annotations
