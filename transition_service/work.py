@@ -17,7 +17,9 @@ Three parts, one of each per process:
 - ``Leases``: renewal, release, and the fencing of proposals made under a lease.
 
 Every lease change is a CAS on the row in Postgres, so replicas need not agree on
-anything else; a node only ever has rows for threads of its own policy.
+anything else. A node is only ever handed threads of its own policy: the query for
+waiting work looks up each row's thread and keeps those of the node's policy (its rows
+on threads of another policy, left by a renamed policy, are never granted).
 """
 
 from __future__ import annotations
@@ -192,10 +194,16 @@ class WorkDispatcher:
         self._streams: dict[str, list[WorkStream]] = {}
         self._by_identity: Counter[Identity] = Counter()
         self._wake = asyncio.Event()
+        # nodes that may have more work waiting than they were granted: their last query
+        # filled its limit, or work was announced since (a freed slot then asks for a
+        # round at once, not at the next poll)
+        self._backlog: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.polls = 0  # rounds that queried (for tests and diagnostics)
         self.sweeps = 0  # sweeps for undecided wakes (for tests and diagnostics)
+        self.checks = 0  # checks of held slots against the database (tests, diagnostics)
+        self._next_check = 0.0
         self._sweep_due = True  # at start-up first
         listener.on_work(self._announced)
         listener.on_reconnect(self._reconnected)
@@ -228,7 +236,11 @@ class WorkDispatcher:
         self._wake.set()
 
     def _announced(self, node: str | None) -> None:
-        if node is None or node in self._streams:
+        if node is None:
+            self._backlog.update(self._streams)
+            self._wake.set()
+        elif node in self._streams:
+            self._backlog.add(node)
             self._wake.set()
 
     def open(self, caller: Identity, max_in_flight: int) -> WorkStream:
@@ -272,11 +284,16 @@ class WorkDispatcher:
                 del self._by_identity[stream.caller]
 
     def released(self, node: str, thread_id: str, epoch: int, *, more: bool = True) -> None:
-        """A lease of ``node`` ended through this process: free its stream's slot."""
+        """A lease of ``node`` ended through this process: free its stream's slot, and
+        ask for a round when the thread has more work for the node (``more``) or the
+        node may have a backlog (before, a freed slot waited for the next poll: at most
+        ``max_in_flight`` threads per poll period and stream under a backlog)."""
+        freed = None
         for stream in self._streams.get(node, ()):
             if stream.held.pop((thread_id, epoch), None) is not None:
+                freed = stream
                 break
-        if more:
+        if more or (freed is not None and freed.room > 0 and node in self._backlog):
             self._wake.set()
 
     def renewed(self, node: str, thread_id: str, epoch: int) -> None:
@@ -312,17 +329,48 @@ class WorkDispatcher:
                     await self._wake.wait()
             self._wake.clear()
 
-    def _forget_lapsed(self) -> None:
-        now = asyncio.get_running_loop().time()
-        for streams in self._streams.values():
+    async def _check_held(self) -> None:
+        """Check the streams' slots against the database, the truth: a renewal, a release
+        or a commit under a lease may reach another replica (round-robin balancing,
+        docs/scale-out.md), which tells this one nothing. Checked are the leases past
+        their local expiry (before, forgotten unchecked: one renewed through another
+        replica was still held, and the stream was granted beyond its max_in_flight),
+        and once per poll period every lease of a node that may have a backlog (before,
+        a lease released elsewhere kept its slot until its local expiry, up to a TTL).
+        One query, and none when nothing is due."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        every = now >= self._next_check
+        due: list[tuple[WorkStream, tuple[str, int]]] = []
+        for node, streams in self._streams.items():
             for stream in streams:
-                for key, expiry in list(stream.held.items()):
-                    if expiry < now:
-                        del stream.held[key]
+                for key, expiry in stream.held.items():
+                    if expiry < now or (every and node in self._backlog):
+                        due.append((stream, key))
+        if not due:
+            return
+        if every:
+            self._next_check = now + self._poll_seconds
+        self.checks += 1
+        live = {
+            (h.holder, h.thread_id, h.epoch): h.seconds_left
+            for h in await self._work.held(
+                sorted({key[0] for _, key in due}),
+                sorted({stream.caller.name for stream, _ in due}),
+                sorted({stream.holder for stream, _ in due}),
+            )
+        }
+        now = loop.time()
+        for stream, key in due:
+            left = live.get((stream.holder, *key))
+            if left is None:
+                stream.held.pop(key, None)  # released, committed, lapsed or taken again
+            elif key in stream.held:
+                stream.held[key] = max(stream.held[key], now + left)
 
     async def dispatch(self) -> int:
         """One round: lease waiting work to streams with room; how many were handed out."""
-        self._forget_lapsed()
+        await self._check_held()
         for streams in self._streams.values():
             for stream in streams:
                 if not stream.items.empty() and len(stream.held) < stream.capacity:
@@ -334,8 +382,18 @@ class WorkDispatcher:
         }
         if not room:
             return 0
+        policies = {node: self._policies.of_node(node) for node in room}
+        nodes = [(node, p.name) for node, p in policies.items() if p is not None]
+        if not nodes:
+            return 0
         self.polls += 1
-        waiting = await self._work.waiting(list(room), sum(room.values()))
+        limit = sum(room.values())
+        queried = [node for node, _ in nodes]
+        # cleared before the query: work announced while it runs stays marked
+        self._backlog.difference_update(queried)
+        waiting = await self._work.waiting(nodes, limit)
+        if len(waiting) >= limit:  # there may be more than was asked for
+            self._backlog.update(queried)
         # each found row goes to the stream of its node with the most room left; a
         # slot is reserved before the (concurrent) round trips, so no stream overfills
         reserved: Counter[int] = Counter()
@@ -346,10 +404,10 @@ class WorkDispatcher:
                 stream = max(streams, key=lambda s: s.room - reserved[id(s)])
                 reserved[id(stream)] += 1
                 plan.append((stream, found))
-        limit = asyncio.Semaphore(DISPATCH_CONCURRENCY)
+        grants = asyncio.Semaphore(DISPATCH_CONCURRENCY)
 
         async def hand(stream: WorkStream, found: Waiting) -> bool:
-            async with limit:
+            async with grants:
                 lease = await self._work.acquire(
                     found.thread_id, found.node, stream.holder, self.lease_seconds
                 )

@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypedDict, Unpack
 
 from ztate.worker_sdk.client import Outcome, Transition, View, WorkItem, ZtateClient
@@ -100,6 +102,10 @@ class NodeRunner:
     _seen: int = field(default=-1, init=False, repr=False)
     # serve: the waits for the outcomes of parked proposals (they hold no slot)
     _waiting: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
+    # serve: how far this machine's clock is ahead of the service's, plus the quickest
+    # delivery seen (the least of "now here" minus "granted there"): an upper bound, so
+    # a lease's age is never over-estimated by a clock that is merely off
+    _clock_lead: float | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def for_node(
@@ -114,7 +120,10 @@ class NodeRunner:
 
         Up to ``concurrency`` handlers run at once, each on the node's projection of
         the head it was handed, under a lease that is renewed while it runs and
-        released when it proposes (or returns None, or is refused). A proposal parked
+        released when it proposes (or returns None, or is refused). The next item is
+        read only once a slot is free, and a handler starts only on a lease still held:
+        one that spent half its TTL or more on the way (the stream was granted more
+        than this process could start) is renewed first, and dropped if it lapsed. A proposal parked
         for approval frees its slot at once (the service released its lease when it
         parked it): its outcome is waited for (``approval_wait``) beside the handlers
         and recorded as a step, and ``on_parked`` is called first. At most
@@ -130,14 +139,33 @@ class NodeRunner:
         again after its TTL."""
         stop = stop or asyncio.Event()
         working: dict[asyncio.Task[None], WorkItem] = {}
+        checking: list[WorkItem] = []  # read, its lease being checked before it starts
         room = asyncio.Semaphore(self.concurrency)
 
         async def take() -> None:
-            async for item in self.client.subscribe_work(max_in_flight=self.concurrency):
-                await room.acquire()
-                task = asyncio.create_task(self._work_on(item))
-                working[task] = item
-                task.add_done_callback(finished)
+            # a free slot first, then the next item: an item is never held waiting for a
+            # slot (its lease would lapse unrenewed, and its handler run on a lost lease)
+            items = self.client.subscribe_work(max_in_flight=self.concurrency)
+            async with contextlib.aclosing(items):
+                while True:
+                    await room.acquire()
+                    try:
+                        item = await anext(items)
+                        checking.append(item)
+                        live = await self._still_held(item)
+                        checking.remove(item)
+                    except StopAsyncIteration:
+                        room.release()
+                        return
+                    except BaseException:
+                        room.release()
+                        raise
+                    if not live:
+                        room.release()
+                        continue
+                    task = asyncio.create_task(self._work_on(item))
+                    working[task] = item
+                    task.add_done_callback(finished)
 
         def finished(done: asyncio.Task[None]) -> None:
             working.pop(done, None)
@@ -152,6 +180,9 @@ class NodeRunner:
             taking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await taking
+            for item in checking:  # read but never started: given back undone
+                with contextlib.suppress(ZtateError):
+                    await self.client.release_lease(item.thread_id, item.lease_epoch, -1)
             if working:
                 await asyncio.wait(set(working), timeout=self.shutdown_grace)
             for task, item in list(working.items()):
@@ -167,6 +198,44 @@ class NodeRunner:
         if taking.done() and not taking.cancelled() and taking.exception() is not None:
             raise taking.exception()  # type: ignore[misc]
         return self.steps
+
+    def _age(self, expires_at: datetime, ttl: float) -> float:
+        """How long ago (seconds, by this machine's clock) the lease lapsing at
+        ``expires_at`` (the service's clock) was granted or renewed, beyond the quickest
+        delivery seen; 0 for the quickest. A clock that is off shifts every grant alike,
+        so it cancels out: only a delivery that sat somewhere (the transport's buffer of
+        a stream granted more than this process could start) looks old."""
+        at = expires_at if expires_at.tzinfo is not None else expires_at.replace(tzinfo=UTC)
+        lead = time.time() - (at.timestamp() - ttl)
+        if self._clock_lead is None or lead < self._clock_lead:
+            self._clock_lead = lead
+        return lead - self._clock_lead
+
+    async def _still_held(self, item: WorkItem) -> bool:
+        """Whether ``item``'s handler may start: its lease has most of its TTL left, or
+        renewing it now succeeds (one call). A lost lease is dropped, its handler never
+        run (it would be fenced off after the work: ``LEASE_LOST``); one that cannot be
+        renewed for another reason is given back undone."""
+        if self._age(item.lease_expires_at, item.lease_ttl) < item.lease_ttl / 2:
+            return True
+        try:
+            expires = await self.client.renew_lease(item.thread_id, item.lease_epoch)
+        except LeaseLost:
+            log.info(
+                "%s: a lease lapsed before its handler could start; it is handed out again",
+                self.node_name,
+            )
+            return False
+        except ZtateError as failure:
+            log.warning("%s: renewing a lease failed: %s", self.node_name, type(failure).__name__)
+            with contextlib.suppress(ZtateError):
+                await self.client.release_lease(item.thread_id, item.lease_epoch, -1)
+            return False
+        # a fresh reading of the service's clock: a step of this machine's clock since
+        # the last reading is forgotten
+        self._clock_lead = None
+        self._age(expires, item.lease_ttl)
+        return True
 
     async def _renew(self, item: WorkItem) -> None:
         """Keep the lease while the handler runs (a third of its TTL at a time)."""

@@ -211,9 +211,9 @@ class TooManyStreams(ZtateError):
 
 
 class LeaseLost(ZtateError):
-    """The lease grant named (its epoch) no longer holds the thread: it lapsed and
-    another process of the node took it, or it was released. Says nothing of whether
-    the thread exists."""
+    """The lease grant named (its epoch) no longer holds the thread: it lapsed
+    (whether or not another process of the node took it since; migration 0028), or it
+    was released. Says nothing of whether the thread exists."""
 
     reason = "LEASE_LOST"
 

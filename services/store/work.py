@@ -42,6 +42,17 @@ class Waiting:
 
 
 @dataclass(frozen=True, slots=True)
+class Held:
+    """A grant that still holds its lease, ``seconds_left`` before it lapses."""
+
+    thread_id: str
+    node: str
+    epoch: int
+    holder: str
+    seconds_left: float
+
+
+@dataclass(frozen=True, slots=True)
 class Unevaluated:
     """A thread whose newest versions have not been looked at for wakes yet."""
 
@@ -94,12 +105,23 @@ SELECT t.thread_id
  LIMIT $1
 """
 
+# Only threads of the node's policy ($2, in the order of $1): a node's rows on threads
+# of another policy (the policy renamed, the node moved to another policy file) are
+# never its work; before, they were granted and given back undone every round, ahead
+# of its real work, which they starved. The thread's policy is looked up row by row (a
+# scalar subquery on its primary key, co-located on Citus): as a join, the planner
+# hashed the whole of ztate.threads every round, a cost growing with every thread ever
+# made, not with the work waiting (54 ms a round for 200,000 threads, 200 rows waiting).
+# Lapsed leases first (a holder died: the work waited a TTL already), then rows never
+# held or given back; before, every such row was served before any lapsed lease.
 WAITING = """
-SELECT thread_id, node FROM ztate.node_work
- WHERE node = ANY($1::text[]) AND wake_version > handled_version
-   AND (holder IS NULL OR expires_at < now())
- ORDER BY expires_at NULLS FIRST
- LIMIT $2
+SELECT w.thread_id, w.node FROM ztate.node_work w
+ WHERE w.node = ANY($1::text[]) AND w.wake_version > w.handled_version
+   AND (w.holder IS NULL OR w.expires_at < now())
+   AND (SELECT t.policy_name FROM ztate.threads t WHERE t.thread_id = w.thread_id)
+       = ($2::text[])[array_position($1::text[], w.node)]
+ ORDER BY w.expires_at NULLS LAST
+ LIMIT $3
 """
 
 ACQUIRE = """
@@ -134,6 +156,17 @@ RETURNING wake_version > handled_version AS more
 HOLDS = """
 SELECT 1 FROM ztate.node_work
  WHERE thread_id = $1 AND node = $2 AND epoch = $3 AND holder IS NOT NULL
+   AND expires_at >= now()
+"""
+
+# Which of these grants still hold their lease, and for how long (seconds): the truth a
+# replica checks its streams' slots against, as renewals, releases and commits under a
+# lease may reach another replica. thread_id = ANY prunes to the threads' shards on Citus.
+HELD = """
+SELECT thread_id, node, epoch, holder,
+       extract(epoch FROM expires_at - now())::float8 AS seconds_left
+  FROM ztate.node_work
+ WHERE thread_id = ANY($1::text[]) AND node = ANY($2::text[]) AND holder = ANY($3::text[])
    AND expires_at >= now()
 """
 
@@ -190,9 +223,10 @@ class WorkStore:
         return [Unevaluated(r["thread_id"]) for r in rows]
 
     @translated
-    async def waiting(self, nodes: Sequence[str], limit: int) -> list[Waiting]:
-        """Work of ``nodes`` that nobody holds (or whose holder's lease lapsed)."""
-        rows = await self._pool.fetch(WAITING, list(nodes), limit)
+    async def waiting(self, nodes: Sequence[tuple[str, str]], limit: int) -> list[Waiting]:
+        """Work of ``nodes`` (node, its policy) that nobody holds (or whose holder's
+        lease lapsed), on threads of the node's policy; lapsed leases first."""
+        rows = await self._pool.fetch(WAITING, [n for n, _ in nodes], [p for _, p in nodes], limit)
         return [Waiting(r["thread_id"], r["node"]) for r in rows]
 
     @translated
@@ -224,6 +258,18 @@ class WorkStore:
     async def holds(self, thread_id: str, node: str, epoch: int) -> bool:
         """Whether grant ``epoch`` still holds the lease (the fencing check)."""
         return await self._pool.fetchval(HOLDS, thread_id, node, epoch) is not None
+
+    @translated
+    async def held(
+        self, thread_ids: Sequence[str], nodes: Sequence[str], holders: Sequence[str]
+    ) -> list[Held]:
+        """The live leases among those of ``thread_ids`` and ``nodes`` held by
+        ``holders`` (match each grant on all four fields)."""
+        rows = await self._pool.fetch(HELD, list(thread_ids), list(nodes), list(holders))
+        return [
+            Held(r["thread_id"], r["node"], r["epoch"], r["holder"], r["seconds_left"])
+            for r in rows
+        ]
 
     @translated
     async def announce(self, nodes: Sequence[str]) -> None:

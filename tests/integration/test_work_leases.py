@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -21,6 +22,7 @@ from ztate.transition_service.app import RunningService, start
 from ztate.v1 import transition_pb2, transition_pb2_grpc
 from ztate.worker_sdk import LeaseLost
 
+REPO = Path(__file__).resolve().parents[2]
 PATCH = {"requested_action": {"action": "lookup", "order_id": "A-1"}}
 LEASE_SECONDS = 0.5
 
@@ -198,3 +200,264 @@ async def test_a_stream_that_stops_reading_is_granted_nothing_more(
         stalled.cancel()
         with contextlib.suppress(Exception):
             await channel.close()
+
+
+async def test_rows_on_threads_of_another_policy_are_never_granted_nor_starve_the_node(
+    settings: Settings, own_dsn: str, pki: Pki, tmp_path: Path
+) -> None:
+    """40 threads wait for input-parser under policy ``pipeline``; the operator renames
+    the policy to ``pipeline-v2`` and a thread is created under the new name. Before,
+    every dispatch round found the 40 old rows first, granted them, saw the thread was
+    of another policy and gave them back undone, for ever: the new thread was never
+    delivered (a node with max_in_flight=4, in the review 552 grants in 15 s). Now only
+    threads of the node's policy are looked for: the new one comes at once, and the old
+    rows are never granted."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    text = (REPO / "services" / "defaults" / "policy.yaml").read_text()
+    assert "name: pipeline\n" in text
+    (old / "pipeline.yaml").write_text(text)
+    (new / "pipeline.yaml").write_text(text.replace("name: pipeline\n", "name: pipeline-v2\n", 1))
+    base = settings.model_copy(update={"work_poll_seconds": 0.05, "work_lease_seconds": 5.0})
+    before = [new_thread_id() for _ in range(40)]
+    first = await start(base.model_copy(update={"policy_path": old}), dsn=own_dsn)
+    try:
+        async with client(f"localhost:{first.port}", pki.operator()) as operator:
+            for thread_id in before:
+                await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+    finally:
+        await first.stop(grace=1.0)
+
+    second = await start(base.model_copy(update={"policy_path": new}), dsn=own_dsn)
+    try:
+        target = f"localhost:{second.port}"
+        fresh = new_thread_id()
+        async with (
+            client(target, pki.operator()) as operator,
+            client(target, pki.node("input-parser")) as parser,
+        ):
+            stream = parser.subscribe_work(max_in_flight=4)
+            try:
+                await operator.create_thread(fresh, INITIAL, policy="pipeline-v2")
+                item = await asyncio.wait_for(anext(stream), 10)
+                assert (item.thread_id, item.version) == (fresh, 0)
+                await parser.propose(fresh, 0, PATCH, lease_epoch=item.lease_epoch)
+            finally:
+                await stream.aclose()
+    finally:
+        await second.stop(grace=1.0)
+    admin = await asyncpg.connect(own_dsn)
+    try:
+        rows = await admin.fetch(
+            "SELECT w.epoch, w.holder, w.handled_version, t.version FROM ztate.node_work w "
+            "JOIN ztate.threads t USING (thread_id) "
+            "WHERE w.node = 'input-parser' AND w.thread_id = ANY($1)",
+            before,
+        )
+        fresh_row = await work_row(own_dsn, fresh, "input-parser")
+    finally:
+        await admin.close()
+    # the old rows: never granted, still waiting, nothing committed on their threads
+    assert len(rows) == 40
+    assert {(r["epoch"], r["holder"], r["handled_version"], r["version"]) for r in rows} == {
+        (0, None, -1, 0)
+    }
+    assert (fresh_row["epoch"], fresh_row["holder"], fresh_row["handled_version"]) == (1, None, 0)
+
+
+async def test_a_lapsed_lease_is_granted_before_work_never_held(
+    service: RunningService, own_dsn: str, pki: Pki
+) -> None:
+    """A worker took a thread and died (its lease lapsed) while five newer threads
+    waited. Before, rows never held came first (expires_at NULLS FIRST): under a
+    backlog the dead worker's thread waited until the whole backlog had drained. Now a
+    lapsed lease is granted first."""
+    target = f"localhost:{service.port}"
+    crashed = new_thread_id()
+    backlog = [new_thread_id() for _ in range(5)]
+    async with (
+        client(target, pki.operator()) as operator,
+        client(target, pki.node("input-parser")) as parser,
+    ):
+        await operator.create_thread(crashed, INITIAL, policy="pipeline")
+        dead = parser.subscribe_work(max_in_flight=1)
+        taken = await anext(dead)
+        await dead.aclose()  # the worker is gone; its lease stays until it lapses
+        assert taken.thread_id == crashed
+        for thread_id in backlog:
+            await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+        admin = await asyncpg.connect(own_dsn)
+        try:
+            await admin.execute(
+                "UPDATE ztate.node_work SET expires_at = now() - interval '1 second' "
+                "WHERE thread_id = $1 AND node = 'input-parser'",
+                crashed,
+            )
+        finally:
+            await admin.close()
+        stream = parser.subscribe_work(max_in_flight=1)
+        try:
+            item = await asyncio.wait_for(anext(stream), 10)
+        finally:
+            await stream.aclose()
+    assert (item.thread_id, item.lease_epoch) == (crashed, taken.lease_epoch + 1)
+    for thread_id in backlog:  # none of the backlog was granted
+        row = await work_row(own_dsn, thread_id, "input-parser")
+        assert (row["epoch"], row["holder"]) == (0, None)
+
+
+async def test_a_freed_slot_hands_out_the_backlog_at_once_not_at_the_next_poll(
+    settings: Settings, own_dsn: str, pki: Pki
+) -> None:
+    """Six threads wait for a node whose stream takes one at a time, the poll period
+    4 s. Before, a slot freed by a commit under the lease (or by ReleaseLease) started
+    no round unless that same thread had more work: each next thread came at the next
+    poll (about 2 s apart at a 2 s poll in the review, max_in_flight threads per poll
+    period). Now the freed slot asks for a round at once while the node may have a
+    backlog."""
+    running = await start(
+        settings.model_copy(update={"work_poll_seconds": 4.0, "work_lease_seconds": 30.0}),
+        dsn=own_dsn,
+    )
+    try:
+        target = f"localhost:{running.port}"
+        threads = [new_thread_id() for _ in range(6)]
+        loop = asyncio.get_running_loop()
+        async with (
+            client(target, pki.operator()) as operator,
+            client(target, pki.node("input-parser")) as parser,
+        ):
+            for thread_id in threads:
+                await operator.create_thread(thread_id, INITIAL, policy="pipeline")
+            stream = parser.subscribe_work(max_in_flight=1)
+            gaps: list[float] = []
+            seen: list[str] = []
+            try:
+                item = await asyncio.wait_for(anext(stream), 10)
+                for n in range(6):
+                    seen.append(item.thread_id)
+                    if n % 2 == 0:  # done: a commit under the lease releases it
+                        await parser.propose(
+                            item.thread_id, item.version, PATCH, lease_epoch=item.lease_epoch
+                        )
+                    else:  # nothing to do: released, handled
+                        await parser.release_lease(item.thread_id, item.lease_epoch, item.version)
+                    if n == 5:
+                        break
+                    freed = loop.time()
+                    item = await asyncio.wait_for(anext(stream), 10)
+                    gaps.append(loop.time() - freed)
+            finally:
+                await stream.aclose()
+    finally:
+        await running.stop(grace=1.0)
+    assert sorted(seen) == sorted(threads)  # each once
+    assert max(gaps) < 2.0, gaps  # well under the 4 s poll period
+    admin = await asyncpg.connect(own_dsn)
+    try:
+        rows = await admin.fetch(
+            "SELECT w.thread_id, w.epoch, w.holder, w.handled_version, t.version "
+            "FROM ztate.node_work w JOIN ztate.threads t USING (thread_id) "
+            "WHERE w.node = 'input-parser' AND w.thread_id = ANY($1)",
+            threads,
+        )
+    finally:
+        await admin.close()
+    committed = {t for n, t in enumerate(seen) if n % 2 == 0}
+    assert {
+        r["thread_id"]: (r["epoch"], r["holder"], r["handled_version"], r["version"]) for r in rows
+    } == {t: (1, None, 0, 1 if t in committed else 0) for t in threads}
+
+
+@pytest_asyncio.fixture
+async def pair(settings: Settings, own_dsn: str) -> AsyncIterator[list[RunningService]]:
+    """Two replicas on one database (lease 3 s, poll 0.1 s)."""
+    both = settings.model_copy(update={"work_poll_seconds": 0.1, "work_lease_seconds": 3.0})
+    first = await start(both, dsn=own_dsn)
+    second = await start(both, dsn=own_dsn)
+    yield [first, second]
+    await second.stop(grace=1.0)
+    await first.stop(grace=1.0)
+
+
+async def test_slots_follow_renewals_and_releases_answered_by_another_replica(
+    pair: list[RunningService], own_dsn: str, pki: Pki
+) -> None:
+    """A stream on replica A (max_in_flight=1) holds a lease that its worker renews,
+    then commits under, through replica B (round-robin balancing). Before, A forgot
+    the lease at its local expiry although B had renewed it, and granted the stream a
+    second thread (two live leases, max_in_flight 1); and after B's commit A kept the
+    slot until that local expiry (2.5 s of a 3 s lease in the review). Now A checks
+    its slots against the database: nothing more is granted while the lease is renewed
+    elsewhere, and the freed slot is granted again within a poll or so."""
+    a, b = pair
+    dispatcher = a.work and a.work.dispatcher
+    assert dispatcher is not None
+    loop = asyncio.get_running_loop()
+    t1, t2 = new_thread_id(), new_thread_id()
+    async with (
+        client(f"localhost:{a.port}", pki.operator()) as operator,
+        client(f"localhost:{a.port}", pki.node("input-parser")) as on_a,
+        client(f"localhost:{b.port}", pki.node("input-parser")) as on_b,
+    ):
+        stream = on_a.subscribe_work(max_in_flight=1)
+        try:
+            await operator.create_thread(t1, INITIAL, policy="pipeline")
+            first = await asyncio.wait_for(anext(stream), 10)
+            assert first.thread_id == t1
+            (served,) = dispatcher._streams["input-parser"]
+            local_expiry = served.held[(t1, first.lease_epoch)]
+            await operator.create_thread(t2, INITIAL, policy="pipeline")
+            checks = dispatcher.checks
+
+            async def a_lease_period_past_the_local_expiry() -> bool:
+                # the worker renews through B meanwhile, as its handler runs
+                await on_b.renew_lease(t1, first.lease_epoch)
+                return loop.time() > local_expiry + 1.0
+
+            await eventually(a_lease_period_past_the_local_expiry, within=15)
+            assert dispatcher.checks > checks  # A looked its slot up in the database
+            assert served.held.keys() == {(t1, first.lease_epoch)}  # and kept it
+            assert (await work_row(own_dsn, t2, "input-parser"))["epoch"] == 0  # not granted
+
+            await on_b.propose(t1, first.version, PATCH, lease_epoch=first.lease_epoch)
+            committed = loop.time()
+            second = await asyncio.wait_for(anext(stream), 10)
+            took = loop.time() - committed
+        finally:
+            await stream.aclose()
+    assert second.thread_id == t2
+    assert took < 1.5, took  # within a poll or so, not at the 3 s lease's local expiry
+    row = await work_row(own_dsn, t1, "input-parser")
+    assert (row["epoch"], row["holder"], row["handled_version"]) == (first.lease_epoch, None, 0)
+
+
+async def test_a_slot_freed_by_a_commit_through_another_replica_is_granted_again_at_once(
+    pair: list[RunningService], own_dsn: str, pki: Pki
+) -> None:
+    """The worker of a stream on replica A commits under its lease through replica B
+    while another thread waits. Before, A kept the slot until the lease's local expiry
+    (about 2.5 s of a 3 s lease in the review); now the next thread comes within a poll
+    or so."""
+    a, b = pair
+    loop = asyncio.get_running_loop()
+    t1, t2 = new_thread_id(), new_thread_id()
+    async with (
+        client(f"localhost:{a.port}", pki.operator()) as operator,
+        client(f"localhost:{a.port}", pki.node("input-parser")) as on_a,
+        client(f"localhost:{b.port}", pki.node("input-parser")) as on_b,
+    ):
+        stream = on_a.subscribe_work(max_in_flight=1)
+        try:
+            await operator.create_thread(t1, INITIAL, policy="pipeline")
+            first = await asyncio.wait_for(anext(stream), 10)
+            await operator.create_thread(t2, INITIAL, policy="pipeline")
+            await on_b.propose(t1, first.version, PATCH, lease_epoch=first.lease_epoch)
+            committed = loop.time()
+            second = await asyncio.wait_for(anext(stream), 10)
+            took = loop.time() - committed
+        finally:
+            await stream.aclose()
+    assert (first.thread_id, second.thread_id) == (t1, t2)
+    assert took < 1.5, took

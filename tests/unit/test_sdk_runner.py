@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import traceback
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
@@ -72,6 +73,13 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         self.created = transition_pb2.CreateThreadResponse()
         self.create_calls = 0
         self.renewed = transition_pb2.RenewLeaseResponse()
+        self.renew_refusal: errors.ZtateError | None = None
+        self.renewals: list[int] = []  # the epochs asked to be renewed
+        self.renew_asked = asyncio.Event()
+        self.renew_gate = asyncio.Event()  # RenewLease answers once it is set
+        self.renew_gate.set()
+        self.releases: list[tuple[int, int]] = []  # (epoch, handled_version)
+        self.released = asyncio.Event()
         self.work: list[transition_pb2.SubscribeWorkResponse] = []
         self.asked: list[str] = []  # the calls answered from the fields above
 
@@ -134,7 +142,19 @@ class Scripted(transition_pb2_grpc.TransitionServiceServicer):
         self, request: transition_pb2.RenewLeaseRequest, context: Any
     ) -> transition_pb2.RenewLeaseResponse:
         self.asked.append("RenewLease")
+        self.renewals.append(request.lease_epoch)
+        self.renew_asked.set()
+        await self.renew_gate.wait()
+        if self.renew_refusal is not None:
+            await refuse(context, self.renew_refusal)
         return self.renewed
+
+    async def ReleaseLease(
+        self, request: transition_pb2.ReleaseLeaseRequest, context: Any
+    ) -> transition_pb2.ReleaseLeaseResponse:
+        self.releases.append((request.lease_epoch, request.handled_version))
+        self.released.set()
+        return transition_pb2.ReleaseLeaseResponse()
 
     async def SubscribeWork(
         self, request: transition_pb2.SubscribeWorkRequest, context: Any
@@ -928,3 +948,90 @@ async def test_the_worker_must_name_what_it_acts_on(
             expected_version=4,
             acting_on={},
         )
+
+
+def granted(epoch: int, version: int, expires_at: datetime) -> transition_pb2.SubscribeWorkResponse:
+    at = timestamp_pb2.Timestamp()
+    at.FromDatetime(expires_at)
+    return transition_pb2.SubscribeWorkResponse(
+        thread_id=THREAD,
+        version=version,
+        state_json=b'{"n":1}',
+        lease_epoch=epoch,
+        lease_expires_at=at,
+        lease_ttl_seconds=30.0,
+    )
+
+
+@pytest.mark.parametrize("service_clock_ahead", [3600.0, -3600.0])
+async def test_serve_drops_an_item_whose_lease_aged_on_the_way_whatever_the_clocks(
+    scripted: tuple[Scripted, ZtateClient], service_clock_ahead: float
+) -> None:
+    """Three grants, the service's clock an hour off this machine's: the first and the
+    third come as granted, the second was granted 20 s of its 30 s TTL earlier (it sat
+    in a stream granted more than the runner could start). The runner judges a grant's
+    age against the quickest delivery it saw, so the offset changes nothing: the young
+    grants start at once, with no call; the old one is renewed first and, lost
+    (LEASE_LOST), dropped: its handler never runs, and nothing is proposed or released
+    for it."""
+    servicer, worker = scripted
+    now = datetime.now(UTC) + timedelta(seconds=service_clock_ahead)
+    servicer.work = [
+        granted(7, 1, now + timedelta(seconds=30)),
+        granted(8, 2, now + timedelta(seconds=10)),
+        granted(9, 3, now + timedelta(seconds=30)),
+    ]
+    servicer.renew_refusal = errors.LeaseLost("this lease is no longer held")
+    ran: list[int] = []
+
+    def handler(view: View) -> None:
+        ran.append(view.version)  # nothing to do: the lease is released, handled
+
+    runner = NodeRunner.for_node(worker, handler, node_name="db-writer", concurrency=1)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(runner.serve(stop))
+    async with asyncio.timeout(10):
+        while True:
+            servicer.released.clear()
+            if len(servicer.releases) >= 2:
+                break
+            await servicer.released.wait()
+    stop.set()
+    assert await asyncio.wait_for(serving, 10) == []
+    assert ran == [1, 3]
+    assert servicer.renewals == [8]
+    assert servicer.releases == [(7, 1), (9, 3)]
+    assert servicer.proposals == []
+
+
+async def test_serve_stopped_while_checking_an_items_lease_releases_it_undone(
+    scripted: tuple[Scripted, ZtateClient],
+) -> None:
+    """A grant that aged on the way is being renewed before its handler starts when
+    ``stop`` comes: the item was read but never started, so it is released undone
+    (-1) for another process to take at once, and its handler never runs."""
+    servicer, worker = scripted
+    now = datetime.now(UTC)
+    servicer.work = [granted(7, 1, now + timedelta(seconds=30)), granted(8, 2, now)]
+    servicer.renew_gate.clear()  # the renewal of the aged grant hangs
+    ran: list[int] = []
+
+    def handler(view: View) -> None:
+        ran.append(view.version)
+
+    runner = NodeRunner.for_node(worker, handler, node_name="db-writer", concurrency=2)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(runner.serve(stop))
+    await asyncio.wait_for(servicer.renew_asked.wait(), 10)
+    async with asyncio.timeout(10):  # the young grant was handled and released meanwhile
+        while True:
+            servicer.released.clear()
+            if servicer.releases:
+                break
+            await servicer.released.wait()
+    stop.set()
+    assert await asyncio.wait_for(serving, 10) == []
+    assert ran == [1]
+    assert servicer.renewals == [8]
+    assert servicer.releases == [(7, 1), (8, -1)]
+    assert servicer.proposals == []
