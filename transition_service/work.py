@@ -387,13 +387,16 @@ class WorkDispatcher:
         if not nodes:
             return 0
         self.polls += 1
-        limit = sum(room.values())
-        queried = [node for node, _ in nodes]
-        # cleared before the query: work announced while it runs stays marked
-        self._backlog.difference_update(queried)
-        waiting = await self._work.waiting(nodes, limit)
-        if len(waiting) >= limit:  # there may be more than was asked for
-            self._backlog.update(queried)
+        # cleared before the queries: work announced while they run stays marked
+        self._backlog.difference_update(node for node, _ in nodes)
+        # one query a node, each led by the index in its order (migration 0030), at once
+        per_node = await asyncio.gather(
+            *(self._work.waiting(node, policy, room[node]) for node, policy in nodes)
+        )
+        waiting = [row for rows in per_node for row in rows]
+        for (node, _), rows in zip(nodes, per_node, strict=True):
+            if len(rows) >= room[node]:  # there may be more than was asked for
+                self._backlog.add(node)
         # each found row goes to the stream of its node with the most room left; a
         # slot is reserved before the (concurrent) round trips, so no stream overfills
         reserved: Counter[int] = Counter()

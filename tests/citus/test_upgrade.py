@@ -127,6 +127,7 @@ async def test_the_commit_stays_on_one_worker_across_the_upgrades_to_0018_and_00
             "0027_key_index_by_statement",
             "0028_lapsed_leases_are_lost",
             "0029_rejection_pages",
+            "0030_waiting_work_in_order",
         ]
         assert await conn.fetchval("SELECT to_regprocedure($1)", OLD_COMMIT) is None
         assert await conn.fetchval("SELECT to_regprocedure($1)", COMMIT_0018) is None

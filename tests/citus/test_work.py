@@ -91,10 +91,8 @@ async def test_a_backlog_is_dispatched_and_slots_checked_on_citus(
                 held = await conn.fetch(
                     work_sql.HELD, [item.thread_id, other], ["input-parser"], [holder]
                 )
-                waiting = await conn.fetch(work_sql.WAITING, ["input-parser"], ["pipeline"], 10_000)
-                elsewhere = await conn.fetch(
-                    work_sql.WAITING, ["input-parser"], ["billing"], 10_000
-                )
+                waiting = await conn.fetch(work_sql.WAITING, "input-parser", "pipeline", 10_000)
+                elsewhere = await conn.fetch(work_sql.WAITING, "input-parser", "billing", 10_000)
             finally:
                 await conn.close()
             assert [(r["thread_id"], r["epoch"]) for r in held] == [
