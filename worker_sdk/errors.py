@@ -121,8 +121,9 @@ class QueryTooCostly(ResourceExhausted):
 
 
 class LeaseLost(FailedPrecondition):
-    """The lease this worker held on a thread lapsed and another process of the node
-    took it (or it was released): its proposal was refused, nothing committed."""
+    """The lease this worker held on a thread lapsed (whether or not another process of
+    the node took it since) or was released: its proposal was refused, nothing
+    committed."""
 
 
 class NotFound(ZtateError):

@@ -384,9 +384,9 @@ export enum ErrorReason {
 
   /**
    * [FAILED_PRECONDITION] The lease grant the call names (its lease_epoch) no
-   * longer holds the thread: it lapsed and another process of the node took it,
-   * or it was released. Nothing was committed; drop the work (SubscribeWork hands
-   * it out again if it is still due).
+   * longer holds the thread: it lapsed (whether or not another process of the node
+   * took it since) or it was released. Nothing was committed; drop the work
+   * (SubscribeWork hands it out again if it is still due).
    *
    * @generated from enum value: ERROR_REASON_LEASE_LOST = 36;
    */
