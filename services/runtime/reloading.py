@@ -67,23 +67,25 @@ class WatchedFiles(Generic[Value]):
         """Rebuild if the files changed since the last build; True when a new value was
         taken, False when nothing changed or the rebuild failed (the old value stays)."""
         now = stamp(self._paths)
-        if now == self._stamp:
+        # unchanged since the last build, or since the last build that failed (a broken
+        # file is not read and parsed again at every call: it is tried again when it
+        # changes)
+        if now in (self._stamp, self._failed):
             return False
         with self._lock:
-            if now == self._stamp:  # another thread rebuilt meanwhile
+            if now in (self._stamp, self._failed):  # another thread tried meanwhile
                 return False
             try:
                 value = self._build()
             except Exception as failure:  # any failure keeps the old value
                 # (OSError, ValueError, and what a parser of hostile bytes may raise besides:
                 # RecursionError, MemoryError): a file that breaks must not fail every call
-                if now != self._failed:
-                    self._failed = now
-                    log.warning(
-                        "%s changed but cannot be loaded (%s): keeping the previous one",
-                        self._what,
-                        type(failure).__name__,
-                    )
+                self._failed = now
+                log.warning(
+                    "%s changed but cannot be loaded (%s): keeping the previous one",
+                    self._what,
+                    type(failure).__name__,
+                )
                 return False
             self._value, self._stamp, self._failed = value, now, None
         log.info("reloaded %s", self._what)
