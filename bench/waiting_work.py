@@ -4,7 +4,8 @@ A fresh migrated database is filled with ``--threads`` threads of one policy and
 work for one node on each, of which ``--waiting`` wait (the others handled), and a
 tenth of them on threads of another policy (rows a renamed policy leaves behind); then
 the dispatcher's statement (``services/store/work.py``, ``WAITING``: one node, a limit
-of 64) runs as the service runs it, a prepared statement past the five runs after which
+of 64; rows of another policy are the dispatcher's to retire once granted) runs as the
+service runs it, a prepared statement past the five runs after which
 Postgres keeps a generic plan, and the best of its runs is printed with the index that
 led it. With ``--without-order-index`` the index of migration 0030 is dropped first:
 the query then reads and sorts every waiting row (docs/work.md, "Delivery").
@@ -68,10 +69,10 @@ async def measure(threads: int, waiting: int, without_order_index: bool) -> None
                 best = float("inf")
                 for _ in range(RUNS):
                     began = time.perf_counter()
-                    rows = await statement.fetch("planner", "pipeline", LIMIT)
+                    rows = await statement.fetch("planner", LIMIT)
                     best = min(best, time.perf_counter() - began)
                 explained = await conn.fetchval(
-                    "EXPLAIN (FORMAT JSON) " + WAITING, "planner", "pipeline", LIMIT
+                    "EXPLAIN (FORMAT JSON) " + WAITING, "planner", LIMIT
                 )
                 indexes = _index_names(json.loads(explained)[0]["Plan"])
             finally:

@@ -17,9 +17,9 @@ Three parts, one of each per process:
 - ``Leases``: renewal, release, and the fencing of proposals made under a lease.
 
 Every lease change is a CAS on the row in Postgres, so replicas need not agree on
-anything else. A node is only ever handed threads of its own policy: the query for
-waiting work looks up each row's thread and keeps those of the node's policy (its rows
-on threads of another policy, left by a renamed policy, are never granted).
+anything else. A node is only ever handed threads of its own policy: a row of its work
+on a thread of another policy (left by a renamed policy) is granted once, found out
+before anything is sent, and retired.
 """
 
 from __future__ import annotations
@@ -203,6 +203,7 @@ class WorkDispatcher:
         self.polls = 0  # rounds that queried (for tests and diagnostics)
         self.sweeps = 0  # sweeps for undecided wakes (for tests and diagnostics)
         self.checks = 0  # checks of held slots against the database (tests, diagnostics)
+        self.retired = 0  # rows of work on threads of another policy, retired
         self._next_check = 0.0
         self._sweep_due = True  # at start-up first
         listener.on_work(self._announced)
@@ -389,10 +390,15 @@ class WorkDispatcher:
         self.polls += 1
         # cleared before the queries: work announced while they run stays marked
         self._backlog.difference_update(node for node, _ in nodes)
-        # one query a node, each led by the index in its order (migration 0030), at once
-        per_node = await asyncio.gather(
-            *(self._work.waiting(node, policy, room[node]) for node, policy in nodes)
-        )
+        # one query a node, each led by the index in its order (migration 0030), as many
+        # at once as grants are (pool connections)
+        grants = asyncio.Semaphore(DISPATCH_CONCURRENCY)
+
+        async def ask(node: str) -> list[Waiting]:
+            async with grants:
+                return await self._work.waiting(node, room[node])
+
+        per_node = await asyncio.gather(*(ask(node) for node, _ in nodes))
         waiting = [row for rows in per_node for row in rows]
         for (node, _), rows in zip(nodes, per_node, strict=True):
             if len(rows) >= room[node]:  # there may be more than was asked for
@@ -407,7 +413,6 @@ class WorkDispatcher:
                 stream = max(streams, key=lambda s: s.room - reserved[id(s)])
                 reserved[id(stream)] += 1
                 plan.append((stream, found))
-        grants = asyncio.Semaphore(DISPATCH_CONCURRENCY)
 
         async def hand(stream: WorkStream, found: Waiting) -> bool:
             async with grants:
@@ -424,8 +429,17 @@ class WorkDispatcher:
     async def _deliver(self, stream: WorkStream, lease: Lease) -> bool:
         policy = self._policies.of_node(lease.node)
         head = await self._store.read_head(lease.thread_id)
-        if head is None or policy is None or head.policy_name != policy.name or stream.closed:
-            # never a thread of another policy; give the lease back untouched
+        if head is None or policy is None or head.policy_name != policy.name:
+            # never a thread of another policy (its policy renamed, the node moved to
+            # another policy file): not its work, now or later, so retired (handled up to
+            # the version that woke it) rather than given back undone, which put it back
+            # ahead of the node's real work at every round; and a round at once, since the
+            # slot it took is free again
+            await self._work.release(lease.thread_id, lease.node, lease.epoch, lease.wake_version)
+            self.retired += 1
+            self._wake.set()
+            return False
+        if stream.closed:  # give the lease back untouched: another stream takes it
             await self._work.release(lease.thread_id, lease.node, lease.epoch, -1)
             return False
         state = orjson.loads(head.state_bytes)

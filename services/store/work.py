@@ -105,24 +105,22 @@ SELECT t.thread_id
  LIMIT $1
 """
 
-# The work waiting for one node ($1), on threads of its policy ($2), lapsed leases first
-# (a holder died: the work waited a TTL already), then rows never held or given back.
-# Led by the index of migration 0030 in that order, so a round reads about what it
-# grants: the rows it returns, and those it skips on the way (leases still held, rows
-# on threads of another policy), each skipped row one look-up of its thread by key
-# (co-located on Citus). Measured on 200,000 threads (docs/work.md): 0.6 ms
-# a round whether 200 or all 200,000 wait; one query for every node at once sorted
-# them all (70 to 85 ms), and with the policy filter looked up every one (460 to 900 ms).
-# Rows on threads of another policy (the policy renamed, the node moved to another
-# policy file) are never granted: before, they were granted and given back undone every
-# round, ahead of the node's real work, which they starved.
+# The work waiting for one node ($1), lapsed leases first (a holder died: the work
+# waited a TTL already), then rows never held or given back. Led by the index of
+# migration 0030 in that order, so a round reads about what it grants: the rows it
+# returns and the leases still held it skips on the way. Measured on 200,000 threads
+# (docs/work.md): 0.5 ms a round whether 200 or all 200,000 wait; one query for every
+# node at once sorted them all (70 to 85 ms). A row on a thread of another policy (the
+# policy renamed, the node moved to another policy file) is granted once, found out by
+# the dispatcher and retired (``WorkDispatcher._deliver``): a filter here would have
+# skipped such rows at every round, for ever, and a release undone (before) put them
+# back ahead of the node's real work, which they starved.
 WAITING = """
-SELECT w.thread_id, w.node FROM ztate.node_work w
- WHERE w.node = $1 AND w.wake_version > w.handled_version
-   AND (w.holder IS NULL OR w.expires_at < now())
-   AND (SELECT t.policy_name FROM ztate.threads t WHERE t.thread_id = w.thread_id) = $2
- ORDER BY w.expires_at
- LIMIT $3
+SELECT thread_id, node FROM ztate.node_work
+ WHERE node = $1 AND wake_version > handled_version
+   AND (holder IS NULL OR expires_at < now())
+ ORDER BY expires_at
+ LIMIT $2
 """
 
 ACQUIRE = """
@@ -224,10 +222,10 @@ class WorkStore:
         return [Unevaluated(r["thread_id"]) for r in rows]
 
     @translated
-    async def waiting(self, node: str, policy: str, limit: int) -> list[Waiting]:
+    async def waiting(self, node: str, limit: int) -> list[Waiting]:
         """Up to ``limit`` rows of work of ``node`` that nobody holds (or whose holder's
-        lease lapsed), on threads of its ``policy``; lapsed leases first."""
-        rows = await self._pool.fetch(WAITING, node, policy, limit)
+        lease lapsed); lapsed leases first."""
+        rows = await self._pool.fetch(WAITING, node, limit)
         return [Waiting(r["thread_id"], r["node"]) for r in rows]
 
     @translated
