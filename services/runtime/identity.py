@@ -169,21 +169,22 @@ class Authenticator:
         if auth is None:
             auth = context.auth_context()
         facts = caller_certificate(auth)
-        if facts is not None:
-            now = time.time()
-            if now > facts.not_after:
-                raise CertificateExpired(
-                    f"the certificate of {caller.spiffe_id} expired at "
-                    f"{_utc(facts.not_after)}: renew it"
-                )
-            if now < facts.not_before:
-                raise CertificateExpired(
-                    f"the certificate of {caller.spiffe_id} is not valid before "
-                    f"{_utc(facts.not_before)}"
-                )
+        if facts is None:  # TLS verified exactly one certificate: fail closed all the same
+            raise IdentityInvalid("the caller's certificate cannot be read")
+        now = time.time()
+        if now > facts.not_after:
+            raise CertificateExpired(
+                f"the certificate of {caller.spiffe_id} expired at "
+                f"{_utc(facts.not_after)}: renew it"
+            )
+        if now < facts.not_before:
+            raise CertificateExpired(
+                f"the certificate of {caller.spiffe_id} is not valid before "
+                f"{_utc(facts.not_before)}"
+            )
         if self._revocations is None:
             return
-        self._revocations.check(caller.spiffe_id, None if facts is None else facts.serial)
+        self._revocations.check(caller.spiffe_id, facts.serial)
 
     def revoked(self, spiffe_id: str, serial: int | None) -> bool:
         """Whether the revocation list, as it is now, names ``spiffe_id`` or the

@@ -12,7 +12,7 @@ from ztate.contract.canonical import parse_object
 from ztate.services.policy.changes import apply_patch
 from ztate.services.policy.model import Policy, PolicyDocument
 from ztate.services.runtime import errors
-from ztate.services.runtime.identity import Identity, Role, parse_spiffe_id
+from ztate.services.runtime.identity import Authenticator, Identity, Role, parse_spiffe_id
 from ztate.transition_service.checks import (
     check_layers,
     check_size,
@@ -166,3 +166,15 @@ def test_text_without_the_escape_never_parses_to_u0000(value: object) -> None:
         parsed = parse_object(source, what="patch")
         if b"\\u0000" not in source:
             assert not _holds_nul(parsed)
+
+
+@pytest.mark.parametrize("pems", [[], [b"one", b"two"], [b"not a certificate"]])
+def test_a_call_whose_certificate_cannot_be_read_is_refused(pems: list[bytes]) -> None:
+    """The credential check reads the caller's certificate (its dates, its serial): TLS
+    verified exactly one, but a context without one readable must fail closed, not skip
+    the expiry and serial checks."""
+    authenticator = Authenticator("ztate.test")
+    caller = Identity("ztate.test", Role.NODE, "planner")
+    auth = {"transport_security_type": [b"ssl"], "x509_pem_cert": pems}
+    with pytest.raises(errors.IdentityInvalid, match="the caller's certificate cannot be read"):
+        authenticator.check_credential(None, caller, auth)  # type: ignore[arg-type]

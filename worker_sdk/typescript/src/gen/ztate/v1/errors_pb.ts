@@ -414,7 +414,8 @@ export enum ErrorReason {
    * [UNAUTHENTICATED] The client certificate is past its notAfter (or before its
    * notBefore) on a connection opened while it was valid: TLS checks the dates at the
    * handshake only, ztate at every call and stream item. Renew the certificate (the
-   * SDKs reconnect with the files on disk).
+   * Python SDK takes renewed files from its next call; a TypeScript client is made
+   * again with fromFiles).
    *
    * @generated from enum value: ERROR_REASON_CERTIFICATE_EXPIRED = 39;
    */
