@@ -115,7 +115,9 @@ def cmd_ca_renew(args: argparse.Namespace) -> int:
         return 2
     ttl = _ttl(args)
     try:
-        paths = ca.renew(Path(args.ca_dir), cert, ttl=ttl)
+        paths = ca.renew(
+            Path(args.ca_dir), cert, ttl=ttl, previous=tuple(Path(p) for p in args.previous_ca)
+        )
     except (OSError, ValueError) as exc:
         print(f"ztate: cannot renew: {exc}", file=sys.stderr)
         return 1
@@ -311,6 +313,14 @@ def register(commands: Subparsers[argparse.ArgumentParser]) -> None:
         "--ca-dir", default=str(home() / "ca"), help="the CA (default $ZTATE_HOME/ca)"
     )
     renew.add_argument("--ttl", help="90m, 24h, 7d (default: the old certificate's lifetime)")
+    renew.add_argument(
+        "--previous-ca",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a CA whose certificates --ca-dir may renew too (a CA rotation's overlap: the "
+        "old CA's folder, or a file of its certificate); repeatable",
+    )
     renew.set_defaults(func=cmd_ca_renew)
     revoke_parser = ca_sub.add_parser(
         "revoke",

@@ -286,29 +286,40 @@ class Issued:
         return now >= self.not_after - (self.not_after - self.not_before) / 3
 
 
-def renew(ca_dir: Path, cert_path: Path, *, ttl: timedelta | None = None) -> IssuedPaths:
+def renew(
+    ca_dir: Path,
+    cert_path: Path,
+    *,
+    ttl: timedelta | None = None,
+    previous: tuple[Path, ...] = (),
+) -> IssuedPaths:
     """Issue the identity of ``cert_path`` again (the same SANs and name) with a new key
     pair, for ``ttl`` or the old certificate's lifetime; ``<stem>.key`` beside it is
     replaced too. Both files are replaced atomically; processes watching them take the
     new pair at their next handshake or call.
 
-    Only a certificate issued by a CA of ``ca_dir``'s own ``ca.crt`` is renewed
-    (``NotIssuedHere`` otherwise): its identities are copied, so a certificate anyone
-    could write into the folder (made with their own key, naming another identity) must
-    not become a genuine one. Not the ``ca.crt`` beside the certificate: whoever can
-    write the certificate there can add their own CA to that bundle too. (A certificate
-    of a previous CA is re-issued with ``ztate ca issue``, docs/operations.md.) The
-    lifetime is at most ``MAX_TTL``, whatever the old certificate's."""
+    Only a certificate issued by a CA of ``ca_dir``'s own ``ca.crt``, or of a
+    ``previous`` CA the operator names (a CA rotation's overlap: the old CA's folder or
+    certificate file), is renewed (``NotIssuedHere`` otherwise): its identities are
+    copied, so a certificate anyone could write into the folder (made with their own key,
+    naming another identity) must not become a genuine one. Not the ``ca.crt`` beside the
+    certificate: whoever can write the certificate there can add their own CA to that
+    bundle too. The lifetime is at most ``MAX_TTL``, whatever the old certificate's."""
     cert = x509.load_pem_x509_certificate(
         read_bounded(cert_path, MAX_PEM_FILE_BYTES, "a certificate")
     )
-    issuers = x509.load_pem_x509_certificates(
-        read_bounded(ca_dir / CA_CERT, MAX_CA_BUNDLE_BYTES, "a CA bundle")
-    )
+    issuers = []
+    for source in (ca_dir, *previous):
+        bundle = source / CA_CERT if source.is_dir() else source
+        issuers += x509.load_pem_x509_certificates(
+            read_bounded(bundle, MAX_CA_BUNDLE_BYTES, "a CA bundle")
+        )
     if not any(_signed_by(cert, issuer) for issuer in issuers):
         raise NotIssuedHere(
-            f"{cert_path} was not issued by the CA in {ca_dir}: not renewed (issue the "
-            "identity with ztate ca issue)"
+            f"{cert_path} was not issued by the CA in {ca_dir}"
+            + (" nor a previous CA given" if previous else "")
+            + ": not renewed (issue the identity with ztate ca issue, or name its CA with "
+            "--previous-ca during a CA rotation)"
         )
     old = Issued.of(cert, cert_path.stem)
     return issue_for_uris(

@@ -423,12 +423,12 @@ async def test_certificates_and_the_ca_rotate_under_a_proposing_worker(
                 await worker.moves_on()
                 # the server's certificate, from the new CA: new handshakes present it
                 old_server_serial = serial_of(server.cert)
-                ca.renew(new_ca, server.cert)
+                ca.renew(new_ca, server.cert, previous=(old_ca,))
                 assert serial_of(server.cert) != old_server_serial
                 await worker.moves_on()
                 # the worker's certificate, from the new CA: the SDK opens a new channel
                 old_worker_serial = serial_of(worker_files.cert)
-                ca.renew(new_ca, worker_files.cert)
+                ca.renew(new_ca, worker_files.cert, previous=(old_ca,))
                 await worker.moves_on()
                 # the old certificate is no longer in use: revoking it stops nothing
                 assert ztate(

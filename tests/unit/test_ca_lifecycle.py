@@ -201,7 +201,8 @@ def test_renewing_a_certificate_the_ca_did_not_issue_is_refused_and_changes_noth
     assert code == 1
     assert capsys.readouterr().err == (
         f"ztate: cannot renew: {forged} was not issued by the CA in {ca_dir}: not renewed "
-        "(issue the identity with ztate ca issue)\n"
+        "(issue the identity with ztate ca issue, or name its CA with --previous-ca during a "
+        "CA rotation)\n"
     )
     assert {p.name: p.read_bytes() for p in certs.iterdir()} == before
 
@@ -353,3 +354,21 @@ def test_a_ca_folder_that_cannot_be_made_is_one_line(
     folder = tmp_path / "a-file" / "ca"
     assert ztate(["ca", "init", "--dir", str(folder), "--trust-domain", DOMAIN]) == 1
     assert capsys.readouterr().err == f"ztate: cannot create the CA in {folder}: Not a directory\n"
+
+
+def test_a_rotation_renews_the_old_cas_certificates_only_when_the_operator_names_it(
+    ca_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """During a CA rotation the new CA renews what the old one issued: the old CA is
+    named on the command line (--previous-ca), never taken from the folder of the
+    certificate, which whoever planted a certificate there could write too."""
+    new_ca = tmp_path / "new-ca"
+    ca.init_ca(new_ca, DOMAIN)
+    old = ca.issue(ca_dir, PLANNER, tmp_path / "certs")
+    argv = ["ca", "renew", "--cert", str(old.cert), "--ca-dir", str(new_ca)]
+    assert ztate(argv) == 1
+    assert "not issued by the CA in" in capsys.readouterr().err
+    assert ztate([*argv, "--previous-ca", str(ca_dir)]) == 0
+    renewed = x509.load_pem_x509_certificate(old.cert.read_bytes())
+    new_cert = x509.load_pem_x509_certificate((new_ca / ca.CA_CERT).read_bytes())
+    renewed.verify_directly_issued_by(new_cert)  # raises if another CA signed it
