@@ -300,9 +300,13 @@ class TransitionServicer(transition_pb2_grpc.TransitionServiceServicer):
         still_valid = self._still_valid(context, stream.caller)
         try:
             async for item in work.dispatcher.items(stream):
-                # a certificate expired or revoked since: no more state, no more leases
-                # (the one granted for this item lapses at its TTL)
-                still_valid()
+                try:
+                    still_valid()
+                except errors.ZtateError:
+                    # a certificate expired or revoked since: no more state, no more
+                    # leases; the one granted for this item goes back undone at once
+                    await work.dispatcher.give_back(stream, item)
+                    raise
                 expires = timestamp_message(item.expires_at)
                 yield transition_pb2.SubscribeWorkResponse(
                     thread_id=item.thread_id,

@@ -284,6 +284,13 @@ class WorkDispatcher:
             if self._by_identity[stream.caller] <= 0:
                 del self._by_identity[stream.caller]
 
+    async def give_back(self, stream: WorkStream, item: WorkItem) -> None:
+        """Release, undone (``-1``), the lease of an item that was not sent: another
+        process of the node takes the thread at once, not after the lease's TTL."""
+        stream.held.pop((item.thread_id, item.epoch), None)
+        await self._work.release(item.thread_id, stream.caller.name, item.epoch, -1)
+        self._wake.set()
+
     def released(self, node: str, thread_id: str, epoch: int, *, more: bool = True) -> None:
         """A lease of ``node`` ended through this process: free its stream's slot, and
         ask for a round when the thread has more work for the node (``more``) or the

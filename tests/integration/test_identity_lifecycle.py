@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import asyncpg
 import grpc
 import pytest
 from cryptography import x509
@@ -282,6 +283,18 @@ async def test_a_revoked_node_gets_no_more_work_on_its_open_subscription(
                 await asyncio.wait_for(work.read(), 30)
             assert ended.value.code() is grpc.StatusCode.UNAUTHENTICATED
             assert ended.value.details() == f"identity {spiffe_id} is revoked"
+        # the lease granted for the item it was not sent went back undone, at once (not
+        # at its TTL): another process of the node takes the thread
+        conn = await asyncpg.connect(dsn)
+        try:
+            row = await conn.fetchrow(
+                "SELECT epoch, holder, handled_version FROM ztate.node_work "
+                "WHERE thread_id = $1 AND node = 'planner'",
+                second,
+            )
+        finally:
+            await conn.close()
+        assert (row["epoch"], row["holder"], row["handled_version"]) == (1, None, -1)
 
 
 @pytest.mark.parametrize(
