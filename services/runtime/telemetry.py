@@ -45,7 +45,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-from opentelemetry.trace import Status
+from opentelemetry.trace import SpanContext, Status, TraceState
 
 from ztate.services.runtime.config import ApprovalSettings, LogFormat, Settings
 from ztate.services.runtime.scrape import ScrapeEndpoint, Serving
@@ -278,6 +278,17 @@ class _Redacting(SpanExporter):
         return self._inner.force_flush(timeout_millis)
 
 
+def _without_trace_state(context: SpanContext) -> SpanContext:
+    """``context`` without its W3C ``tracestate``: text of the caller's choosing (up to
+    32 members, some 8 KB) that a span inherits from the remote parent's headers and the
+    exporter would send to the collector with every span of the call."""
+    if not context.trace_state:
+        return context
+    return SpanContext(
+        context.trace_id, context.span_id, context.is_remote, context.trace_flags, TraceState()
+    )
+
+
 def _redacted(span: ReadableSpan) -> ReadableSpan:
     attributes = span.attributes or {}
     exceptional = any(event.name == "exception" for event in span.events)
@@ -285,6 +296,8 @@ def _redacted(span: ReadableSpan) -> ReadableSpan:
         span.status.description is None
         and not exceptional
         and SPAN_ATTRIBUTES.issuperset(attributes)
+        and not (span.context and span.context.trace_state)
+        and not (span.parent and span.parent.trace_state)
     ):
         return span
     events = [
@@ -299,8 +312,8 @@ def _redacted(span: ReadableSpan) -> ReadableSpan:
     ]
     return ReadableSpan(
         name=span.name,
-        context=span.context,
-        parent=span.parent,
+        context=_without_trace_state(span.context) if span.context else None,
+        parent=_without_trace_state(span.parent) if span.parent else None,
         resource=span.resource,
         attributes={k: v for k, v in attributes.items() if k in SPAN_ATTRIBUTES},
         events=events,

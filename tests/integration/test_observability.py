@@ -59,6 +59,7 @@ SENTINEL_ORDER = "SENTINEL-ORDER-7F3A9C"
 ATTACKER_KEY = "zz_attacker_chosen_6d2f"
 # What a caller or a failure puts in front of the service: none may be exported.
 USER_AGENT_SENTINEL = "ua-sentinel-3c8e1f77"
+TRACESTATE_SENTINEL = "caller-chosen-tracestate-7f3a"
 EXCEPTION_SENTINEL = "exception-sentinel-9a4d2b61"
 LIBRARY_SENTINEL = "library-log-sentinel-51f0aa2e"
 PROPOSE = "/ztate.v1.TransitionService/ProposeTransition"
@@ -301,7 +302,12 @@ async def propose_raw(
                 patch_json=json.dumps(patch).encode(),
                 idempotency_key=f"raw-{trace_id[:16]}",
             ),
-            metadata=[("traceparent", f"00-{trace_id}-{'5' * 16}-00")],
+            metadata=[
+                ("traceparent", f"00-{trace_id}-{'5' * 16}-00"),
+                # text of the caller's choosing the W3C context carries along: it must
+                # not ride the service's spans to the collector
+                ("tracestate", f"ztate={TRACESTATE_SENTINEL}"),
+            ],
             timeout=10,
         )
     return response
@@ -511,6 +517,7 @@ async def test_traces_metrics_and_logs_reach_an_otlp_receiver_without_secrets(
         SENTINEL_TEXT.encode(),
         SENTINEL_ORDER.encode(),
         USER_AGENT_SENTINEL.encode(),
+        TRACESTATE_SENTINEL.encode(),
         EXCEPTION_SENTINEL.encode(),
         LIBRARY_SENTINEL.encode(),
         *hmac_key_forms(keyring_file),
