@@ -31,16 +31,28 @@ class DatabaseRefused(Exception):
     and the error's class, never the DSN or its password."""
 
 
+UNESCAPED_AT = (
+    "the text is withheld: the DSN's user part holds an @ that is not percent-encoded "
+    "(write it %40), so the driver may have read part of the password as the host"
+)
+
+
 def masked(text: str, dsn: str | None) -> str:
-    """``text`` with ``dsn``, and its password if it has one, shown as ``***``."""
+    """``text`` with ``dsn``, and its password if it has one, shown as ``***``. A DSN
+    whose user part holds a second ``@`` is split at the first by asyncpg and at the
+    last by this masking: the driver's text may then quote a part of the password no
+    masking finds, so none of it is shown (``UNESCAPED_AT``)."""
     from urllib.parse import urlsplit
 
     secrets = [dsn] if dsn else []
     if dsn:
         try:
-            password = urlsplit(dsn).password
+            parts = urlsplit(dsn)
+            password = parts.password
         except ValueError:
-            password = None
+            parts, password = None, None
+        if parts is not None and "@" in parts.netloc.rpartition("@")[0]:
+            return UNESCAPED_AT
         secrets += [password] if password else []
     for secret in secrets:
         text = text.replace(secret, "***")

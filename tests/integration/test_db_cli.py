@@ -22,8 +22,22 @@ PASSWORD = "s3cret-Pa55word"
         (f"postgresql://ztate:{PASSWORD}@db.example:notaport/ztate", "notaport", 2),
         (f"postgresql://ztate:{PASSWORD}@127.0.0.1:{{port}}/ztate", "ConnectionRefusedError", 4),
         (f"postgresql://ztate:{PASSWORD}@127.0.0.1:99999/ztate", "port must be 0-65535", 2),
+        # an @ in the password, not percent-encoded: asyncpg splits at the first @ and
+        # quoted the password's tail as the host's port
+        (
+            "postgresql://ztate:Tr0ub4dor@3:horse-battery-staple@db.internal:5432/ztate",
+            "the text is withheld: the DSN's user part holds an @",
+            2,
+        ),
     ],
-    ids=["no-scheme", "mysql", "bad-port", "unreachable-with-password", "port-out-of-range"],
+    ids=[
+        "no-scheme",
+        "mysql",
+        "bad-port",
+        "unreachable-with-password",
+        "port-out-of-range",
+        "unescaped-at-in-password",
+    ],
 )
 @pytest.mark.parametrize("command", ["migrate", "citus"])
 async def test_a_dsn_that_cannot_be_used_is_one_line_and_exit_2_or_4(
@@ -39,6 +53,7 @@ async def test_a_dsn_that_cannot_be_used_is_one_line_and_exit_2_or_4(
     assert says in line
     assert "Traceback" not in output
     assert PASSWORD not in output
+    assert "horse-battery-staple" not in output
     assert dsn not in output
 
 
