@@ -242,20 +242,17 @@ class ReceiptDelivery:
             log.info("the receipt of review %s was applied before: %s", digest, outcome)
             await self._store.mark_delivered(entry.digest, now, outcome)
             return Attempt.SETTLED
+        # the status code and reason only, never the refusal's text: no log holds a
+        # refusal's message (docs/operations.md), and under INTERNAL or UNKNOWN it is
+        # whatever answered at the transition service's address (a proxy's page)
         if code in TRANSIENT:
-            log.error(
-                "delivering review %s refused: %s %s (%s); will retry",
-                digest,
-                code.name,
-                reason,
-                error.details(),
-            )
+            log.error("delivering review %s refused: %s %s; will retry", digest, code.name, reason)
             return Attempt.RETRY
         log.warning(
-            "the transition service will not apply the receipt of review %s: %s (%s)",
+            "the transition service will not apply the receipt of review %s: %s %s",
             digest,
+            code.name,
             reason,
-            error.details(),
         )
         outcome = "stale" if reason == "APPROVAL_STALE" else f"not applied: {reason}"
         await self._store.mark_delivered(entry.digest, now, outcome)
