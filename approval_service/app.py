@@ -206,6 +206,8 @@ async def _serve_on(
             max_request_bytes=MAX_MESSAGE_BYTES,
             max_reply_bytes=MAX_MESSAGE_BYTES,
             handshake_timeout_seconds=settings.handshake_timeout_seconds,
+            max_connection_age_seconds=settings.max_connection_age_seconds,
+            connection_grace_seconds=60,  # unary calls only
         ),
         interceptors=[RefuseUndecodable(), *telemetry.server_interceptors()],
     )

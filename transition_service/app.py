@@ -297,6 +297,9 @@ async def _start_traced(
             max_request_bytes=settings.max_message_bytes,
             max_reply_bytes=settings.max_reply_bytes,
             handshake_timeout_seconds=settings.handshake_timeout_seconds,
+            max_connection_age_seconds=settings.max_connection_age_seconds,
+            # a stream's own end (its lifetime) comes first: the SDKs resume it anew
+            connection_grace_seconds=settings.watch_max_stream_seconds + 30,
         ),
         ("grpc.max_concurrent_streams", 256),
     ]

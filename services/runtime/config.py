@@ -142,6 +142,14 @@ class Settings(TelemetrySettings):
         le=120,
         description="close a connection that has not completed TLS within this (s)",
     )
+    max_connection_age_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        le=7 * 86_400,
+        description="a connection is closed after this long (with a grace for its calls and "
+        "streams) so that its client connects again and is checked from scratch by TLS: a "
+        "CA removed from the bundle stops connections made under it",
+    )
     max_depth: int = Field(default=32, gt=0, le=128)
     db_pool_size: int = Field(default=16, gt=0, le=512)
     db_role: str = Field(default="ztate_transition", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
@@ -314,6 +322,14 @@ class ApprovalSettings(TelemetrySettings):
         gt=0,
         le=120,
         description="close a connection that has not completed TLS within this (s)",
+    )
+    max_connection_age_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        le=7 * 86_400,
+        description="a connection is closed after this long (with a grace for its calls and "
+        "streams) so that its client connects again and is checked from scratch by TLS: a "
+        "CA removed from the bundle stops connections made under it",
     )
     review_ttl_seconds: int = Field(default=24 * 3600, gt=0)
     receipt_ttl_seconds: int = Field(default=600, gt=0)

@@ -28,7 +28,12 @@ APPROVAL_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def server_options(
-    *, max_request_bytes: int, max_reply_bytes: int, handshake_timeout_seconds: float
+    *,
+    max_request_bytes: int,
+    max_reply_bytes: int,
+    handshake_timeout_seconds: float,
+    max_connection_age_seconds: float,
+    connection_grace_seconds: float,
 ) -> list[tuple[str, int]]:
     """gRPC server options shared by the transition and approval services."""
     return [
@@ -40,6 +45,14 @@ def server_options(
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         # a connection that has not completed TLS by then is closed, freeing its file
         ("grpc.server_handshake_timeout_ms", int(handshake_timeout_seconds * 1000)),
+        # TLS checks a client's chain once, when it connects: a connection made under a
+        # CA since removed from the bundle would serve on for as long as it lasts. After
+        # this age the server asks the client to connect again (GOAWAY; gRPC adds some
+        # jitter), lets its calls and streams run on for the grace, then closes it; the
+        # new connection is checked from scratch (expiry and revocation are checked at
+        # every call already: identity.Authenticator)
+        ("grpc.max_connection_age_ms", int(max_connection_age_seconds * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(connection_grace_seconds * 1000)),
     ]
 
 

@@ -400,6 +400,43 @@ async def handshake_refused(target: str, creds: Credentials) -> grpc.StatusCode:
     return caught.value.code()
 
 
+async def test_a_connection_made_under_a_ca_since_removed_ends_at_its_maximum_age(
+    settings: Settings, database_dsn: str, pki: Pki, tmp_path: Path
+) -> None:
+    """TLS checks a client's chain when it connects. A connection made under a CA that
+    the service has since removed from its bundle served on for as long as it lasted;
+    it now ends at the service's maximum connection age, and the client's next call
+    connects again and is refused in the handshake."""
+    other_ca = tmp_path / "other-ca"
+    ca.init_ca(other_ca, TRUST_DOMAIN)
+    bundle_file = tmp_path / "trusted.crt"
+    write_atomically(bundle_file, (pki.ca_dir / ca.CA_CERT).read_bytes() + bundle(other_ca), 0o644)
+    worker = issue(other_ca, Role.NODE, PROPOSER, tmp_path / "worker")
+    # the client trusts the suite's CA, which signed the service's certificate
+    worker = Credentials(worker.cert, worker.key, pki.ca_dir / ca.CA_CERT)
+    update = {"tls_ca": bundle_file, "max_connection_age_seconds": 1.0}
+    async with serving(settings, database_dsn, **update) as target:
+        thread_id = await new_thread(target, pki.operator())
+        async with raw_channel(target, worker) as channel:
+            stub = transition_pb2_grpc.TransitionServiceStub(channel)
+            request = transition_pb2.GetViewRequest(thread_id=thread_id)
+            assert (await stub.GetView(request, timeout=5)).version == 0
+            write_atomically(bundle_file, (pki.ca_dir / ca.CA_CERT).read_bytes(), 0o644)
+            # the same channel: it serves until the service ends the connection (at its
+            # age, 1 s here, with gRPC's jitter), then its next handshake is refused
+            refused = None
+            deadline = asyncio.get_running_loop().time() + 20
+            while refused is None and asyncio.get_running_loop().time() < deadline:
+                try:
+                    await stub.GetView(request, timeout=5)
+                except grpc.aio.AioRpcError as error:
+                    refused = error
+                else:
+                    await asyncio.sleep(0.1)  # polling the service's timer, bounded above
+            assert refused is not None, "the connection outlived its maximum age"
+            assert refused.code() is grpc.StatusCode.UNAVAILABLE
+
+
 async def test_certificates_and_the_ca_rotate_under_a_proposing_worker(
     settings: Settings, database_dsn: str, ledger: Ledger, tmp_path: Path
 ) -> None:
