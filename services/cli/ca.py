@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -27,6 +27,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from ztate.contract.files import MAX_CA_BUNDLE_BYTES, MAX_PEM_FILE_BYTES, FileTooLarge, read_bounded
 from ztate.services.runtime.identity import Identity
 from ztate.services.runtime.reloading import write_atomically
+from ztate.services.runtime.tls import private_key
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
@@ -191,15 +192,7 @@ def _load_ca(ca_dir: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate
     """The CA's key and certificate, each read to its bound; ``ValueError`` naming the
     file and what is wrong with it (never its content), ``OSError`` as reading raises."""
     key_path, cert_path = ca_dir / CA_KEY, ca_dir / CA_CERT
-    key_pem = read_bounded(key_path, MAX_PEM_FILE_BYTES, "a CA key")
-    try:
-        ca_key = serialization.load_pem_private_key(key_pem, password=None)
-    except TypeError:  # cryptography: "password was not given but private key is encrypted"
-        raise ValueError(
-            f"{key_path} is encrypted with a password: ztate reads private keys without one"
-        ) from None
-    except (ValueError, UnsupportedAlgorithm):
-        raise ValueError(f"{key_path} is not a PEM private key ztate can use") from None
+    ca_key = private_key(read_bounded(key_path, MAX_PEM_FILE_BYTES, "a CA key"), key_path)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{key_path}: the CA key must be an EC key")
     try:

@@ -133,12 +133,6 @@ def certificate_facts(pem: bytes) -> CertificateFacts | None:
     )
 
 
-def certificate_serial(pem: bytes) -> int | None:
-    """The serial number of a PEM certificate; None if it does not parse."""
-    facts = certificate_facts(pem)
-    return None if facts is None else facts.serial
-
-
 class Authenticator:
     """The per-call identity step of a service: who the caller is (``identify``), then
     whether its certificate is still valid and neither it nor its identity revoked

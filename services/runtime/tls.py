@@ -32,22 +32,31 @@ def _same_public_key(key: PrivateKeyTypes, public: PublicKeyTypes) -> bool:
     return key.public_key().public_bytes(*_SPKI_DER) == public.public_bytes(*_SPKI_DER)
 
 
+def private_key(pem: bytes, path: Path) -> PrivateKeyTypes:
+    """The private key in ``pem`` (read from ``path``), else a ``KeyFileError`` naming
+    the file and why, never its content. A key encrypted with a password is refused:
+    ztate reads keys without one (protect the file, or the secret that holds it)."""
+    try:
+        return serialization.load_pem_private_key(pem, password=None)
+    except TypeError:  # cryptography: "password was not given but private key is encrypted"
+        raise KeyFileError(
+            f"{path} is encrypted with a password: ztate reads private keys without one"
+        ) from None
+    except UnsupportedAlgorithm:  # not a ValueError: a curve or type cryptography lacks
+        raise KeyFileError(
+            f"{path} is a private key of an unsupported algorithm or curve"
+        ) from None
+    except ValueError:
+        raise KeyFileError(f"{path} is not a PEM private key") from None
+
+
 def checked_files(cert: Path, key: Path, ca: Path) -> tuple[bytes, bytes, bytes]:
     """The PEM of ``cert``, ``key`` and the CA bundle ``ca``, each usable: else a
     ``KeyFileError`` (a ``ValueError``) naming the file and why, never its content. A
     key encrypted with a password is refused: ztate reads keys without one (protect the
     file, or the secret that holds it). Each file is parsed once."""
     cert_pem, key_pem, ca_pem = read_credentials(cert, key, ca)  # bounded: FileTooLarge
-    try:
-        private = serialization.load_pem_private_key(key_pem, password=None)
-    except TypeError:  # cryptography: "password was not given but private key is encrypted"
-        raise KeyFileError(
-            f"{key} is encrypted with a password: ztate reads private keys without one"
-        ) from None
-    except UnsupportedAlgorithm:  # not a ValueError: a curve or type cryptography lacks
-        raise KeyFileError(f"{key} is a private key of an unsupported algorithm or curve") from None
-    except ValueError:
-        raise KeyFileError(f"{key} is not a PEM private key") from None
+    private = private_key(key_pem, key)
     try:
         public = x509.load_pem_x509_certificate(cert_pem).public_key()
     except UnsupportedAlgorithm:
