@@ -61,7 +61,8 @@ class RevertThread(UseCase):
         # what the revert brings back must pass the policy in force now, as a proposal
         # of it would: a policy edited since (a narrower enum, a key no longer declared
         # or no longer opaque) is not undone by restoring a state written under the old
-        changed = {k: v for k, v in patch.items() if k not in current or current[k] != v}
+        changed_names = changed_keys(current, patch)  # also whom the revert wakes
+        changed = {key: patch[key] for key in changed_names}
         check_declared(changed, policy)
         check_schema(changed, policy)
         check_credentials(changed, policy)
@@ -94,7 +95,7 @@ class RevertThread(UseCase):
             committed_at=now,
             idempotency_key=revert.idempotency_key,
             request_digest=digest,
-            woken=policy.woken(changed_keys(current, patch), state, acting_node(caller)),
+            woken=policy.woken(changed_names, state, acting_node(caller)),
         )
         if result is not Commit.COMMITTED:
             return await self._revert_lost_race(caller, revert, result)
