@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from tests.citus.cluster import CitusCluster, citus_installed
-from tests.harness import TRUST_DOMAIN, Ledger, Pki, with_database
+from tests.harness import TRUST_DOMAIN, Ledger, Pki, fresh_database, with_database
 from ztate.contract.keyring import Keyring, generate_keyring_file
 from ztate.services.runtime.config import Settings
 from ztate.transition_service.app import RunningService, start
@@ -78,6 +78,14 @@ async def database_dsn(postgres_server_dsn: str) -> AsyncIterator[str]:
     finally:
         await admin.close()
     yield with_database(postgres_server_dsn, name)
+
+
+@pytest_asyncio.fixture
+async def own_dsn(postgres_server_dsn: str) -> str:
+    """A database of the test's own, on the session's server: the session's database is
+    shared with other files' services, whose rows and background work (sweeps, signers,
+    outboxes, other nodes' work) a test that counts rows or waits for work would see."""
+    return await fresh_database(postgres_server_dsn)
 
 
 @pytest.fixture(scope="session")

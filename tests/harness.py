@@ -42,6 +42,7 @@ __all__ = [
     "Pki",
     "act",
     "as_operator_sees_it",
+    "authors",
     "client",
     "deliver_approval",
     "fresh_database",
@@ -157,6 +158,21 @@ class LoopbackResolver:
 
     async def close(self) -> None:
         await self._default.close()
+
+
+async def authors(dsn: str, thread_ids: list[str]) -> dict[tuple[str, int], str]:
+    """Who made each version after the genesis of ``thread_ids``: (thread, version) ->
+    the node's name (a version has one record: one author)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT thread_id, version, node_id FROM ztate.transitions "
+            "WHERE thread_id = ANY($1) AND version > 0",
+            thread_ids,
+        )
+    finally:
+        await conn.close()
+    return {(r["thread_id"], r["version"]): r["node_id"].rsplit("/", 1)[1] for r in rows}
 
 
 def console_session() -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 import pytest_asyncio
 
-from tests.harness import INITIAL, Pki, client, fresh_database, new_thread_id
+from tests.harness import INITIAL, Pki, client, new_thread_id
 from tests.integration.test_watch_limits import eventually
 from ztate.services.runtime.config import Settings
 from ztate.transition_service import watch as watch_module
@@ -21,13 +21,6 @@ from ztate.transition_service.app import RunningService, start
 
 WINDOW_SECONDS = 6.0
 SETTLE_SECONDS = 11.0
-
-
-@pytest_asyncio.fixture
-async def own_dsn(postgres_server_dsn: str) -> str:
-    """A database of the test's own: the session's is shared with other services, whose
-    background work (sweeps, signers, outboxes) would count in the window."""
-    return await fresh_database(postgres_server_dsn)
 
 
 @pytest_asyncio.fixture

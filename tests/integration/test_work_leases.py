@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from tests.harness import INITIAL, Pki, client, fresh_database, new_thread_id, secure_channel
+from tests.harness import INITIAL, Pki, client, new_thread_id, secure_channel
 from tests.integration.test_watch_limits import eventually
 from ztate.services.runtime.config import Settings
 from ztate.transition_service.app import RunningService, start
@@ -25,11 +25,6 @@ from ztate.worker_sdk import LeaseLost
 REPO = Path(__file__).resolve().parents[2]
 PATCH = {"requested_action": {"action": "lookup", "order_id": "A-1"}}
 LEASE_SECONDS = 0.5
-
-
-@pytest_asyncio.fixture
-async def own_dsn(postgres_server_dsn: str) -> str:
-    return await fresh_database(postgres_server_dsn)
 
 
 @pytest_asyncio.fixture

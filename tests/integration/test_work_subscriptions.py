@@ -28,7 +28,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from tests.harness import INITIAL, Pki, client, new_thread_id, with_database
+from tests.harness import INITIAL, Pki, authors, client, new_thread_id, with_database
 from tests.integration.test_scale_out import (
     Replica,
     replica_env,
@@ -173,19 +173,6 @@ def runs(log: Path) -> list[dict[str, Any]]:
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
-async def authors(dsn: str, thread_ids: list[str]) -> dict[tuple[str, int], str]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        rows = await conn.fetch(
-            "SELECT thread_id, version, node_id FROM ztate.transitions "
-            "WHERE thread_id = ANY($1) AND version > 0",
-            thread_ids,
-        )
-    finally:
-        await conn.close()
-    return {(r["thread_id"], r["version"]): r["node_id"].rsplit("/", 1)[1] for r in rows}
 
 
 async def test_five_processes_of_two_nodes_share_200_threads_over_two_replicas(

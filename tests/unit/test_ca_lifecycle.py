@@ -372,3 +372,30 @@ def test_a_rotation_renews_the_old_cas_certificates_only_when_the_operator_names
     renewed = x509.load_pem_x509_certificate(old.cert.read_bytes())
     new_cert = x509.load_pem_x509_certificate((new_ca / ca.CA_CERT).read_bytes())
     renewed.verify_directly_issued_by(new_cert)  # raises if another CA signed it
+
+
+@pytest.mark.parametrize("previous", ["missing", "dev-zero", "not-pem"])
+def test_a_previous_ca_that_cannot_be_read_renews_nothing_in_one_line(
+    ca_dir: Path, tmp_path: Path, previous: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--previous-ca`` names a file or folder of the operator's: one that is missing,
+    endless or no certificate is one line, exit 1, and the certificate is left as it is."""
+    issued = ca.issue(ca_dir, PLANNER, tmp_path / "certs")
+    path = tmp_path / "previous.crt"
+    if previous == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif previous == "not-pem":
+        path.write_text("not a certificate")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "certs").iterdir()}
+    argv = ["ca", "renew", "--cert", str(issued.cert), "--ca-dir", str(ca_dir)]
+    assert ztate([*argv, "--previous-ca", str(path)]) == 1
+    err = capsys.readouterr().err
+    said = {
+        "missing": "No such file or directory",
+        "dev-zero": "too large for a CA bundle",
+        "not-pem": "ztate: cannot renew: ",
+    }[previous]
+    assert said in err
+    assert err.startswith("ztate: cannot renew: ")
+    assert err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "certs").iterdir()} == before
