@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import stat
 import sys
@@ -25,7 +24,7 @@ import pytest
 import pytest_asyncio
 
 from tests.harness import Pki, client, fresh_database
-from tests.integration.test_verify import World, open_world, ztate
+from tests.integration.test_verify import World, cli_env, open_world, ztate
 from ztate.contract.canonical import sha256_hex
 from ztate.contract.keyring import generate_signing_key, load_public_keys
 from ztate.services.policy.model import Policy, PolicySet
@@ -118,19 +117,6 @@ async def edited(
     v1, v2 = Policy.load(v1_dir / "pipeline.yaml"), Policy.load(v2_dir / "pipeline.yaml")
     assert v1.digest != v2.digest
     yield Edited(world, v1, v2, v2_dir, both, spanning, after)
-
-
-def cli_env(world: World) -> dict[str, str]:
-    """What ``ztate`` of test_verify runs with (the home the CLI reads keys from)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
-    env.update(
-        DATABASE_URL=world.dsn,
-        ZTATE_HOME=str(world.root / "cli-home"),
-        ZTATE_HMAC_KEYRING_FILE=str(world.settings.hmac_keyring_file),
-        ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(world.settings.approval_public_keys_file),
-        ZTATE_POLICY_PATH=str(world.settings.policy_path),
-    )
-    return env
 
 
 def where(findings: list[Finding]) -> list[tuple[str | None, int | None, str]]:

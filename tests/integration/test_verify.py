@@ -770,11 +770,9 @@ async def test_a_bundle_whose_file_no_longer_matches_its_manifest(
 # --- the command ------------------------------------------------------------------------
 
 
-async def ztate(
-    world: World, *args: str, dsn: str | None = None
-) -> tuple[int, list[dict[str, Any]], str]:
-    """Run the verifier's commands as a script would, with only key files and policies;
-    returns the exit code, the JSON lines printed (with --json) and stderr."""
+def cli_env(world: World, dsn: str | None = None) -> dict[str, str]:
+    """What ``ztate`` runs with here: none of the caller's settings, the world's database
+    (or ``dsn``), key files and policies, and a home of its own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
     env.update(
         DATABASE_URL=dsn or world.dsn,
@@ -783,6 +781,15 @@ async def ztate(
         ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(world.settings.approval_public_keys_file),
         ZTATE_POLICY_PATH=str(world.settings.policy_path),
     )
+    return env
+
+
+async def ztate(
+    world: World, *args: str, dsn: str | None = None
+) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the verifier's commands as a script would, with only key files and policies;
+    returns the exit code, the JSON lines printed (with --json) and stderr."""
+    env = cli_env(world, dsn)
     process = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).with_name("ztate")),
         *args,
@@ -982,14 +989,7 @@ async def test_verify_that_cannot_write_its_verdict_exits_2_never_1(
     not run), one line; the same when stdout is closed (``>&-``)."""
     own, _ = await own_ledger(1)
     args = ("verify", "--json") if output == "json" else ("verify",)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZTATE_")}
-    env.update(
-        DATABASE_URL=own.dsn,
-        ZTATE_HOME=str(own.root / "cli-home"),
-        ZTATE_HMAC_KEYRING_FILE=str(own.settings.hmac_keyring_file),
-        ZTATE_APPROVAL_PUBLIC_KEYS_FILE=str(own.settings.approval_public_keys_file),
-        ZTATE_POLICY_PATH=str(own.settings.policy_path),
-    )
+    env = cli_env(own)
     ztate_binary = str(Path(sys.executable).with_name("ztate"))
     for stdout, said in (
         ("/dev/full", "No space left on device"),
